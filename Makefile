@@ -1,0 +1,29 @@
+# Two commands set up everything: `make train` and `make test`.
+# TORCH_SPEC picks the PyTorch build (default: the CPU build of 2.13.0).
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+OUT ?= runs/default
+
+.PHONY: train test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/exactstep train --out $(OUT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --timeout 900 tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,207 @@
+"""The resolved run configuration: TOML file + ``--set key=value`` overrides (X2).
+
+Each stage owns a frozen, keyword-only dataclass for its section (``data``,
+``batch``, ``model``, ``objective``, ``update``, ``numerics``, ``train``,
+``checkpoint``, ``parallel``); this module composes them, coerces override strings
+to the declared field types, and rejects unknown keys and invalid values with a
+``ConfigError`` naming the key. Section dataclasses validate their own values in
+``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from exactstep.data.config import DataConfig
+from exactstep.errors import ConfigError
+from exactstep.model.config import ModelConfig
+from exactstep.objective.config import ObjectiveConfig
+from exactstep.parallel.config import ParallelConfig
+from exactstep.rows.config import BatchConfig
+from exactstep.state.config import CheckpointConfig
+from exactstep.update.config import NumericsConfig, UpdateConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How long to train and how often to report.
+
+    ``steps`` counts windows (committed, skipped or no-objective alike).
+    ``eval_every`` (windows, 0 = only at the end) and ``eval_tokens`` bound evaluation.
+    """
+
+    steps: int = 1200
+    eval_every: int = 0
+    eval_tokens: int = 131072
+    log_every: int = 10
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "train.steps must be >= 1")
+        require(self.eval_every >= 0, "train.eval_every must be >= 0")
+        require(self.eval_tokens >= 1, "train.eval_tokens must be >= 1")
+        require(self.log_every >= 1, "train.log_every must be >= 1")
+        require(self.threads >= 0, "train.threads must be >= 0 (0 = PyTorch's default)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The whole run. ``seed`` seeds every stream (data order, init, dropout)."""
+
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: typing.Sequence[str] = ()
+) -> RunConfig:
+    """Resolve a ``RunConfig`` from an optional TOML file and ``key=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_toml(Path(path))
+    for item in overrides:
+        key, value = split_override(item)
+        set_dotted(raw, key, value)
+    return build(RunConfig, raw, prefix="")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing .toml file")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def split_override(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key=value (e.g. update.lr=3e-4), got {item!r}")
+    return key.strip(), value.strip()
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key {part!r} is a value, not a section; cannot set {key!r}")
+        node = child
+    node[parts[-1]] = value
+
+
+def build(cls: type, raw: Any, prefix: str) -> Any:
+    """Instantiate dataclass ``cls`` from ``raw``, coercing strings and naming bad keys."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config key {prefix.rstrip('.')!r} is a section; give it a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        known = ", ".join(prefix + name for name in fields)
+        raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; known keys here: {known}")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = coerce(hints[name], value, prefix + name)
+    return cls(**kwargs)
+
+
+def coerce(hint: Any, value: Any, key: str) -> Any:
+    """Convert ``value`` (from TOML or a ``--set`` string) to the type ``hint``."""
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, key + ".")
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if isinstance(value, str) and value not in choices:
+            sample = choices[0]
+            if not isinstance(sample, str):
+                value = coerce(type(sample), value, key)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        return coerce(args[0], value, key)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key} must be true or false; got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer; got {value!r}")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be an integer; got {value!r}") from None
+        if not as_float.is_integer():
+            raise ConfigError(f"{key} must be an integer; got {value!r}")
+        return int(as_float)
+    if hint is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number; got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number; got {value!r}") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string; got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported config type {hint!r}")
+
+
+def config_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """Every leaf key as (dotted name, default, type description), for docs and errors."""
+    out: list[tuple[str, Any, str]] = []
+    hints = typing.get_type_hints(cls)
+    default = cls()
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            out.extend(config_keys(hint, prefix + f.name + "."))
+        else:
+            out.append((prefix + f.name, getattr(default, f.name), describe(hint)))
+    return out
+
+
+def describe(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return " | ".join(map(str, typing.get_args(hint)))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(describe(a) for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))

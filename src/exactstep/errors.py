@@ -1,0 +1,52 @@
+"""The one exception hierarchy of exactstep (X4).
+
+Every failure a user can cause is an ``ExactstepError`` subclass whose message says
+what to change. The CLI prints ``error: <message>`` on one line and exits non-zero;
+anything that is not an ``ExactstepError`` is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ExactstepError(Exception):
+    """Base of every user-facing error. The message names what the user must change."""
+
+    exit_code: int = 2
+
+
+class ConfigError(ExactstepError):
+    """A configuration key or value is unknown or invalid."""
+
+
+class DataError(ExactstepError):
+    """A data source is missing, malformed, or empty."""
+
+
+class BatchInvariantError(DataError):
+    """A compiled batch violates an R7 invariant; the message names the example."""
+
+
+class ObjectiveError(ExactstepError):
+    """An objective setting is invalid (e.g. smoothing convention needing V >= 3)."""
+
+
+class ModelError(ExactstepError):
+    """A model setting cannot be realised (e.g. FlexAttention backward on CPU)."""
+
+
+class CheckpointError(ExactstepError):
+    """A checkpoint is missing, incomplete, or corrupted; the message names the file."""
+
+
+class ResumeError(ExactstepError):
+    """A resume was refused (e.g. manifest differs); the message names the fields."""
+
+
+class DistributedError(ExactstepError):
+    """A distributed setting or world-size change cannot be honoured."""
+
+
+class Interrupted(ExactstepError):
+    """Training stopped on a signal after publishing a checkpoint; says how to resume."""
+
+    exit_code = 130

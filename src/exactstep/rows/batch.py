@@ -1,0 +1,82 @@
+"""The ``Batch``: the one type every objective compiler produces (R1-R3, R6, R8).
+
+Invariants (checked by ``rows.invariants``):
+
+- ``labels[b, i]`` is the target of row ``(b, i)``: the collator has already applied
+  the shift (``shift_owner == "collator"``), so no loss or model may shift again (R1).
+- Four separate facts, never collapsed (R2): key validity (``segment_ids > 0``),
+  causality (implied by ``causal``), segment isolation (equal ``segment_ids``), and
+  loss ownership (``labels != IGNORE_INDEX``). Ownership never feeds attention.
+- ``segment_ids`` is 0 on padding and 1, 2, ... for the segments of a row, in order.
+- ``segments[b]`` lists row ``b``'s segments with their addresses (R6); it is host
+  data, so a device path can realise visibility without a device-to-host sync.
+- Nothing here is a dense ``[T, T]`` mask: visibility is structural.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous run of one example inside a row (R6 row address).
+
+    ``example_id``: the example's index in its source split. ``piece``: 0 for the
+    first piece of the example, k for the k-th continuation after a split.
+    ``offset``: index within the example's token sequence of this segment's first
+    token. ``start``/``length``: the columns ``[start, start + length)`` of the row.
+    """
+
+    example_id: int
+    piece: int
+    offset: int
+    start: int
+    length: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Row-aligned inputs and targets for B rows of T tokens."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    labels: torch.Tensor  # [B, T] int64, row-aligned targets, IGNORE_INDEX = no loss
+    position_ids: torch.Tensor  # [B, T] int64
+    segment_ids: torch.Tensor  # [B, T] int32, 0 = padding
+    segments: tuple[tuple[Segment, ...], ...]  # per row, in column order
+    causal: bool = True
+    prefix_len: torch.Tensor | None = None  # [B, n_seg] bidirectional prefix (R8)
+    weights: torch.Tensor | None = None  # [B, T] float per-row weights (L3 weighted)
+    shift_owner: Literal["collator"] = "collator"
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    def num_targets(self) -> int:
+        """Supervised rows. Host-side count: call before moving the batch to a device."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            labels=move(self.labels),
+            position_ids=move(self.position_ids),
+            segment_ids=move(self.segment_ids),
+            prefix_len=move(self.prefix_len),
+            weights=move(self.weights),
+        )

@@ -1,0 +1,36 @@
+"""Configuration of the rows stage (packing, boundary and position policies)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from exactstep.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """How documents become rows (R1-R4).
+
+    ``seq_len`` tokens per row, ``rows`` rows per microbatch. ``boundary``: whether a
+    target that crosses a document boundary is ignored (default) or kept.
+    ``positions``: restart at 0 per document (default) or continue along the row.
+    ``overlong``: what happens to a document longer than a row. ``buffer``: how many
+    documents the best-fit-decreasing packer considers at once (bounded memory).
+    """
+
+    seq_len: int = 256
+    rows: int = 16
+    boundary: Literal["ignore", "keep"] = "ignore"
+    positions: Literal["reset", "continue"] = "reset"
+    overlong: Literal["split", "truncate", "drop"] = "split"
+    buffer: int = 512
+    check_invariants: bool = True
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ConfigError(f"batch.seq_len must be >= 2; got {self.seq_len}")
+        if self.rows < 1:
+            raise ConfigError(f"batch.rows must be >= 1; got {self.rows}")
+        if self.buffer < 1:
+            raise ConfigError(f"batch.buffer must be >= 1; got {self.buffer}")

@@ -1,0 +1,68 @@
+"""Configuration of the update stage (U1-U6) and of numerics (U2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from exactstep.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateConfig:
+    """One window = ``accum`` microbatches -> at most one optimizer step.
+
+    ``lr`` is the peak learning rate; ``schedule`` runs on ``clock`` (committed
+    updates by default) with ``warmup`` units of that clock, decaying to
+    ``min_lr_ratio * lr`` by ``decay_steps`` (0 = ``train.steps``). ``clip`` is the
+    global L2 cap (0 = no clipping). ``weight_decay`` uses PyTorch's convention.
+    """
+
+    accum: int = 1
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    schedule: Literal["constant", "cosine", "wsd", "noam", "inverse_sqrt"] = "cosine"
+    clock: Literal["updates", "tokens"] = "updates"
+    warmup: int = 50
+    decay_steps: int = 0
+    decay_fraction: float = 0.2
+    clip: float = 1.0
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9
+    fail_window: int = -1
+
+    def __post_init__(self) -> None:
+        if self.accum < 1:
+            raise ConfigError(f"update.accum must be >= 1; got {self.accum}")
+        if not self.lr > 0:
+            raise ConfigError(f"update.lr must be > 0; got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("update.min_lr_ratio must be in [0, 1]")
+        if self.warmup < 0 or self.decay_steps < 0:
+            raise ConfigError("update.warmup and update.decay_steps must be >= 0")
+        if self.clip < 0:
+            raise ConfigError(f"update.clip must be >= 0 (0 = no clipping); got {self.clip}")
+        if self.weight_decay < 0:
+            raise ConfigError("update.weight_decay must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("update.beta1 and update.beta2 must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NumericsConfig:
+    """``precision``: fp32, bf16 (autocast, no scaler) or fp16 (autocast + GradScaler).
+
+    ``init_scale`` is the fp16 loss scale at the start (GradScaler's default 65536).
+    """
+
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    init_scale: float = 65536.0
+
+    def __post_init__(self) -> None:
+        if not self.init_scale > 0:
+            raise ConfigError("numerics.init_scale must be > 0")
