@@ -1,0 +1,177 @@
+"""The ``exactstep`` command (X2). Thin: parse, build, call; errors become one line (X4)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from exactstep.errors import ExactstepError
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="exactstep",
+        description="Train language models so every update is exactly the declared objective.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a configuration")
+    add_config_args(train)
+    train.add_argument("--out", default="runs/default", help="run directory (default runs/default)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    resume = sub.add_parser("resume", help="continue a run exactly from its last checkpoint")
+    resume.add_argument("run_dir", help="the run directory to continue")
+    resume.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
+    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    resume.add_argument("--warm-start", metavar="NEW_DIR",
+                        help="start a new run in NEW_DIR from the weights only (config may differ)")
+    resume.add_argument("--no-progress", action="store_true")
+
+    evaluate = sub.add_parser("eval", help="held-out loss, perplexity and bits per byte")
+    evaluate.add_argument("run_dir", help="a run directory (uses its LATEST checkpoint)")
+    evaluate.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
+
+    inspect = sub.add_parser("inspect", help="print rows: input -> target, segment, position, masks")
+    add_config_args(inspect)
+    inspect.add_argument("--rows", default="0:1", help="row range A:B of the first microbatch")
+    inspect.add_argument("--split", choices=("train", "val"), default="train")
+
+    checkpoint = sub.add_parser("checkpoint", help="checkpoint tools")
+    checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+    verify = checkpoint_sub.add_parser("verify", help="recompute digests of a checkpoint")
+    verify.add_argument("path", help="a checkpoint directory, or a run directory (uses LATEST)")
+
+    bench = sub.add_parser("bench", help="benchmarks measured side by side against a baseline")
+    bench.add_argument("name", help="benchmark name (a module in bench/); 'list' lists them")
+    bench.add_argument("--quick", action="store_true", help="a smaller, faster measurement")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+
+    sub.add_parser("config", help="print every configuration key with its default")
+    return parser
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a TOML configuration file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one key, e.g. --set update.lr=1e-3 (repeatable)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return dispatch(args)
+    except ExactstepError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    if args.command == "train":
+        from exactstep.config import load_config
+        from exactstep.runner import train
+
+        cfg = load_config(args.config, args.overrides)
+        train(cfg, Path(args.out), progress=not args.no_progress)
+        return 0
+    if args.command == "resume":
+        from exactstep.runner import resume
+
+        resume(
+            Path(args.run_dir),
+            from_checkpoint=Path(args.from_checkpoint) if args.from_checkpoint else None,
+            overrides=args.overrides,
+            warm_start_dir=Path(args.warm_start) if args.warm_start else None,
+            progress=not args.no_progress,
+        )
+        return 0
+    if args.command == "eval":
+        from exactstep.runner import evaluate_run
+
+        report = evaluate_run(
+            Path(args.run_dir),
+            from_checkpoint=Path(args.from_checkpoint) if args.from_checkpoint else None,
+        )
+        print(report.format())
+        return 0
+    if args.command == "inspect":
+        from exactstep.config import load_config
+        from exactstep.runner import inspect_rows
+
+        cfg = load_config(args.config, args.overrides)
+        print(inspect_rows(cfg, parse_range(args.rows), split=args.split))
+        return 0
+    if args.command == "checkpoint":
+        return verify_command(Path(args.path))
+    if args.command == "bench":
+        return bench_command(args.name, quick=args.quick, as_json=args.json)
+    if args.command == "config":
+        from exactstep.config import config_keys
+
+        for key, default, kind in config_keys():
+            print(f"{key} = {default!r}  # {kind}")
+        return 0
+    raise AssertionError(args.command)
+
+
+def parse_range(text: str) -> range:
+    from exactstep.errors import ConfigError
+
+    start, sep, stop = text.partition(":")
+    try:
+        a = int(start) if start else 0
+        b = int(stop) if sep and stop else a + 1
+    except ValueError:
+        raise ConfigError(f"--rows expects A:B (e.g. 0:2), got {text!r}") from None
+    if a < 0 or b <= a:
+        raise ConfigError(f"--rows expects 0 <= A < B, got {text!r}")
+    return range(a, b)
+
+
+def verify_command(path: Path) -> int:
+    from exactstep.state.checkpoint import latest_checkpoint, verify_checkpoint
+
+    target = path
+    if (path / "checkpoints").is_dir():
+        target = latest_checkpoint(path / "checkpoints") or path / "checkpoints"
+    report = verify_checkpoint(target)
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+def bench_names() -> list[str]:
+    return sorted(
+        p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in ("__init__", "common")
+    )
+
+
+def bench_command(name: str, *, quick: bool, as_json: bool) -> int:
+    from exactstep.errors import ConfigError
+
+    names = bench_names()
+    if name == "list":
+        for n in names:
+            print(n)
+        return 0
+    if name not in names:
+        raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(names)}")
+    root = str(BENCH_DIR.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    module = importlib.import_module(f"bench.{name}")
+    figures = module.run(quick=quick)
+    if as_json:
+        print(json.dumps({"bench": name, "quick": quick, **figures}, sort_keys=True))
+    else:
+        from bench.common import format_figures
+
+        print(format_figures(name, figures))
+    return 0
