@@ -1,0 +1,323 @@
+"""Attention that realises a Batch's visibility (R2, R3, R8).
+
+Visibility rule, shared by every implementation: query ``i`` of a row may see key
+``j`` iff ``segment_ids[i] == segment_ids[j] != 0`` and, when ``batch.causal``,
+``j <= i``. A padding query (``segment_ids == 0``) sees only itself, so its output
+is its own value vector: finite, never NaN, and it never feeds a real row because
+no real query can see a padding key (R2 key validity). Loss ownership (``labels``)
+never enters here (R2).
+
+Implementations (``impl``):
+
+- ``"dense"``: one boolean mask ``[B, 1, T, T]`` handed to SDPA. The reference.
+- ``"segments"``: per-document SDPA. Segments are read from ``batch.segments`` (host
+  data, so no device-to-host sync), grouped into a few length buckets, gathered
+  into stacked ``[n, nH, L, Dh]`` slices and run with ``is_causal=True``; results
+  are scattered back with one gather. Right-padding a segment up to its bucket's
+  length is exact under causal attention: a real query never sees a later column,
+  and the padded query rows are discarded (their gradient is zero). Equal to
+  ``"dense"`` to 1e-5 in fp32, forward and backward (issue 3 item 6).
+- ``"flex"``: FlexAttention with a block mask built from ``segment_ids``. CUDA only
+  for training (no FlexAttention backward on CPU); on CPU it is allowed only with
+  gradients disabled.
+- ``"auto"``: ``"flex"`` on CUDA, ``"segments"`` on CPU (measured faster than the
+  dense mask on CPU at the default training shape and much faster when rows hold
+  many documents; see ``bench/attention.py``).
+
+``prefix_len`` (prefix LM, R8) is reserved: a batch carrying it is refused with a
+``ModelError`` until the bidirectional-prefix rule is implemented.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from exactstep.errors import ModelError
+from exactstep.rows.batch import Batch
+
+IMPLEMENTATIONS = ("auto", "segments", "dense", "flex")
+
+# Cost model used to choose length buckets for the "segments" path. A bucket of
+# length L holding n segments costs about n * L * (L + _LINEAR_COST) units (the
+# attention is quadratic, gathers and softmax rows are linear), plus
+# _CALL_COST units per SDPA call (dispatch and per-call overhead, forward and
+# backward). Units are "key-query pairs"; the constants were fitted on CPU.
+_LINEAR_COST = 32
+_CALL_COST = 6000
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Segments stacked at one padded length ``length`` (``count`` of them)."""
+
+    length: int
+    count: int
+    gather_index: torch.Tensor  # [count * length] flat positions into B*T
+    key_mask: torch.Tensor | None  # [count, 1, 1, length] bool, only when not causal
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Everything attention needs for one forward, built once and shared by all layers.
+
+    Build it with ``prepare_visibility``; its fields are private to this module.
+    """
+
+    impl: str  # "segments" | "dense" | "flex"
+    batch_shape: tuple[int, int]  # (B, T)
+    causal: bool
+    dense_mask: torch.Tensor | None = None  # [B, 1, T, T] bool (dense)
+    buckets: tuple[_Bucket, ...] = ()  # segments
+    pad_index: torch.Tensor | None = None  # [P] flat positions of padding (segments)
+    inverse_index: torch.Tensor | None = None  # [B*T] row of each position's result
+    block_mask: object | None = None  # flex BlockMask
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """Map ``"auto"`` to the implementation used on ``device``; validate the name."""
+    if impl not in IMPLEMENTATIONS:
+        raise ModelError(
+            f"model.attention must be one of {', '.join(IMPLEMENTATIONS)}; got {impl!r}"
+        )
+    if impl == "auto":
+        return "flex" if device.type == "cuda" else "segments"
+    return impl
+
+
+def prepare_visibility(batch: Batch, impl: str, device: torch.device) -> Visibility:
+    """Build the visibility of ``batch`` for ``impl`` on ``device`` (once per forward).
+
+    Failure modes: unknown ``impl``; ``"flex"`` on CPU with gradients enabled (no
+    FlexAttention backward there); a batch with ``prefix_len`` (not yet supported);
+    for ``"segments"``, ``batch.segments`` disagreeing with ``segment_ids`` (checked
+    only when ``segment_ids`` is on the CPU, where the check costs no sync).
+    """
+    device = torch.device(device)
+    chosen = resolve_impl(impl, device)
+    if batch.prefix_len is not None:
+        raise ModelError(
+            "batch.prefix_len (prefix LM) is not supported by the built-in attention yet; "
+            "use a causal or fully bidirectional objective"
+        )
+    if chosen == "flex" and device.type != "cuda" and torch.is_grad_enabled():
+        raise ModelError(
+            "model.attention = 'flex' cannot train on CPU (FlexAttention has no CPU "
+            "backward); set model.attention to 'auto' or 'segments'"
+        )
+    if chosen == "dense":
+        return _prepare_dense(batch, device)
+    if chosen == "flex":
+        return _prepare_flex(batch, device)
+    return _prepare_segments(batch, device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
+    """Scaled dot-product attention under ``vis``: ``[B, nH, T, Dh]`` x3 -> ``[B, nH, T, Dh]``."""
+    if tuple(q.shape[0:1]) + tuple(q.shape[2:3]) != vis.batch_shape:
+        raise ModelError(
+            f"attention input has batch shape {(q.shape[0], q.shape[2])} but the visibility "
+            f"was prepared for {vis.batch_shape}; prepare it from the same batch"
+        )
+    if vis.impl == "dense":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=vis.dense_mask)
+    if vis.impl == "flex":
+        return _flex_attention()(q, k, v, block_mask=vis.block_mask)
+    return _attend_segments(q, k, v, vis)
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+def dense_visibility_mask(segment_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The reference mask ``[B, 1, T, T]``: True where query i may see key j (R2, R3)."""
+    seg_q = segment_ids[:, :, None]  # [B, T, 1]
+    seg_k = segment_ids[:, None, :]  # [B, 1, T]
+    T = segment_ids.shape[1]
+    allowed = (seg_q == seg_k) & (seg_q != 0)  # [B, T, T] same real segment
+    if causal:
+        allowed &= torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed |= torch.eye(T, dtype=torch.bool, device=segment_ids.device)  # padding: self
+    return allowed[:, None]  # [B, 1, T, T]
+
+
+def _prepare_dense(batch: Batch, device: torch.device) -> Visibility:
+    seg = batch.segment_ids.to(device)
+    return Visibility(
+        impl="dense",
+        batch_shape=tuple(seg.shape),
+        causal=batch.causal,
+        dense_mask=dense_visibility_mask(seg, batch.causal),
+    )
+
+
+# ------------------------------------------------------------------------------ flex
+
+
+@functools.cache
+def _flex_attention():  # pragma: no cover - exercised on CUDA only
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.cuda.is_available():
+        return torch.compile(flex_attention, dynamic=False)
+    return flex_attention
+
+
+def _prepare_flex(batch: Batch, device: torch.device) -> Visibility:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg = batch.segment_ids.to(device)  # [B, T]
+    B, T = seg.shape
+    causal = batch.causal
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = (seg[b, q_idx] == seg[b, kv_idx]) & (seg[b, q_idx] != 0)
+        if causal:
+            same = same & (kv_idx <= q_idx)
+        return same | (q_idx == kv_idx)
+
+    block_mask = create_block_mask(mask_mod, B, None, T, T, device=str(device))
+    return Visibility(impl="flex", batch_shape=(B, T), causal=causal, block_mask=block_mask)
+
+
+# -------------------------------------------------------------------------- segments
+
+
+def _check_segments_match_ids(batch: Batch) -> None:
+    """R3: ``segments`` (host) and ``segment_ids`` describe the same rows.
+
+    Segment k of a row (in column order) must carry id k + 1 and uncovered columns
+    id 0, as documented on ``Batch``.
+    """
+    ids = batch.segment_ids.numpy()
+    expected = np.zeros_like(ids)
+    for b, row in enumerate(batch.segments):
+        for k, s in enumerate(row):
+            expected[b, s.start : s.stop] = k + 1
+    if not np.array_equal(ids, expected):
+        bad = int(np.argwhere((ids != expected).any(axis=1))[0][0])
+        raise ModelError(
+            f"batch row {bad}: batch.segments disagrees with batch.segment_ids (segment k "
+            "must carry id k+1, padding 0); rebuild the batch with the rows compiler"
+        )
+
+
+def _choose_buckets(lengths: list[int]) -> list[int]:
+    """Bucket lengths (ascending) minimising the cost model; exact dynamic programme.
+
+    Returns the ascending list of bucket lengths; each segment goes to the smallest
+    bucket that holds it.
+    """
+    distinct = sorted(set(lengths))
+    counts = np.bincount(np.asarray(lengths), minlength=distinct[-1] + 1)
+    n = len(distinct)
+    # best[i]: cheapest cost covering distinct[:i]; choice[i]: start of last group.
+    best = [0.0] + [float("inf")] * n
+    choice = [0] * (n + 1)
+    prefix = np.concatenate([[0], np.cumsum([counts[L] for L in distinct])])
+    for i in range(1, n + 1):
+        L = distinct[i - 1]
+        per_segment = L * (L + _LINEAR_COST)
+        for j in range(i):
+            cost = best[j] + (prefix[i] - prefix[j]) * per_segment + _CALL_COST
+            if cost < best[i]:
+                best[i], choice[i] = cost, j
+    cuts, i = [], n
+    while i > 0:
+        cuts.append(distinct[i - 1])
+        i = choice[i]
+    return sorted(cuts)
+
+
+def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
+    if batch.segment_ids.device.type == "cpu":
+        _check_segments_match_ids(batch)
+    B, T = batch.shape
+    starts: list[int] = []  # flat start position of every segment
+    lengths: list[int] = []
+    for b, row in enumerate(batch.segments):
+        for s in row:
+            if s.length > 0:
+                starts.append(b * T + s.start)
+                lengths.append(s.length)
+
+    covered = np.zeros(B * T, dtype=bool)
+    result_row = np.empty(B * T, dtype=np.int64)  # where each position's output lands
+    buckets: list[_Bucket] = []
+    offset = 0
+    if lengths:
+        bucket_lengths = _choose_buckets(lengths)
+        starts_a, lengths_a = np.asarray(starts), np.asarray(lengths)
+        which = np.searchsorted(bucket_lengths, lengths_a)  # smallest bucket >= length
+        for bi, Lb in enumerate(bucket_lengths):
+            members = np.nonzero(which == bi)[0]
+            if members.size == 0:
+                continue
+            s0, ln = starts_a[members], lengths_a[members]
+            cols = np.arange(Lb)
+            gather = s0[:, None] + cols[None, :]  # [n, Lb]
+            real = cols[None, :] < ln[:, None]  # [n, Lb]
+            # Padded columns read any valid position (here the segment's first);
+            # their outputs are discarded and causal attention never lets a real
+            # query see them.
+            gather = np.where(real, gather, s0[:, None])
+            flat_real = gather[real]
+            covered[flat_real] = True
+            result_row[flat_real] = offset + np.nonzero(real.reshape(-1))[0]
+            key_mask = None
+            if not batch.causal:
+                key_mask = torch.from_numpy(real[:, None, None, :]).to(device)
+            buckets.append(
+                _Bucket(
+                    length=int(Lb),
+                    count=int(members.size),
+                    gather_index=torch.from_numpy(gather.reshape(-1)).to(device),
+                    key_mask=key_mask,
+                )
+            )
+            offset += members.size * Lb
+    pad = np.nonzero(~covered)[0]
+    result_row[pad] = offset + np.arange(pad.size)
+    return Visibility(
+        impl="segments",
+        batch_shape=(B, T),
+        causal=batch.causal,
+        buckets=tuple(buckets),
+        pad_index=torch.from_numpy(pad).to(device) if pad.size else None,
+        inverse_index=torch.from_numpy(result_row).to(device),
+    )
+
+
+def _attend_segments(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility
+) -> torch.Tensor:
+    B, nH, T, Dh = q.shape
+    # [B, nH, T, Dh] -> [B*T, nH, Dh]; free when the caller made q from a [B, T, nH, Dh] view.
+    q_flat = q.transpose(1, 2).reshape(B * T, nH, Dh)
+    k_flat = k.transpose(1, 2).reshape(B * T, nH, Dh)
+    v_flat = v.transpose(1, 2).reshape(B * T, nH, Dh)
+    pieces = []
+    for bucket in vis.buckets:
+        n, L = bucket.count, bucket.length
+
+        def stack(x: torch.Tensor) -> torch.Tensor:
+            # [B*T, nH, Dh] -> [n, nH, L, Dh]
+            return x.index_select(0, bucket.gather_index).view(n, L, nH, Dh).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            stack(q_flat),
+            stack(k_flat),
+            stack(v_flat),
+            attn_mask=bucket.key_mask,
+            is_causal=vis.causal,
+        )  # [n, nH, L, Dh]
+        pieces.append(out.transpose(1, 2).reshape(n * L, nH, Dh))
+    if vis.pad_index is not None:
+        pieces.append(v_flat.index_select(0, vis.pad_index))  # padding sees itself only
+    results = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    out_flat = results.index_select(0, vis.inverse_index)  # [B*T, nH, Dh]
+    return out_flat.view(B, T, nH, Dh).transpose(1, 2)  # [B, nH, T, Dh]

@@ -1,0 +1,179 @@
+"""The built-in Llama-style decoder (issue 2 item 5).
+
+Token embedding, ``n_layers`` x (RMSNorm -> attention with RoPE on q and k ->
+residual; RMSNorm -> SwiGLU MLP -> residual), final RMSNorm. No biases. The head
+is optional-tied: when ``tie_embeddings`` the head *is* the embedding Parameter.
+
+``forward`` returns hidden states, not logits: the loss fuses the head with a
+chunked cross entropy so the full ``[N, V]`` logits are never materialised (L1).
+
+Visibility (R2, R3) comes from the Batch's structure only: ``segment_ids``,
+``segments``, ``causal``; positions come from ``batch.position_ids``. Note that
+RoPE scores depend only on ``pos_i - pos_j``, so shifting all positions of a
+segment by a constant changes nothing (translation invariance), while positions
+that differ *within* a segment do change the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from exactstep.errors import ModelError
+from exactstep.model.attention import Visibility, attend, prepare_visibility
+from exactstep.model.config import ModelConfig
+from exactstep.rows.batch import Batch
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for the given positions: two ``[B, T, 1, Dh]`` fp32 tensors.
+
+    Computed once per forward from ``position_ids`` (B*T*Dh/2 angles: cheaper than a
+    table lookup, exact for any position, no device sync) and shared by all layers.
+    """
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
+        / head_dim
+    )  # [Dh/2]
+    angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + Dh/2) of ``x [B, T, nH, Dh]`` by the position angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [B, T, nH, Dh]
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.qkv = skip_init(nn.Linear, cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = skip_init(nn.Linear, cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vis: Visibility
+    ) -> torch.Tensor:
+        B, T, H = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)  # [B, T, 3, nH, Dh]
+        q = apply_rope(qkv[:, :, 0], cos, sin)  # [B, T, nH, Dh]
+        k = apply_rope(qkv[:, :, 1], cos, sin)  # [B, T, nH, Dh]
+        v = qkv[:, :, 2]  # [B, T, nH, Dh]
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), vis)  # [B, nH, T, Dh]
+        return self.out(y.transpose(1, 2).reshape(B, T, H))  # [B, T, H]
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = skip_init(nn.Linear, cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = skip_init(nn.Linear, cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [B, T, F] each
+        return self.down(F.silu(gate) * up)  # [B, T, H]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vis: Visibility
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, vis)  # [B, T, H]
+        return x + self.mlp(self.mlp_norm(x))  # [B, T, H]
+
+
+class Decoder(nn.Module):
+    """Llama-style decoder returning final-normed hidden states ``[B, T, H]``.
+
+    Parameters are initialised by ``init_weights(generator)``: normal(0, init_std),
+    with residual output projections (``attn.out``, ``mlp.down``) scaled by
+    ``1 / sqrt(2 * n_layers)``; norms at one. Construction itself draws nothing from
+    the global RNG. Use ``build_model`` for a seeded, deterministic model.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, vocab_size: int, *, generator: torch.Generator | None = None
+    ) -> None:
+        super().__init__()
+        if vocab_size < 1:
+            raise ModelError(f"vocab_size must be >= 1; got {vocab_size}")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.embed = skip_init(nn.Embedding, vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = (
+            None if cfg.tie_embeddings else skip_init(nn.Linear, cfg.d_model, vocab_size, bias=False)
+        )
+        self.init_weights(generator)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.embed.weight, 0.0, std, generator=generator)
+        for block in self.layers:
+            nn.init.normal_(block.attn.qkv.weight, 0.0, std, generator=generator)
+            nn.init.normal_(block.attn.out.weight, 0.0, residual_std, generator=generator)
+            nn.init.normal_(block.mlp.gate_up.weight, 0.0, std, generator=generator)
+            nn.init.normal_(block.mlp.down.weight, 0.0, residual_std, generator=generator)
+            nn.init.ones_(block.attn_norm.weight)
+            nn.init.ones_(block.mlp_norm.weight)
+        nn.init.ones_(self.final_norm.weight)
+        if self.head is not None:
+            nn.init.normal_(self.head.weight, 0.0, std, generator=generator)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """``[V, H]``; the embedding Parameter itself when tied (U6 counts it once)."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def forward(self, batch: Batch, visibility: Visibility | None = None) -> torch.Tensor:
+        """Hidden states ``[B, T, H]`` after the final RMSNorm.
+
+        ``visibility`` may be passed to reuse one prepared for the same batch;
+        otherwise it is prepared here once and shared by all layers.
+        """
+        x = self.embed(batch.input_ids)  # [B, T, H]
+        if visibility is None:
+            visibility = prepare_visibility(batch, self.cfg.attention, x.device)
+        cos, sin = rope_cos_sin(
+            batch.position_ids.to(x.device), self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta
+        )  # [B, T, 1, Dh]
+        for block in self.layers:
+            x = block(x, cos, sin, visibility)
+        return self.final_norm(x)  # [B, T, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
+        return F.linear(hidden, self.head_weight)
+
+    def num_parameters(self) -> int:
+        """Unique parameters; a tied embedding/head is counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> Decoder:
+    """A decoder whose weights depend only on ``(cfg, vocab_size, seed)``.
+
+    Uses a private ``torch.Generator``; the global RNG state is left untouched (S5).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return Decoder(cfg, vocab_size, generator=generator)
