@@ -302,22 +302,23 @@ def _attend_segments(
     v_flat = v.transpose(1, 2).reshape(B * T, nH, Dh)
     pieces = []
     for bucket in vis.buckets:
-        n, L = bucket.count, bucket.length
-
-        def stack(x: torch.Tensor) -> torch.Tensor:
-            # [B*T, nH, Dh] -> [n, nH, L, Dh]
-            return x.index_select(0, bucket.gather_index).view(n, L, nH, Dh).transpose(1, 2)
-
         out = F.scaled_dot_product_attention(
-            stack(q_flat),
-            stack(k_flat),
-            stack(v_flat),
+            _stack(q_flat, bucket),
+            _stack(k_flat, bucket),
+            _stack(v_flat, bucket),
             attn_mask=bucket.key_mask,
             is_causal=vis.causal,
         )  # [n, nH, L, Dh]
-        pieces.append(out.transpose(1, 2).reshape(n * L, nH, Dh))
+        pieces.append(out.transpose(1, 2).reshape(bucket.count * bucket.length, nH, Dh))
     if vis.pad_index is not None:
         pieces.append(v_flat.index_select(0, vis.pad_index))  # padding sees itself only
     results = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     out_flat = results.index_select(0, vis.inverse_index)  # [B*T, nH, Dh]
     return out_flat.view(B, T, nH, Dh).transpose(1, 2)  # [B, nH, T, Dh]
+
+
+def _stack(x_flat: torch.Tensor, bucket: _Bucket) -> torch.Tensor:
+    """``[B*T, nH, Dh] -> [n, nH, L, Dh]``: the bucket's segments, right-padded to L."""
+    _, nH, Dh = x_flat.shape
+    picked = x_flat.index_select(0, bucket.gather_index)  # [n*L, nH, Dh]
+    return picked.view(bucket.count, bucket.length, nH, Dh).transpose(1, 2)

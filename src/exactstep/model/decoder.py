@@ -38,8 +38,7 @@ def rope_cos_sin(
     table lookup, exact for any position, no device sync) and shared by all layers.
     """
     inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
-        / head_dim
+        -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
     )  # [Dh/2]
     angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [B, T, 1, Dh]
@@ -120,7 +119,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = (
-            None if cfg.tie_embeddings else skip_init(nn.Linear, cfg.d_model, vocab_size, bias=False)
+            None
+            if cfg.tie_embeddings
+            else skip_init(nn.Linear, cfg.d_model, vocab_size, bias=False)
         )
         self.init_weights(generator)
 
@@ -155,7 +156,9 @@ class Decoder(nn.Module):
         if visibility is None:
             visibility = prepare_visibility(batch, self.cfg.attention, x.device)
         cos, sin = rope_cos_sin(
-            batch.position_ids.to(x.device), self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta
+            batch.position_ids.to(x.device),
+            self.cfg.d_model // self.cfg.n_heads,
+            self.cfg.rope_theta,
         )  # [B, T, 1, Dh]
         for block in self.layers:
             x = block(x, cos, sin, visibility)
