@@ -16,6 +16,12 @@ class UpdateConfig:
     updates by default) with ``warmup`` units of that clock, decaying to
     ``min_lr_ratio * lr`` by ``decay_steps`` (0 = ``train.steps``). ``clip`` is the
     global L2 cap (0 = no clipping). ``weight_decay`` uses PyTorch's convention.
+
+    ``fail_window`` is fault injection for checking the skip path (U4): when it
+    equals a window's index (0-based, counting every window), that window's
+    gradient is made non-finite after its last backward, so the window ends
+    ``SKIPPED_NONFINITE``. -1 (default) disables it. From the CLI:
+    ``--set update.fail_window=N``.
     """
 
     accum: int = 1
@@ -51,6 +57,12 @@ class UpdateConfig:
             raise ConfigError("update.weight_decay must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("update.beta1 and update.beta2 must be in [0, 1)")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"update.decay_fraction must be in [0, 1]; got {self.decay_fraction}")
+        if not self.eps > 0:
+            raise ConfigError(f"update.eps must be > 0; got {self.eps}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"update.momentum must be in [0, 1); got {self.momentum}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,336 @@
+"""The window transaction: K microbatches -> exactly one disposition (U1-U4, U7).
+
+``UpdateEngine.run_window`` is the one place where an update happens, written to
+be read top to bottom:
+
+1. Plan the window on the host (the objective stage): every microbatch's row
+   coefficients and the window denominator ``D_W``, known before any forward
+   (U1, L3). ``D_W == 0`` over the whole window (and all ranks) is
+   ``NO_OBJECTIVE``: nothing is touched, not even the loss scaler (L4, U4).
+2. For each microbatch, at the same parameters: autocast forward + loss, then
+   backward of ``scale * S_m / D_W`` (pre-scaled, so the accumulated gradient is
+   the window objective's gradient; never a mean of microbatch means, U1).
+3. Close in the order of U3: unscale once -> global fp32 L2 norm over unique
+   parameters -> finite decision (one host read for the whole window, U7;
+   agreed across ranks through the reducer, D2) -> clip with that same norm ->
+   optimizer step at the schedule's lr -> scaler update -> schedule advance ->
+   zero grads. A non-finite window is ``SKIPPED_NONFINITE``: parameters,
+   optimizer state and step count and the schedule stay bitwise unchanged, and
+   the scaler backs off.
+
+Distributed training plugs in through ``Reducer`` (D1, D2): it sums the window's
+host-side denominator across ranks, disables gradient sync for all but the last
+microbatch, and sums the finite flag. ``LocalReducer`` is the single-process
+identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from exactstep.objective.config import ObjectiveConfig
+from exactstep.objective.types import NoObjective, NoObjectiveCause
+from exactstep.rows.batch import Batch
+from exactstep.update.config import UpdateConfig
+from exactstep.update.disposition import Disposition, Outcome
+from exactstep.update.precision import Precision
+from exactstep.update.schedule import Schedule
+
+PlanFn = Callable[[Sequence[Batch], ObjectiveConfig], Any]
+TermsFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+CAUSE_NONFINITE_GRAD = "NONFINITE_GRAD_NORM"
+CAUSE_NONFINITE_LOSS = "NONFINITE_LOSS"
+CAUSE_INJECTED = "INJECTED_FAULT"  # update.fail_window
+CAUSE_OTHER_RANK = "NONFINITE_ON_ANOTHER_RANK"
+
+
+@runtime_checkable
+class Reducer(Protocol):
+    """Where cross-rank agreement plugs into the window (D1, D2)."""
+
+    world_size: int
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``values`` over ranks (the same shape on every rank)."""
+        ...
+
+    def no_sync(self, module: nn.Module, is_last: bool) -> AbstractContextManager:
+        """Context for one microbatch's forward+backward: skip gradient sync unless last."""
+        ...
+
+
+class LocalReducer:
+    """One process: every reduction is the identity and there is nothing to sync."""
+
+    world_size = 1
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def no_sync(self, module: nn.Module, is_last: bool) -> AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class TrainModule(nn.Module):
+    """Model + objective as one module, so DDP can wrap the whole forward.
+
+    ``forward(batch, coeff)`` returns ``(numerator, gold_nll_sum)``: the graph-
+    connected 0-dim ``S_m = sum c_r * loss_r`` of the microbatch and the detached
+    unsmoothed NLL sum (L3, L5). The model must return hidden states ``[B, T, H]``
+    and expose ``head_weight`` ``[V, H]``; the objective fuses the head (L1).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        objective_cfg: ObjectiveConfig,
+        *,
+        pad_id: int,
+        terms: TermsFn | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.objective_cfg = objective_cfg
+        self.pad_id = pad_id
+        self.terms = terms if terms is not None else _default_terms()
+
+    def forward(self, batch: Batch, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(batch)  # [B, T, H]
+        return self.terms(
+            hidden, self.model.head_weight, batch.labels, coeff, self.objective_cfg,
+            pad_id=self.pad_id,
+        )
+
+
+class UpdateEngine:
+    """Runs windows as transactions and keeps the update-side progress (U1-U4, S2).
+
+    Counters: ``committed``, ``skipped``, ``no_objective`` (windows),
+    ``microbatches`` (evaluated or planned), ``tokens`` (supervised tokens of
+    committed windows). ``state_dict`` holds optimizer, schedule, scaler and
+    counters; the caller saves the model weights.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: Schedule,
+        precision: Precision,
+        update_cfg: UpdateConfig,
+        objective_cfg: ObjectiveConfig,
+        *,
+        device: torch.device | str,
+        pad_id: int,
+        reducer: Reducer | None = None,
+        plan: PlanFn | None = None,
+        terms: TermsFn | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.precision = precision
+        self.update_cfg = update_cfg
+        self.objective_cfg = objective_cfg
+        self.device = torch.device(device)
+        self.reducer: Reducer = reducer if reducer is not None else LocalReducer()
+        self.plan = plan if plan is not None else _default_plan()
+        self.train_module: nn.Module = TrainModule(
+            model, objective_cfg, pad_id=pad_id, terms=terms
+        )
+        # Unique parameters (U6): the optimizer's groups list each tensor once.
+        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.committed = 0
+        self.skipped = 0
+        self.no_objective = 0
+        self.microbatches = 0
+        self.tokens = 0
+
+    # -- the transaction ----------------------------------------------------------
+
+    def run_window(self, batches: Sequence[Batch], window: int) -> Disposition:
+        """Evaluate ``batches`` (host tensors, 1..K of them) and commit, skip or pass.
+
+        A window shorter than ``update.accum`` (the end of the data) is a window
+        like any other (U1). Exactly one host read happens on the hot path (U7).
+        """
+        if not batches:
+            raise ValueError("run_window needs at least one microbatch")
+        self.microbatches += len(batches)
+
+        # 1. plan: D_W known before the forward; agreed over ranks (U1, L4, D1)
+        plan = self.plan(batches, self.objective_cfg)
+        local = _plan_totals(plan)
+        denominator, tokens = self._global_totals(*local)
+        if denominator == 0.0:
+            self.no_objective += 1
+            return Disposition(
+                window, Outcome.NO_OBJECTIVE, _no_objective_cause(plan), None,
+                0.0, None, None, 0, 0.0, len(batches),
+            )
+        coefficients = (
+            plan.coefficients if not isinstance(plan, NoObjective) else _zero_coefficients(batches)
+        )
+
+        # 2. microbatches at the same parameters; one loss scale for the window (U1, U2)
+        loss_scale = self.reducer.world_size / denominator  # DDP averages gradients (D1)
+        numerators: list[torch.Tensor] = []
+        gold_sums: list[torch.Tensor] = []
+        last = len(batches) - 1
+        for index, (batch, coeff) in enumerate(zip(batches, coefficients, strict=True)):
+            with self.reducer.no_sync(self.train_module, index == last):
+                numerator, gold_nll_sum = self._forward(batch, coeff)
+                self.precision.scale(numerator * loss_scale).backward()
+            numerators.append(numerator.detach())
+            gold_sums.append(gold_nll_sum.detach())
+        injected = self.update_cfg.fail_window == window
+        if injected:
+            self._inject_nonfinite_gradient()
+
+        # 3. close, in the order of U3
+        self.precision.unscale_(self.optimizer)
+        grad_norm = self._grad_norm()  # fp32, unique parameters, computed once
+        numerator_sum = torch.stack(numerators).sum().float()
+        local_bad = ~(torch.isfinite(grad_norm) & torch.isfinite(numerator_sum))
+        agreed = self.reducer.sum(
+            torch.stack([local_bad.float(), numerator_sum, torch.stack(gold_sums).sum().float()])
+        )  # D2: one all-reduce of flag + report values
+        # U7: the window's single device-to-host read
+        norm_value, bad_ranks, numerator_total, gold_total = torch.cat(
+            [grad_norm.view(1), agreed]
+        ).tolist()
+        loss = numerator_total / denominator
+        finite = bad_ranks == 0.0
+
+        lr_used: float | None = None
+        if finite:
+            if self.update_cfg.clip > 0:
+                clip_grads_with_norm_(self._grads(), self.update_cfg.clip, grad_norm)
+            lr_used = self._set_lr(self.schedule.lr())
+            self.optimizer.step()
+            self.precision.update(self.optimizer, finite=True)
+            self.schedule.advance(tokens)
+            self.committed += 1
+            self.tokens += tokens
+            outcome, cause = Outcome.COMMITTED, None
+        else:
+            self.precision.update(self.optimizer, finite=False)
+            self.skipped += 1
+            outcome = Outcome.SKIPPED_NONFINITE
+            cause = _skip_cause(injected, norm_value, numerator_total)
+        self.optimizer.zero_grad(set_to_none=True)
+        return Disposition(
+            window, outcome, cause, lr_used, denominator, loss, norm_value, tokens,
+            gold_total, len(batches),
+        )
+
+    # -- steps of the transaction ---------------------------------------------------
+
+    def _global_totals(self, denominator: float, tokens: int) -> tuple[float, int]:
+        """Window denominator and supervised tokens summed over ranks (host values)."""
+        if self.reducer.world_size == 1:
+            return denominator, tokens
+        summed = self.reducer.sum(torch.tensor([denominator, float(tokens)], dtype=torch.float64))
+        total_denominator, total_tokens = summed.cpu().tolist()
+        return total_denominator, int(total_tokens)
+
+    def _forward(self, batch: Batch, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = batch.to(self.device, non_blocking=True)
+        coeff = coeff.to(self.device, non_blocking=True)  # [B, T] fp32
+        with self.precision.autocast():
+            return self.train_module(batch, coeff)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.parameters if p.grad is not None]
+
+    def _grad_norm(self) -> torch.Tensor:
+        grads = self._grads()
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return get_total_norm(grads, 2.0).float()
+
+    def _inject_nonfinite_gradient(self) -> None:
+        """Fault injection (``update.fail_window``): one gradient entry becomes NaN."""
+        for param in self.parameters:
+            if param.grad is not None:
+                param.grad.view(-1)[0] = float("nan")
+                return
+
+    def _set_lr(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    # -- state (S2) -------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "committed": self.committed,
+            "skipped": self.skipped,
+            "no_objective": self.no_objective,
+            "microbatches": self.microbatches,
+            "tokens": self.tokens,
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "precision": self.precision.state_dict(),
+            "counters": self.counters(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.precision.load_state_dict(state["precision"])
+        for name, value in state["counters"].items():
+            setattr(self, name, int(value))
+
+
+def _plan_totals(plan: Any) -> tuple[float, int]:
+    if isinstance(plan, NoObjective):
+        return 0.0, 0
+    return float(plan.denominator), int(plan.tokens)
+
+
+def _no_objective_cause(plan: Any) -> str:
+    if isinstance(plan, NoObjective):
+        return plan.cause.value
+    return NoObjectiveCause.EMPTY_ELIGIBLE_SET.value  # every rank was empty (D1)
+
+
+def _zero_coefficients(batches: Sequence[Batch]) -> list[torch.Tensor]:
+    """A rank with nothing supervised still runs a graph-connected zero pass (D1)."""
+    return [torch.zeros(b.labels.shape, dtype=torch.float32) for b in batches]
+
+
+def _skip_cause(injected: bool, norm: float, numerator: float) -> str:
+    if injected:
+        return CAUSE_INJECTED
+    if not math.isfinite(numerator):
+        return CAUSE_NONFINITE_LOSS
+    if not math.isfinite(norm):
+        return CAUSE_NONFINITE_GRAD
+    return CAUSE_OTHER_RANK
+
+
+def _default_plan() -> PlanFn:
+    from exactstep.objective import plan_window
+
+    return plan_window
+
+
+def _default_terms() -> TermsFn:
+    from exactstep.objective import microbatch_terms
+
+    return microbatch_terms
