@@ -1,0 +1,106 @@
+"""The built-in byte-level tokenizer: 256 byte ids plus BOS, EOS and PAD (S1).
+
+Invariants:
+
+- ``encode`` maps text to its UTF-8 bytes, one id per byte, and never emits a special
+  id; ``decode(encode(s)) == s`` for every string ``s``.
+- Special ids sit above the byte range (``bos_id = 256``, ``eos_id = 257``,
+  ``pad_id = 258``), so no byte can be mistaken for a special token.
+- ``fingerprint()`` is a sha256 over a canonical description of the tokenizer, so a
+  manifest can tell two representations apart (S1). It changes whenever the mapping
+  would change (vocabulary size, special ids, byte encoding, version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+
+import numpy as np
+
+from exactstep.errors import DataError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, with three special ids above the byte range."""
+
+    vocab_size: int = 259
+    bos_id: int = 256
+    eos_id: int = 257
+    pad_id: int = 258
+    version: int = 1
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text`` as ids in ``[0, 256)``; no special ids are added."""
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Same ids as ``encode``, as an int64 array (fast path for large corpora)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``: byte runs decoded as UTF-8 (invalid sequences replaced by
+        U+FFFD), special ids shown as ``<bos>``, ``<eos>``, ``<pad>``.
+
+        Raises ``DataError`` for an id outside ``[0, vocab_size)``.
+        """
+        names = self.special_names()
+        parts: list[str] = []
+        run = bytearray()
+        for raw in ids:
+            token = int(raw)
+            if 0 <= token < 256:
+                run.append(token)
+                continue
+            if token not in names:
+                raise DataError(
+                    f"token id {token} is outside the byte tokenizer's vocabulary "
+                    f"[0, {self.vocab_size}); check the data or the tokenizer setting"
+                )
+            parts.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            parts.append(f"<{names[token]}>")
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def token_text(self, token: int) -> str:
+        """One token, printable on one line: ASCII graphic bytes as themselves, space as
+        ``␣``, other bytes as ``\\xNN`` (``\\n``, ``\\t`` for newline and tab), specials
+        as ``<bos>`` etc. Used by ``rows.inspect``."""
+        names = self.special_names()
+        if token in names:
+            return f"<{names[token]}>"
+        if not 0 <= token < 256:
+            return f"<?{token}>"
+        if token == 0x20:
+            return "␣"
+        if token == 0x0A:
+            return "\\n"
+        if token == 0x09:
+            return "\\t"
+        if 0x21 <= token <= 0x7E:
+            return chr(token)
+        return f"\\x{token:02x}"
+
+    def special_ids(self) -> dict[str, int]:
+        """``{"bos": 256, "eos": 257, "pad": 258}`` (recorded in the manifest, S1)."""
+        return {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id}
+
+    def special_names(self) -> dict[int, str]:
+        return {token: name for name, token in self.special_ids().items()}
+
+    def describe(self) -> dict:
+        """The canonical description that ``fingerprint`` hashes."""
+        return {
+            "kind": "bytes",
+            "version": self.version,
+            "byte_encoding": "utf-8",
+            "vocab_size": self.vocab_size,
+            "special_ids": self.special_ids(),
+        }
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the canonical JSON of ``describe()`` (S1)."""
+        canonical = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

@@ -1,0 +1,333 @@
+"""The packing plan: which pieces of which examples fill each row (R3, R4, D3).
+
+The planner knows only lengths and target counts; it never builds tensors. Any
+objective compiler (causal, chat, and later prefix LM, enc-dec, MLM, span; R8) turns
+its rows of ``Piece`` into a ``Batch``.
+
+Algorithm (best-fit decreasing over a bounded buffer, R4): examples arrive in the order
+of a permutation drawn from ``(seed, epoch)`` with NumPy's ``Generator`` and are sharded
+by rank *after* the permutation (``order[rank::world]``, D3). Each arriving example is
+cut according to the over-long policy and its pieces join a buffer (refilled to
+``buffer`` pieces before each row). Epochs do not mix: the next epoch's permutation is
+drawn only once every piece of the current epoch has been placed, so each epoch emits
+each example of the shard exactly once. A row is opened by the longest pending piece and
+then repeatedly receives the longest pending piece that still fits the space left,
+i.e. the best fit for that space, until nothing fits. Ties go to the piece that arrived
+first. Padding therefore appears only where no pending piece fits.
+
+Over-long examples (``len > seq_len``), each outcome counted (R4):
+
+- ``split``: consecutive pieces of at most ``seq_len`` tokens, each a new segment. A
+  piece's first token is not a target of the previous piece, so one target per cut is
+  lost (``split_targets_lost``) -- unless ``overlap_split`` is set (used for held-out
+  evaluation), where piece ``k+1`` starts at the last token of piece ``k`` so that every
+  target is scored exactly once at the cost of one repeated input token per cut.
+- ``truncate``: the first ``seq_len`` tokens are kept, the tail dropped.
+- ``drop``: the example is skipped.
+
+Determinism: the rows produced depend only on (examples, settings, seed) and the
+number of rows already taken; ``state_dict`` captures the epoch, the cursor in the
+permuted shard, the pending buffer and the counters, so that ``load_state_dict`` and
+continuing gives bitwise the same rows as an uninterrupted planner (S2, S5).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from exactstep.errors import DataError, DistributedError, ResumeError
+from exactstep.rows.example import Example
+
+STATE_VERSION = 1
+_AFTER_ALL = 1 << 62  # sorts after every arrival number
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run ``[offset, offset + length)`` of example ``example`` (an index
+    into the planner's example list); ``piece`` is 0 for the first run of an example and
+    ``k`` for the ``k``-th continuation after a split (R6)."""
+
+    example: int
+    offset: int
+    length: int
+    piece: int
+
+
+@dataclass
+class PackCounts:
+    """Counters of everything the planner admitted and emitted (the data report, R4).
+
+    ``documents``/``tokens``/``targets``: examples admitted (repeats counted each epoch),
+    their tokens and their owned in-example targets. ``*_targets_lost``: owned targets
+    that no row will supervise because of the over-long outcome. ``rows``/``real_tokens``:
+    rows emitted and the non-padding slots they hold.
+    """
+
+    documents: int = 0
+    tokens: int = 0
+    targets: int = 0
+    split_documents: int = 0
+    split_pieces: int = 0
+    split_targets_lost: int = 0
+    split_repeated_tokens: int = 0
+    truncated_documents: int = 0
+    truncated_tokens: int = 0
+    truncated_targets_lost: int = 0
+    dropped_documents: int = 0
+    dropped_tokens: int = 0
+    dropped_targets_lost: int = 0
+    rows: int = 0
+    real_tokens: int = 0
+
+
+def cut_example(
+    example: Example, seq_len: int, overlong: str, overlap_split: bool
+) -> tuple[list[tuple[int, int]], int]:
+    """``(offset, length)`` runs for one example under the over-long policy, and the
+    number of owned targets the cut loses."""
+    n = len(example)
+    if n <= seq_len:
+        return [(0, n)], 0
+    if overlong == "drop":
+        return [], example.targets_in(1, n)
+    if overlong == "truncate":
+        return [(0, seq_len)], example.targets_in(seq_len, n)
+    if overlap_split:
+        stride = seq_len - 1
+        starts = range(0, n - 1, stride)
+        return [(s, min(seq_len, n - s)) for s in starts], 0
+    runs = [(s, min(seq_len, n - s)) for s in range(0, n, seq_len)]
+    lost = sum(example.targets_in(s, s + 1) for s, _ in runs[1:])
+    return runs, lost
+
+
+class PackPlanner:
+    """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
+
+    Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
+    every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        *,
+        seq_len: int,
+        buffer: int,
+        overlong: str,
+        seed: int,
+        shuffle: bool = True,
+        repeat: bool = True,
+        rank: int = 0,
+        world: int = 1,
+        overlap_split: bool = False,
+    ) -> None:
+        if world < 1 or not 0 <= rank < world:
+            raise DistributedError(f"rank {rank} is not in [0, world = {world}); check the launch")
+        if not examples:
+            raise DataError("there are no examples to pack; check data.source and data.max_docs")
+        if len(examples) < world:
+            raise DataError(
+                f"{len(examples)} examples cannot be sharded over {world} ranks; "
+                "use more data or fewer ranks"
+            )
+        lengths = np.fromiter((len(e) for e in examples), dtype=np.int64, count=len(examples))
+        if (lengths == 0).any():
+            bad = int(np.flatnonzero(lengths == 0)[0])
+            raise DataError(f"example {examples[bad].example_id} has no tokens; remove it")
+        if overlong == "drop" and (lengths > seq_len).all():
+            raise DataError(
+                f"every example is longer than batch.seq_len = {seq_len} and batch.overlong = "
+                "'drop'; raise batch.seq_len or set batch.overlong to 'split' or 'truncate'"
+            )
+        self.examples = examples
+        self.seq_len = seq_len
+        self.buffer = buffer
+        self.overlong = overlong
+        self.seed = seed
+        self.shuffle = shuffle
+        self.repeat = repeat
+        self.rank = rank
+        self.world = world
+        self.overlap_split = overlap_split
+        self.counts = PackCounts()
+        self._keys: list[tuple[int, int]] = []  # sorted (length, arrival)
+        self._pending: dict[int, Piece] = {}  # arrival -> piece
+        self._next_arrival = 0
+        self._exhausted = False
+        self._start_epoch(0)
+
+    # -- the order of examples (D3) ---------------------------------------------------
+
+    def _start_epoch(self, epoch: int) -> None:
+        n = len(self.examples)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
+        else:
+            order = np.arange(n)
+        self._shard = order[self.rank :: self.world]
+        self.epoch = epoch
+        self.cursor = 0
+        self._admitted_this_epoch = 0
+
+    def _admit(self, index: int) -> None:
+        example = self.examples[index]
+        runs, lost = cut_example(example, self.seq_len, self.overlong, self.overlap_split)
+        self._count_admission(example, runs, lost)
+        for k, (offset, length) in enumerate(runs):
+            self._push(Piece(example=index, offset=offset, length=length, piece=k))
+        self._admitted_this_epoch += len(runs)
+
+    def _count_admission(self, example: Example, runs: list[tuple[int, int]], lost: int) -> None:
+        c, n = self.counts, len(example)
+        c.documents += 1
+        c.tokens += n
+        c.targets += example.targets_in(1, n)
+        if n <= self.seq_len:
+            return
+        if self.overlong == "drop":
+            c.dropped_documents += 1
+            c.dropped_tokens += n
+            c.dropped_targets_lost += lost
+        elif self.overlong == "truncate":
+            c.truncated_documents += 1
+            c.truncated_tokens += n - self.seq_len
+            c.truncated_targets_lost += lost
+        else:
+            c.split_documents += 1
+            c.split_pieces += len(runs)
+            c.split_targets_lost += lost
+            c.split_repeated_tokens += sum(length for _, length in runs) - n
+
+    def _refill(self) -> None:
+        while len(self._keys) < self.buffer and not self._exhausted:
+            if self.cursor == len(self._shard):
+                if not self.repeat:
+                    self._exhausted = True
+                    break
+                if self._keys:
+                    break  # epoch barrier: drain this epoch before the next begins
+                if self._admitted_this_epoch == 0:
+                    raise DataError(
+                        f"rank {self.rank}'s shard has no example that fits batch.seq_len = "
+                        f"{self.seq_len} under batch.overlong = 'drop'; change one of them"
+                    )
+                self._start_epoch(self.epoch + 1)
+                continue
+            self._admit(int(self._shard[self.cursor]))
+            self.cursor += 1
+
+    # -- the bounded buffer -------------------------------------------------------------
+
+    def _push(self, piece: Piece) -> None:
+        arrival = self._next_arrival
+        self._next_arrival += 1
+        self._pending[arrival] = piece
+        bisect.insort(self._keys, (piece.length, arrival))
+
+    def _take_longest_fitting(self, space: int) -> Piece | None:
+        """The longest pending piece of length <= ``space`` (earliest arrival on ties)."""
+        idx = bisect.bisect_right(self._keys, (space, _AFTER_ALL)) - 1
+        if idx < 0:
+            return None
+        first = bisect.bisect_left(self._keys, (self._keys[idx][0], -1))
+        _, arrival = self._keys.pop(first)
+        return self._pending.pop(arrival)
+
+    # -- rows ---------------------------------------------------------------------------
+
+    def next_row(self) -> list[Piece] | None:
+        """The pieces of the next row, in column order, or ``None`` when a finite
+        stream is exhausted."""
+        self._refill()
+        if not self._keys:
+            return None
+        row: list[Piece] = []
+        space = self.seq_len
+        while space > 0:
+            piece = self._take_longest_fitting(space)
+            if piece is None:
+                break
+            row.append(piece)
+            space -= piece.length
+        self.counts.rows += 1
+        self.counts.real_tokens += self.seq_len - space
+        return row
+
+    def next_rows(self, k: int) -> list[list[Piece]]:
+        """Up to ``k`` rows; fewer only at the end of a finite stream."""
+        rows: list[list[Piece]] = []
+        while len(rows) < k:
+            row = self.next_row()
+            if row is None:
+                break
+            rows.append(row)
+        return rows
+
+    # -- state (S2) ---------------------------------------------------------------------
+
+    def settings(self) -> dict:
+        return {
+            "examples": len(self.examples),
+            "seq_len": self.seq_len,
+            "buffer": self.buffer,
+            "overlong": self.overlong,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "repeat": self.repeat,
+            "rank": self.rank,
+            "world": self.world,
+            "overlap_split": self.overlap_split,
+        }
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position: epoch, cursor, pending pieces, counters."""
+        pending = [
+            [arrival, p.example, p.offset, p.length, p.piece]
+            for arrival, p in sorted(self._pending.items())
+        ]
+        return {
+            "version": STATE_VERSION,
+            "settings": self.settings(),
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "exhausted": self._exhausted,
+            "admitted_this_epoch": self._admitted_this_epoch,
+            "next_arrival": self._next_arrival,
+            "pending": pending,
+            "counts": dataclasses.asdict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where ``state`` was taken. Raises ``ResumeError`` if the
+        state belongs to a planner with different settings or data size."""
+        if state.get("version") != STATE_VERSION:
+            raise ResumeError(
+                f"packer state version {state.get('version')!r} is not {STATE_VERSION}"
+            )
+        saved = state["settings"]
+        differing = sorted(k for k, v in self.settings().items() if saved.get(k) != v)
+        if differing:
+            raise ResumeError(
+                "the packer state was saved with different settings: "
+                + ", ".join(
+                    f"{k} (saved {saved.get(k)!r}, now {self.settings()[k]!r})" for k in differing
+                )
+            )
+        self._start_epoch(int(state["epoch"]))
+        self.cursor = int(state["cursor"])
+        self._exhausted = bool(state["exhausted"])
+        self._admitted_this_epoch = int(state["admitted_this_epoch"])
+        self._next_arrival = int(state["next_arrival"])
+        self._pending = {
+            int(a): Piece(example=int(e), offset=int(o), length=int(n), piece=int(k))
+            for a, e, o, n, k in state["pending"]
+        }
+        self._keys = sorted((p.length, a) for a, p in self._pending.items())
+        self.counts = PackCounts(**state["counts"])

@@ -1,0 +1,194 @@
+"""Causal-LM batches from examples, with an exact, resumable cursor (R1-R4, R7, D3, S2).
+
+``RowStream`` composes the packing plan (``rows.packing``), the causal compiler
+(``rows.causal``) and the boundary checks (``rows.invariants``). Other objective
+families reuse the planner with their own compiler (R8).
+
+Invariants:
+
+- Every batch has exactly ``cfg.rows`` rows of ``cfg.seq_len`` columns, except the last
+  batch of a finite stream (``repeat=False``), which has fewer rows rather than losing
+  data.
+- ``state_dict()`` taken after ``k`` batches were yielded, loaded into a fresh stream
+  built from the same examples and settings, continues with bitwise the same batches
+  as the uninterrupted stream (S2, S5).
+- ``report()`` counts documents, tokens, targets and every over-long outcome (R4), and
+  ``supervised_rows == targets - *_targets_lost`` (+ boundary targets under ``keep``)
+  once every admitted example has been emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from exactstep.rows.batch import Batch
+from exactstep.rows.causal import compile_causal_batch
+from exactstep.rows.config import BatchConfig
+from exactstep.rows.example import Example
+from exactstep.rows.invariants import check_batch
+from exactstep.rows.packing import PackPlanner
+
+
+class RowStream:
+    """Causal LM rows packed from ``examples`` (see module doc).
+
+    ``seed`` and the epoch fix the permutation; ``rank``/``world`` shard it (D3).
+    ``vocab_size``, when given, bounds every id in the R7 checks (pass the
+    tokenizer's). Iterating again continues from the current position.
+    Raises ``DataError`` when there is nothing to pack and ``BatchInvariantError``
+    (with ``cfg.check_invariants``) if a compiled batch breaks R7.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        cfg: BatchConfig,
+        *,
+        pad_id: int,
+        seed: int,
+        repeat: bool = True,
+        shuffle: bool = True,
+        rank: int = 0,
+        world: int = 1,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.examples = examples
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.vocab_size = vocab_size
+        self.planner = PackPlanner(
+            examples,
+            seq_len=cfg.seq_len,
+            buffer=cfg.buffer,
+            overlong=cfg.overlong,
+            seed=seed,
+            shuffle=shuffle,
+            repeat=repeat,
+            rank=rank,
+            world=world,
+        )
+        self.batches = 0
+        self.supervised_rows = 0
+        self.boundary_targets = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            batch = self.next_batch()
+            if batch is None:
+                return
+            yield batch
+
+    def next_batch(self) -> Batch | None:
+        """The next batch, or ``None`` at the end of a finite stream."""
+        rows = self.planner.next_rows(self.cfg.rows)
+        if not rows:
+            return None
+        batch = compile_rows(rows, self.examples, self.cfg, self.pad_id, self.vocab_size)
+        self.batches += 1
+        self.supervised_rows += batch.num_targets()
+        if self.cfg.boundary == "keep":
+            self.boundary_targets += sum(max(len(segs) - 1, 0) for segs in batch.segments)
+        return batch
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position after the batches yielded so far (S2)."""
+        return {
+            "planner": self.planner.state_dict(),
+            "batches": self.batches,
+            "supervised_rows": self.supervised_rows,
+            "boundary_targets": self.boundary_targets,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly after the batches counted in ``state``; raises
+        ``ResumeError`` if ``state`` came from a stream with other settings."""
+        self.planner.load_state_dict(state["planner"])
+        self.batches = int(state["batches"])
+        self.supervised_rows = int(state["supervised_rows"])
+        self.boundary_targets = int(state["boundary_targets"])
+
+    def report(self) -> dict:
+        """The data report (R4): what was admitted, what each over-long outcome cost,
+        and how well the rows were filled (``efficiency = real_tokens / slots``)."""
+        return data_report(
+            self.planner, self.cfg, self.batches, self.supervised_rows, self.boundary_targets
+        )
+
+
+def compile_rows(
+    rows: list, examples: Sequence[Example], cfg: BatchConfig, pad_id: int, vocab_size: int | None
+) -> Batch:
+    batch = compile_causal_batch(
+        rows,
+        examples,
+        seq_len=cfg.seq_len,
+        pad_id=pad_id,
+        boundary=cfg.boundary,
+        positions=cfg.positions,
+    )
+    if cfg.check_invariants:
+        check_batch(batch, vocab_size, cfg.boundary, next_token_targets=True)
+    return batch
+
+
+def data_report(
+    planner: PackPlanner,
+    cfg: BatchConfig,
+    batches: int,
+    supervised_rows: int,
+    boundary_targets: int,
+) -> dict:
+    c = planner.counts
+    slots = c.rows * cfg.seq_len
+    return {
+        "documents": c.documents,
+        "tokens": c.tokens,
+        "targets": c.targets,
+        "supervised_rows": supervised_rows,
+        "boundary_targets_kept": boundary_targets,
+        "overlong_policy": cfg.overlong,
+        "split_documents": c.split_documents,
+        "split_pieces": c.split_pieces,
+        "split_targets_lost": c.split_targets_lost,
+        "split_repeated_tokens": c.split_repeated_tokens,
+        "truncated_documents": c.truncated_documents,
+        "truncated_tokens": c.truncated_tokens,
+        "truncated_targets_lost": c.truncated_targets_lost,
+        "dropped_documents": c.dropped_documents,
+        "dropped_tokens": c.dropped_tokens,
+        "dropped_targets_lost": c.dropped_targets_lost,
+        "pending_pieces": len(planner.state_dict()["pending"]),
+        "epoch": planner.epoch,
+        "batches": batches,
+        "rows": c.rows,
+        "slots": slots,
+        "real_tokens": c.real_tokens,
+        "padding_tokens": slots - c.real_tokens,
+        "efficiency": c.real_tokens / slots if slots else 0.0,
+    }
+
+
+def eval_batches(
+    examples: Sequence[Example], cfg: BatchConfig, *, pad_id: int, vocab_size: int | None = None
+) -> Iterator[Batch]:
+    """Held-out batches: unshuffled, packed deterministically, every example once.
+
+    Over-long examples are always split, with one token of overlap per cut, so every
+    owned target of every example is supervised exactly once (L5 needs all of them),
+    whatever ``cfg.overlong`` says for training. The last batch may have fewer rows.
+    """
+    planner = PackPlanner(
+        examples,
+        seq_len=cfg.seq_len,
+        buffer=cfg.buffer,
+        overlong="split",
+        seed=0,
+        shuffle=False,
+        repeat=False,
+        overlap_split=True,
+    )
+    while True:
+        rows = planner.next_rows(cfg.rows)
+        if not rows:
+            return
+        yield compile_rows(rows, examples, cfg, pad_id, vocab_size)
