@@ -1,0 +1,280 @@
+"""Chat conversations: JSONL loading and the built-in byte-level chat template (R5, S1).
+
+A conversation is rendered exactly once, by ``ChatTemplate.render``, which emits the
+token ids together with each token's role and span (message index and part). Target
+ownership (``exactstep.rows.chat``) is decided from those parallel arrays only; no
+code path ever searches decoded text for role markers.
+
+The built-in template (``exactstep-bytes-chat-v1``), for the byte tokenizer::
+
+    <bos>                                   part BEGIN, role NONE, message -1
+    for each message m (index k):
+        "<|" + role + "|>\n"                part HEADER
+        content (UTF-8 bytes)               part CONTENT
+        for each tool call c of an assistant message:
+            "<|tool_call|>" + json(c) + "\n"  part TOOL_CALL
+        <eos>                               part END_OF_TURN (the end-of-turn marker)
+
+``json(c)`` is compact JSON with sorted keys, so a tool call renders the same bytes
+whatever key order the source file used. A generation prompt is the rendering of the
+earlier messages followed by the assistant header; the model then answers and ends
+its turn with ``<eos>``.
+
+Failure modes: ``load_chat_jsonl`` raises ``DataError`` naming the file and line for
+bad JSON, a missing or empty ``messages`` list, an unknown role, a missing or
+non-string ``content``, or malformed ``tool_calls``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from exactstep.errors import DataError
+
+ROLE_NAMES = ("system", "user", "assistant", "tool")
+
+
+class Role(IntEnum):
+    """Role of a rendered token. ``NONE`` marks the leading BOS, which no message owns."""
+
+    NONE = 0
+    SYSTEM = 1
+    USER = 2
+    ASSISTANT = 3
+    TOOL = 4
+
+    @classmethod
+    def of(cls, name: str) -> Role:
+        return cls[name.upper()]
+
+
+class Part(IntEnum):
+    """Which part of its message a rendered token belongs to."""
+
+    BEGIN = 0
+    HEADER = 1
+    CONTENT = 2
+    TOOL_CALL = 3
+    END_OF_TURN = 4
+
+
+class ChatTokenizer(Protocol):
+    """What the template needs from a tokenizer: text to ids, and two special ids."""
+
+    bos_id: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message. ``tool_calls`` holds canonical JSON strings (assistant only)."""
+
+    role: str
+    content: str
+    tool_calls: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [json.loads(call) for call in self.tool_calls]
+        return out
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """An ordered, non-empty tuple of messages; ``name`` says where it came from."""
+
+    messages: tuple[Message, ...]
+    name: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"messages": [m.to_json() for m in self.messages]}
+
+
+@dataclass(frozen=True, eq=False)
+class RenderedChat:
+    """Parallel per-token arrays of one rendered conversation (R5).
+
+    ``tokens`` int64 [n]; ``role`` int8 [n] (``Role``); ``message`` int32 [n], the
+    index of the message a token belongs to (-1 for BOS); ``part`` int8 [n] (``Part``).
+    Invariant: all four have the same length, and token ``j``'s role and span are
+    ``(role[j], message[j], part[j])`` as emitted by the template, never inferred.
+    """
+
+    tokens: np.ndarray  # [n] int64
+    role: np.ndarray  # [n] int8
+    message: np.ndarray  # [n] int32
+    part: np.ndarray  # [n] int8
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The built-in chat template for the byte tokenizer (see the module docstring).
+
+    The fingerprint is the sha256 of the canonical JSON of these fields plus the
+    special ids a given tokenizer assigns to BOS and the end-of-turn marker; it goes
+    into the manifest as ``representation.template_hash`` (S1).
+    """
+
+    name: str = "exactstep-bytes-chat-v1"
+    header: str = "<|{role}|>\n"
+    tool_call_open: str = "<|tool_call|>"
+    tool_call_close: str = "\n"
+    begin_token: str = "bos"
+    end_of_turn_token: str = "eos"
+    tool_call_json: str = "compact,sorted-keys,utf-8"
+
+    def definition(self, tokenizer: ChatTokenizer) -> dict[str, Any]:
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {**fields, "bos_id": tokenizer.bos_id, "end_of_turn_id": tokenizer.eos_id}
+
+    def fingerprint(self, tokenizer: ChatTokenizer) -> str:
+        canonical = json.dumps(self.definition(tokenizer), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+    def render(self, messages: Sequence[Message], tokenizer: ChatTokenizer) -> RenderedChat:
+        """Render a whole conversation: BOS, then every message ending with end-of-turn."""
+        builder = _Builder()
+        builder.add([tokenizer.bos_id], Role.NONE, -1, Part.BEGIN)
+        for index, message in enumerate(messages):
+            self._render_message(builder, index, message, tokenizer)
+        return builder.build()
+
+    def render_prompt(
+        self, messages: Sequence[Message], tokenizer: ChatTokenizer
+    ) -> RenderedChat:
+        """Render ``messages`` then the assistant header: the prompt a model answers."""
+        builder = _Builder()
+        builder.add([tokenizer.bos_id], Role.NONE, -1, Part.BEGIN)
+        for index, message in enumerate(messages):
+            self._render_message(builder, index, message, tokenizer)
+        header = tokenizer.encode(self.header.format(role="assistant"))
+        builder.add(header, Role.ASSISTANT, len(messages), Part.HEADER)
+        return builder.build()
+
+    def _render_message(
+        self, builder: _Builder, index: int, message: Message, tokenizer: ChatTokenizer
+    ) -> None:
+        role = Role.of(message.role)
+        builder.add(tokenizer.encode(self.header.format(role=message.role)), role, index, Part.HEADER)
+        builder.add(tokenizer.encode(message.content), role, index, Part.CONTENT)
+        for call in message.tool_calls:
+            text = self.tool_call_open + call + self.tool_call_close
+            builder.add(tokenizer.encode(text), role, index, Part.TOOL_CALL)
+        builder.add([tokenizer.eos_id], role, index, Part.END_OF_TURN)
+
+
+DEFAULT_TEMPLATE = ChatTemplate()
+
+
+@dataclass
+class _Builder:
+    tokens: list[int] = field(default_factory=list)
+    roles: list[int] = field(default_factory=list)
+    messages: list[int] = field(default_factory=list)
+    parts: list[int] = field(default_factory=list)
+
+    def add(self, ids: Iterable[int], role: Role, message: int, part: Part) -> None:
+        ids = list(ids)
+        self.tokens.extend(ids)
+        self.roles.extend([int(role)] * len(ids))
+        self.messages.extend([message] * len(ids))
+        self.parts.extend([int(part)] * len(ids))
+
+    def build(self) -> RenderedChat:
+        return RenderedChat(
+            tokens=np.asarray(self.tokens, dtype=np.int64),
+            role=np.asarray(self.roles, dtype=np.int8),
+            message=np.asarray(self.messages, dtype=np.int32),
+            part=np.asarray(self.parts, dtype=np.int8),
+        )
+
+
+def canonical_tool_call(call: Any) -> str:
+    """The canonical JSON text of one tool call (compact, sorted keys, UTF-8)."""
+    return json.dumps(call, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def parse_conversation(obj: Any, where: str) -> Conversation:
+    """Validate one decoded JSON object; ``where`` (e.g. ``file.jsonl:3``) names it in errors."""
+    if not isinstance(obj, dict) or "messages" not in obj:
+        raise DataError(f'{where}: expected an object with a "messages" list')
+    raw = obj["messages"]
+    if not isinstance(raw, list) or not raw:
+        raise DataError(f'{where}: "messages" must be a non-empty list of messages')
+    messages = tuple(_parse_message(m, f"{where}: message {k}") for k, m in enumerate(raw))
+    return Conversation(messages=messages, name=where)
+
+
+def _parse_message(raw: Any, where: str) -> Message:
+    if not isinstance(raw, dict):
+        raise DataError(f'{where} must be an object with "role" and "content"')
+    role = raw.get("role")
+    if role not in ROLE_NAMES:
+        raise DataError(f"{where} has unknown role {role!r}; use one of {', '.join(ROLE_NAMES)}")
+    calls = _parse_tool_calls(raw.get("tool_calls"), role, where)
+    content = raw.get("content")
+    if content is None and calls:
+        content = ""
+    if not isinstance(content, str):
+        what = "is missing" if "content" not in raw or content is None else "is not a string"
+        raise DataError(f'{where} ({role}): "content" {what}; give it a string')
+    return Message(role=role, content=content, tool_calls=calls)
+
+
+def _parse_tool_calls(raw: Any, role: str, where: str) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if role != "assistant":
+        raise DataError(f'{where} ({role}): only assistant messages may carry "tool_calls"')
+    if not isinstance(raw, list):
+        raise DataError(f'{where}: "tool_calls" must be a list of JSON objects')
+    return tuple(canonical_tool_call(call) for call in raw)
+
+
+def load_chat_jsonl(path: str | Path) -> list[Conversation]:
+    """Read ``{"messages": [...]}`` lines; blank lines are skipped.
+
+    Raises ``DataError`` naming the file and 1-based line for any malformed line, and
+    when the file is missing or holds no conversation.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"chat data file {path} does not exist; point data.source at a .jsonl file")
+    conversations = []
+    with path.open("r", encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not valid JSON ({exc.msg}); fix or remove the line") from None
+            conversations.append(parse_conversation(obj, where))
+    if not conversations:
+        raise DataError(f"chat data file {path} holds no conversation")
+    return conversations
+
+
+def write_chat_jsonl(conversations: Iterable[Conversation], path: str | Path) -> Path:
+    """Write conversations as ``{"messages": [...]}`` lines that ``load_chat_jsonl`` reads back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for conversation in conversations:
+            fh.write(json.dumps(conversation.to_json(), ensure_ascii=False) + "\n")
+    return path

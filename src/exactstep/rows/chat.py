@@ -1,0 +1,197 @@
+"""Chat SFT ownership: from rendered conversations to supervised ``Example``s (R5).
+
+Ownership is decided on TARGET tokens: ``a_j`` is true when token ``j`` belongs to a
+policy-supervised assistant span, read from the role/span arrays the template emitted
+(``exactstep.data.chat.RenderedChat``), never from decoded text. The collator then
+gives row ``i`` the label ``token[i+1]`` exactly when ``a_(i+1)`` holds, so row
+ownership is ``l_i = a_(i+1)``: the row holding the last byte of an assistant header
+predicts the first answer token and owns that loss, and a row whose next token opens
+a user turn owns none. Prompt tokens stay in the example (visible to later rows,
+same segment), they are only not targets (R2).
+
+Policy (``ChatPolicy``): which assistant turns (``all | last``), whether the
+end-of-turn marker and tool calls are supervised (default yes), and what happens to
+a conversation left with no supervised target after truncation (``drop`` and count,
+or ``error``). Headers, system, user and tool-result tokens are never targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from exactstep.data.chat import (
+    DEFAULT_TEMPLATE,
+    ChatTemplate,
+    ChatTokenizer,
+    Conversation,
+    Part,
+    RenderedChat,
+    Role,
+)
+from exactstep.errors import ConfigError, DataError
+from exactstep.rows.example import Example
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatPolicy:
+    """Which assistant tokens are supervised targets (R5).
+
+    ``turns``: ``all`` assistant messages, or only the ``last`` one of the
+    conversation. ``supervise_eot``: the assistant's end-of-turn marker is a target
+    (teaches the model to stop). ``supervise_tool_calls``: the assistant's tool-call
+    spans are targets. ``empty``: a conversation with no supervised target (after
+    truncation) is dropped and counted (``drop``) or raises ``DataError`` (``error``).
+    """
+
+    turns: Literal["all", "last"] = "all"
+    supervise_eot: bool = True
+    supervise_tool_calls: bool = True
+    empty: Literal["drop", "error"] = "drop"
+
+    def __post_init__(self) -> None:
+        if self.turns not in ("all", "last"):
+            raise ConfigError(f"chat.turns must be 'all' or 'last'; got {self.turns!r}")
+        if self.empty not in ("drop", "error"):
+            raise ConfigError(f"chat.empty must be 'drop' or 'error'; got {self.empty!r}")
+
+    def supervised_parts(self) -> tuple[Part, ...]:
+        parts = [Part.CONTENT]
+        if self.supervise_tool_calls:
+            parts.append(Part.TOOL_CALL)
+        if self.supervise_eot:
+            parts.append(Part.END_OF_TURN)
+        return tuple(parts)
+
+
+def target_ownership(rendered: RenderedChat, policy: ChatPolicy) -> np.ndarray:
+    """``a_j`` for every rendered token: bool [n].
+
+    True only for assistant tokens whose part the policy supervises, in a selected
+    turn. Headers and the BOS are never owned; nor is any system, user or tool token.
+    """
+    owned = (rendered.role == Role.ASSISTANT) & np.isin(
+        rendered.part, [int(p) for p in policy.supervised_parts()]
+    )
+    if policy.turns == "last":
+        assistant_messages = rendered.message[rendered.role == Role.ASSISTANT]
+        if assistant_messages.size:
+            owned &= rendered.message == assistant_messages.max()
+    return owned
+
+
+def row_ownership(target_owned: np.ndarray) -> np.ndarray:
+    """``l_i = a_(i+1)``: bool [n]; the last row has no next token and owns nothing."""
+    rows = np.zeros_like(target_owned, dtype=bool)
+    rows[:-1] = target_owned[1:]
+    return rows
+
+
+@dataclass
+class ChatReport:
+    """Counts of what chat compilation did (R4/R5 outcomes, for the data report).
+
+    ``truncated``: conversations cut to ``max_len``; ``tokens_cut`` and
+    ``targets_cut``: tokens and supervised targets lost to truncation (kept examples
+    only); ``dropped_empty``: conversations with no supervised target, dropped;
+    ``supervised_targets``: owned targets in the kept examples (each is one supervised
+    row after the shift, because position 0 is never owned).
+    """
+
+    conversations: int = 0
+    kept: int = 0
+    truncated: int = 0
+    tokens_cut: int = 0
+    targets_cut: int = 0
+    dropped_empty: int = 0
+    supervised_targets: int = 0
+    tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def chat_example(
+    conversation: Conversation,
+    example_id: int,
+    tokenizer: ChatTokenizer,
+    policy: ChatPolicy,
+    *,
+    max_len: int,
+    template: ChatTemplate = DEFAULT_TEMPLATE,
+    report: ChatReport | None = None,
+) -> Example | None:
+    """Render, own and truncate one conversation.
+
+    Keeps the first ``max_len`` tokens (a row of ``max_len`` columns then holds the
+    whole example, every kept target with its predecessor row). Returns ``None`` when
+    no supervised target remains and ``policy.empty == "drop"``; raises ``DataError``
+    naming the conversation when ``policy.empty == "error"``.
+    """
+    if max_len < 2:
+        raise ConfigError(f"chat max_len must be >= 2 (a target needs a row before it); got {max_len}")
+    report = report if report is not None else ChatReport()
+    report.conversations += 1
+    rendered = template.render(conversation.messages, tokenizer)
+    owned = target_ownership(rendered, policy)
+    owned[0] = False  # no row precedes token 0, so it can never be a target
+    tokens = rendered.tokens
+    cut_tokens = max(0, len(tokens) - max_len)
+    cut_targets = int(owned[max_len:].sum())
+    tokens, owned = tokens[:max_len], owned[:max_len]
+    if not owned.any():
+        return _empty(conversation, example_id, policy, report, truncated=cut_tokens > 0)
+    report.kept += 1
+    report.truncated += int(cut_tokens > 0)
+    report.tokens_cut += cut_tokens
+    report.targets_cut += cut_targets
+    report.supervised_targets += int(owned.sum())
+    report.tokens += int(tokens.shape[0])
+    return Example(example_id=example_id, tokens=tokens.copy(), owned=owned.copy())
+
+
+def _empty(
+    conversation: Conversation,
+    example_id: int,
+    policy: ChatPolicy,
+    report: ChatReport,
+    *,
+    truncated: bool,
+) -> None:
+    name = conversation.name or f"conversation {example_id}"
+    if policy.empty == "error":
+        why = "after truncation to the row length" if truncated else "under the chat policy"
+        raise DataError(
+            f"{name} (example {example_id}) has no supervised token {why}; "
+            "raise batch.seq_len, shorten the conversation, or set chat.empty = 'drop'"
+        )
+    report.dropped_empty += 1
+    return None
+
+
+def chat_examples(
+    conversations: Sequence[Conversation],
+    tokenizer: ChatTokenizer,
+    policy: ChatPolicy,
+    *,
+    max_len: int,
+    template: ChatTemplate = DEFAULT_TEMPLATE,
+) -> tuple[list[Example], ChatReport]:
+    """Compile conversations to ``Example``s; ``example_id`` is the index in ``conversations``.
+
+    Dropped conversations keep their index unused, so an example id always names
+    the same source conversation (R6).
+    """
+    report = ChatReport()
+    examples = []
+    for index, conversation in enumerate(conversations):
+        example = chat_example(
+            conversation, index, tokenizer, policy,
+            max_len=max_len, template=template, report=report,
+        )
+        if example is not None:
+            examples.append(example)
+    return examples, report
