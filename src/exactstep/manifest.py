@@ -1,0 +1,288 @@
+"""The run manifest: what the run optimizes, fixed before the first step (S1).
+
+A manifest is a tree of plain values (``str``, ``int``, finite ``float``, ``bool``,
+``None``, lists and string-keyed mappings) grouped in sections. It is serialised as
+canonical JSON so that the same declaration always has the same bytes and therefore
+the same sha256 digest, on every machine and Python version:
+
+* keys sorted, separators ``(",", ":")``, UTF-8 (no ``\\u`` escapes for non-ASCII);
+* floats written as Python's shortest round-tripping ``repr`` (``0.1`` -> ``0.1``,
+  ``1e-05`` -> ``1e-05``); ``1`` and ``1.0`` are different values and stay different;
+* NaN and infinities are refused (they have no JSON spelling and no stable meaning);
+* tuples are written as lists; one trailing newline.
+
+The manifest is immutable: ``write_manifest`` refuses to replace a manifest with a
+different one, and progress (counters, cursors) lives beside it in checkpoints,
+never in it. ``diff_manifests`` names the differing fields for S4 resume refusals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from exactstep.errors import CheckpointError, ConfigError, ResumeError
+
+MANIFEST_FILE = "manifest.json"
+
+#: Sections every run manifest declares (S1). Extra sections (e.g. ``model``) are allowed.
+REQUIRED_SECTIONS: tuple[str, ...] = (
+    "data",
+    "representation",
+    "batch",
+    "objective",
+    "update",
+    "numerics",
+    "parallel",
+    "seeds",
+    "code",
+)
+
+#: Section names that would smuggle mutable progress into the immutable manifest (S1).
+FORBIDDEN_SECTIONS: tuple[str, ...] = ("progress",)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An immutable run declaration and the sha256 of its canonical bytes (S1).
+
+    ``body`` is deeply read-only (mappings are ``MappingProxyType``, lists are tuples);
+    ``to_dict()`` returns a plain, mutable copy. Two manifests are equal exactly when
+    their digests are.
+    """
+
+    body: Mapping[str, Any]
+    digest: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain ``dict``/``list`` copy of ``body``."""
+        return _thaw(self.body)
+
+    def section(self, name: str) -> Mapping[str, Any]:
+        """One section; ``KeyError`` if the manifest has no such section."""
+        return self.body[name]
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The canonical UTF-8 bytes of ``obj`` (S1), ending in one newline.
+
+    Raises ``ConfigError`` naming the dotted path of the first value that has no
+    canonical form (NaN/Inf, non-string keys, objects that are not plain data).
+    """
+    plain = _to_plain(obj, path="")
+    text = json.dumps(
+        plain, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+    return (text + "\n").encode("utf-8")
+
+
+def digest_of(obj: Any) -> str:
+    """sha256 (hex) of ``canonical_json(obj)``."""
+    return hashlib.sha256(canonical_json(obj)).hexdigest()
+
+
+def build_manifest(sections: Mapping[str, Any]) -> Manifest:
+    """Freeze ``sections`` into a ``Manifest`` with its digest (S1).
+
+    Every name in ``REQUIRED_SECTIONS`` must be present and be a mapping (an empty
+    mapping declares "nothing to say"); a ``progress`` section is refused because
+    progress lives beside the manifest. Raises ``ConfigError`` naming the problem.
+    """
+    if not isinstance(sections, Mapping):
+        raise ConfigError("a manifest is built from a mapping of section name -> mapping")
+    missing = [name for name in REQUIRED_SECTIONS if name not in sections]
+    if missing:
+        raise ConfigError(
+            f"manifest is missing section(s) {', '.join(missing)}; every run declares "
+            f"{', '.join(REQUIRED_SECTIONS)} (use an empty mapping if there is nothing to say)"
+        )
+    for name, value in sections.items():
+        if name in FORBIDDEN_SECTIONS:
+            raise ConfigError(
+                f"manifest section {name!r} is not allowed: counters and cursors are progress, "
+                "saved in checkpoints beside the manifest, never in it"
+            )
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"manifest section {name!r} must be a mapping, got {type(value).__name__}"
+            )
+    plain = _to_plain(sections, path="")
+    return Manifest(body=_freeze(plain), digest=digest_of(plain))
+
+
+def write_manifest(run_dir: Path, m: Manifest) -> None:
+    """Write ``run_dir/manifest.json`` = ``{"digest": ..., "manifest": body}`` atomically.
+
+    The file is written to a temporary name, fsynced, and hard-linked into place, so
+    a crash leaves either no manifest or the complete one. Writing the same manifest
+    again is a no-op; writing a different one raises ``ResumeError`` naming the
+    differing fields (the manifest of a run is immutable, S1).
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / MANIFEST_FILE
+    if target.exists():
+        _refuse_if_different(run_dir, m)
+        return
+    data = canonical_json({"digest": m.digest, "manifest": m.body})
+    tmp = run_dir / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, target)  # fails if another writer got there first: never clobbers
+        except FileExistsError:
+            _refuse_if_different(run_dir, m)
+            return
+        fsync_dir(run_dir)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_manifest(run_dir: Path) -> Manifest:
+    """Read and verify ``run_dir/manifest.json`` (S1).
+
+    Raises ``ResumeError`` when the file is absent (not a run directory) and
+    ``CheckpointError`` when it is unreadable or its digest does not match its body.
+    """
+    path = Path(run_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise ResumeError(
+            f"{path} does not exist; pass a run directory written by `exactstep train`"
+        )
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"{path} is not valid JSON ({exc}); the run manifest is corrupted"
+        ) from None
+    if not isinstance(doc, dict) or set(doc) != {"digest", "manifest"}:
+        raise CheckpointError(
+            f"{path} must hold exactly the keys 'digest' and 'manifest'; it is corrupted"
+        )
+    body, recorded = doc["manifest"], doc["digest"]
+    if not isinstance(body, dict):
+        raise CheckpointError(f"{path}: 'manifest' must be a mapping of sections; it is corrupted")
+    actual = digest_of(body)
+    if actual != recorded:
+        raise CheckpointError(
+            f"{path} is corrupted: its body hashes to {actual[:12]}… but it records "
+            f"digest {str(recorded)[:12]}…"
+        )
+    return Manifest(body=_freeze(body), digest=actual)
+
+
+def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
+    """Sorted dotted paths of every field that differs between ``a`` and ``b``.
+
+    A key present on one side only is reported by its path; lists that differ are
+    reported element by element (``update.betas.1``) when their lengths agree, and
+    as a whole otherwise. Equal manifests give ``[]``.
+    """
+    out: list[str] = []
+    _diff(_thaw(a.body), _thaw(b.body), "", out)
+    return sorted(out)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames and creations inside it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _refuse_if_different(run_dir: Path, m: Manifest) -> None:
+    existing = read_manifest(run_dir)
+    if existing.digest != m.digest:
+        fields = diff_manifests(existing, m)
+        raise ResumeError(
+            f"{run_dir} already holds a run with a different manifest (fields differ: "
+            f"{', '.join(fields) or 'none named'}); choose a new output directory or resume "
+            "that run with its own configuration"
+        )
+
+
+def _to_plain(obj: Any, path: str) -> Any:
+    """Validate and convert to JSON-ready plain data, naming the path of bad values."""
+    where = path or "<root>"
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise ConfigError(
+                f"manifest value {where} is {obj!r}; manifests hold finite numbers only"
+            )
+        return float(obj)
+    if isinstance(obj, Mapping):
+        out = {}
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise ConfigError(
+                    f"manifest key {key!r} under {where} is a {type(key).__name__}; keys must be strings"
+                )
+            out[key] = _to_plain(value, f"{path}.{key}" if path else key)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)]
+    raise ConfigError(
+        f"manifest value {where} is a {type(obj).__name__}; convert it to plain data "
+        "(str, int, float, bool, None, list, mapping) first"
+    )
+
+
+def _freeze(plain: Any) -> Any:
+    if isinstance(plain, Mapping):
+        return MappingProxyType({k: _freeze(v) for k, v in plain.items()})
+    if isinstance(plain, (list, tuple)):
+        return tuple(_freeze(v) for v in plain)
+    return plain
+
+
+def _thaw(frozen: Any) -> Any:
+    if isinstance(frozen, Mapping):
+        return {k: _thaw(v) for k, v in frozen.items()}
+    if isinstance(frozen, (list, tuple)):
+        return [_thaw(v) for v in frozen]
+    return frozen
+
+
+def _same_scalar(x: Any, y: Any) -> bool:
+    # 1 == 1.0 == True in Python, but they are different declarations.
+    return type(x) is type(y) and x == y
+
+
+def _diff(x: Any, y: Any, path: str, out: list[str]) -> None:
+    if isinstance(x, dict) and isinstance(y, dict):
+        for key in set(x) | set(y):
+            sub = f"{path}.{key}" if path else key
+            if key not in x or key not in y:
+                out.append(sub)
+            else:
+                _diff(x[key], y[key], sub, out)
+        return
+    if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        for i, (u, v) in enumerate(zip(x, y, strict=True)):
+            _diff(u, v, f"{path}.{i}" if path else str(i), out)
+        return
+    if isinstance(x, (dict, list)) or isinstance(y, (dict, list)):
+        if x != y or type(x) is not type(y):
+            out.append(path or "<root>")
+        return
+    if not _same_scalar(x, y):
+        out.append(path or "<root>")

@@ -1,0 +1,457 @@
+"""S2, S3, S6: complete checkpoints, atomic publication, corruption detection, pruning."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from exactstep.errors import CheckpointError
+from exactstep.state import checkpoint as ckpt
+from exactstep.state.checkpoint import (
+    clean_uncommitted,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    publish_checkpoint,
+    verify_checkpoint,
+)
+from exactstep.state.compare import state_differences
+from exactstep.state.rng import capture_rng
+
+# ------------------------------------------------------------ a tiny trained state
+
+
+class TinyTied(torch.nn.Module):
+    """Embedding tied to the output head, like the built-in decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids)))  # [N, V]
+
+
+def trained_state(seed: int = 0, steps: int = 2):
+    torch.manual_seed(seed)
+    model = TinyTied()
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model.embed.weight], "weight_decay": 0.1},
+            {"params": list(model.norm.parameters()), "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ids = torch.arange(8) % 11
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(model(ids), (ids + 1) % 11)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    parts = {
+        "optimizer": opt.state_dict(),
+        "schedule": sched.state_dict(),
+        "scaler": scaler.state_dict(),
+        "progress": {
+            "committed": steps,
+            "skipped": 0,
+            "window": steps,
+            "manifest_digest": "ab" * 32,
+        },
+        "rng": capture_rng(),
+        "data": {"epoch": 0, "cursor": 17, "remainder": [[1, 2, 3]]},
+    }
+    return model, parts
+
+
+def assert_bitwise_equal(a, b, where: str = "") -> None:
+    """Exact structural equality; tensors compared bit for bit (dtype, shape, bytes)."""
+    differences = state_differences(a, b, where)
+    assert not differences, differences
+
+
+@pytest.fixture
+def state():
+    return trained_state()
+
+
+def publish(root: Path, name: str, state, keep: int = 3) -> Path:
+    model, parts = state
+    return publish_checkpoint(root, name, model.state_dict(), parts, keep=keep)
+
+
+# ------------------------------------------------------------ round trip
+
+
+def test_round_trip_is_bitwise(tmp_path, state) -> None:
+    model, parts = state
+    root = tmp_path / "checkpoints"
+    path = publish(root, "step_2", state)
+    assert path == root / "step_2"
+    assert latest_checkpoint(root) == path
+    model_state, loaded = load_checkpoint(path)
+    assert_bitwise_equal({k: v for k, v in model_state.items()}, dict(model.state_dict()), "model")
+    assert_bitwise_equal(loaded, parts, "parts")
+
+
+def test_bitwise_check_catches_a_one_ulp_difference(state) -> None:
+    """Negative control for assert_bitwise_equal: a single ulp is a failure."""
+    _, parts = state
+    twisted = trained_state()[1]
+    exp_avg = twisted["optimizer"]["state"][0]["exp_avg"]
+    exp_avg.view(torch.int32)[0, 0] += 1
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(twisted, parts)
+
+
+def test_tied_weights_stored_once_and_restored_tied(tmp_path, state) -> None:
+    model, _ = state
+    path = publish(tmp_path, "step_2", state)
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert stored == {"embed.weight", "norm.weight", "norm.bias"}
+    model_state, _ = load_checkpoint(path)
+    assert model_state["head.weight"] is model_state["embed.weight"]
+    fresh = TinyTied()
+    fresh.load_state_dict(model_state)
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+
+
+def test_partial_views_and_noncontiguous_tensors_are_saved(tmp_path) -> None:
+    base = torch.arange(12.0).reshape(3, 4)
+    state = {"whole": base, "row": base[1], "t": base.t(), "empty": torch.zeros(0)}
+    path = publish_checkpoint(tmp_path, "a", state, {}, keep=1)
+    back, _ = load_checkpoint(path)
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
+
+
+def test_parts_use_json_only_when_lossless(tmp_path, state) -> None:
+    path = publish(tmp_path, "step_2", state)
+    names = {p.name for p in path.iterdir()}
+    # plain JSON-able parts are human readable; int keys / tuples / tensors need torch.save
+    assert {"progress.json", "data.json", "schedule.json", "scaler.json"} <= names
+    assert {"optimizer.pt", "rng.pt", "model.safetensors", "manifest.json"} <= names
+    _, parts = load_checkpoint(path)
+    assert isinstance(parts["optimizer"]["param_groups"][0]["betas"], tuple)
+    assert 0 in parts["optimizer"]["state"]  # int keys survive
+
+
+@pytest.mark.parametrize("filename", ["optimizer.pt", "rng.pt"])
+def test_pt_parts_load_with_weights_only(tmp_path, state, filename) -> None:
+    path = publish(tmp_path, "step_2", state)
+    value = torch.load(path / filename, weights_only=True)
+    assert isinstance(value, dict)
+
+
+def test_optimizer_round_trip_continues_identically(tmp_path, state) -> None:
+    """Loaded optimizer state drives the next step to the same bits as the original."""
+    model, parts = state
+    path = publish(tmp_path, "step_2", state)
+    model_state, loaded = load_checkpoint(path)
+    twin = TinyTied()
+    twin.load_state_dict(model_state)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [twin.embed.weight], "weight_decay": 0.1},
+            {"params": list(twin.norm.parameters()), "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    opt.load_state_dict(loaded["optimizer"])
+    original = torch.optim.AdamW(
+        [
+            {"params": [model.embed.weight], "weight_decay": 0.1},
+            {"params": list(model.norm.parameters()), "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    original.load_state_dict(parts["optimizer"])
+    ids = torch.arange(8) % 11
+    for m, o in ((model, original), (twin, opt)):
+        torch.nn.functional.cross_entropy(m(ids), (ids + 1) % 11).backward()
+        o.step()
+    assert_bitwise_equal(dict(twin.state_dict()), dict(model.state_dict()))
+
+
+# ------------------------------------------------------------ atomic publication (S3)
+
+
+def naive_publish(root: Path, name: str, model_state, parts, *, keep: int) -> Path:
+    """Deliberately wrong: points LATEST first, then writes files in place."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "LATEST").write_text(name + "\n")
+    final = root / name
+    final.mkdir()
+    files = {}
+    ckpt.safetensors.torch.save_file(
+        ckpt._dedupe_tensors(model_state)[0], str(final / "model.safetensors")
+    )
+    files["model.safetensors"] = ckpt._record(final / "model.safetensors")
+    raise OSError("simulated crash before the other parts were written")
+
+
+def crash_during_publication(monkeypatch, tmp_path, state, publisher) -> Path:
+    """Publish step_1, then crash while publishing step_2 after all files are written."""
+    root = tmp_path / "checkpoints"
+    model, parts = state
+    publish_checkpoint(root, "step_1", model.state_dict(), parts, keep=3)
+
+    def crashing_rename(src, dst):
+        raise OSError("simulated crash between writing files and publishing")
+
+    monkeypatch.setattr(ckpt.os, "rename", crashing_rename)
+    with pytest.raises(OSError, match="simulated crash"):
+        publisher(root, "step_2", model.state_dict(), parts, keep=3)
+    monkeypatch.undo()
+    return root
+
+
+def committed_state_survives(root: Path, expected_parts) -> bool:
+    try:
+        path = latest_checkpoint(root)
+        if path is None or not verify_checkpoint(path).ok:
+            return False
+        _, parts = load_checkpoint(path)
+        assert_bitwise_equal(parts, expected_parts)
+        return True
+    except (CheckpointError, AssertionError):
+        return False
+
+
+def test_crash_before_publication_keeps_previous_checkpoint(monkeypatch, tmp_path, state) -> None:
+    root = crash_during_publication(monkeypatch, tmp_path, state, publish_checkpoint)
+    assert latest_checkpoint(root) == root / "step_1"
+    assert committed_state_survives(root, state[1])
+    leftovers = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+    assert (
+        len(leftovers) == 1 and (leftovers[0] / "manifest.json").is_file()
+    )  # fully written, unpublished
+    assert list_checkpoints(root) == [root / "step_1"]
+    assert clean_uncommitted(root) == leftovers
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step_1"]
+    assert committed_state_survives(root, state[1])
+
+
+def test_crash_check_catches_naive_publisher(monkeypatch, tmp_path, state) -> None:
+    """Negative control: a publisher that moves LATEST first loses the committed state."""
+    root = crash_during_publication(monkeypatch, tmp_path, state, naive_publish)
+    assert not committed_state_survives(root, state[1])
+
+
+def test_crash_after_rename_before_latest(monkeypatch, tmp_path, state) -> None:
+    """Renamed into place but LATEST not replaced: the orphan is uncommitted."""
+    root = tmp_path / "checkpoints"
+    publish(root, "step_1", state)
+
+    def crash(*args, **kwargs):
+        raise OSError("simulated crash before LATEST moved")
+
+    monkeypatch.setattr(ckpt, "_point_latest", crash)
+    with pytest.raises(OSError):
+        publish(root, "step_2", state)
+    monkeypatch.undo()
+    assert (root / "step_2" / "manifest.json").is_file()
+    assert latest_checkpoint(root) == root / "step_1"
+    assert list_checkpoints(root) == [root / "step_1"]
+    # a resumed run republishes the same name over the orphan
+    publish(root, "step_2", state)
+    assert latest_checkpoint(root) == root / "step_2"
+    assert verify_checkpoint(root / "step_2").ok
+
+
+def test_orphan_removed_by_clean_uncommitted(monkeypatch, tmp_path, state) -> None:
+    root = tmp_path / "checkpoints"
+    publish(root, "step_1", state)
+    monkeypatch.setattr(ckpt, "_point_latest", lambda *a: (_ for _ in ()).throw(OSError("crash")))
+    with pytest.raises(OSError):
+        publish(root, "step_2", state)
+    monkeypatch.undo()
+    assert clean_uncommitted(root) == [root / "step_2"]
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step_1"]
+
+
+def test_no_latest_means_nothing_committed(tmp_path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    assert list_checkpoints(tmp_path) == []
+    assert clean_uncommitted(tmp_path / "absent") == []
+
+
+def test_clean_uncommitted_leaves_foreign_directories(tmp_path, state) -> None:
+    publish(tmp_path, "step_1", state)
+    (tmp_path / "notes").mkdir()
+    assert clean_uncommitted(tmp_path) == []
+    assert (tmp_path / "notes").is_dir()
+
+
+def test_republishing_latest_name_refused(tmp_path, state) -> None:
+    publish(tmp_path, "step_1", state)
+    with pytest.raises(CheckpointError, match="already the published LATEST"):
+        publish(tmp_path, "step_1", state)
+    assert verify_checkpoint(tmp_path / "step_1").ok
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "LATEST", "a/b", " x"])
+def test_bad_names_refused(tmp_path, state, name) -> None:
+    with pytest.raises(CheckpointError, match="not allowed"):
+        publish(tmp_path, name, state)
+
+
+def test_bad_part_name_refused(tmp_path, state) -> None:
+    model, parts = state
+    with pytest.raises(CheckpointError, match="part name"):
+        publish_checkpoint(tmp_path, "a", model.state_dict(), {"model": 1}, keep=1)
+    with pytest.raises(CheckpointError, match="part name"):
+        publish_checkpoint(tmp_path, "a", model.state_dict(), {"../x": 1}, keep=1)
+
+
+def test_pointer_is_single_line_and_only_pointer_is_followed(tmp_path, state) -> None:
+    publish(tmp_path, "step_1", state)
+    publish(tmp_path, "step_2", state)
+    assert (tmp_path / "LATEST").read_text() == "step_2\n"
+    (tmp_path / "LATEST").write_text("step_1\n")  # an operator rolls back
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
+    (tmp_path / "LATEST").write_text("step_9\n")
+    with pytest.raises(CheckpointError, match="step_9"):
+        latest_checkpoint(tmp_path)
+
+
+# ------------------------------------------------------------ pruning
+
+
+def test_keep_prunes_oldest_by_publication_order(tmp_path, state) -> None:
+    names = ["step_9", "step_10", "step_11", "step_12"]  # lexical order would prune wrongly
+    for name in names:
+        publish(tmp_path, name, state, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_11", "step_12"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step_11", "step_12"]
+
+
+def test_keep_one_keeps_only_latest(tmp_path, state) -> None:
+    for i in range(3):
+        publish(tmp_path, f"s{i}", state, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "s2"]
+
+
+# ------------------------------------------------------------ corruption (S6)
+
+
+def flip_byte(file: Path, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset % len(data)] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+CHECKPOINT_FILES = [
+    "model.safetensors",
+    "optimizer.pt",
+    "schedule.json",
+    "scaler.json",
+    "progress.json",
+    "rng.pt",
+    "data.json",
+]
+
+
+@pytest.mark.parametrize("filename", CHECKPOINT_FILES)
+@pytest.mark.parametrize("where", [0, -1, 0.5])
+def test_flipped_byte_detected_naming_file(tmp_path, state, filename, where) -> None:
+    path = publish(tmp_path, "step_2", state)
+    file = path / filename
+    offset = int(where * file.stat().st_size) if isinstance(where, float) else where
+    flip_byte(file, offset)
+    report = verify_checkpoint(path)
+    assert not report.ok
+    assert report.bad_files == [filename]
+    assert "corrupted" in report.format() and filename in report.format()
+    with pytest.raises(CheckpointError, match=rf"{filename} is corrupted"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("filename", CHECKPOINT_FILES)
+def test_missing_file_detected_naming_file(tmp_path, state, filename) -> None:
+    path = publish(tmp_path, "step_2", state)
+    (path / filename).unlink()
+    report = verify_checkpoint(path)
+    assert [(p.file, p.status) for p in report.parts if p.status != "ok"] == [(filename, "missing")]
+    with pytest.raises(CheckpointError, match=rf"{filename} is missing"):
+        load_checkpoint(path)
+
+
+def test_missing_or_damaged_checkpoint_manifest(tmp_path, state) -> None:
+    path = publish(tmp_path, "step_2", state)
+    flip_byte(path / "manifest.json", 3)
+    assert not verify_checkpoint(path).ok
+    with pytest.raises(CheckpointError, match="manifest.json"):
+        load_checkpoint(path)
+    (path / "manifest.json").unlink()
+    report = verify_checkpoint(path)
+    assert not report.ok and "manifest.json is missing" in report.problems[0]
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        load_checkpoint(path)
+
+
+def test_unlisted_file_is_a_problem(tmp_path, state) -> None:
+    path = publish(tmp_path, "step_2", state)
+    (path / "stray.bin").write_bytes(b"x")
+    report = verify_checkpoint(path)
+    assert not report.ok and "stray.bin" in report.problems[0]
+
+
+def test_unverified_load_misses_corruption(tmp_path, state) -> None:
+    """Negative control: without the digest check a flipped tensor byte loads silently."""
+    path = publish(tmp_path, "step_2", state)
+    file = path / "model.safetensors"
+    flip_byte(file, -1)  # last byte of the tensor data region
+    model_state, _ = load_checkpoint(path, verify=False)
+    original = dict(state[0].state_dict())
+    assert any(not torch.equal(model_state[k], original[k]) for k in original)
+
+
+def test_fallback_to_previous_committed_checkpoint(tmp_path, state) -> None:
+    publish(tmp_path, "step_1", state)
+    publish(tmp_path, "step_2", state)
+    flip_byte(tmp_path / "step_2" / "optimizer.pt", 100)
+    with pytest.raises(CheckpointError, match="optimizer.pt"):
+        load_checkpoint(latest_checkpoint(tmp_path))
+    previous = list_checkpoints(tmp_path)[-2]
+    assert previous.name == "step_1" and verify_checkpoint(previous).ok
+    load_checkpoint(previous)
+
+
+def test_verify_report_lists_every_part_with_digest(tmp_path, state) -> None:
+    path = publish(tmp_path, "step_2", state)
+    report = verify_checkpoint(path)
+    assert report.ok
+    assert {p.part for p in report.parts} == {
+        "model",
+        "optimizer",
+        "schedule",
+        "scaler",
+        "progress",
+        "rng",
+        "data",
+    }
+    manifest = json.loads((path / "manifest.json").read_bytes())
+    for p in report.parts:
+        assert p.actual_sha256 == manifest["files"][p.file]["sha256"]
+    json.dumps(report.to_dict())
+
+
+def test_publication_leaves_no_temporaries(tmp_path, state) -> None:
+    publish(tmp_path, "step_1", state)
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_1"]
