@@ -1,0 +1,387 @@
+"""Row losses: fp32 cross entropy, chunked over rows, with the head fused in (L1, L2).
+
+Three entry points share one chunk kernel:
+
+- ``fused_row_losses(hidden, head_weight, labels)``: per-row smoothed CE and gold NLL.
+  The head projection runs inside the chunk loop, so at most ``chunk_rows x V`` fp32
+  logits exist at a time; the backward recomputes each chunk's logits (L1).
+- ``fused_weighted_sum(hidden, head_weight, labels, coeff)``: the scalar
+  ``sum_r coeff_r * ce_r``. Because the row weights are known before the forward, the
+  gradient is produced chunk by chunk *during* the forward and only scaled in the
+  backward: no recomputation, the same matmul count as the naive path, and an extra
+  memory of ``O(N*H + V*H)`` instead of ``O(N*V)``.
+- ``logits_row_losses(logits, labels)``: for models that only return logits; still
+  chunked, so no full fp32 copy (nor fp32 gradient copy) of bf16 logits is made.
+
+Invariants: the log-sum-exp is taken in fp32 whatever the input dtype; rows whose label
+is ``IGNORE_INDEX`` give 0 loss and exactly 0 gradient; no function here reads a device
+value on the host (no ``.item()``, no data-dependent shapes) unless the labels are
+already on the CPU, where selecting supervised rows costs no device sync.
+
+Failure modes: shapes that do not line up and invalid smoothing settings raise
+``ObjectiveError``; a label outside ``[0, V)`` other than the ignore id is an R7
+violation caught by the collator (here it fails inside ``gather``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from exactstep.errors import ObjectiveError
+from exactstep.objective.config import ObjectiveConfig
+from exactstep.objective.smoothing import Smoothing
+from exactstep.rows.batch import IGNORE_INDEX
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def chunk_bounds(num_rows: int, chunk_rows: int) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` of each chunk; ``chunk_rows = 0`` means one chunk of all rows."""
+    step = num_rows if chunk_rows <= 0 else chunk_rows
+    for start in range(0, num_rows, max(step, 1)):
+        yield start, min(start + step, num_rows)
+
+
+def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The head matmul's dtype: autocast's when it is on, else the inputs' promotion."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def resolve_smoothing(cfg: ObjectiveConfig, vocab_size: int, pad_id: int | None) -> Smoothing:
+    return Smoothing.resolve(cfg.smoothing, cfg.label_smoothing, vocab_size, pad_id)
+
+
+def supervised_index(labels_N: Tensor, rows_index: Tensor | None) -> Tensor | None:
+    """Flat indices of supervised rows, or ``None`` to compute over every row.
+
+    A caller-provided ``rows_index`` (computed on the host before the batch moved) is
+    used as is. CPU labels are indexed here (no device sync exists on the CPU). On an
+    accelerator without an index every row is computed and ignored rows are masked.
+    """
+    if rows_index is not None:
+        return rows_index.to(labels_N.device, non_blocking=True)
+    if labels_N.device.type != "cpu":
+        return None
+    index = (labels_N != IGNORE_INDEX).nonzero().squeeze(1)
+    return None if index.numel() == labels_N.numel() else index
+
+
+def check_shapes(hidden_NH: Tensor, weight_VH: Tensor, labels_N: Tensor) -> None:
+    if hidden_NH.dim() != 2 or weight_VH.dim() != 2 or labels_N.dim() != 1:
+        raise ObjectiveError(
+            "row losses take hidden [N, H], head weight [V, H] and labels [N]; got "
+            f"{tuple(hidden_NH.shape)}, {tuple(weight_VH.shape)}, {tuple(labels_N.shape)}"
+        )
+    if hidden_NH.shape[1] != weight_VH.shape[1] or hidden_NH.shape[0] != labels_N.shape[0]:
+        raise ObjectiveError(
+            f"hidden {tuple(hidden_NH.shape)}, head weight {tuple(weight_VH.shape)} and "
+            f"labels {tuple(labels_N.shape)} do not line up (need [N, H], [V, H], [N])"
+        )
+
+
+# ------------------------------------------------------------------------ chunk kernel
+
+
+def chunk_losses(
+    z_nV: Tensor, gold_n: Tensor, valid_n: Tensor, sm: Smoothing
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(smoothed CE, gold NLL, log-sum-exp) of fp32 logits ``z_nV``; 0 on ignored rows.
+
+    ``gold_n`` must be a valid class on every row (ignored rows carry a placeholder).
+    """
+    lse_n = torch.logsumexp(z_nV, dim=1)  # [n]
+    z_gold_n = z_nV.gather(1, gold_n.unsqueeze(1)).squeeze(1)  # [n]
+    nll_n = lse_n - z_gold_n
+    if sm.active:
+        support_mean_n = sm.support_sum(z_nV, gold_n, z_gold_n) / sm.support_size(
+            gold_n, z_nV.dtype
+        )
+        ce_n = (1.0 - sm.eps) * nll_n + sm.eps * (lse_n - support_mean_n)
+    else:
+        ce_n = nll_n
+    zero = torch.zeros((), dtype=ce_n.dtype, device=ce_n.device)
+    return torch.where(valid_n, ce_n, zero), torch.where(valid_n, nll_n, zero), lse_n
+
+
+def chunk_logit_grad_(
+    z_nV: Tensor, lse_n: Tensor, gold_n: Tensor, row_scale_n: Tensor, sm: Smoothing
+) -> Tensor:
+    """Turn fp32 logits ``z_nV`` in place into ``row_scale * (softmax(z) - q)``."""
+    z_nV.sub_(lse_n.unsqueeze(1)).exp_()  # softmax, [n, V]
+    sm.subtract_target(z_nV, gold_n)
+    z_nV.mul_(row_scale_n.unsqueeze(1))
+    return z_nV
+
+
+def split_labels(labels_n: Tensor) -> tuple[Tensor, Tensor]:
+    valid_n = labels_n != IGNORE_INDEX
+    gold_n = torch.where(valid_n, labels_n, torch.zeros_like(labels_n))
+    return gold_n, valid_n
+
+
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every floating input dtype, except that fp64 stays fp64 (for tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def head_logits(h_nH: Tensor, weight_cd_VH: Tensor, dtype: torch.dtype) -> Tensor:
+    """Logits [n, V] of one chunk in ``loss_dtype``; the matmul runs in ``dtype``."""
+    return torch.mm(h_nH.to(dtype), weight_cd_VH.t()).to(loss_dtype(dtype))
+
+
+class _FusedRowLosses(torch.autograd.Function):
+    """Per-row losses with the head fused; backward recomputes each chunk (L1)."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, labels_N, sm, chunk_rows, dtype):  # type: ignore[override]
+        with torch.autocast(hidden_NH.device.type, enabled=False):
+            weight_cd = weight_VH.to(dtype)
+            N = hidden_NH.shape[0]
+            ce_N = hidden_NH.new_zeros(N, dtype=loss_dtype(dtype))
+            nll_N = torch.zeros_like(ce_N)
+            lse_N = torch.zeros_like(ce_N)
+            for start, stop in chunk_bounds(N, chunk_rows):
+                gold_n, valid_n = split_labels(labels_N[start:stop])
+                z_nV = head_logits(hidden_NH[start:stop], weight_cd, dtype)
+                ce, nll, lse = chunk_losses(z_nV, gold_n, valid_n, sm)
+                ce_N[start:stop], nll_N[start:stop], lse_N[start:stop] = ce, nll, lse
+        ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N)
+        ctx.sm, ctx.chunk_rows, ctx.dtype = sm, chunk_rows, dtype
+        ctx.mark_non_differentiable(nll_N)
+        return ce_N, nll_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ce_N, _grad_nll_N):  # type: ignore[override]
+        hidden_NH, weight_VH, labels_N, lse_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = ctx.dtype
+        with torch.autocast(hidden_NH.device.type, enabled=False):
+            weight_cd = weight_VH.to(dtype)
+            grad_h = torch.empty_like(hidden_NH) if need_h else None
+            grad_w32 = (
+                torch.zeros(weight_VH.shape, dtype=loss_dtype(dtype), device=weight_VH.device)
+                if need_w
+                else None
+            )
+            for start, stop in chunk_bounds(hidden_NH.shape[0], ctx.chunk_rows):
+                gold_n, valid_n = split_labels(labels_N[start:stop])
+                scale_n = torch.where(valid_n, grad_ce_N[start:stop].to(loss_dtype(dtype)), 0.0)
+                h_nH = hidden_NH[start:stop]
+                z_nV = head_logits(h_nH, weight_cd, dtype)
+                dz = chunk_logit_grad_(z_nV, lse_N[start:stop], gold_n, scale_n, ctx.sm)
+                accumulate_head_grads(dz, h_nH, weight_cd, grad_h, grad_w32, start, stop, dtype)
+        grad_w = None if grad_w32 is None else grad_w32.to(weight_VH.dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+def accumulate_head_grads(
+    dz_nV: Tensor,
+    h_nH: Tensor,
+    weight_cd_VH: Tensor,
+    grad_h_NH: Tensor | None,
+    grad_w32_VH: Tensor | None,
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
+) -> None:
+    """``grad_h[start:stop] = dz @ W`` and ``grad_w += dz^T @ h`` (fp32 accumulator)."""
+    dz_cd = dz_nV.to(dtype)
+    if grad_h_NH is not None:
+        grad_h_NH[start:stop] = torch.mm(dz_cd, weight_cd_VH)
+    if grad_w32_VH is not None:
+        h_cd = h_nH.to(dtype)
+        if dtype == grad_w32_VH.dtype:
+            grad_w32_VH.addmm_(dz_cd.t(), h_cd)
+        else:
+            grad_w32_VH.add_(torch.mm(dz_cd.t(), h_cd).to(grad_w32_VH.dtype))
+
+
+class _FusedWeightedSum(torch.autograd.Function):
+    """``sum coeff * ce`` with gradients formed during the forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden_NH, weight_VH, labels_N, coeff_N, sm, chunk_rows, dtype, need_h, need_w
+    ):  # type: ignore[override]
+        device = hidden_NH.device
+        with torch.autocast(device.type, enabled=False):
+            weight_cd = weight_VH.to(dtype)
+            N = hidden_NH.shape[0]
+            acc = loss_dtype(dtype)
+            numerator = torch.zeros((), dtype=acc, device=device)
+            nll_sum = torch.zeros((), dtype=acc, device=device)
+            grad_h = torch.empty_like(hidden_NH) if need_h else None
+            grad_w32 = torch.zeros(weight_VH.shape, dtype=acc, device=device) if need_w else None
+            for start, stop in chunk_bounds(N, chunk_rows):
+                gold_n, valid_n = split_labels(labels_N[start:stop])
+                coeff_n = torch.where(valid_n, coeff_N[start:stop].to(acc), 0.0)
+                h_nH = hidden_NH[start:stop]
+                z_nV = head_logits(h_nH, weight_cd, dtype)
+                ce_n, nll_n, lse_n = chunk_losses(z_nV, gold_n, valid_n, sm)
+                numerator += torch.dot(coeff_n, ce_n)
+                nll_sum += nll_n.sum()
+                if need_h or need_w:
+                    dz = chunk_logit_grad_(z_nV, lse_n, gold_n, coeff_n, sm)
+                    accumulate_head_grads(dz, h_nH, weight_cd, grad_h, grad_w32, start, stop, dtype)
+        grad_w = None if grad_w32 is None else grad_w32.to(weight_VH.dtype)
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.has = (grad_h is not None, grad_w is not None)
+        ctx.mark_non_differentiable(nll_sum)
+        return numerator, nll_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_numerator, _grad_nll):  # type: ignore[override]
+        saved = iter(ctx.saved_tensors)
+        grad_h = next(saved) * grad_numerator if ctx.has[0] else None  # keeps its dtype
+        grad_w = next(saved) * grad_numerator if ctx.has[1] else None
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+class _LogitsRowLosses(torch.autograd.Function):
+    """Per-row losses from given logits, chunked; backward recomputes softmax per chunk."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, labels_N, sm, chunk_rows):  # type: ignore[override]
+        N = logits_NV.shape[0]
+        acc = loss_dtype(logits_NV.dtype)
+        ce_N = logits_NV.new_zeros(N, dtype=acc)
+        nll_N = torch.zeros_like(ce_N)
+        lse_N = torch.zeros_like(ce_N)
+        for start, stop in chunk_bounds(N, chunk_rows):
+            gold_n, valid_n = split_labels(labels_N[start:stop])
+            z_nV = logits_NV[start:stop].to(acc)
+            ce, nll, lse = chunk_losses(z_nV, gold_n, valid_n, sm)
+            ce_N[start:stop], nll_N[start:stop], lse_N[start:stop] = ce, nll, lse
+        ctx.save_for_backward(logits_NV, labels_N, lse_N)
+        ctx.sm, ctx.chunk_rows = sm, chunk_rows
+        ctx.mark_non_differentiable(nll_N)
+        return ce_N, nll_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ce_N, _grad_nll_N):  # type: ignore[override]
+        logits_NV, labels_N, lse_N = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits_NV)
+        for start, stop in chunk_bounds(logits_NV.shape[0], ctx.chunk_rows):
+            gold_n, valid_n = split_labels(labels_N[start:stop])
+            scale_n = torch.where(valid_n, grad_ce_N[start:stop].to(lse_N.dtype), 0.0)
+            z_nV = logits_NV[start:stop].to(lse_N.dtype, copy=True)
+            dz = chunk_logit_grad_(z_nV, lse_N[start:stop], gold_n, scale_n, ctx.sm)
+            grad_logits[start:stop] = dz
+        return grad_logits, None, None, None
+
+
+# ------------------------------------------------------------------------- public API
+
+
+def fused_row_losses(
+    hidden_NH: Tensor,
+    head_weight_VH: Tensor,
+    labels_N: Tensor,
+    cfg: ObjectiveConfig,
+    *,
+    pad_id: int | None,
+    rows_index: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-row (smoothed CE [N] fp32 with graph, gold NLL [N] fp32 detached) (L1, L2).
+
+    ``labels_N`` are row-aligned targets (R1: already shifted); ignored rows give 0.
+    The full ``[N, V]`` fp32 logits and their gradient never exist at once: the head
+    projection and the backward both run ``cfg.chunk_rows`` rows at a time.
+    ``rows_index`` (optional, host-computed flat indices of supervised rows) lets
+    ignored rows be skipped without a device sync. Gradients reach ``hidden_NH`` and
+    ``head_weight_VH``.
+    """
+    check_shapes(hidden_NH, head_weight_VH, labels_N)
+    sm = resolve_smoothing(cfg, head_weight_VH.shape[0], pad_id)
+    dtype = compute_dtype(hidden_NH, head_weight_VH)
+    index = supervised_index(labels_N, rows_index)
+    if index is None:
+        return _FusedRowLosses.apply(hidden_NH, head_weight_VH, labels_N, sm, cfg.chunk_rows, dtype)
+    ce_n, nll_n = _FusedRowLosses.apply(
+        hidden_NH.index_select(0, index),
+        head_weight_VH,
+        labels_N.index_select(0, index),
+        sm,
+        cfg.chunk_rows,
+        dtype,
+    )
+    zeros_N = ce_n.new_zeros(labels_N.shape[0])
+    return zeros_N.index_copy(0, index, ce_n), zeros_N.index_copy(0, index, nll_n)
+
+
+def fused_weighted_sum(
+    hidden_NH: Tensor,
+    head_weight_VH: Tensor,
+    labels_N: Tensor,
+    coeff_N: Tensor,
+    cfg: ObjectiveConfig,
+    *,
+    pad_id: int | None,
+    rows_index: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(``sum_r coeff_r * ce_r`` 0-dim fp32 with graph, gold NLL sum 0-dim detached).
+
+    The L3 numerator of one microbatch. Same value as
+    ``(coeff * fused_row_losses(...)[0]).sum()`` (to rounding), but the gradient is
+    computed chunk by chunk in the forward and stored (``[N, H]`` and ``[V, H]``), so
+    the backward does no recomputation. Under ``torch.no_grad`` no gradient is formed.
+    """
+    check_shapes(hidden_NH, head_weight_VH, labels_N)
+    if coeff_N.shape != labels_N.shape:
+        raise ObjectiveError(
+            f"coefficients {tuple(coeff_N.shape)} must match labels {tuple(labels_N.shape)}"
+        )
+    sm = resolve_smoothing(cfg, head_weight_VH.shape[0], pad_id)
+    dtype = compute_dtype(hidden_NH, head_weight_VH)
+    coeff_N = coeff_N.to(hidden_NH.device, non_blocking=True)
+    index = supervised_index(labels_N, rows_index)
+    if index is not None:
+        hidden_NH = hidden_NH.index_select(0, index)
+        labels_N, coeff_N = labels_N.index_select(0, index), coeff_N.index_select(0, index)
+    grad_on = torch.is_grad_enabled()
+    need_h = grad_on and hidden_NH.requires_grad
+    need_w = grad_on and head_weight_VH.requires_grad
+    return _FusedWeightedSum.apply(
+        hidden_NH, head_weight_VH, labels_N, coeff_N, sm, cfg.chunk_rows, dtype, need_h, need_w
+    )
+
+
+def logits_row_losses(
+    logits_NV: Tensor,
+    labels_N: Tensor,
+    cfg: ObjectiveConfig,
+    *,
+    pad_id: int | None,
+    rows_index: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-row (smoothed CE, gold NLL) from logits a model already produced (L1, L2).
+
+    Chunked over rows with an fp32 log-sum-exp; the gradient is written in the logits'
+    own dtype, so bf16 logits never get a full fp32 copy or fp32 gradient.
+    """
+    if logits_NV.dim() != 2 or labels_N.dim() != 1 or logits_NV.shape[0] != labels_N.shape[0]:
+        raise ObjectiveError(
+            f"logits [N, V] and labels [N] do not line up: {tuple(logits_NV.shape)}, "
+            f"{tuple(labels_N.shape)}"
+        )
+    sm = resolve_smoothing(cfg, logits_NV.shape[1], pad_id)
+    index = supervised_index(labels_N, rows_index)
+    if index is None:
+        return _LogitsRowLosses.apply(logits_NV, labels_N, sm, cfg.chunk_rows)
+    ce_n, nll_n = _LogitsRowLosses.apply(
+        logits_NV.index_select(0, index), labels_N.index_select(0, index), sm, cfg.chunk_rows
+    )
+    zeros_N = ce_n.new_zeros(labels_N.shape[0])
+    return zeros_N.index_copy(0, index, ce_n), zeros_N.index_copy(0, index, nll_n)
