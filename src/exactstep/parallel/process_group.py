@@ -1,0 +1,176 @@
+"""Process groups: who am I, how many are we, and what happens when a peer dies (D1).
+
+The launcher's contract (torchrun) is read from the process environment:
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Without
+them (or with ``WORLD_SIZE=1``) the run is a single process and no process group is
+created, so every caller can use the same code path.
+
+Every collective is bounded by ``ParallelConfig.timeout_s``: a dead or stalled peer
+makes the surviving ranks raise (``DistributedError`` once translated) within that
+time instead of hanging. ``gloo`` honours the timeout for all its collectives;
+``nccl`` honours it through its watchdog.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from exactstep.errors import DistributedError
+from exactstep.parallel.config import ParallelConfig
+
+LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job. ``backend`` is ``None`` for a single process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 owns the progress bar, the ledger, metrics and published files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def single_process(device: torch.device) -> DistContext:
+    """The world-1 context: no process group, rank 0."""
+    return DistContext(rank=0, world_size=1, local_rank=0, device=device, backend=None)
+
+
+def launcher_values(env: Mapping[str, str]) -> tuple[int, int, int] | None:
+    """(rank, world, local_rank) from the launcher's variables, or None when absent."""
+    if "WORLD_SIZE" not in env or "RANK" not in env:
+        return None
+    try:
+        world = int(env["WORLD_SIZE"])
+        rank = int(env["RANK"])
+        local = int(env.get("LOCAL_RANK", rank))
+    except ValueError:
+        raise DistributedError(
+            "RANK / WORLD_SIZE / LOCAL_RANK must be integers (they are set by torchrun); "
+            f"got RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r}"
+        ) from None
+    if world < 1 or not 0 <= rank < world:
+        raise DistributedError(f"rank {rank} is outside a world of {world}; relaunch with torchrun")
+    return rank, world, local
+
+
+def resolve_backend(cfg: ParallelConfig, device_type: str) -> str:
+    """``auto`` -> nccl on CUDA, gloo on CPU. nccl without CUDA is a user error."""
+    if cfg.backend == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if cfg.backend == "nccl" and device_type != "cuda":
+        raise DistributedError(
+            "parallel.backend = 'nccl' needs CUDA devices; use parallel.backend = 'gloo' "
+            "(or 'auto') on CPU"
+        )
+    return cfg.backend
+
+
+def resolve_rank_device(device_pref: str | torch.device, local_rank: int) -> torch.device:
+    """CPU stays CPU; CUDA means ``cuda:LOCAL_RANK`` (one device per process)."""
+    if str(device_pref) == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        kind = torch.device(device_pref).type
+    if kind != "cuda":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DistributedError("device 'cuda' was asked for but no CUDA device is visible")
+    if local_rank >= torch.cuda.device_count():
+        raise DistributedError(
+            f"local rank {local_rank} has no CUDA device ({torch.cuda.device_count()} visible); "
+            "use --nproc_per_node <= the number of devices"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(
+    cfg: ParallelConfig,
+    device_pref: str | torch.device,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> DistContext:
+    """Join the job described by the launcher's variables (``env``: default the process's).
+
+    Returns a world-1 context when no launcher variables are present. Raises
+    ``DistributedError`` naming the rendezvous address when the group cannot form.
+    """
+    env = os.environ if env is None else env
+    values = launcher_values(env)
+    if values is None or values[1] == 1:
+        local = values[2] if values else 0
+        return single_process(resolve_rank_device(device_pref, local))
+    rank, world, local = values
+    device = resolve_rank_device(device_pref, local)
+    backend = resolve_backend(cfg, device.type)
+    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT")
+    if port is None:
+        raise DistributedError("MASTER_PORT is not set; launch with torchrun (it sets it)")
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise DistributedError(
+            f"rank {rank} of {world} could not join the process group at {addr}:{port} "
+            f"with backend {backend} within {cfg.timeout_s:g} s ({_first_line(exc)}); check "
+            "that every rank was started and that the address is reachable"
+        ) from None
+    return DistContext(rank=rank, world_size=world, local_rank=local, device=device,
+                       backend=backend)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Leave the process group (a no-op for a single process or when already gone)."""
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def peer_failure(ctx: DistContext, exc: BaseException) -> DistributedError:
+    """Translate a failed collective into the one message a user sees (D1)."""
+    return DistributedError(
+        f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({_first_line(exc)}); "
+        "another rank probably died or stalled — see the first failing rank's message, "
+        "then resume from the last committed checkpoint"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (bind to port 0 and read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def launcher_env(rank: int, world: int, port: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """The variables torchrun would set for ``rank`` of ``world`` on one host."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": host, "MASTER_PORT": str(port)}

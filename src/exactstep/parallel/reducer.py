@@ -1,0 +1,116 @@
+"""The update engine's ``Reducer`` for many processes (D1, D2).
+
+What the window needs from the other ranks, and how ``DDPReducer`` provides it:
+
+- **One objective (D1, D5).** The window denominator ``D_W`` is known on the host
+  before any forward (L3), so the engine sums ``[D_local, tokens_local]`` over ranks
+  with ``sum`` and pre-scales every microbatch numerator by ``R / D_global``. DDP
+  then *averages* the gradient buckets (divides by ``R``), so each rank holds
+  ``(1/R) * sum_r grad(S_r) * R / D_global = grad(sum_r S_r) / D_global``, the
+  gradient of the global objective. Pre-scaling is chosen over scaling the
+  gradients after the all-reduce because ``D_global`` is available before the
+  forward and it keeps the close identical to the single-process path (one
+  numerator scale, ``unscale`` once, no extra pass over the gradients); the two
+  are equal in exact arithmetic and agree to rounding in fp32.
+- **Agreed decisions (D2, L4).** ``D_global == 0`` is seen identically by every
+  rank (it is the result of the same all-reduce), so all ranks record
+  ``NO_OBJECTIVE`` together. The finite decision is a flag summed over ranks
+  (packed with the reporting scalars into one tensor, one collective): any rank
+  with a non-finite gradient or loss makes every rank skip.
+- **Communication cadence (D1).** ``no_sync`` disables gradient synchronisation for
+  the forward *and* backward of the first K-1 microbatches; the K-th runs
+  normally and its backward all-reduces the accumulated buckets once.
+
+A rank whose shard is empty still runs every microbatch's forward and backward
+with zero coefficients (a graph-connected zero), so DDP's bucket collectives line
+up; that is the engine's side of the contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from exactstep.errors import DistributedError
+from exactstep.parallel.process_group import DistContext, peer_failure
+
+
+class DDPReducer:
+    """Cross-rank sums and gradient-sync control over the default process group.
+
+    Every call is a collective: every rank must make the same calls in the same
+    order (the window guarantees it by running the same number of microbatches on
+    every rank). A collective that fails or exceeds ``parallel.timeout_s`` (a dead
+    peer) raises ``DistributedError``.
+    """
+
+    def __init__(self, ctx: DistContext) -> None:
+        if not ctx.distributed:
+            raise DistributedError("DDPReducer needs an initialised process group (world > 1)")
+        self.ctx = ctx
+        self.world_size = ctx.world_size
+        # nccl reduces device tensors only; gloo reduces host tensors.
+        self.comm_device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        self.collectives = 0  # how many sums this reducer issued (for tests and bench)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over ranks of a small tensor, in one all-reduce.
+
+        Returns a new tensor on ``values``' device and dtype; ``values`` is not
+        modified.
+        """
+        buffer = values.detach().to(self.comm_device, copy=True)
+        try:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise peer_failure(self.ctx, exc) from None
+        self.collectives += 1
+        return buffer.to(values.device)
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over ranks (used to agree on window lengths)."""
+        buffer = values.detach().to(self.comm_device, copy=True)
+        try:
+            dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise peer_failure(self.ctx, exc) from None
+        self.collectives += 1
+        return buffer.to(values.device)
+
+    def no_sync(self, module: nn.Module, is_last: bool) -> AbstractContextManager:
+        """Skip gradient synchronisation for this microbatch unless it is the last (D1).
+
+        DDP: ``module.no_sync()``. FSDP2: ``set_requires_gradient_sync(False)`` for
+        the microbatch, restored afterwards. A module that is neither syncs nothing
+        by itself, so the context is empty.
+        """
+        if is_last:
+            return contextlib.nullcontext()
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            return module.no_sync()
+        if hasattr(module, "set_requires_gradient_sync"):
+            return _fsdp_no_sync(module)
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def build_reducer(ctx: DistContext):
+    """``DDPReducer`` for a process group, the engine's ``LocalReducer`` otherwise."""
+    if ctx.distributed:
+        return DDPReducer(ctx)
+    from exactstep.update.window import LocalReducer
+
+    return LocalReducer()

@@ -1,0 +1,82 @@
+"""The window under many processes: one engine, one reducer, equal microbatch counts (D1, D2).
+
+``distribute_engine`` turns a single-process ``UpdateEngine`` into a rank of a
+distributed job: it installs ``DDPReducer`` (denominator, finite flag and no-objective
+decision agreed over ranks) and wraps the engine's ``TrainModule`` in DDP so the
+forward *and* the backward of the first K-1 microbatches run under ``no_sync``.
+
+``agreed_window`` keeps collectives aligned: every rank must run the same number of
+microbatches in a window, or DDP's bucket all-reduce on one rank would wait for a
+backward that never comes on another. At the end of a finite stream the ranks agree
+(one all-reduce of the count, max) and a rank that ran out pads with *empty*
+microbatches: rows of padding tokens with no supervised target. They contribute 0 to
+``D`` and a graph-connected zero numerator, so the update is unchanged (D1, U1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+
+import torch
+
+from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.process_group import DistContext
+from exactstep.parallel.reducer import DDPReducer
+from exactstep.parallel.wrap import wrap_train_module
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+
+PAD_EXAMPLE_ID = -1  # row address of a padding microbatch's rows (R6)
+
+
+def distribute_engine(engine, ctx: DistContext, cfg: ParallelConfig):
+    """Make ``engine`` one rank of the job (no-op for a single process); returns it.
+
+    Must run before the first window. The engine's parameters are the model's own
+    (DDP shares them), so optimizer, clipping and checkpoints are unaffected.
+    """
+    if not ctx.distributed:
+        return engine
+    engine.reducer = DDPReducer(ctx)
+    engine.train_module = wrap_train_module(engine.train_module, ctx, cfg)
+    return engine
+
+
+def empty_microbatch(rows: int, seq_len: int, pad_id: int) -> Batch:
+    """A microbatch with nothing supervised, safe to run forward and backward.
+
+    Every row is one segment of padding *tokens* marked as a real segment (id 1), so
+    attention has at least one visible key per query (a fully masked row would give
+    NaN, and NaN * 0 is still NaN in the backward). All labels are ``IGNORE_INDEX``.
+    """
+    input_ids = torch.full((rows, seq_len), pad_id, dtype=torch.int64)  # [B, T]
+    labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.int64)  # [B, T]
+    positions = torch.arange(seq_len, dtype=torch.int64).expand(rows, seq_len).clone()
+    segment_ids = torch.ones((rows, seq_len), dtype=torch.int32)  # [B, T]
+    segment = (Segment(PAD_EXAMPLE_ID, 0, 0, 0, seq_len),)
+    return Batch(input_ids, labels, positions, segment_ids, tuple(segment for _ in range(rows)),
+                 meta={"padding": True})
+
+
+def agreed_window(
+    it: Iterator[Batch],
+    k: int,
+    reducer: DDPReducer | None,
+    *,
+    rows: int,
+    seq_len: int,
+    pad_id: int,
+) -> list[Batch]:
+    """Up to ``k`` microbatches from ``it``, padded so every rank has the same count.
+
+    Without a reducer (one process) this is simply the next ``k`` batches. With one,
+    the count is agreed by an all-reduce (max); an empty list means every rank's
+    stream has ended. Costs one small collective per window.
+    """
+    batches = list(islice(it, k))
+    if reducer is None:
+        return batches
+    count = int(reducer.max(torch.tensor([len(batches)], dtype=torch.int64)).item())
+    while len(batches) < count:
+        batches.append(empty_microbatch(rows, seq_len, pad_id))
+    return batches

@@ -1,0 +1,81 @@
+"""Wrapping for many processes: DDP (replicated) or FSDP2 (sharded) (D1, D4).
+
+``wrap_train_module`` wraps the update engine's ``TrainModule`` (model + objective)
+in ``DistributedDataParallel`` so that the whole forward, loss included, runs under
+DDP and ``no_sync`` covers forward and backward alike (D1). DDP broadcasts rank 0's
+parameters at construction, so every replica starts from the same weights.
+
+``shard_model`` applies FSDP2 ``fully_shard`` to each decoder block and then to the
+model as the root (D4). It must run *before* the optimizer is built, because it
+replaces the parameters with sharded ``DTensor``s. Gradient clipping over sharded
+parameters counts each logical parameter once when the norm is computed by
+``torch.nn.utils.get_total_norm`` over the ``DTensor`` gradients and reduced to a
+full value (``DTensor.full_tensor``). It is offered for CUDA; on CPU it runs only
+when the ``gloo`` backend can carry FSDP2's collectives, otherwise it raises
+``DistributedError``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from exactstep.errors import DistributedError
+from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.process_group import DistContext
+
+
+def wrap_train_module(module: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> nn.Module:
+    """DDP around ``module`` for a replicated (``ddp``) run; unchanged otherwise.
+
+    A single process, or an ``fsdp`` run (sharded by ``shard_model`` beforehand),
+    returns ``module`` as it is.
+    """
+    if not ctx.distributed or cfg.strategy != "ddp":
+        return module
+    return DistributedDataParallel(
+        module,
+        device_ids=None,  # the engine moves each batch itself; DDP must not touch it
+        bucket_cap_mb=cfg.bucket_mb,
+        broadcast_buffers=False,  # the decoder has no buffers that training changes
+        find_unused_parameters=False,  # every parameter is used every microbatch (D1)
+    )
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module DDP wraps (or ``module`` itself)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> nn.Module:
+    """FSDP2: ``fully_shard`` every block of ``model.layers``, then ``model`` (D4).
+
+    Raises ``DistributedError`` for a single process, or when the device/backend pair
+    cannot run FSDP2. The root keeps its parameters (embedding, tied head, final
+    norm) gathered between forward and backward, so the objective can use the head
+    weight after the model's forward.
+    """
+    if cfg.strategy != "fsdp":
+        return model
+    if not ctx.distributed:
+        raise DistributedError(
+            "parallel.strategy = 'fsdp' needs several processes; launch with torchrun "
+            "(or use parallel.strategy = 'ddp' for one process)"
+        )
+    if ctx.device.type != "cuda" and ctx.backend != "gloo":
+        raise DistributedError("FSDP2 on CPU needs the gloo backend; set parallel.backend = 'gloo'")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        for block in getattr(model, "layers", ()):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    except (RuntimeError, NotImplementedError, AssertionError) as exc:
+        raise DistributedError(
+            f"FSDP2 (fully_shard) is not available on {ctx.device.type} with backend "
+            f"{ctx.backend} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+            "use parallel.strategy = 'ddp' here, or run on CUDA with nccl"
+        ) from None
+    return model

@@ -1,0 +1,96 @@
+"""Process-group set-up without spawning (D1): launcher contract, backends, errors."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from exactstep.errors import DistributedError
+from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.process_group import (
+    free_port,
+    init_distributed,
+    launcher_env,
+    launcher_values,
+    resolve_backend,
+    shutdown,
+)
+from exactstep.parallel.reducer import DDPReducer, build_reducer
+from exactstep.parallel.window import agreed_window, empty_microbatch
+from exactstep.parallel.wrap import shard_model, wrap_train_module
+
+
+def test_no_launcher_means_one_process() -> None:
+    ctx = init_distributed(ParallelConfig(), "cpu", env={})
+    assert (ctx.rank, ctx.world_size, ctx.distributed, ctx.is_main) == (0, 1, False, True)
+    shutdown(ctx)  # a no-op, never raises
+
+
+def test_world_of_one_under_torchrun_needs_no_group() -> None:
+    ctx = init_distributed(ParallelConfig(), "cpu", env=launcher_env(0, 1, 1))
+    assert not ctx.distributed and ctx.device == torch.device("cpu")
+
+
+def test_launcher_values_are_validated() -> None:
+    assert launcher_values({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == (1, 2, 1)
+    with pytest.raises(DistributedError, match="outside a world"):
+        launcher_values({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(DistributedError, match="integers"):
+        launcher_values({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def test_backend_choice_and_nccl_on_cpu_is_refused() -> None:
+    assert resolve_backend(ParallelConfig(), "cpu") == "gloo"
+    assert resolve_backend(ParallelConfig(), "cuda") == "nccl"
+    with pytest.raises(DistributedError, match="nccl"):
+        resolve_backend(ParallelConfig(backend="nccl"), "cpu")
+
+
+def test_unreachable_rendezvous_fails_within_the_timeout() -> None:
+    """Rank 1 of 2 whose rank 0 never comes: a clear error, not a hang (D1)."""
+    port = free_port()
+    env = launcher_env(1, 2, port)
+    with pytest.raises(DistributedError, match="could not join"):
+        init_distributed(ParallelConfig(timeout_s=2.0), "cpu", env=env)
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_single_process_helpers_are_identities() -> None:
+    ctx = init_distributed(ParallelConfig(), "cpu", env={})
+    module = torch.nn.Linear(2, 2)
+    assert wrap_train_module(module, ctx, ParallelConfig()) is module
+    assert type(build_reducer(ctx)).__name__ == "LocalReducer"
+    with pytest.raises(DistributedError, match="process group"):
+        DDPReducer(ctx)
+    with pytest.raises(DistributedError, match="several processes"):
+        shard_model(module, ctx, ParallelConfig(strategy="fsdp"))
+
+
+def test_empty_microbatch_supervises_nothing_and_keeps_attention_finite() -> None:
+    """Padding microbatches add 0 to D and a finite zero gradient (D1)."""
+    from workers import MODEL, OBJECTIVE, PAD_ID, VOCAB
+
+    from exactstep.model.decoder import build_model
+    from exactstep.update.window import TrainModule
+
+    batch = empty_microbatch(2, 8, PAD_ID)
+    assert batch.num_targets() == 0
+    module = TrainModule(build_model(MODEL, VOCAB, seed=0), OBJECTIVE, pad_id=PAD_ID)
+    numerator, _ = module(batch, torch.zeros(2, 8))
+    numerator.backward()
+    grads = [p.grad for p in module.parameters()]
+    assert all(g is not None and torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_agreed_window_without_reducer_is_plain_slicing() -> None:
+    it = iter([empty_microbatch(1, 4, 0) for _ in range(3)])
+    assert len(agreed_window(it, 2, None, rows=1, seq_len=4, pad_id=0)) == 2
+    assert len(agreed_window(it, 2, None, rows=1, seq_len=4, pad_id=0)) == 1
+    assert agreed_window(it, 2, None, rows=1, seq_len=4, pad_id=0) == []

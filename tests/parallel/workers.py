@@ -1,0 +1,184 @@
+"""Helpers shared by the multi-process tests: tiny runs, hand-made shards, spawned ranks.
+
+Each rank runs in its own spawned process over gloo on localhost. A rank writes what
+the test checks (parameters, ledger records, its error message) to a file in a
+directory the test owns; the parent joins every process with a hard deadline and
+kills what is left, so no test can hang.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from exactstep.errors import ExactstepError
+from exactstep.model.config import ModelConfig
+from exactstep.model.decoder import build_model
+from exactstep.objective.config import ObjectiveConfig
+from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.process_group import free_port, init_distributed, launcher_env, shutdown
+from exactstep.parallel.reducer import DDPReducer
+from exactstep.parallel.window import distribute_engine
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+from exactstep.update.config import NumericsConfig, UpdateConfig
+from exactstep.update.precision import Precision
+from exactstep.update.schedule import build_schedule
+from exactstep.update.window import UpdateEngine
+
+VOCAB = 32
+PAD_ID = 0
+MODEL = ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, attention="dense")
+UPDATE = UpdateConfig(accum=2, optimizer="adamw", lr=1e-2, warmup=0, schedule="constant",
+                      clip=1.0, weight_decay=0.1)
+OBJECTIVE = ObjectiveConfig()
+
+
+# ----------------------------------------------------------------- hand-made shards
+
+
+def make_batch(seed: int, rows: int, seq_len: int, supervised: int) -> Batch:
+    """``rows`` x ``seq_len`` random tokens, one document per row, ``supervised``
+    targets in total (0 = an empty microbatch), spread over the first rows."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (rows, seq_len), generator=g)  # [B, T]
+    targets = torch.randint(1, VOCAB, (rows, seq_len), generator=g)  # [B, T]
+    labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.int64)
+    flat = labels.view(-1)
+    flat[:supervised] = targets.view(-1)[:supervised]
+    positions = torch.arange(seq_len).expand(rows, seq_len).clone()
+    segment_ids = torch.ones((rows, seq_len), dtype=torch.int32)
+    segments = tuple((Segment(seed * 100 + r, 0, 0, 0, seq_len),) for r in range(rows))
+    return Batch(input_ids, labels, positions, segment_ids, segments)
+
+
+def shards(token_counts: Sequence[Sequence[Sequence[int]]], *, rows: int = 2,
+           seq_len: int = 8) -> list[list[list[Batch]]]:
+    """``token_counts[rank][window][microbatch]`` -> the same nesting of batches."""
+    return [
+        [
+            [make_batch(1000 * r + 10 * w + m, rows, seq_len, n) for m, n in enumerate(window)]
+            for w, window in enumerate(windows)
+        ]
+        for r, windows in enumerate(token_counts)
+    ]
+
+
+# ----------------------------------------------------------------- one rank's run
+
+
+def build_engine(update: UpdateConfig = UPDATE, reducer=None, seed: int = 0) -> UpdateEngine:
+    from exactstep.update.groups import build_optimizer
+
+    model = build_model(MODEL, VOCAB, seed=seed)
+    optimizer, _ = build_optimizer(model, update)
+    schedule = build_schedule(update, total_windows=100)
+    precision = Precision(NumericsConfig(), "cpu")
+    return UpdateEngine(model, optimizer, schedule, precision, update, OBJECTIVE,
+                        device=torch.device("cpu"), pad_id=PAD_ID, reducer=reducer)
+
+
+def run_windows(engine: UpdateEngine, windows: Sequence[Sequence[Batch]]) -> list[dict]:
+    return [engine.run_window(list(batches), w).ledger_record()
+            for w, batches in enumerate(windows)]
+
+
+def params_of(engine: UpdateEngine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+class RankLocalMeanReducer(DDPReducer):
+    """Deliberately wrong (negative control for D5): each rank divides by its *own*
+    denominator, so DDP's average gives the mean of rank-local means."""
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        if values.dtype == torch.float64:  # the window's [D, tokens]: not shared
+            return values * self.world_size
+        return super().sum(values)
+
+
+class UnagreedFiniteReducer(DDPReducer):
+    """Deliberately wrong (negative control for D2): the finite flag stays local."""
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        if values.dtype == torch.float32:  # [bad flag, numerator, gold NLL]
+            return values.clone()
+        return super().sum(values)
+
+
+REDUCERS = {"ddp": DDPReducer, "local_mean": RankLocalMeanReducer,
+            "unagreed_finite": UnagreedFiniteReducer}
+
+
+def rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """One rank: join, run ``job['windows'][rank]``, write params + ledger (or the error)."""
+    torch.set_num_threads(1)
+    path = Path(out) / f"rank{rank}.pt"
+    ctx = None
+    try:
+        cfg = ParallelConfig(timeout_s=job.get("timeout_s", 30.0))
+        ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
+        update = replace(UPDATE, fail_window=job.get("fail_window", {}).get(rank, -1))
+        engine = build_engine(update)
+        distribute_engine(engine, ctx, cfg)
+        engine.reducer = REDUCERS[job.get("reducer", "ddp")](ctx)
+        records = []
+        for w, batches in enumerate(job["windows"][rank]):
+            if job.get("kill_at") == (rank, w):
+                os.kill(os.getpid(), signal.SIGKILL)
+            records.append(engine.run_window(list(batches), w).ledger_record())
+            time.sleep(job.get("sleep_s", 0.0))
+        torch.save({"params": params_of(engine), "ledger": records}, path)
+    except ExactstepError as exc:
+        torch.save({"error": str(exc), "kind": type(exc).__name__}, path)
+    except BaseException as exc:  # noqa: BLE001 - the test reads what failed
+        torch.save({"error": "".join(traceback.format_exception_only(exc)).strip(),
+                    "kind": type(exc).__name__, "traceback": traceback.format_exc()}, path)
+    finally:
+        if ctx is not None:
+            try:
+                shutdown(ctx)
+            except Exception:  # noqa: BLE001 - a dead peer may already have broken the group
+                pass
+
+
+def spawn_ranks(target: Callable, world: int, out: Path, job: dict, *,
+                deadline_s: float) -> tuple[list[dict | None], list[int | None], float]:
+    """Start ``world`` spawned ranks, join all by ``deadline_s``, kill stragglers.
+
+    Returns each rank's saved result (None if it wrote none), exit codes (None if it
+    had to be killed) and the seconds until the last rank ended.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, str(out), job), daemon=True)
+             for r in range(world)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    codes: list[int | None] = []
+    for p in procs:
+        p.join(max(0.0, deadline_s - (time.monotonic() - start)))
+        codes.append(p.exitcode)
+    elapsed = time.monotonic() - start
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    results = []
+    for r in range(world):
+        f = out / f"rank{r}.pt"
+        results.append(torch.load(f, weights_only=False) if f.exists() else None)
+    return results, codes, elapsed
+
+
+def ledger_json(records: list[dict]) -> str:
+    return json.dumps(records, sort_keys=True)
