@@ -1,0 +1,174 @@
+"""The built-in decoder: positions, tied head, deterministic init (issue 2 item 5)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from model_batches import fill_rows, packed_batch
+
+from exactstep.model.config import ModelConfig
+from exactstep.model.decoder import Decoder, apply_rope, build_model, rope_cos_sin
+
+VOCAB = 41
+
+
+def tiny(**overrides) -> ModelConfig:
+    base = dict(d_model=32, n_layers=2, n_heads=2, d_ff=48)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def one_document_batch(positions: list[int], doc: list[int]):
+    batch = packed_batch([[doc]], len(doc))
+    return type(batch)(**{**batch.__dict__, "position_ids": torch.tensor([positions])})
+
+
+# ------------------------------------------------------------------------ rotation
+
+
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Pairs (i, i + Dh/2) as complex numbers, multiplied by exp(1j * pos * theta^(-2i/Dh))."""
+    half = x.shape[-1] // 2
+    z = torch.complex(x[..., :half].double(), x[..., half:].double())  # [B, T, nH, Dh/2]
+    freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    angle = positions.double()[..., None, None] * freq  # [B, T, 1, Dh/2]
+    w = z * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([w.real, w.imag], dim=-1).float()
+
+
+def wrong_rope(x, cos, sin):
+    """WRONG on purpose: rotates adjacent pairs (2i, 2i+1) against tables built for (i, i+Dh/2)."""
+    pairs = x.unflatten(-1, (-1, 2))
+    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("rope", [apply_rope, wrong_rope])
+def test_rotation_matches_complex_reference(rope):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 3, 8, generator=g)  # [B, T, nH, Dh]
+    positions = torch.randint(0, 300, (2, 6), generator=g)
+    cos, sin = rope_cos_sin(positions, 8, 10000.0)
+    error = float((rope(x, cos, sin) - rope_reference(x, positions, 10000.0)).abs().max())
+    if rope is apply_rope:
+        assert error <= 1e-4  # fp32 angles up to 300 rad
+    else:  # negative control
+        assert error > 1e-2
+
+
+# ------------------------------------------------------------------------ positions
+
+
+def test_shifting_all_positions_of_a_document_changes_nothing():
+    # RoPE scores depend on pos_i - pos_j only: a constant shift is invisible (noted in
+    # decoder.py). Consequence: under RoPE, positions = reset | continue agree (R3).
+    model = build_model(tiny(), VOCAB, seed=0).eval()
+    doc = fill_rows([[9]], VOCAB)[0][0]
+    with torch.no_grad():
+        base = model(one_document_batch(list(range(9)), doc))
+        shifted = model(one_document_batch(list(range(17, 26)), doc))
+    torch.testing.assert_close(shifted, base, rtol=0, atol=1e-5)
+
+
+def test_reset_and_continue_positions_agree_for_packed_rows():
+    model = build_model(tiny(), VOCAB, seed=0).eval()
+    documents = fill_rows([[4, 6, 5]], VOCAB, seed=2)
+    with torch.no_grad():
+        reset = model(packed_batch(documents, 16, positions="reset"))
+        continued = model(packed_batch(documents, 16, positions="continue"))
+    torch.testing.assert_close(continued, reset, rtol=0, atol=1e-5)
+
+
+def test_position_ids_are_honoured():
+    # Positions that differ *within* a document must change the output: the model reads
+    # batch.position_ids, not the column index.
+    model = build_model(tiny(), VOCAB, seed=0).eval()
+    doc = fill_rows([[9]], VOCAB)[0][0]
+    with torch.no_grad():
+        base = model(one_document_batch(list(range(9)), doc))
+        strided = model(one_document_batch(list(range(0, 27, 3)), doc))
+        swapped = model(one_document_batch([0, 1, 2, 4, 3, 5, 6, 7, 8], doc))
+    assert float((strided - base).abs().max()) > 1e-3
+    # Rows before the swap are unaffected (causal); rows from the swap on move.
+    torch.testing.assert_close(swapped[:, :3], base[:, :3], rtol=0, atol=1e-5)
+    assert float((swapped[:, 3:] - base[:, 3:]).abs().max()) > 1e-3
+
+
+# ----------------------------------------------------------------------- head, init
+
+
+def expected_parameter_count(cfg: ModelConfig, vocab: int) -> int:
+    H, F_, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+    per_layer = 3 * H * H + H * H + 2 * H * F_ + F_ * H + 2 * H
+    head = 0 if cfg.tie_embeddings else vocab * H
+    return vocab * H + L * per_layer + H + head
+
+
+def test_tied_head_is_the_embedding_parameter():
+    model = build_model(tiny(tie_embeddings=True), VOCAB, seed=0)
+    assert model.head_weight is model.embed.weight
+    assert sum(p is model.head_weight for p in model.parameters()) == 1
+    assert model.num_parameters() == expected_parameter_count(model.cfg, VOCAB)
+    # Gradients from the head and from the embedding land in the one Parameter.
+    batch = packed_batch(fill_rows([[6]], VOCAB), 6)
+    model.logits(model(batch)).sum().backward()
+    assert model.head_weight.grad is not None and model.head_weight.grad.abs().sum() > 0
+
+
+def test_untied_head_is_a_separate_parameter():
+    model = build_model(tiny(tie_embeddings=False), VOCAB, seed=0)
+    assert model.head_weight is not model.embed.weight
+    assert model.num_parameters() == expected_parameter_count(model.cfg, VOCAB)
+    assert (
+        model.num_parameters() - build_model(tiny(), VOCAB, seed=0).num_parameters() == VOCAB * 32
+    )
+
+
+def test_no_biases_and_shapes():
+    model = build_model(tiny(), VOCAB, seed=0)
+    assert not [n for n, _ in model.named_parameters() if "bias" in n]
+    batch = packed_batch(fill_rows([[3, 4], [7]], VOCAB), 8)
+    hidden = model(batch)
+    assert hidden.shape == (2, 8, 32)
+    assert model.logits(hidden).shape == (2, 8, VOCAB)
+    assert model.head_weight.shape == (VOCAB, 32)
+    # Final RMSNorm at init (weight one): unit mean square, less the eps share
+    # (ms / (ms + eps) with ms ~ init_std^2 = 4e-4 and eps = 1e-5 gives about 0.976).
+    mean_square = hidden.detach().pow(2).mean(-1)
+    assert bool(((mean_square > 0.9) & (mean_square <= 1.0 + 1e-6)).all())
+
+
+def test_build_is_deterministic_and_leaves_the_global_rng_alone():
+    before = torch.random.get_rng_state()
+    a = build_model(tiny(), VOCAB, seed=5).state_dict()
+    b = build_model(tiny(), VOCAB, seed=5).state_dict()
+    c = build_model(tiny(), VOCAB, seed=6).state_dict()
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_init_scales_residual_projections():
+    cfg = ModelConfig(d_model=128, n_layers=8, n_heads=4, d_ff=256, init_std=0.02)
+    model = build_model(cfg, VOCAB, seed=0)
+    residual = 0.02 / math.sqrt(2 * 8)
+    block = model.layers[0]
+    for weight, std in [
+        (block.attn.qkv.weight, 0.02),
+        (block.mlp.gate_up.weight, 0.02),
+        (block.attn.out.weight, residual),
+        (block.mlp.down.weight, residual),
+        (model.embed.weight, 0.02),
+    ]:
+        weight = weight.detach()
+        assert float(weight.std()) == pytest.approx(std, rel=0.05)
+        assert abs(float(weight.mean())) < std * 0.05
+    assert torch.equal(block.attn_norm.weight, torch.ones(128))
+
+
+def test_decoder_constructed_directly_is_usable():
+    model = Decoder(tiny(), VOCAB)
+    hidden = model(packed_batch(fill_rows([[5]], VOCAB), 5))
+    assert torch.isfinite(hidden).all()
