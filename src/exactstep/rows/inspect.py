@@ -1,0 +1,95 @@
+"""Human-readable rows (R6): inputs and targets side by side, with the masks.
+
+For every column of each requested row ``render_rows`` prints the segment, the
+position, the input token, the target token (``·`` when the row owns no loss), the
+ownership bit and the visible span -- the columns that row may attend to (same
+segment; causal, or bidirectional inside a declared prefix). The shift is visible
+as "each row's target is the next row's input"; a mask error is visible as a target
+that crosses a segment or a span that reaches into another one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+
+NO_TARGET = "·"
+
+
+class TokenizerLike(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def token_label(tokenizer: TokenizerLike, token: int) -> str:
+    """One token on one line, escaped (``\\n``, ``\\x..``), specials as ``<name>``."""
+    shown = getattr(tokenizer, "token_text", None)
+    if shown is not None:
+        return shown(token)
+    text = tokenizer.decode([token])
+    return text.encode("unicode_escape").decode("ascii").replace(" ", "␣") or "''"
+
+
+def visible_span(batch: Batch, b: int, seg_index: int, seg: Segment, col: int) -> tuple[int, int]:
+    """Inclusive ``(first, last)`` columns row ``(b, col)`` attends to (R2, R3, R8)."""
+    if not batch.causal:
+        return seg.start, seg.stop - 1
+    last = col
+    if batch.prefix_len is not None:
+        prefix = int(batch.prefix_len[b, seg_index])
+        if col < seg.start + prefix:
+            last = max(col, seg.start + prefix - 1)
+    return seg.start, last
+
+
+def render_rows(batch: Batch, tokenizer: TokenizerLike, rows: range) -> str:
+    """A table per requested row (rows outside the batch are skipped)."""
+    n_rows = batch.shape[0]
+    chosen = [b for b in rows if 0 <= b < n_rows]
+    if not chosen:
+        return f"no rows in {rows.start}:{rows.stop}; the batch has rows 0:{n_rows}"
+    return "\n\n".join(render_row(batch, tokenizer, b) for b in chosen)
+
+
+def render_row(batch: Batch, tokenizer: TokenizerLike, b: int) -> str:
+    inputs = batch.input_ids[b].tolist()
+    labels = batch.labels[b].tolist()
+    positions = batch.position_ids[b].tolist()
+    segment_ids = batch.segment_ids[b].tolist()
+    segments = batch.segments[b]
+    real = sum(seg.length for seg in segments)
+    owned = sum(label != IGNORE_INDEX for label in labels)
+    lines = [
+        f"row {b}: {len(segments)} segment(s), {real} tokens, "
+        f"{len(inputs) - real} padding, {owned} supervised rows (shift owner: {batch.shift_owner})"
+    ]
+    for s, seg in enumerate(segments, start=1):
+        lines.append(
+            f"  segment {s}: example {seg.example_id} piece {seg.piece} "
+            f"tokens {seg.offset}..{seg.offset + seg.length - 1} at cols {seg.start}..{seg.stop - 1}"
+        )
+    lines.append(f"  {'col':>4} {'seg':>3} {'pos':>4}  {'input':<8}   {'target':<8} own  visible")
+    owner = {col: (k, seg) for k, seg in enumerate(segments) for col in range(seg.start, seg.stop)}
+    for col, (token, label) in enumerate(zip(inputs, labels, strict=True)):
+        target = NO_TARGET if label == IGNORE_INDEX else token_label(tokenizer, label)
+        if col in owner:
+            k, seg = owner[col]
+            first, last = visible_span(batch, b, k, seg, col)
+            visible = f"cols {first}..{last}"
+        else:
+            visible = "none (padding)"
+        lines.append(
+            f"  {col:>4} {segment_ids[col]:>3} {positions[col]:>4}  "
+            f"{token_label(tokenizer, token):<8} → {target:<8} {int(label != IGNORE_INDEX):>3}  {visible}"
+        )
+    return "\n".join(lines)
+
+
+def render_report(report: dict) -> str:
+    """The data report (R4) as aligned ``key  value`` lines."""
+    width = max(map(len, report), default=0)
+    lines = ["data report"]
+    for key, value in report.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        lines.append(f"  {key:<{width}}  {shown}")
+    return "\n".join(lines)
