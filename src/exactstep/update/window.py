@@ -106,7 +106,11 @@ class TrainModule(nn.Module):
     def forward(self, batch: Batch, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(batch)  # [B, T, H]
         return self.terms(
-            hidden, self.model.head_weight, batch.labels, coeff, self.objective_cfg,
+            hidden,
+            self.model.head_weight,
+            batch.labels,
+            coeff,
+            self.objective_cfg,
             pad_id=self.pad_id,
         )
 
@@ -144,9 +148,7 @@ class UpdateEngine:
         self.device = torch.device(device)
         self.reducer: Reducer = reducer if reducer is not None else LocalReducer()
         self.plan = plan if plan is not None else _default_plan()
-        self.train_module: nn.Module = TrainModule(
-            model, objective_cfg, pad_id=pad_id, terms=terms
-        )
+        self.train_module: nn.Module = TrainModule(model, objective_cfg, pad_id=pad_id, terms=terms)
         # Unique parameters (U6): the optimizer's groups list each tensor once.
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.committed = 0
@@ -174,8 +176,16 @@ class UpdateEngine:
         if denominator == 0.0:
             self.no_objective += 1
             return Disposition(
-                window, Outcome.NO_OBJECTIVE, _no_objective_cause(plan), None,
-                0.0, None, None, 0, 0.0, len(batches),
+                window,
+                Outcome.NO_OBJECTIVE,
+                _no_objective_cause(plan),
+                None,
+                0.0,
+                None,
+                None,
+                0,
+                0.0,
+                len(batches),
             )
         coefficients = (
             plan.coefficients if not isinstance(plan, NoObjective) else _zero_coefficients(batches)
@@ -214,7 +224,7 @@ class UpdateEngine:
         lr_used: float | None = None
         if finite:
             if self.update_cfg.clip > 0:
-                clip_grads_with_norm_(self._grads(), self.update_cfg.clip, grad_norm)
+                clip_grads_with_norm_(self._with_grad(), self.update_cfg.clip, grad_norm)
             lr_used = self._set_lr(self.schedule.lr())
             self.optimizer.step()
             self.precision.update(self.optimizer, finite=True)
@@ -229,8 +239,16 @@ class UpdateEngine:
             cause = _skip_cause(injected, norm_value, numerator_total)
         self.optimizer.zero_grad(set_to_none=True)
         return Disposition(
-            window, outcome, cause, lr_used, denominator, loss, norm_value, tokens,
-            gold_total, len(batches),
+            window,
+            outcome,
+            cause,
+            lr_used,
+            denominator,
+            loss,
+            norm_value,
+            tokens,
+            gold_total,
+            len(batches),
         )
 
     # -- steps of the transaction ---------------------------------------------------
@@ -248,6 +266,9 @@ class UpdateEngine:
         coeff = coeff.to(self.device, non_blocking=True)  # [B, T] fp32
         with self.precision.autocast():
             return self.train_module(batch, coeff)
+
+    def _with_grad(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters if p.grad is not None]
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.parameters if p.grad is not None]
