@@ -298,11 +298,23 @@ def test_clean_uncommitted_leaves_foreign_directories(tmp_path, state) -> None:
     assert (tmp_path / "notes").is_dir()
 
 
-def test_republishing_latest_name_refused(tmp_path, state) -> None:
-    publish(tmp_path, "step_1", state)
-    with pytest.raises(CheckpointError, match="already the published LATEST"):
-        publish(tmp_path, "step_1", state)
-    assert verify_checkpoint(tmp_path / "step_1").ok
+def test_republishing_latest_name_identical_is_noop(tmp_path, state) -> None:
+    path = publish(tmp_path, "step_1", state)
+    before = (path / "manifest.json").read_bytes()
+    assert publish(tmp_path, "step_1", state) == path
+    assert (path / "manifest.json").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_1"]
+
+
+def test_republishing_latest_name_with_new_content_refused(tmp_path, state) -> None:
+    model, parts = state
+    path = publish(tmp_path, "step_1", state)
+    changed = {**parts, "progress": {**parts["progress"], "committed": 99}}
+    with pytest.raises(CheckpointError, match=r"different content \(progress.json\)"):
+        publish_checkpoint(tmp_path, "step_1", model.state_dict(), changed, keep=3)
+    assert verify_checkpoint(path).ok
+    assert load_checkpoint(path)[1]["progress"]["committed"] == parts["progress"]["committed"]
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_1"]
 
 
 @pytest.mark.parametrize("name", ["", ".hidden", "LATEST", "a/b", " x"])

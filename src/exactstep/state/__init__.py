@@ -12,9 +12,23 @@ from exactstep.state.checkpoint import (
     verify_checkpoint,
 )
 from exactstep.state.compare import state_differences, tensors_bitwise_equal
+from exactstep.state.resume import (
+    ResumeKind,
+    ResumePlan,
+    StopRequest,
+    check_progress_digest,
+    choose_checkpoint,
+    classify_resume,
+)
 from exactstep.state.rng import capture_rng, restore_rng
 
 __all__ = [
+    "ResumeKind",
+    "ResumePlan",
+    "StopRequest",
+    "check_progress_digest",
+    "choose_checkpoint",
+    "classify_resume",
     "PartReport",
     "VerifyReport",
     "capture_rng",

@@ -47,8 +47,7 @@ FORMAT = "exactstep-checkpoint/1"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 LATEST_TMP_PREFIX = ".LATEST.tmp-"
-ALIASES_KEY = "exactstep.aliases"
-ORDER_KEY = "exactstep.order"
+LAYOUT_KEY = "exactstep.layout"
 HASH_CHUNK = 1 << 22
 
 
@@ -73,8 +72,9 @@ def publish_checkpoint(
 
     The previous committed checkpoint is untouched until the new one is published.
     If ``root/<name>`` exists but is not the current ``LATEST`` (left by a publication
-    interrupted after its rename), it is replaced; publishing the name ``LATEST``
-    already points to raises ``CheckpointError``. Returns ``root/<name>``.
+    interrupted after its rename), it is replaced. Publishing the name ``LATEST``
+    already points to is a no-op when every file would be byte-identical, and raises
+    ``CheckpointError`` otherwise. Returns ``root/<name>``.
     """
     root = Path(root)
     _check_name(name)
@@ -84,11 +84,6 @@ def publish_checkpoint(
         _check_part_name(part)
     root.mkdir(parents=True, exist_ok=True)
     current = _read_latest_name(root)
-    if current == name:
-        raise CheckpointError(
-            f"checkpoint {name!r} is already the published LATEST in {root}; "
-            "publish each checkpoint under a new name"
-        )
     sequence = _next_sequence(root)
     tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
     if tmp.exists():
@@ -109,23 +104,46 @@ def publish_checkpoint(
         "parts": part_files,
         "files": files,
     }
+    final = root / name
+    if current == name:
+        _republish_identical(tmp, final, files, part_files)
+        prune(root, keep)
+        return final
     _write_file_durably(tmp / CHECKPOINT_MANIFEST, _json_bytes(manifest))
     fsync_dir(tmp)
-    final = root / name
     _move_into_place(tmp, final, root)
     _point_latest(root, name)
     prune(root, keep)
     return final
 
 
+def _republish_identical(
+    tmp: Path, final: Path, files: Mapping[str, Any], part_files: Mapping[str, str]
+) -> None:
+    """Publishing LATEST's own name again is a no-op if every file is identical
+    (e.g. a resumed run that was already complete); otherwise it is refused,
+    because the checkpoint LATEST points to can never be replaced in place."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    existing = _read_checkpoint_manifest(final)
+    if existing["files"] != dict(files) or existing["parts"] != dict(part_files):
+        changed = sorted(
+            f
+            for f in set(files) | set(existing["files"])
+            if files.get(f) != existing["files"].get(f)
+        )
+        raise CheckpointError(
+            f"checkpoint {final.name!r} is already the published LATEST in {final.parent} "
+            f"with different content ({', '.join(changed)}); publish new state under a new name"
+        )
+
+
 def _write_model(path: Path, model_state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     unique, aliases = _dedupe_tensors(model_state)
-    metadata = {
-        "format": "pt",
-        ALIASES_KEY: json.dumps(aliases, sort_keys=True),
-        # safetensors sorts names; keep the caller's order
-        ORDER_KEY: json.dumps(list(model_state)),
-    }
+    # One metadata key only: safetensors keeps metadata in a hash map, so several keys
+    # would be written in a varying order and identical states would hash differently.
+    # Names are listed in the caller's order because safetensors sorts them.
+    layout = {"aliases": aliases, "order": list(model_state)}
+    metadata = {LAYOUT_KEY: json.dumps(layout, sort_keys=True)}
     safetensors.torch.save_file(unique, str(path), metadata=metadata)
     _fsync_path(path)
     return _record(path)
@@ -351,10 +369,10 @@ def _load_model(file: Path, data: bytes) -> dict[str, torch.Tensor]:
         raise CheckpointError(
             f"checkpoint file {file} cannot be read as safetensors ({exc})"
         ) from None
-    aliases = json.loads(metadata.get(ALIASES_KEY, "{}"))
-    for alias, stored in aliases.items():
+    layout = json.loads(metadata.get(LAYOUT_KEY, '{"aliases": {}, "order": []}'))
+    for alias, stored in layout["aliases"].items():
         state[alias] = state[stored]
-    order = json.loads(metadata.get(ORDER_KEY, "[]"))
+    order = layout["order"] or sorted(state)
     if sorted(order) != sorted(state):
         raise CheckpointError(f"checkpoint file {file} lists tensors inconsistently; it is damaged")
     return {key: state[key] for key in order}
