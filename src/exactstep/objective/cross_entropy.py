@@ -68,6 +68,8 @@ def supervised_index(labels_N: Tensor, rows_index: Tensor | None) -> Tensor | No
     accelerator without an index every row is computed and ignored rows are masked.
     """
     if rows_index is not None:
+        if rows_index.numel() == labels_N.numel():  # shape metadata: no sync
+            return None
         return rows_index.to(labels_N.device, non_blocking=True)
     if labels_N.device.type != "cpu":
         return None
@@ -91,119 +93,173 @@ def check_shapes(hidden_NH: Tensor, weight_VH: Tensor, labels_N: Tensor) -> None
 # ------------------------------------------------------------------------ chunk kernel
 
 
-def chunk_losses(
-    z_nV: Tensor, gold_n: Tensor, valid_n: Tensor, sm: Smoothing
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(smoothed CE, gold NLL, log-sum-exp) of fp32 logits ``z_nV``; 0 on ignored rows.
-
-    ``gold_n`` must be a valid class on every row (ignored rows carry a placeholder).
-    """
-    lse_n = torch.logsumexp(z_nV, dim=1)  # [n]
-    z_gold_n = z_nV.gather(1, gold_n.unsqueeze(1)).squeeze(1)  # [n]
-    nll_n = lse_n - z_gold_n
-    if sm.active:
-        support_mean_n = sm.support_sum(z_nV, gold_n, z_gold_n) / sm.support_size(
-            gold_n, z_nV.dtype
-        )
-        ce_n = (1.0 - sm.eps) * nll_n + sm.eps * (lse_n - support_mean_n)
-    else:
-        ce_n = nll_n
-    zero = torch.zeros((), dtype=ce_n.dtype, device=ce_n.device)
-    return torch.where(valid_n, ce_n, zero), torch.where(valid_n, nll_n, zero), lse_n
-
-
-def chunk_logit_grad_(
-    z_nV: Tensor, lse_n: Tensor, gold_n: Tensor, row_scale_n: Tensor, sm: Smoothing
-) -> Tensor:
-    """Turn fp32 logits ``z_nV`` in place into ``row_scale * (softmax(z) - q)``."""
-    z_nV.sub_(lse_n.unsqueeze(1)).exp_()  # softmax, [n, V]
-    sm.subtract_target(z_nV, gold_n)
-    z_nV.mul_(row_scale_n.unsqueeze(1))
-    return z_nV
-
-
-def split_labels(labels_n: Tensor) -> tuple[Tensor, Tensor]:
-    valid_n = labels_n != IGNORE_INDEX
-    gold_n = torch.where(valid_n, labels_n, torch.zeros_like(labels_n))
-    return gold_n, valid_n
-
-
 def loss_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for every floating input dtype, except that fp64 stays fp64 (for tests)."""
     return torch.promote_types(dtype, torch.float32)
 
 
+def split_labels(labels_n: Tensor) -> tuple[Tensor, Tensor]:
+    """(gold class with a placeholder 0 on ignored rows, supervised mask)."""
+    valid_n = labels_n != IGNORE_INDEX
+    gold_n = torch.where(valid_n, labels_n, torch.zeros_like(labels_n))
+    return gold_n, valid_n
+
+
+def chunk_losses(
+    z_nV: Tensor, gold_n: Tensor, valid_n: Tensor, sm: Smoothing
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(smoothed CE, gold NLL, log-probabilities ``[n, V]``) of logits ``z_nV``.
+
+    Losses are 0 on ignored rows. ``log_softmax`` is PyTorch's fused, max-subtracted
+    (stable) kernel; the caller may drop ``z_nV`` right after, and reuse the returned
+    log-probabilities in place for the gradient.
+    """
+    logp_nV = torch.log_softmax(z_nV, dim=1)
+    logp_gold_n = logp_nV.gather(1, gold_n.unsqueeze(1)).squeeze(1)  # [n]
+    nll_n = -logp_gold_n
+    ce_n = nll_n
+    if sm.active:
+        support_mean_n = sm.support_sum(logp_nV, gold_n, logp_gold_n) / sm.support_size(
+            gold_n, logp_nV.dtype
+        )
+        ce_n = (1.0 - sm.eps) * nll_n - sm.eps * support_mean_n
+    zero = torch.zeros((), dtype=ce_n.dtype, device=ce_n.device)
+    return torch.where(valid_n, ce_n, zero), torch.where(valid_n, nll_n, zero), logp_nV
+
+
+def logit_grad_from_logp_(
+    logp_nV: Tensor, gold_n: Tensor, scale_n: Tensor, sm: Smoothing
+) -> Tensor:
+    """In place: log-probabilities become ``scale * (softmax(z) - q)``, the logits' gradient."""
+    logp_nV.exp_().mul_(scale_n.unsqueeze(1))
+    sm.subtract_target(logp_nV, gold_n, scale_n)
+    return logp_nV
+
+
+def row_log_sum_exp(z_nV: Tensor, logp_nV: Tensor, gold_n: Tensor) -> Tensor:
+    """``lse = z[gold] - logp[gold]``: the log-sum-exp without another pass over ``[n, V]``."""
+    index = gold_n.unsqueeze(1)
+    return (z_nV.gather(1, index) - logp_nV.gather(1, index)).squeeze(1)
+
+
+def logit_grad_from_logits_(
+    z_nV: Tensor, lse_n: Tensor, gold_n: Tensor, scale_n: Tensor, sm: Smoothing
+) -> Tensor:
+    """In place: recomputed logits become ``scale * (softmax(z) - q)``."""
+    z_nV.sub_(lse_n.unsqueeze(1)).exp_()  # softmax, [n, V]
+    z_nV.mul_(scale_n.unsqueeze(1))
+    sm.subtract_target(z_nV, gold_n, scale_n)
+    return z_nV
+
+
+class RowSelection:
+    """The rows a kernel runs over: all ``N`` rows, or the ``index`` subset (host-built).
+
+    ``hidden(start, stop)`` gathers that chunk's hidden rows; ``write`` puts a chunk of
+    per-row gradients back at the rows they came from.
+    """
+
+    def __init__(self, num_rows: int, index: Tensor | None) -> None:
+        self.index = index
+        self.count = num_rows if index is None else index.numel()
+
+    def take(self, full: Tensor) -> Tensor:
+        """The selected rows of a per-row tensor (labels, coefficients), whole."""
+        return full if self.index is None else full.index_select(0, self.index)
+
+    def hidden(self, hidden_NH: Tensor, start: int, stop: int) -> Tensor:
+        if self.index is None:
+            return hidden_NH[start:stop]
+        return hidden_NH.index_select(0, self.index[start:stop])
+
+    def new_grad(self, hidden_NH: Tensor) -> Tensor:
+        if self.index is None or self.count == hidden_NH.shape[0]:
+            return torch.empty_like(hidden_NH)
+        return torch.zeros_like(hidden_NH)  # unselected rows get exactly 0
+
+    def write(self, grad_NH: Tensor, start: int, stop: int, rows_nH: Tensor) -> None:
+        if self.index is None:
+            grad_NH[start:stop] = rows_nH
+        else:
+            grad_NH.index_copy_(0, self.index[start:stop], rows_nH)
+
+
 def head_logits(h_nH: Tensor, weight_cd_VH: Tensor, dtype: torch.dtype) -> Tensor:
     """Logits [n, V] of one chunk in ``loss_dtype``; the matmul runs in ``dtype``."""
-    return torch.mm(h_nH.to(dtype), weight_cd_VH.t()).to(loss_dtype(dtype))
-
-
-class _FusedRowLosses(torch.autograd.Function):
-    """Per-row losses with the head fused; backward recomputes each chunk (L1)."""
-
-    @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, labels_N, sm, chunk_rows, dtype):  # type: ignore[override]
-        with torch.autocast(hidden_NH.device.type, enabled=False):
-            weight_cd = weight_VH.to(dtype)
-            N = hidden_NH.shape[0]
-            ce_N = hidden_NH.new_zeros(N, dtype=loss_dtype(dtype))
-            nll_N = torch.zeros_like(ce_N)
-            lse_N = torch.zeros_like(ce_N)
-            for start, stop in chunk_bounds(N, chunk_rows):
-                gold_n, valid_n = split_labels(labels_N[start:stop])
-                z_nV = head_logits(hidden_NH[start:stop], weight_cd, dtype)
-                ce, nll, lse = chunk_losses(z_nV, gold_n, valid_n, sm)
-                ce_N[start:stop], nll_N[start:stop], lse_N[start:stop] = ce, nll, lse
-        ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N)
-        ctx.sm, ctx.chunk_rows, ctx.dtype = sm, chunk_rows, dtype
-        ctx.mark_non_differentiable(nll_N)
-        return ce_N, nll_N
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_ce_N, _grad_nll_N):  # type: ignore[override]
-        hidden_NH, weight_VH, labels_N, lse_N = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dtype = ctx.dtype
-        with torch.autocast(hidden_NH.device.type, enabled=False):
-            weight_cd = weight_VH.to(dtype)
-            grad_h = torch.empty_like(hidden_NH) if need_h else None
-            grad_w32 = (
-                torch.zeros(weight_VH.shape, dtype=loss_dtype(dtype), device=weight_VH.device)
-                if need_w
-                else None
-            )
-            for start, stop in chunk_bounds(hidden_NH.shape[0], ctx.chunk_rows):
-                gold_n, valid_n = split_labels(labels_N[start:stop])
-                scale_n = torch.where(valid_n, grad_ce_N[start:stop].to(loss_dtype(dtype)), 0.0)
-                h_nH = hidden_NH[start:stop]
-                z_nV = head_logits(h_nH, weight_cd, dtype)
-                dz = chunk_logit_grad_(z_nV, lse_N[start:stop], gold_n, scale_n, ctx.sm)
-                accumulate_head_grads(dz, h_nH, weight_cd, grad_h, grad_w32, start, stop, dtype)
-        grad_w = None if grad_w32 is None else grad_w32.to(weight_VH.dtype)
-        return grad_h, grad_w, None, None, None, None
+    z_nV = torch.mm(h_nH.to(dtype), weight_cd_VH.t())
+    return z_nV if z_nV.dtype == loss_dtype(dtype) else z_nV.to(loss_dtype(dtype))
 
 
 def accumulate_head_grads(
     dz_nV: Tensor,
     h_nH: Tensor,
     weight_cd_VH: Tensor,
-    grad_h_NH: Tensor | None,
-    grad_w32_VH: Tensor | None,
+    grad_h: Tensor | None,
+    grad_w_acc_VH: Tensor | None,
+    rows: RowSelection,
     start: int,
     stop: int,
     dtype: torch.dtype,
 ) -> None:
-    """``grad_h[start:stop] = dz @ W`` and ``grad_w += dz^T @ h`` (fp32 accumulator)."""
+    """``grad_h[rows] = dz @ W`` and ``grad_w += dz^T @ h`` (accumulated in fp32+)."""
     dz_cd = dz_nV.to(dtype)
-    if grad_h_NH is not None:
-        grad_h_NH[start:stop] = torch.mm(dz_cd, weight_cd_VH)
-    if grad_w32_VH is not None:
+    if grad_h is not None:
+        rows.write(grad_h, start, stop, torch.mm(dz_cd, weight_cd_VH).to(grad_h.dtype))
+    if grad_w_acc_VH is not None:
         h_cd = h_nH.to(dtype)
-        if dtype == grad_w32_VH.dtype:
-            grad_w32_VH.addmm_(dz_cd.t(), h_cd)
+        if dtype == grad_w_acc_VH.dtype:
+            grad_w_acc_VH.addmm_(dz_cd.t(), h_cd)
         else:
-            grad_w32_VH.add_(torch.mm(dz_cd.t(), h_cd).to(grad_w32_VH.dtype))
+            grad_w_acc_VH.add_(torch.mm(dz_cd.t(), h_cd).to(grad_w_acc_VH.dtype))
+
+
+class _FusedRowLosses(torch.autograd.Function):
+    """Per-row losses with the head fused; backward recomputes each chunk (L1)."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, labels_N, index, sm, chunk_rows, dtype):  # type: ignore[override]
+        rows = RowSelection(hidden_NH.shape[0], index)
+        acc = loss_dtype(dtype)
+        with torch.autocast(hidden_NH.device.type, enabled=False):
+            weight_cd = weight_VH.to(dtype)
+            labels_M = rows.take(labels_N)
+            ce_M = hidden_NH.new_zeros(rows.count, dtype=acc)
+            nll_M = torch.zeros_like(ce_M)
+            lse_M = torch.zeros_like(ce_M)
+            for start, stop in chunk_bounds(rows.count, chunk_rows):
+                gold_n, valid_n = split_labels(labels_M[start:stop])
+                z_nV = head_logits(rows.hidden(hidden_NH, start, stop), weight_cd, dtype)
+                ce, nll, logp_nV = chunk_losses(z_nV, gold_n, valid_n, sm)
+                lse = row_log_sum_exp(z_nV, logp_nV, gold_n)
+                del z_nV, logp_nV
+                ce_M[start:stop], nll_M[start:stop], lse_M[start:stop] = ce, nll, lse
+        ctx.save_for_backward(hidden_NH, weight_VH, labels_M, lse_M, index)
+        ctx.sm, ctx.chunk_rows, ctx.dtype = sm, chunk_rows, dtype
+        ctx.mark_non_differentiable(nll_M)
+        return ce_M, nll_M
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ce_M, _grad_nll_M):  # type: ignore[override]
+        hidden_NH, weight_VH, labels_M, lse_M, index = ctx.saved_tensors
+        rows = RowSelection(hidden_NH.shape[0], index)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype, acc = ctx.dtype, loss_dtype(ctx.dtype)
+        with torch.autocast(hidden_NH.device.type, enabled=False):
+            weight_cd = weight_VH.to(dtype)
+            grad_h = rows.new_grad(hidden_NH) if need_h else None
+            grad_w = (
+                torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
+            )
+            for start, stop in chunk_bounds(rows.count, ctx.chunk_rows):
+                gold_n, valid_n = split_labels(labels_M[start:stop])
+                scale_n = torch.where(valid_n, grad_ce_M[start:stop].to(acc), 0.0)
+                h_nH = rows.hidden(hidden_NH, start, stop)
+                z_nV = head_logits(h_nH, weight_cd, dtype)
+                dz = logit_grad_from_logits_(z_nV, lse_M[start:stop], gold_n, scale_n, ctx.sm)
+                accumulate_head_grads(dz, h_nH, weight_cd, grad_h, grad_w, rows, start, stop, dtype)
+        grad_w = None if grad_w is None else grad_w.to(weight_VH.dtype)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 class _FusedWeightedSum(torch.autograd.Function):
@@ -211,29 +267,33 @@ class _FusedWeightedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden_NH, weight_VH, labels_N, coeff_N, sm, chunk_rows, dtype, need_h, need_w
+        ctx, hidden_NH, weight_VH, labels_N, coeff_N, index, sm, chunk_rows, dtype, need_h, need_w
     ):  # type: ignore[override]
         device = hidden_NH.device
+        rows = RowSelection(hidden_NH.shape[0], index)
+        acc = loss_dtype(dtype)
         with torch.autocast(device.type, enabled=False):
             weight_cd = weight_VH.to(dtype)
-            N = hidden_NH.shape[0]
-            acc = loss_dtype(dtype)
+            labels_M, coeff_M = rows.take(labels_N), rows.take(coeff_N).to(acc)
             numerator = torch.zeros((), dtype=acc, device=device)
             nll_sum = torch.zeros((), dtype=acc, device=device)
-            grad_h = torch.empty_like(hidden_NH) if need_h else None
-            grad_w32 = torch.zeros(weight_VH.shape, dtype=acc, device=device) if need_w else None
-            for start, stop in chunk_bounds(N, chunk_rows):
-                gold_n, valid_n = split_labels(labels_N[start:stop])
-                coeff_n = torch.where(valid_n, coeff_N[start:stop].to(acc), 0.0)
-                h_nH = hidden_NH[start:stop]
+            grad_h = rows.new_grad(hidden_NH) if need_h else None
+            grad_w = torch.zeros(weight_VH.shape, dtype=acc, device=device) if need_w else None
+            for start, stop in chunk_bounds(rows.count, chunk_rows):
+                gold_n, valid_n = split_labels(labels_M[start:stop])
+                coeff_n = torch.where(valid_n, coeff_M[start:stop], 0.0)
+                h_nH = rows.hidden(hidden_NH, start, stop)
                 z_nV = head_logits(h_nH, weight_cd, dtype)
-                ce_n, nll_n, lse_n = chunk_losses(z_nV, gold_n, valid_n, sm)
+                ce_n, nll_n, logp_nV = chunk_losses(z_nV, gold_n, valid_n, sm)
+                del z_nV
                 numerator += torch.dot(coeff_n, ce_n)
                 nll_sum += nll_n.sum()
                 if need_h or need_w:
-                    dz = chunk_logit_grad_(z_nV, lse_n, gold_n, coeff_n, sm)
-                    accumulate_head_grads(dz, h_nH, weight_cd, grad_h, grad_w32, start, stop, dtype)
-        grad_w = None if grad_w32 is None else grad_w32.to(weight_VH.dtype)
+                    dz = logit_grad_from_logp_(logp_nV, gold_n, coeff_n, sm)
+                    accumulate_head_grads(
+                        dz, h_nH, weight_cd, grad_h, grad_w, rows, start, stop, dtype
+                    )
+        grad_w = None if grad_w is None else grad_w.to(weight_VH.dtype)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.has = (grad_h is not None, grad_w is not None)
         ctx.mark_non_differentiable(nll_sum)
@@ -245,7 +305,7 @@ class _FusedWeightedSum(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         grad_h = next(saved) * grad_numerator if ctx.has[0] else None  # keeps its dtype
         grad_w = next(saved) * grad_numerator if ctx.has[1] else None
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 class _LogitsRowLosses(torch.autograd.Function):
@@ -261,7 +321,9 @@ class _LogitsRowLosses(torch.autograd.Function):
         for start, stop in chunk_bounds(N, chunk_rows):
             gold_n, valid_n = split_labels(labels_N[start:stop])
             z_nV = logits_NV[start:stop].to(acc)
-            ce, nll, lse = chunk_losses(z_nV, gold_n, valid_n, sm)
+            ce, nll, logp_nV = chunk_losses(z_nV, gold_n, valid_n, sm)
+            lse = row_log_sum_exp(z_nV, logp_nV, gold_n)
+            del z_nV, logp_nV
             ce_N[start:stop], nll_N[start:stop], lse_N[start:stop] = ce, nll, lse
         ctx.save_for_backward(logits_NV, labels_N, lse_N)
         ctx.sm, ctx.chunk_rows = sm, chunk_rows
@@ -277,8 +339,9 @@ class _LogitsRowLosses(torch.autograd.Function):
             gold_n, valid_n = split_labels(labels_N[start:stop])
             scale_n = torch.where(valid_n, grad_ce_N[start:stop].to(lse_N.dtype), 0.0)
             z_nV = logits_NV[start:stop].to(lse_N.dtype, copy=True)
-            dz = chunk_logit_grad_(z_nV, lse_N[start:stop], gold_n, scale_n, ctx.sm)
-            grad_logits[start:stop] = dz
+            grad_logits[start:stop] = logit_grad_from_logits_(
+                z_nV, lse_N[start:stop], gold_n, scale_n, ctx.sm
+            )
         return grad_logits, None, None, None
 
 
@@ -307,18 +370,20 @@ def fused_row_losses(
     sm = resolve_smoothing(cfg, head_weight_VH.shape[0], pad_id)
     dtype = compute_dtype(hidden_NH, head_weight_VH)
     index = supervised_index(labels_N, rows_index)
-    if index is None:
-        return _FusedRowLosses.apply(hidden_NH, head_weight_VH, labels_N, sm, cfg.chunk_rows, dtype)
-    ce_n, nll_n = _FusedRowLosses.apply(
-        hidden_NH.index_select(0, index),
-        head_weight_VH,
-        labels_N.index_select(0, index),
-        sm,
-        cfg.chunk_rows,
-        dtype,
+    ce_M, nll_M = _FusedRowLosses.apply(
+        hidden_NH, head_weight_VH, labels_N, index, sm, cfg.chunk_rows, dtype
     )
-    zeros_N = ce_n.new_zeros(labels_N.shape[0])
-    return zeros_N.index_copy(0, index, ce_n), zeros_N.index_copy(0, index, nll_n)
+    return scatter_rows(ce_M, nll_M, index, labels_N.shape[0])
+
+
+def scatter_rows(
+    ce_M: Tensor, nll_M: Tensor, index: Tensor | None, N: int
+) -> tuple[Tensor, Tensor]:
+    """Per-selected-row values back to ``[N]`` (0 on unselected rows)."""
+    if index is None:
+        return ce_M, nll_M
+    zeros_N = ce_M.new_zeros(N)
+    return zeros_N.index_copy(0, index, ce_M), zeros_N.index_copy(0, index, nll_M)
 
 
 def fused_weighted_sum(
@@ -347,14 +412,20 @@ def fused_weighted_sum(
     dtype = compute_dtype(hidden_NH, head_weight_VH)
     coeff_N = coeff_N.to(hidden_NH.device, non_blocking=True)
     index = supervised_index(labels_N, rows_index)
-    if index is not None:
-        hidden_NH = hidden_NH.index_select(0, index)
-        labels_N, coeff_N = labels_N.index_select(0, index), coeff_N.index_select(0, index)
     grad_on = torch.is_grad_enabled()
     need_h = grad_on and hidden_NH.requires_grad
     need_w = grad_on and head_weight_VH.requires_grad
     return _FusedWeightedSum.apply(
-        hidden_NH, head_weight_VH, labels_N, coeff_N, sm, cfg.chunk_rows, dtype, need_h, need_w
+        hidden_NH,
+        head_weight_VH,
+        labels_N,
+        coeff_N,
+        index,
+        sm,
+        cfg.chunk_rows,
+        dtype,
+        need_h,
+        need_w,
     )
 
 
@@ -380,8 +451,7 @@ def logits_row_losses(
     index = supervised_index(labels_N, rows_index)
     if index is None:
         return _LogitsRowLosses.apply(logits_NV, labels_N, sm, cfg.chunk_rows)
-    ce_n, nll_n = _LogitsRowLosses.apply(
+    ce_M, nll_M = _LogitsRowLosses.apply(
         logits_NV.index_select(0, index), labels_N.index_select(0, index), sm, cfg.chunk_rows
     )
-    zeros_N = ce_n.new_zeros(labels_N.shape[0])
-    return zeros_N.index_copy(0, index, ce_n), zeros_N.index_copy(0, index, nll_n)
+    return scatter_rows(ce_M, nll_M, index, labels_N.shape[0])

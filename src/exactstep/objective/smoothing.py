@@ -108,25 +108,26 @@ class Smoothing:
         gold_is_pad = gold_n == self.pad_id
         return total - torch.where(gold_is_pad, torch.zeros_like(z_gold_n), z_gold_n)
 
-    def subtract_target(self, dz_nV: torch.Tensor, gold_n: torch.Tensor) -> None:
-        """In place: ``dz -= q`` for each row (``dz`` holds ``softmax(z)`` on entry).
+    def subtract_target(
+        self, dz_nV: torch.Tensor, gold_n: torch.Tensor, scale_n: torch.Tensor
+    ) -> None:
+        """In place: ``dz -= scale * q`` for each row (``q`` never materialised).
 
-        ``gold_n`` must already be a valid class index on every row (ignored rows are
-        handled by the caller, which zeroes their gradient).
+        ``gold_n`` must be a valid class index on every row; ``scale_n`` [n] is the
+        row's weight (0 on ignored rows, which then keep whatever ``dz`` holds: the
+        caller has already scaled them to 0).
         """
         eps = self.eps
-        share_n = eps / self.support_size(gold_n, dz_nV.dtype)  # [n] eps / |S|
         if eps > 0.0:
-            if self.convention == "uniform":
-                dz_nV.sub_(eps / self.vocab_size)
-            else:
-                dz_nV.sub_(share_n.unsqueeze(1))
+            share_n = scale_n * (eps / self.support_size(gold_n, dz_nV.dtype))  # [n]
+            dz_nV.sub_(share_n.unsqueeze(1))
+            if self.convention != "uniform":
                 dz_nV[:, self.pad_id] += share_n  # pad is never in S
-        gold_adjust = torch.full_like(share_n, -(1.0 - eps))
+        gold_adjust_n = scale_n * -(1.0 - eps)
         if eps > 0.0 and self.convention == "harvard":
-            # gold is not in S either (unless it is pad, already restored above)
-            gold_adjust = gold_adjust + torch.where(gold_n == self.pad_id, 0.0, share_n)
-        dz_nV.scatter_add_(1, gold_n.unsqueeze(1), gold_adjust.unsqueeze(1))
+            # the gold class is not in S either, unless it is pad (restored just above)
+            gold_adjust_n = gold_adjust_n + torch.where(gold_n == self.pad_id, 0.0, share_n)
+        dz_nV.scatter_add_(1, gold_n.unsqueeze(1), gold_adjust_n.unsqueeze(1))
 
 
 def target_distribution(smoothing: Smoothing, gold: int) -> torch.Tensor:
