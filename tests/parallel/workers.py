@@ -25,6 +25,7 @@ from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.process_group import free_port, init_distributed, launcher_env, shutdown
 from exactstep.parallel.reducer import DDPReducer
 from exactstep.parallel.window import distribute_engine
@@ -119,35 +120,45 @@ REDUCERS = {"ddp": DDPReducer, "local_mean": RankLocalMeanReducer,
 
 
 def rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
-    """One rank: join, run ``job['windows'][rank]``, write params + ledger (or the error)."""
+    """One rank: join, run each of ``job['phases']`` with a fresh engine, write what the
+    test checks (params + ledger per phase), or the error that stopped it."""
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pt"
     ctx = None
+    results: list[dict] = []
     try:
         cfg = ParallelConfig(timeout_s=job.get("timeout_s", 30.0))
         ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
-        update = replace(UPDATE, fail_window=job.get("fail_window", {}).get(rank, -1))
-        engine = build_engine(update)
-        distribute_engine(engine, ctx, cfg)
-        engine.reducer = REDUCERS[job.get("reducer", "ddp")](ctx)
-        records = []
-        for w, batches in enumerate(job["windows"][rank]):
-            if job.get("kill_at") == (rank, w):
-                os.kill(os.getpid(), signal.SIGKILL)
-            records.append(engine.run_window(list(batches), w).ledger_record())
-            time.sleep(job.get("sleep_s", 0.0))
-        torch.save({"params": params_of(engine), "ledger": records}, path)
+        with collective_guard(ctx):
+            for phase in job["phases"]:
+                results.append(run_phase(rank, ctx, cfg, phase))
+        torch.save({"phases": results}, path)
     except ExactstepError as exc:
-        torch.save({"error": str(exc), "kind": type(exc).__name__}, path)
+        torch.save({"phases": results, "error": str(exc), "kind": type(exc).__name__}, path)
     except BaseException as exc:  # noqa: BLE001 - the test reads what failed
-        torch.save({"error": "".join(traceback.format_exception_only(exc)).strip(),
-                    "kind": type(exc).__name__, "traceback": traceback.format_exc()}, path)
+        torch.save({"phases": results, "kind": type(exc).__name__,
+                    "error": "".join(traceback.format_exception_only(exc)).strip(),
+                    "traceback": traceback.format_exc()}, path)
     finally:
         if ctx is not None:
             try:
                 shutdown(ctx)
             except Exception:  # noqa: BLE001 - a dead peer may already have broken the group
                 pass
+
+
+def run_phase(rank: int, ctx, cfg: ParallelConfig, phase: dict) -> dict:
+    update = replace(UPDATE, fail_window=phase.get("fail_window", {}).get(rank, -1))
+    engine = build_engine(update)
+    distribute_engine(engine, ctx, cfg)
+    engine.reducer = REDUCERS[phase.get("reducer", "ddp")](ctx)
+    records = []
+    for w, batches in enumerate(phase["windows"][rank]):
+        if phase.get("kill_at") == (rank, w):
+            os.kill(os.getpid(), signal.SIGKILL)
+        records.append(engine.run_window(list(batches), w).ledger_record())
+    return {"params": params_of(engine), "ledger": records,
+            "collectives": engine.reducer.collectives}
 
 
 def spawn_ranks(target: Callable, world: int, out: Path, job: dict, *,

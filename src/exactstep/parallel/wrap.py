@@ -37,7 +37,6 @@ def wrap_train_module(module: nn.Module, ctx: DistContext, cfg: ParallelConfig) 
         module,
         device_ids=None,  # the engine moves each batch itself; DDP must not touch it
         bucket_cap_mb=cfg.bucket_mb,
-        broadcast_buffers=False,  # the decoder has no buffers that training changes
         find_unused_parameters=False,  # every parameter is used every microbatch (D1)
     )
 

@@ -1,0 +1,149 @@
+"""Launching many processes and turning their failures into one message (D1, X4).
+
+Two ways in, one code path:
+
+- ``torchrun --nproc_per_node R -m exactstep train ...``: every worker reads the
+  launcher's variables (``init_distributed``); rank 0 owns the progress bar, the
+  ledger, metrics and every file of the run directory.
+- ``exactstep train --nproc R ...``: ``relaunch`` re-executes the same command under
+  torchrun's launcher (standalone rendezvous on this host) without ``--nproc`` and
+  reports the first failing rank's message as the one line the user sees.
+
+Failures: ``collective_guard`` turns a collective that failed because a peer died or
+stalled (gloo "connection closed", a timeout, an NCCL error) into a
+``DistributedError``; ``report_failure`` prints a user error on rank 0 only and
+records every rank's error in torchrun's per-worker error file, from which torchrun
+(and ``relaunch``) name the root cause: the earliest failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+from exactstep.errors import DistributedError, ExactstepError
+from exactstep.parallel.process_group import DistContext, peer_failure
+
+# Fragments of the messages torch.distributed raises when a peer is gone or stalls.
+PEER_FAILURE_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "timed out",
+    "timeout",
+    "gloo",
+    "nccl",
+    "broken pipe",
+)
+ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for the errors torch.distributed raises when another rank is gone."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in PEER_FAILURE_MARKERS)
+
+
+@contextlib.contextmanager
+def collective_guard(ctx: DistContext) -> Iterator[None]:
+    """Re-raise a failed collective inside the block as one ``DistributedError``.
+
+    Any other exception passes through unchanged (a bug keeps its traceback).
+    """
+    try:
+        yield
+    except ExactstepError:
+        raise
+    except RuntimeError as exc:
+        if ctx.distributed and is_peer_failure(exc):
+            raise peer_failure(ctx, exc) from None
+        raise
+
+
+def report_failure(exc: ExactstepError, ctx: DistContext | None,
+                   env: Mapping[str, str] | None = None) -> None:
+    """Print ``error: ...`` once (rank 0) and record it for the launcher (every rank)."""
+    env = os.environ if env is None else env
+    rank = ctx.rank if ctx is not None else int(env.get("RANK", "0"))
+    path = env.get(ERROR_FILE_VAR)
+    if path:
+        write_error_file(path, rank, exc)
+    if rank == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
+def write_error_file(path: str, rank: int, exc: BaseException) -> None:
+    """torchrun's per-worker error file format: the launcher reads ``message``."""
+    record = {"message": {"message": f"rank {rank}: {exc}",
+                          "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(record, fh)
+
+
+def strip_nproc(argv: Sequence[str]) -> tuple[list[str], int | None]:
+    """``argv`` without ``--nproc R`` / ``--nproc=R``, and R (None when absent)."""
+    out: list[str] = []
+    nproc: int | None = None
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if item == "--nproc" and i + 1 < len(items):
+            nproc, i = _positive(items[i + 1]), i + 2
+            continue
+        if item.startswith("--nproc="):
+            nproc, i = _positive(item.split("=", 1)[1]), i + 1
+            continue
+        out.append(item)
+        i += 1
+    return out, nproc
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise DistributedError(f"--nproc expects a positive number of processes; got {text!r}")
+    return value
+
+
+def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0) -> int:
+    """Run ``exactstep <argv>`` as ``nproc`` local workers under torchrun's launcher.
+
+    Returns 0 on success. On failure prints one line naming the first failing rank
+    and its message (unless that rank is 0, which printed it already) and returns
+    that worker's exit code (1 when unknown).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"exactstep-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_configs={"timeout": int(timeout_s)},
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "exactstep", *argv)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        if rank != 0 or not failure.message:
+            message = failure.message if isinstance(failure.message, str) else ""
+            print(f"error: {message or f'rank {rank} exited with code {failure.exitcode}'}",
+                  file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+    return 0
