@@ -270,6 +270,11 @@ class PackPlanner:
             rows.append(row)
         return rows
 
+    @property
+    def pending_pieces(self) -> int:
+        """Pieces admitted but not yet placed in a row (the packer remainder)."""
+        return len(self._pending)
+
     # -- state (S2) ---------------------------------------------------------------------
 
     def settings(self) -> dict:

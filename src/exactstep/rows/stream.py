@@ -157,7 +157,7 @@ def data_report(
         "dropped_documents": c.dropped_documents,
         "dropped_tokens": c.dropped_tokens,
         "dropped_targets_lost": c.dropped_targets_lost,
-        "pending_pieces": len(planner.state_dict()["pending"]),
+        "pending_pieces": planner.pending_pieces,
         "epoch": planner.epoch,
         "batches": batches,
         "rows": c.rows,
