@@ -1,0 +1,252 @@
+"""Multi-rank checkpoints: ``torch.distributed.checkpoint`` published like S3 (S7, S2, D3).
+
+Layout of one published checkpoint ``root/<name>/``::
+
+    dcp/                      model + optimizer, written by torch.distributed.checkpoint
+                              (each rank writes its shards; replicated tensors once)
+    common.pt                 schedule, scaler, counters, progress (rank 0; weights-only)
+    rank-00000.pt ...         per rank: every RNG stream and the data cursor (D3)
+    manifest.json             written last by rank 0: world size, per-file sha256
+
+Publication (S3) with many writers: every rank writes into the same temporary
+directory ``root/.tmp-<name>-dist``; a barrier; rank 0 digests every file, writes
+``manifest.json`` last, renames the directory into place and replaces ``LATEST``
+(the state stage's helpers); a second barrier, so no rank runs on before the
+checkpoint is committed. A crash at any moment leaves ``LATEST`` naming a complete
+checkpoint.
+
+Resuming on another world size is a declared migration (S7): ``load`` refuses it
+unless ``reshard=True``. The rule, recorded by ``reshard_record``: the weights and
+optimizer are re-partitioned by torch.distributed.checkpoint; new rank ``r`` takes
+the RNG streams of old rank ``r mod W_old``; and every new rank's data cursor
+restarts at the *beginning of the epoch after the furthest epoch any old rank had
+reached*, sharded for the new world (``reshard_stream_state``). Nothing is seen
+twice within an epoch; the unread rest of the old epoch and the old packer
+remainders are skipped, and the record says how many epochs that was.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from exactstep.errors import CheckpointError, DistributedError
+from exactstep.manifest import fsync_dir
+from exactstep.parallel.process_group import DistContext
+from exactstep.state import checkpoint as s3
+
+DIST_FORMAT = "exactstep-dist-checkpoint/1"
+DCP_DIR = "dcp"
+COMMON_FILE = "common.pt"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+# ------------------------------------------------------------------------ save
+
+
+def save_distributed_checkpoint(
+    root: Path,
+    name: str,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    common: dict[str, Any],
+    rank_state: dict[str, Any],
+    ctx: DistContext,
+    keep: int,
+) -> Path:
+    """Every rank calls this at the same window; returns ``root/<name>`` once committed.
+
+    ``model`` is the unwrapped model (DDP shares its parameters; FSDP2 shards them),
+    ``common`` the rank-independent parts (rank 0's copy is written), ``rank_state``
+    this rank's RNG streams and data cursor. Collective: all ranks must call it.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(root)
+    tmp = root / f"{s3.TMP_PREFIX}{name}-dist"
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier(ctx)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+    _save_durably(rank_state, tmp / rank_file(ctx.rank))
+    if ctx.is_main:
+        _save_durably(common, tmp / COMMON_FILE)
+    _barrier(ctx)
+    if ctx.is_main:
+        _commit(root, name, tmp, ctx.world_size, keep)
+    _barrier(ctx)
+    return root / name
+
+
+def _save_durably(value: Any, path: Path) -> None:
+    with open(path, "wb") as fh:
+        torch.save(value, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _commit(root: Path, name: str, tmp: Path, world: int, keep: int) -> None:
+    """Rank 0: digests, ``manifest.json`` last, rename into place, ``LATEST``, prune."""
+    files = {
+        str(p.relative_to(tmp)): s3._record(p)
+        for p in sorted(tmp.rglob("*")) if p.is_file()
+    }
+    manifest = {
+        "format": DIST_FORMAT,
+        "name": name,
+        "sequence": s3._next_sequence(root),
+        "world_size": world,
+        "files": files,
+    }
+    s3._write_file_durably(tmp / s3.CHECKPOINT_MANIFEST, s3._json_bytes(manifest))
+    fsync_dir(tmp / DCP_DIR)
+    fsync_dir(tmp)
+    s3._move_into_place(tmp, root / name, root)
+    s3._point_latest(root, name)
+    s3.prune(root, keep)
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------ load
+
+
+@dataclass(frozen=True)
+class DistributedState:
+    """What ``load_distributed_checkpoint`` gives back besides the loaded weights.
+
+    ``rank_state``: this rank's RNG and data cursor (on a reshard: the RNG of old rank
+    ``rank mod W_old`` and ``data`` = None). ``old_data``: every old rank's data
+    cursor (for ``reshard_stream_state``); ``reshard``: the migration record, or None.
+    """
+
+    common: dict[str, Any]
+    rank_state: dict[str, Any]
+    saved_world: int
+    old_data: list[Any]
+    reshard: dict[str, Any] | None
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    file = Path(path) / s3.CHECKPOINT_MANIFEST
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file} is missing or unreadable ({exc}); use an earlier "
+                              "committed checkpoint") from None
+    if manifest.get("format") != DIST_FORMAT:
+        raise CheckpointError(f"{path} is not a multi-rank checkpoint "
+                              f"(format {manifest.get('format')!r})")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict[str, Any], names: list[str]) -> None:
+    """Recompute the sha256 of ``names`` (relative paths); name the first bad file (S6)."""
+    for rel in names:
+        record = manifest["files"].get(rel)
+        file = Path(path) / rel
+        if record is None or not file.is_file():
+            raise CheckpointError(f"{file} is missing from checkpoint {path}; fall back to "
+                                  "the previous committed checkpoint")
+        if s3._sha256_file(file) != record["sha256"]:
+            raise CheckpointError(f"{file} does not match its digest (corrupted); fall back "
+                                  "to the previous committed checkpoint")
+
+
+def load_distributed_checkpoint(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ctx: DistContext,
+    reshard: bool = False,
+) -> DistributedState:
+    """Load weights and optimizer into ``model``/``optimizer`` and return the rest (S7).
+
+    Raises ``DistributedError`` when the checkpoint was written by another world size
+    and ``reshard`` is False, ``CheckpointError`` (naming the file) on a missing or
+    corrupted file. Collective when ``ctx`` is distributed.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    saved_world = int(manifest["world_size"])
+    if saved_world != ctx.world_size and not reshard:
+        raise DistributedError(
+            f"checkpoint {path.name} was written by {saved_world} ranks but this job has "
+            f"{ctx.world_size}; relaunch with {saved_world} ranks, or pass --reshard to "
+            "re-partition the data by the declared rule (restart at the next epoch)"
+        )
+    old_ranks = [rank_file(r) for r in range(saved_world)]
+    mine = [rank_file(ctx.rank % saved_world)] if not reshard else old_ranks
+    dcp_files = [k for k in manifest["files"] if k.startswith(DCP_DIR + "/")]
+    verify_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
+    _barrier(ctx)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    common = torch.load(path / COMMON_FILE, weights_only=True)
+    olds = [torch.load(path / f, weights_only=True) for f in mine]
+    if saved_world == ctx.world_size:
+        return DistributedState(common, olds[0], saved_world, [olds[0]["data"]], None)
+    rank_state = {**olds[ctx.rank % saved_world], "data": None}
+    record = reshard_record(saved_world, ctx.world_size, [o["data"] for o in olds])
+    return DistributedState(common, rank_state, saved_world, [o["data"] for o in olds], record)
+
+
+# ------------------------------------------------------------------------ reshard rule
+
+
+def resume_epoch(old_data: list[dict[str, Any]]) -> int:
+    """The epoch every new rank starts at: one past the furthest old rank's epoch."""
+    return 1 + max(int(d["planner"]["epoch"]) for d in old_data)
+
+
+def reshard_stream_state(old_data: list[dict[str, Any]], fresh: dict[str, Any]) -> dict[str, Any]:
+    """A data cursor for a new rank: ``fresh`` (a new stream's ``state_dict()`` built
+    with the new rank/world) moved to the start of ``resume_epoch(old_data)``."""
+    state = copy.deepcopy(fresh)
+    planner = state["planner"]
+    planner.update(epoch=resume_epoch(old_data), cursor=0, exhausted=False,
+                   admitted_this_epoch=0, pending=[])
+    return state
+
+
+def reshard_record(old_world: int, new_world: int, old_data: list[dict[str, Any]]) -> dict:
+    """The ledger's account of the migration (S7)."""
+    epochs = [int(d["planner"]["epoch"]) for d in old_data]
+    return {
+        "event": "RESHARD",
+        "old_world_size": old_world,
+        "new_world_size": new_world,
+        "rule": "data restarts at the next epoch, sharded for the new world; "
+                "rank r takes the RNG of old rank r mod old_world_size",
+        "old_epochs": epochs,
+        "resume_epoch": resume_epoch(old_data),
+        "pending_pieces_dropped": sum(len(d["planner"]["pending"]) for d in old_data),
+    }
