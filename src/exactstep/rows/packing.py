@@ -147,6 +147,8 @@ class PackPlanner:
                 "'drop'; raise batch.seq_len or set batch.overlong to 'split' or 'truncate'"
             )
         self.examples = examples
+        self._lengths: list[int] = lengths.tolist()
+        self._targets: list[int] = [e.targets_in(1, len(e)) for e in examples]
         self.seq_len = seq_len
         self.buffer = buffer
         self.overlong = overlong
@@ -171,12 +173,21 @@ class PackPlanner:
             order = np.random.default_rng([self.seed, epoch]).permutation(n)
         else:
             order = np.arange(n)
-        self._shard = order[self.rank :: self.world]
+        self._shard: list[int] = order[self.rank :: self.world].tolist()
         self.epoch = epoch
         self.cursor = 0
         self._admitted_this_epoch = 0
 
     def _admit(self, index: int) -> None:
+        n = self._lengths[index]
+        if n <= self.seq_len:  # the common case, kept cheap
+            c = self.counts
+            c.documents += 1
+            c.tokens += n
+            c.targets += self._targets[index]
+            self._push(Piece(example=index, offset=0, length=n, piece=0))
+            self._admitted_this_epoch += 1
+            return
         example = self.examples[index]
         runs, lost = cut_example(example, self.seq_len, self.overlong, self.overlap_split)
         self._count_admission(example, runs, lost)
@@ -189,8 +200,6 @@ class PackPlanner:
         c.documents += 1
         c.tokens += n
         c.targets += example.targets_in(1, n)
-        if n <= self.seq_len:
-            return
         if self.overlong == "drop":
             c.dropped_documents += 1
             c.dropped_tokens += n
@@ -220,7 +229,7 @@ class PackPlanner:
                     )
                 self._start_epoch(self.epoch + 1)
                 continue
-            self._admit(int(self._shard[self.cursor]))
+            self._admit(self._shard[self.cursor])
             self.cursor += 1
 
     # -- the bounded buffer -------------------------------------------------------------
