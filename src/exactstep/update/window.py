@@ -103,8 +103,11 @@ class TrainModule(nn.Module):
         self.pad_id = pad_id
         self.terms = terms if terms is not None else _default_terms()
 
-    def forward(self, batch: Batch, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: Batch, coeff: torch.Tensor, rows_index: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(batch)  # [B, T, H]
+        extra = {} if rows_index is None else {"rows_index": rows_index}
         return self.terms(
             hidden,
             self.model.head_weight,
@@ -112,6 +115,7 @@ class TrainModule(nn.Module):
             coeff,
             self.objective_cfg,
             pad_id=self.pad_id,
+            **extra,
         )
 
 
@@ -170,35 +174,33 @@ class UpdateEngine:
         self.microbatches += len(batches)
 
         # 1. plan: D_W known before the forward; agreed over ranks (U1, L4, D1)
-        plan = self.plan(batches, self.objective_cfg)
-        local = _plan_totals(plan)
-        denominator, tokens = self._global_totals(*local)
+        plan = self._plan(batches)
+        denominator, tokens = self._global_totals(*_plan_totals(plan))
         if denominator == 0.0:
             self.no_objective += 1
             return Disposition(
-                window,
-                Outcome.NO_OBJECTIVE,
-                _no_objective_cause(plan),
-                None,
-                0.0,
-                None,
-                None,
-                0,
-                0.0,
-                len(batches),
+                window=window,
+                outcome=Outcome.NO_OBJECTIVE,
+                cause=_no_objective_cause(plan, tokens),
+                lr=None,
+                denominator=0.0,
+                loss=None,
+                grad_norm=None,
+                tokens=0,
+                microbatches=len(batches),
             )
-        coefficients = (
-            plan.coefficients if not isinstance(plan, NoObjective) else _zero_coefficients(batches)
-        )
+        coefficients, row_indices = _microbatch_inputs(plan, batches)
 
         # 2. microbatches at the same parameters; one loss scale for the window (U1, U2)
         loss_scale = self.reducer.world_size / denominator  # DDP averages gradients (D1)
         numerators: list[torch.Tensor] = []
         gold_sums: list[torch.Tensor] = []
         last = len(batches) - 1
-        for index, (batch, coeff) in enumerate(zip(batches, coefficients, strict=True)):
+        for index, batch in enumerate(batches):
             with self.reducer.no_sync(self.train_module, index == last):
-                numerator, gold_nll_sum = self._forward(batch, coeff)
+                numerator, gold_nll_sum = self._forward(
+                    batch, coefficients[index], row_indices[index]
+                )
                 self.precision.scale(numerator * loss_scale).backward()
             numerators.append(numerator.detach())
             gold_sums.append(gold_nll_sum.detach())
@@ -261,11 +263,22 @@ class UpdateEngine:
         total_denominator, total_tokens = summed.cpu().tolist()
         return total_denominator, int(total_tokens)
 
-    def _forward(self, batch: Batch, coeff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plan(self, batches: Sequence[Batch]) -> Any:
+        """The objective stage's host-side plan. With several ranks a locally empty
+        window is still planned (zero coefficients): L4 is decided globally (D1)."""
+        if self.reducer.world_size > 1:
+            return self.plan(batches, self.objective_cfg, allow_empty=True)
+        return self.plan(batches, self.objective_cfg)
+
+    def _forward(
+        self, batch: Batch, coeff: torch.Tensor, rows_index: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = batch.to(self.device, non_blocking=True)
         coeff = coeff.to(self.device, non_blocking=True)  # [B, T] fp32
+        if rows_index is not None:
+            rows_index = rows_index.to(self.device, non_blocking=True)  # [N_supervised]
         with self.precision.autocast():
-            return self.train_module(batch, coeff)
+            return self.train_module(batch, coeff, rows_index)
 
     def _with_grad(self) -> list[nn.Parameter]:
         return [p for p in self.parameters if p.grad is not None]
@@ -324,15 +337,28 @@ def _plan_totals(plan: Any) -> tuple[float, int]:
     return float(plan.denominator), int(plan.tokens)
 
 
-def _no_objective_cause(plan: Any) -> str:
+def _no_objective_cause(plan: Any, global_tokens: int) -> str:
     if isinstance(plan, NoObjective):
         return plan.cause.value
-    return NoObjectiveCause.EMPTY_ELIGIBLE_SET.value  # every rank was empty (D1)
+    # a plan with D == 0 (several ranks): the cause follows the global token count
+    if global_tokens == 0:
+        return NoObjectiveCause.EMPTY_ELIGIBLE_SET.value
+    return NoObjectiveCause.NONEMPTY_ZERO_WEIGHT_MASS.value
 
 
-def _zero_coefficients(batches: Sequence[Batch]) -> list[torch.Tensor]:
-    """A rank with nothing supervised still runs a graph-connected zero pass (D1)."""
-    return [torch.zeros(b.labels.shape, dtype=torch.float32) for b in batches]
+def _microbatch_inputs(
+    plan: Any, batches: Sequence[Batch]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Per-microbatch coefficients ``[B, T]`` and supervised-row indices (or None).
+
+    A rank whose share has no objective while others do runs a graph-connected
+    zero pass with zero coefficients (D1).
+    """
+    if isinstance(plan, NoObjective):
+        zeros = [torch.zeros(b.labels.shape, dtype=torch.float32) for b in batches]
+        return zeros, [None] * len(batches)
+    indices = list(getattr(plan, "row_indices", None) or [None] * len(batches))
+    return list(plan.coefficients), indices
 
 
 def _skip_cause(injected: bool, norm: float, numerator: float) -> str:
