@@ -134,9 +134,10 @@ def test_sharded_sampler_partitions_each_epoch(world: int) -> None:
 @pytest.mark.parametrize("world", [2])
 def test_sharded_streams_emit_disjoint_documents(world: int) -> None:
     """D3 on the emitted rows: no document appears in two ranks' first-epoch batches."""
+    from workers import PAD_ID, VOCAB
+
     from exactstep.rows.config import BatchConfig
     from exactstep.rows.stream import RowStream
-    from workers import PAD_ID, VOCAB
 
     cfg = BatchConfig(seq_len=64, rows=2, buffer=4)
     seen = []

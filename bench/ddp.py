@@ -1,0 +1,106 @@
+"""Per-window cost of the distributed transaction against plain DDP (D1, D2, U7).
+
+Two ranks on this host (gloo, CPU), the same small decoder and the same sharded
+rows. Candidate: exactstep's window (``UpdateEngine`` + ``DDPReducer``): one
+all-reduce of ``[D, tokens]`` before the forward, ``no_sync`` for the first K-1
+microbatches, one all-reduce of ``[finite flag, S, gold NLL]`` at the close, one host
+read. Baseline: a plain DDP accumulation loop over the same microbatches (local
+token mean per microbatch, ``no_sync``, clip, step; no extra collective, no agreed
+decision). The two alternate window by window in the same processes, so machine
+noise hits both alike. Figures: ``time_ratio`` (candidate / baseline, median
+seconds per window), ``overhead_ms_per_window`` and the extra collectives per window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _plain_window(module, optimizer, batches, plan_window, cfg, clip: float) -> None:
+    """The usual DDP loop: mean of microbatch means, no agreement across ranks."""
+    plan = plan_window(batches, cfg)
+    last = len(batches) - 1
+    for index, (batch, coeff) in enumerate(zip(batches, plan.coefficients, strict=True)):
+        with module.no_sync() if index < last else contextlib.nullcontext():
+            numerator, _ = module(batch, coeff)
+            (numerator / max(plan.microbatch_denominators[index], 1.0) / len(batches)).backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    root = str(Path(__file__).resolve().parents[1] / "tests" / "parallel")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from workers import batch_cfg, build_engine, stream_for
+
+    from exactstep.objective import plan_window
+    from exactstep.objective.config import ObjectiveConfig
+    from exactstep.parallel.config import ParallelConfig
+    from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
+    from exactstep.parallel.window import distribute_engine
+
+    torch.set_num_threads(1)
+    cfg = ParallelConfig(timeout_s=60.0)
+    ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
+    try:
+        exact = distribute_engine(build_engine(), ctx, cfg)
+        plain = distribute_engine(build_engine(), ctx, cfg)
+        plain_module, plain_opt = plain.train_module, plain.optimizer
+        stream = stream_for(rank, world)
+        it = iter(stream)
+        k, windows = job["accum"], job["windows"]
+        pool = [[next(it) for _ in range(k)] for _ in range(8)]
+        times: dict[str, list[float]] = {"exact": [], "plain": []}
+        for w in range(windows + 2):
+            batches = pool[w % len(pool)]
+            order = ("exact", "plain") if w % 2 == 0 else ("plain", "exact")
+            for name in order:
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                if name == "exact":
+                    exact.run_window(batches, w)
+                else:
+                    _plain_window(plain_module, plain_opt, batches, plan_window,
+                                  ObjectiveConfig(), 1.0)
+                if w >= 2:  # the first two windows warm up
+                    times[name].append(time.perf_counter() - t0)
+        if rank == 0:
+            torch.save({**times, "collectives": exact.reducer.collectives,
+                        "windows": windows + 2, "rows": batch_cfg().rows}, Path(out) / "times.pt")
+    finally:
+        shutdown(ctx)
+
+
+def run(quick: bool) -> dict:
+    root = str(Path(__file__).resolve().parents[1] / "tests" / "parallel")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from workers import spawn_ranks
+
+    job = {"accum": 4, "windows": 10 if quick else 40}
+    with tempfile.TemporaryDirectory() as tmp:
+        results, codes, _ = spawn_ranks(_rank, 2, Path(tmp), job, deadline_s=600)
+        file = Path(tmp) / "times.pt"
+        if not file.exists():
+            raise RuntimeError(f"bench ddp: ranks exited with {codes} and wrote no timings")
+        data = torch.load(file, weights_only=False)
+    exact, plain = statistics.median(data["exact"]), statistics.median(data["plain"])
+    return {
+        "world_size": 2,
+        "accum": job["accum"],
+        "windows_timed": len(data["exact"]),
+        "exact_ms_per_window": exact * 1e3,
+        "plain_ddp_ms_per_window": plain * 1e3,
+        "time_ratio": exact / plain,
+        "overhead_ms_per_window": (exact - plain) * 1e3,
+        "extra_collectives_per_window": data["collectives"] / data["windows"],
+    }
