@@ -1,0 +1,140 @@
+"""Chat data for a training run: the bridge from ``RunConfig`` to chat ``Example``s (R5, S1).
+
+``load_chat_data(cfg, tokenizer)`` reads ``data.source`` (``"arith"`` for the
+built-in demo, otherwise a chat JSONL path), compiles both splits with the chat
+policy and returns what the runner records: examples, the manifest's ``data`` and
+``representation`` sections (with the template hash), and, for the demo, the
+held-out conversations that ``heldout_accuracy`` scores at the end of a run.
+
+The policy comes from the run configuration's ``chat`` section and the demo's
+family from its ``arith`` section; a configuration without those sections gets
+the documented defaults (``ChatPolicy()``, ``ArithSpec()``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from exactstep.data.arith import (
+    ArithSpec,
+    arith_conversations,
+    greedy_answer_accuracy,
+)
+from exactstep.data.chat import (
+    DEFAULT_TEMPLATE,
+    Conversation,
+    load_chat_jsonl,
+)
+from exactstep.data.tokenizer import ByteTokenizer
+from exactstep.rows.chat import ChatPolicy, chat_examples
+from exactstep.rows.example import Example
+
+ARITH_SOURCE = "arith"
+
+
+@dataclass
+class ChatData:
+    """Both splits plus what the manifest records (same fields the runner reads)."""
+
+    train: list[Example]
+    val: list[Example]
+    section: dict[str, Any]
+    representation: dict[str, Any]
+    heldout_conversations: list[Conversation] | None = None
+
+
+def chat_policy_of(cfg: Any) -> ChatPolicy:
+    """The run's ``chat`` section, or the default policy when the config has none."""
+    return getattr(cfg, "chat", None) or ChatPolicy()
+
+
+def arith_spec_of(cfg: Any) -> ArithSpec:
+    """The run's ``arith`` section, or the default demo family when the config has none."""
+    return getattr(cfg, "arith", None) or ArithSpec()
+
+
+def conversations_digest(conversations: Sequence[Conversation]) -> str:
+    """sha256 over the canonical JSON lines of ``conversations`` (data fingerprint, S1)."""
+    h = hashlib.sha256()
+    for conversation in conversations:
+        h.update(json.dumps(conversation.to_json(), sort_keys=True, ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def is_val(conversation: Conversation, val_fraction: float) -> bool:
+    """Hash split: a conversation's content alone decides its split (stable across runs)."""
+    canonical = json.dumps(conversation.to_json(), sort_keys=True, ensure_ascii=False)
+    bucket = int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:8], "big")
+    return bucket / 2**64 < val_fraction
+
+
+def split_conversations(
+    cfg: Any,
+) -> tuple[list[Conversation], list[Conversation], str, list[Conversation] | None]:
+    """(train, val, split rule, held-out conversations to score or None)."""
+    data = cfg.data
+    if data.source == ARITH_SOURCE:
+        spec = arith_spec_of(cfg)
+        n_train = min(spec.n_train, data.max_docs) if data.max_docs else spec.n_train
+        train = arith_conversations(cfg.seed, n_train, split="train", spec=spec)
+        heldout = arith_conversations(cfg.seed, spec.n_heldout, split="heldout", spec=spec)
+        rule = "arith: problem hash bucket 0 of 10 is held out; val = held-out conversations"
+        return train, heldout, rule, heldout
+    conversations = load_chat_jsonl(data.source)
+    if data.max_docs:
+        conversations = conversations[: data.max_docs]
+    train = [c for c in conversations if not is_val(c, data.val_fraction)]
+    val = [c for c in conversations if is_val(c, data.val_fraction)]
+    rule = f"sha256(conversation json) / 2^64 < {data.val_fraction} is val"
+    return train, val, rule, None
+
+
+def load_chat_data(cfg: Any, tokenizer: ByteTokenizer) -> ChatData:
+    """Compile the run's chat data (R5): rendered once, owned on targets, truncated to
+    ``batch.seq_len`` with ``chat.empty`` deciding empty conversations.
+
+    Raises ``DataError`` for malformed chat JSONL (file and line named) or, under
+    ``chat.empty = 'error'``, for a conversation with no supervised token.
+    """
+    policy = chat_policy_of(cfg)
+    train_conv, val_conv, rule, heldout = split_conversations(cfg)
+    max_len = cfg.batch.seq_len
+    train, train_report = chat_examples(train_conv, tokenizer, policy, max_len=max_len)
+    val, val_report = chat_examples(val_conv, tokenizer, policy, max_len=max_len)
+    section = {
+        "source": cfg.data.source,
+        "kind": "chat",
+        "fingerprint": conversations_digest(train_conv + val_conv),
+        "split": rule,
+        "train_documents": len(train),
+        "val_documents": len(val),
+        "chat_policy": asdict(policy),
+        "chat_train": train_report.to_dict(),
+        "chat_val": val_report.to_dict(),
+    }
+    if cfg.data.source == ARITH_SOURCE:
+        section["arith"] = asdict(arith_spec_of(cfg))
+    representation = {
+        "tokenizer": "bytes",
+        "tokenizer_hash": tokenizer.fingerprint(),
+        "special_ids": tokenizer.special_ids(),
+        "template": DEFAULT_TEMPLATE.name,
+        "template_hash": DEFAULT_TEMPLATE.fingerprint(tokenizer),
+    }
+    return ChatData(train, val, section, representation, heldout)
+
+
+def heldout_accuracy(run: Any) -> dict[str, Any]:
+    """End-of-run exact match of greedy last-turn answers on the held-out conversations."""
+    conversations = run.data.heldout_conversations
+    spec = arith_spec_of(run.cfg)
+    accuracy = greedy_answer_accuracy(
+        run.model, run.tokenizer, conversations,
+        device=run.device, max_new_tokens=spec.max_new_tokens,
+    )
+    return {"exact_match": accuracy, "exact_match_n": len(conversations)}
