@@ -1,0 +1,137 @@
+"""Learning-rate schedules on a declared clock (U5): worked values and properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exactstep.errors import ConfigError
+from exactstep.update.config import UpdateConfig
+from exactstep.update.schedule import Schedule, build_schedule
+
+FAMILIES = ["constant", "cosine", "wsd", "noam", "inverse_sqrt"]
+
+
+def schedule(
+    family: str,
+    *,
+    clock: str = "updates",
+    warmup: int = 10,
+    horizon: int = 110,
+    min_lr_ratio: float = 0.1,
+    decay_fraction: float = 0.2,
+) -> Schedule:
+    cfg = UpdateConfig(
+        lr=1.0,
+        schedule=family,
+        clock=clock,
+        warmup=warmup,
+        min_lr_ratio=min_lr_ratio,
+        decay_fraction=decay_fraction,
+        decay_steps=horizon,
+    )
+    return build_schedule(cfg, total_windows=1)
+
+
+@pytest.mark.parametrize("clock", ["updates", "tokens"])
+def test_worked_values_u5(clock):
+    """Closed-form values; the same function of the clock value on either clock."""
+    cos = schedule("cosine", clock=clock)
+    assert cos.lr_at(0) == pytest.approx(0.1)  # warmup: (c + 1) / W
+    assert cos.lr_at(9) == pytest.approx(1.0)
+    assert cos.lr_at(60) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
+    assert cos.lr_at(110) == pytest.approx(0.1)
+    assert cos.lr_at(500) == pytest.approx(0.1)
+
+    const = schedule("constant", clock=clock)
+    assert const.lr_at(4) == pytest.approx(0.5) and const.lr_at(1000) == 1.0
+
+    wsd = schedule("wsd", clock=clock, horizon=100, decay_fraction=0.2)
+    assert wsd.lr_at(50) == 1.0 and wsd.lr_at(79) == 1.0  # stable until 80
+    assert wsd.lr_at(90) == pytest.approx(1.0 - 0.9 * 0.5)
+    assert wsd.lr_at(100) == pytest.approx(0.1)
+
+    noam = schedule("noam", clock=clock, warmup=100)
+    assert noam.lr_at(49) == pytest.approx(0.5)  # linear: s / W
+    assert noam.lr_at(99) == pytest.approx(1.0)  # peak at s = W
+    assert noam.lr_at(399) == pytest.approx(0.5)  # sqrt(W / s)
+
+    inv = schedule("inverse_sqrt", clock=clock, warmup=100)
+    assert inv.lr_at(0) == 1.0 and inv.lr_at(99) == 1.0  # flat, no ramp
+    assert inv.lr_at(399) == pytest.approx(0.5)
+
+
+def test_noam_matches_the_transformer_formula_u5():
+    """Rescaled Noam: proportional to d^-0.5 * min(s^-0.5, s * W^-1.5) at every step."""
+    w, d = 40, 64
+    noam = schedule("noam", warmup=w)
+    raw = [d**-0.5 * min(s**-0.5, s * w**-1.5) for s in range(1, 300)]
+    ratio = [noam.lr_at(s - 1) / r for s, r in zip(range(1, 300), raw, strict=True)]
+    assert max(ratio) == pytest.approx(min(ratio), rel=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_clocks_differ_only_in_what_they_count_u5(family):
+    by_updates = schedule(family, clock="updates")
+    by_tokens = schedule(family, clock="tokens")
+    for _ in range(7):
+        by_updates.advance(committed_tokens=13)
+        by_tokens.advance(committed_tokens=13)
+    assert by_updates.clock_value == 7 and by_tokens.clock_value == 91
+    assert by_updates.lr() == by_updates.lr_at(7)
+    assert by_tokens.lr() == by_tokens.lr_at(91)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    family=st.sampled_from(FAMILIES),
+    warmup=st.integers(0, 50),
+    horizon=st.integers(1, 500),
+    ratio=st.floats(0.0, 1.0),
+    c=st.integers(0, 2000),
+)
+def test_lr_is_positive_and_never_above_peak_u5(family, warmup, horizon, ratio, c):
+    lr = schedule(family, warmup=warmup, horizon=horizon, min_lr_ratio=ratio).lr_at(c)
+    assert math.isfinite(lr) and lr <= 1.0 + 1e-12
+    assert lr > 0.0 or (ratio == 0.0 and family in ("cosine", "wsd"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    family=st.sampled_from(["cosine", "wsd"]),
+    warmup=st.integers(0, 30),
+    horizon=st.integers(31, 400),
+)
+def test_decay_is_monotone_after_warmup_u5(family, warmup, horizon):
+    s = schedule(family, warmup=warmup, horizon=horizon)
+    values = [s.lr_at(c) for c in range(warmup, horizon + 5)]
+    assert all(b <= a + 1e-12 for a, b in zip(values, values[1:], strict=False))
+    assert values[-1] == pytest.approx(0.1)
+
+
+def test_state_round_trip_u5_s2():
+    a = schedule("cosine", clock="tokens")
+    for tokens in (5, 8, 13):
+        a.advance(tokens)
+    b = schedule("cosine", clock="tokens")
+    b.load_state_dict(a.state_dict())
+    assert b.lr() == a.lr() and b.state_dict() == {"updates": 3, "tokens": 26}
+
+
+def test_horizon_defaults_u5():
+    cfg = UpdateConfig(schedule="cosine", clock="updates", decay_steps=0)
+    assert build_schedule(cfg, total_windows=77).horizon == 77
+    tokens_cfg = UpdateConfig(schedule="cosine", clock="tokens", decay_steps=0)
+    assert build_schedule(tokens_cfg, 10, tokens_per_window=100).horizon == 1000
+    with pytest.raises(ConfigError, match="update.decay_steps"):
+        build_schedule(tokens_cfg, 10)
+
+
+def test_invalid_schedule_settings_name_the_key():
+    with pytest.raises(ConfigError, match="update.decay_fraction"):
+        UpdateConfig(decay_fraction=1.5)
+    with pytest.raises(ConfigError, match="update.momentum"):
+        UpdateConfig(momentum=1.0)
