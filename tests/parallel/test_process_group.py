@@ -94,3 +94,41 @@ def test_agreed_window_without_reducer_is_plain_slicing() -> None:
     assert len(agreed_window(it, 2, None, rows=1, seq_len=4, pad_id=0)) == 2
     assert len(agreed_window(it, 2, None, rows=1, seq_len=4, pad_id=0)) == 1
     assert agreed_window(it, 2, None, rows=1, seq_len=4, pad_id=0) == []
+
+
+def test_nproc_is_stripped_before_relaunch() -> None:
+    from exactstep.parallel.launch import strip_nproc
+
+    assert strip_nproc(["train", "--nproc", "2", "--out", "r"]) == (["train", "--out", "r"], 2)
+    assert strip_nproc(["train", "--nproc=3"]) == (["train"], 3)
+    assert strip_nproc(["train"]) == (["train"], None)
+    with pytest.raises(DistributedError, match="positive"):
+        strip_nproc(["train", "--nproc", "0"])
+
+
+def test_only_collective_failures_become_distributed_errors() -> None:
+    """A dead peer is one DistributedError; any other bug keeps its own exception."""
+    from exactstep.parallel.launch import collective_guard
+    from exactstep.parallel.process_group import DistContext
+
+    ctx = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
+    with pytest.raises(DistributedError, match="collective failed"):
+        with collective_guard(ctx):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # negative control
+        with collective_guard(ctx):
+            raise RuntimeError("shape mismatch")
+
+
+def test_failure_is_printed_by_rank_zero_and_recorded_by_every_rank(tmp_path, capsys) -> None:
+    import json
+
+    from exactstep.parallel.launch import report_failure
+    from exactstep.parallel.process_group import DistContext
+
+    for rank in (0, 1):
+        ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo")
+        path = tmp_path / f"err{rank}.json"
+        report_failure(DistributedError("boom"), ctx, env={"TORCHELASTIC_ERROR_FILE": str(path)})
+        assert json.loads(path.read_text())["message"]["message"] == f"rank {rank}: boom"
+    assert capsys.readouterr().err.count("error: boom") == 1
