@@ -24,11 +24,12 @@ Every checkpoint records a publication ``sequence`` number, so pruning keeps the
 from __future__ import annotations
 
 import hashlib
-import io
 import json
+import mmap
 import os
 import shutil
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 LATEST_TMP_PREFIX = ".LATEST.tmp-"
 LAYOUT_KEY = "exactstep.layout"
-HASH_CHUNK = 1 << 22
+HASH_WORKERS = 2
 
 
 # ---------------------------------------------------------------- publish
@@ -89,14 +90,18 @@ def publish_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    files: dict[str, dict[str, Any]] = {}
     part_files: dict[str, str] = {}
-    files[MODEL_FILE] = _write_model(tmp / MODEL_FILE, model_state)
-    part_files[MODEL_PART] = MODEL_FILE
-    for part, value in parts.items():
-        filename, record = _write_part(tmp, part, value)
-        files[filename] = record
-        part_files[part] = filename
+    # Each file is fsynced and hashed on a worker thread while the next one is
+    # serialised (fsync and hashlib release the GIL); all are sealed before the
+    # checkpoint manifest is written.
+    with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
+        pending = {MODEL_FILE: pool.submit(_seal, _write_model(tmp / MODEL_FILE, model_state))}
+        part_files[MODEL_PART] = MODEL_FILE
+        for part, value in parts.items():
+            filename = _write_part(tmp, part, value)
+            pending[filename] = pool.submit(_seal, tmp / filename)
+            part_files[part] = filename
+        files = {filename: future.result() for filename, future in pending.items()}
     manifest = {
         "format": FORMAT,
         "name": name,
@@ -137,7 +142,7 @@ def _republish_identical(
         )
 
 
-def _write_model(path: Path, model_state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def _write_model(path: Path, model_state: Mapping[str, torch.Tensor]) -> Path:
     unique, aliases = _dedupe_tensors(model_state)
     # One metadata key only: safetensors keeps metadata in a hash map, so several keys
     # would be written in a varying order and identical states would hash differently.
@@ -145,8 +150,7 @@ def _write_model(path: Path, model_state: Mapping[str, torch.Tensor]) -> dict[st
     layout = {"aliases": aliases, "order": list(model_state)}
     metadata = {LAYOUT_KEY: json.dumps(layout, sort_keys=True)}
     safetensors.torch.save_file(unique, str(path), metadata=metadata)
-    _fsync_path(path)
-    return _record(path)
+    return path
 
 
 def _dedupe_tensors(
@@ -187,19 +191,22 @@ def _dedupe_tensors(
     return unique, aliases
 
 
-def _write_part(directory: Path, part: str, value: Any) -> tuple[str, dict[str, Any]]:
+def _write_part(directory: Path, part: str, value: Any) -> str:
+    """Write one part (not yet fsynced); returns its file name (``.json`` or ``.pt``)."""
     as_json = _lossless_json(value)
     if as_json is not None:
         filename = f"{part}.json"
-        _write_file_durably(directory / filename, as_json)
+        (directory / filename).write_bytes(as_json)
     else:
         filename = f"{part}.pt"
-        path = directory / filename
-        with open(path, "wb") as fh:
-            torch.save(value, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-    return filename, _record(directory / filename)
+        torch.save(value, directory / filename)
+    return filename
+
+
+def _seal(path: Path) -> dict[str, Any]:
+    """fsync a written file, then return its size and sha256 (S3)."""
+    _fsync_path(path)
+    return _record(path)
 
 
 def _lossless_json(value: Any) -> bytes | None:
@@ -257,11 +264,12 @@ def _record(path: Path) -> dict[str, Any]:
 
 
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+    """sha256 of a file, read through a memory map (no copy into Python bytes)."""
     with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        if os.fstat(fh.fileno()).st_size == 0:
+            return hashlib.sha256(b"").hexdigest()
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return hashlib.sha256(view).hexdigest()
 
 
 def _move_into_place(tmp: Path, final: Path, root: Path) -> None:
@@ -321,74 +329,64 @@ def load_checkpoint(
     path = Path(path)
     manifest = _read_checkpoint_manifest(path)
     files = manifest["files"]
-    blobs: dict[str, bytes] = {}
     for filename in files:
-        blobs[filename] = _read_checked(path, filename, files[filename], verify)
-    model_state = _load_model(path / MODEL_FILE, blobs[MODEL_FILE])
+        if not (path / filename).is_file():
+            raise CheckpointError(
+                f"checkpoint file {path / filename} is missing; the checkpoint is incomplete, "
+                "resume from an earlier one with --from"
+            )
+    if verify:
+        with ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
+            found = dict(zip(files, pool.map(_record, [path / f for f in files]), strict=True))
+        for filename, record in files.items():
+            problem = _problem(found[filename], record)
+            if problem:
+                raise CheckpointError(
+                    f"checkpoint file {path / filename} is corrupted ({problem}); "
+                    "resume from an earlier checkpoint with --from"
+                )
+    model_state = _load_model(path / MODEL_FILE)
     parts: dict[str, Any] = {}
     for part, filename in manifest["parts"].items():
         if part == MODEL_PART:
             continue
-        parts[part] = _load_part(path / filename, blobs[filename])
+        parts[part] = _load_part(path / filename)
     return model_state, parts
 
 
-def _read_checked(directory: Path, filename: str, record: Mapping[str, Any], verify: bool) -> bytes:
-    file = directory / filename
-    try:
-        data = file.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint file {file} is missing; the checkpoint is incomplete, "
-            "resume from an earlier one with --from"
-        ) from None
-    if verify:
-        problem = _problem(data, record)
-        if problem:
-            raise CheckpointError(
-                f"checkpoint file {file} is corrupted ({problem}); "
-                "resume from an earlier checkpoint with --from"
-            )
-    return data
-
-
-def _problem(data: bytes, record: Mapping[str, Any]) -> str | None:
-    if len(data) != record["bytes"]:
-        return f"{len(data)} bytes, expected {record['bytes']}"
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != record["sha256"]:
-        return f"sha256 {actual[:12]}…, expected {record['sha256'][:12]}…"
+def _problem(found: Mapping[str, Any], record: Mapping[str, Any]) -> str | None:
+    if found["bytes"] != record["bytes"]:
+        return f"{found['bytes']} bytes, expected {record['bytes']}"
+    if found["sha256"] != record["sha256"]:
+        return f"sha256 {found['sha256'][:12]}…, expected {record['sha256'][:12]}…"
     return None
 
 
-def _load_model(file: Path, data: bytes) -> dict[str, torch.Tensor]:
+def _load_model(file: Path) -> dict[str, torch.Tensor]:
     try:
-        state = safetensors.torch.load(data)
-        metadata = _safetensors_metadata(data)
+        with safetensors.safe_open(str(file), framework="pt") as reader:
+            metadata = reader.metadata() or {}
+        state = safetensors.torch.load_file(str(file))
+        layout = json.loads(metadata.get(LAYOUT_KEY, '{"aliases": {}, "order": []}'))
+        for alias, stored in layout["aliases"].items():
+            state[alias] = state[stored]
+        order = layout["order"] or sorted(state)
     except Exception as exc:  # safetensors raises its own error types
         raise CheckpointError(
-            f"checkpoint file {file} cannot be read as safetensors ({exc})"
+            f"checkpoint file {file} cannot be read as safetensors ({exc!r})"
         ) from None
-    layout = json.loads(metadata.get(LAYOUT_KEY, '{"aliases": {}, "order": []}'))
-    for alias, stored in layout["aliases"].items():
-        state[alias] = state[stored]
-    order = layout["order"] or sorted(state)
     if sorted(order) != sorted(state):
         raise CheckpointError(f"checkpoint file {file} lists tensors inconsistently; it is damaged")
     return {key: state[key] for key in order}
 
 
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
-    return header.get("__metadata__", {})
-
-
-def _load_part(file: Path, data: bytes) -> Any:
+def _load_part(file: Path) -> Any:
+    """A ``.json`` part, or a ``.pt`` part loaded weights-only through a private
+    memory map (tensors are copy-on-write: writing to them never touches the file)."""
     try:
         if file.suffix == ".json":
-            return json.loads(data.decode("utf-8"))
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return json.loads(file.read_bytes().decode("utf-8"))
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {file} cannot be deserialised ({exc})") from None
 
