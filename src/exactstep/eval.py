@@ -9,15 +9,18 @@ progress state: it only reads parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.cross_entropy import fused_row_losses
 from exactstep.objective.perplexity import NotAvailable, perplexity
 from exactstep.rows.batch import IGNORE_INDEX, Batch
+from exactstep.rows.example import Example
 
 LN2 = math.log(2.0)
 
@@ -49,7 +52,7 @@ def evaluate(
     device: torch.device,
     max_tokens: int,
     pad_id: int | None,
-    autocast: object | None = None,
+    autocast: Callable[[], AbstractContextManager] | None = None,
 ) -> EvalResult:
     """Sum gold NLL over held-out batches until ``max_tokens`` targets are seen.
 
@@ -70,7 +73,7 @@ def evaluate(
                 if n == 0:
                     continue
                 on_device = batch.to(device)
-                with autocast if autocast is not None else _null():
+                with autocast() if autocast is not None else nullcontext():
                     hidden = model(on_device)  # [B, T, H]
                 _, gold = fused_row_losses(
                     hidden.reshape(-1, hidden.shape[-1]),
@@ -86,15 +89,18 @@ def evaluate(
     return EvalResult(gold_nll_sum=float(nll_sum), tokens=tokens)
 
 
-def unigram_bits(train_batches: Iterable[Batch], val_batches: Iterable[Batch],
-                 vocab_size: int, max_tokens: int) -> float | None:
-    """Bits per target of a unigram (token-frequency) model fit on training targets,
-    scored on the same validation targets as the model (add-one smoothing)."""
-    counts = torch.ones(vocab_size, dtype=torch.float64)
-    for batch in train_batches:
-        labels = batch.labels[batch.labels != IGNORE_INDEX]
-        counts += torch.bincount(labels, minlength=vocab_size).double()
-    log2p = torch.log2(counts / counts.sum())
+def unigram_bits(
+    train_examples: Sequence[Example], val_batches: Iterable[Batch], vocab_size: int,
+    max_tokens: int,
+) -> float | None:
+    """Bits per target of a unigram (token-frequency) model fit on the training
+    examples' supervised targets (add-one smoothing), scored on the same validation
+    targets ``evaluate`` scores. The baseline the summary compares bits per byte to."""
+    counts = np.ones(vocab_size, dtype=np.float64)
+    for ex in train_examples:
+        targets = ex.tokens[1:] if ex.owned is None else ex.tokens[ex.owned]
+        counts += np.bincount(targets, minlength=vocab_size)[:vocab_size]
+    log2p = torch.from_numpy(np.log2(counts / counts.sum()))
     bits, tokens = 0.0, 0
     for batch in val_batches:
         if tokens >= max_tokens:
@@ -110,11 +116,3 @@ def unigram_bits(train_batches: Iterable[Batch], val_batches: Iterable[Batch],
 def _head_weight(model: torch.nn.Module) -> torch.Tensor:
     inner = getattr(model, "module", model)
     return inner.head_weight
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

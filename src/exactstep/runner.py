@@ -177,7 +177,8 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None) -> R
     device = resolve_device(cfg.train.device)
     tokenizer = ByteTokenizer()
     data = build_data(cfg, tokenizer)
-    stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed)
+    stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
+                       vocab_size=tokenizer.vocab_size)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed).to(device)
     optimizer, groups = build_optimizer(model, cfg.update)
     schedule = build_schedule(cfg.update, total_windows=cfg.train.steps)
@@ -347,9 +348,10 @@ def update_bar(bar, record: dict, engine: UpdateEngine) -> None:
 
 
 def held_out(run: Run) -> EvalResult:
-    batches = eval_batches(run.data.val, run.cfg.batch, pad_id=run.tokenizer.pad_id)
+    batches = eval_batches(run.data.val, run.cfg.batch, pad_id=run.tokenizer.pad_id,
+                           vocab_size=run.tokenizer.vocab_size)
     return evaluate(run.model, batches, device=run.device, max_tokens=run.cfg.train.eval_tokens,
-                    pad_id=run.tokenizer.pad_id, autocast=run.precision.autocast())
+                    pad_id=run.tokenizer.pad_id, autocast=run.precision.autocast)
 
 
 def eval_record(run: Run) -> dict[str, Any]:
@@ -365,10 +367,8 @@ def eval_record(run: Run) -> dict[str, Any]:
 
 def baseline_bits(run: Run) -> float | None:
     """Unigram (byte-frequency) bits per byte on the same validation targets."""
-    pad = run.tokenizer.pad_id
-    train = eval_batches(run.data.train, run.cfg.batch, pad_id=pad)
-    val = eval_batches(run.data.val, run.cfg.batch, pad_id=pad)
-    return unigram_bits(train, val, run.tokenizer.vocab_size, run.cfg.train.eval_tokens)
+    val = eval_batches(run.data.val, run.cfg.batch, pad_id=run.tokenizer.pad_id)
+    return unigram_bits(run.data.train, val, run.tokenizer.vocab_size, run.cfg.train.eval_tokens)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -418,6 +418,8 @@ def plot_loss(run_dir: Path) -> None:
 
 
 def summarize(run: Run, wall_s: float) -> dict[str, Any]:
+    """End-of-run figures: held-out loss/perplexity/bits per byte against the unigram
+    baseline on the same targets, window counters, and the data report (R4)."""
     result = held_out(run)
     unigram = baseline_bits(run)
     bpb = result.bits_per_token
