@@ -34,19 +34,19 @@ from exactstep.data.corpus import load_corpus
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ConfigError, Interrupted, ResumeError
 from exactstep.eval import EvalResult, evaluate, unigram_bits
-from exactstep.manifest import Manifest, build_manifest, diff_manifests, read_manifest, write_manifest
+from exactstep.manifest import Manifest, build_manifest, read_manifest, write_manifest
 from exactstep.model.decoder import build_model
 from exactstep.objective.perplexity import NotAvailable
 from exactstep.rows.batch import Batch
 from exactstep.rows.example import Example, encode_documents
 from exactstep.rows.stream import RowStream, eval_batches
-from exactstep.state.checkpoint import (
-    clean_uncommitted,
-    latest_checkpoint,
-    load_checkpoint,
-    publish_checkpoint,
+from exactstep.state.checkpoint import clean_uncommitted, load_checkpoint, publish_checkpoint
+from exactstep.state.resume import (
+    StopRequest,
+    check_progress_digest,
+    choose_checkpoint,
+    classify_resume,
 )
-from exactstep.state.resume import StopRequest
 from exactstep.state.rng import capture_rng, restore_rng
 from exactstep.update.disposition import Disposition, Outcome
 from exactstep.update.groups import build_optimizer
@@ -228,11 +228,7 @@ def restore_checkpoint(run: Run, path: Path, *, weights_only: bool = False) -> t
     if weights_only:
         return 0, 0
     progress = parts["progress"]
-    if progress["manifest_digest"] != run.manifest.digest:
-        raise ResumeError(
-            f"checkpoint {path} belongs to manifest {progress['manifest_digest'][:12]}, "
-            f"not this run's {run.manifest.digest[:12]}; resume the run it came from"
-        )
+    check_progress_digest(progress, run.manifest, path)
     run.engine.load_state_dict({k: v for k, v in parts.items()
                                 if k not in ("progress", "rng", "data")})
     run.stream.load_state_dict(parts["data"])
@@ -535,10 +531,9 @@ def resume(
     old = read_manifest(run_dir)
     cfg = apply_overrides(config_from_manifest(old), overrides)
     root = run_dir / "checkpoints"
-    clean_uncommitted(root) if root.is_dir() else None
-    path = from_checkpoint or latest_checkpoint(root)
-    if path is None:
-        raise ResumeError(f"{run_dir} has no committed checkpoint to resume from")
+    if root.is_dir():
+        clean_uncommitted(root)
+    path = choose_checkpoint(root, from_checkpoint)
     if warm_start_dir is not None:
         parent = {"run_dir": str(run_dir), "checkpoint": path.name, "manifest_digest": old.digest}
         run = build_run(cfg, warm_start_dir, parent=parent)
@@ -550,13 +545,7 @@ def resume(
         run_windows(run, 0, ledger, progress)
         return finish(run, started)
     run = build_run(cfg, run_dir)
-    changed = diff_manifests(old, run.manifest)
-    if changed:
-        raise ResumeError(
-            f"the configuration differs from the run's manifest in: {', '.join(changed)}; "
-            "resume without those overrides, or pass --warm-start NEW_DIR to start a new run "
-            "from these weights"
-        )
+    classify_resume(old, run.manifest)
     next_window, ledger_position = restore_checkpoint(run, path)
     ledger = Ledger(run_dir / "ledger.jsonl")
     ledger.truncate_to(ledger_position)
@@ -596,9 +585,7 @@ class EvalReport:
 def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalReport:
     """Evaluate a run's checkpoint on its validation split (E1, L5)."""
     cfg = config_from_manifest(read_manifest(run_dir))
-    path = from_checkpoint or latest_checkpoint(run_dir / "checkpoints")
-    if path is None:
-        raise ResumeError(f"{run_dir} has no committed checkpoint to evaluate")
+    path = choose_checkpoint(run_dir / "checkpoints", from_checkpoint)
     run = build_run(cfg, run_dir)
     restore_checkpoint(run, path, weights_only=True)
     return EvalReport(path.name, held_out(run), baseline_bits(run))
