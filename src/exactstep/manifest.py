@@ -25,7 +25,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from exactstep.errors import CheckpointError, ConfigError, ResumeError
@@ -49,11 +48,25 @@ REQUIRED_SECTIONS: tuple[str, ...] = (
 FORBIDDEN_SECTIONS: tuple[str, ...] = ("progress",)
 
 
+class FrozenDict(dict):
+    """A ``dict`` that refuses mutation, so a manifest body can be handed to code
+    expecting plain dicts (``isinstance(x, dict)``, ``json.dumps``) yet stay immutable."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a manifest is immutable (S1); use Manifest.to_dict() for a mutable copy")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items(), key=lambda kv: kv[0])))
+
+
 @dataclass(frozen=True)
 class Manifest:
     """An immutable run declaration and the sha256 of its canonical bytes (S1).
 
-    ``body`` is deeply read-only (mappings are ``MappingProxyType``, lists are tuples);
+    ``body`` is deeply read-only (mappings are ``FrozenDict``, lists are tuples);
     ``to_dict()`` returns a plain, mutable copy. Two manifests are equal exactly when
     their digests are.
     """
@@ -248,7 +261,7 @@ def _to_plain(obj: Any, path: str) -> Any:
 
 def _freeze(plain: Any) -> Any:
     if isinstance(plain, Mapping):
-        return MappingProxyType({k: _freeze(v) for k, v in plain.items()})
+        return FrozenDict({k: _freeze(v) for k, v in plain.items()})
     if isinstance(plain, (list, tuple)):
         return tuple(_freeze(v) for v in plain)
     return plain
