@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(train)
     train.add_argument("--out", default="runs/default", help="run directory (default runs/default)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--nproc", type=int, metavar="R",
+                       help="run R local processes under torchrun (DDP over gloo/nccl)")
 
     resume = sub.add_parser("resume", help="continue a run exactly from its last checkpoint")
     resume.add_argument("run_dir", help="the run directory to continue")
@@ -32,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--warm-start", metavar="NEW_DIR",
                         help="start a new run in NEW_DIR from the weights only (config may differ)")
     resume.add_argument("--no-progress", action="store_true")
+    resume.add_argument("--reshard", action="store_true",
+                        help="allow a different world size: re-partition the data cursor (S7)")
+    resume.add_argument("--nproc", type=int, metavar="R", help="run R local processes")
 
     evaluate = sub.add_parser("eval", help="held-out loss, perplexity and bits per byte")
     evaluate.add_argument("run_dir", help="a run directory (uses its LATEST checkpoint)")
@@ -63,11 +69,18 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "nproc", None) and "WORLD_SIZE" not in os.environ:
+            from exactstep.parallel.launch import relaunch, strip_nproc
+
+            return relaunch(strip_nproc(argv)[0], args.nproc)
         return dispatch(args)
     except ExactstepError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from exactstep.parallel.launch import report_failure
+
+        report_failure(exc, None)
         return exc.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -90,6 +103,7 @@ def dispatch(args: argparse.Namespace) -> int:
             from_checkpoint=Path(args.from_checkpoint) if args.from_checkpoint else None,
             overrides=args.overrides,
             warm_start_dir=Path(args.warm_start) if args.warm_start else None,
+            reshard=args.reshard,
             progress=not args.no_progress,
         )
         return 0

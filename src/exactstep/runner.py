@@ -20,9 +20,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,27 @@ from exactstep import __version__
 from exactstep.config import RunConfig, build, load_config, set_dotted, split_override
 from exactstep.data.corpus import load_corpus
 from exactstep.data.tokenizer import ByteTokenizer
-from exactstep.errors import ConfigError, Interrupted, ResumeError
+from exactstep.errors import ConfigError, DistributedError, Interrupted, ResumeError
 from exactstep.eval import EvalResult, evaluate, unigram_bits
-from exactstep.manifest import Manifest, build_manifest, read_manifest, write_manifest
+from exactstep.manifest import (
+    Manifest,
+    build_manifest,
+    diff_manifests,
+    read_manifest,
+    write_manifest,
+)
 from exactstep.model.decoder import build_model
 from exactstep.objective.perplexity import NotAvailable
-from exactstep.rows.batch import Batch
+from exactstep.parallel.checkpoint import (
+    load_distributed_checkpoint,
+    reshard_stream_state,
+    save_distributed_checkpoint,
+)
+from exactstep.parallel.launch import collective_guard
+from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
+from exactstep.parallel.reducer import build_reducer
+from exactstep.parallel.window import agreed_window, distribute_engine
+from exactstep.parallel.wrap import shard_model
 from exactstep.rows.example import Example, encode_documents
 from exactstep.rows.stream import RowStream, eval_batches
 from exactstep.state.checkpoint import clean_uncommitted, load_checkpoint, publish_checkpoint
@@ -85,7 +99,9 @@ class Run:
     engine: UpdateEngine
     precision: Precision
     manifest: Manifest
+    ctx: DistContext
     group_table: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)  # ledger events, e.g. RESHARD (S7)
 
     @property
     def checkpoints(self) -> Path:
@@ -93,14 +109,6 @@ class Run:
 
 
 # --------------------------------------------------------------------------- build
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def build_data(cfg: RunConfig, tokenizer: ByteTokenizer) -> DataBundle:
@@ -133,7 +141,8 @@ def build_data(cfg: RunConfig, tokenizer: ByteTokenizer) -> DataBundle:
 
 
 def manifest_sections(
-    cfg: RunConfig, data: DataBundle, group_digest: str, parent: dict | None = None
+    cfg: RunConfig, data: DataBundle, group_digest: str, world_size: int,
+    parent: dict | None = None,
 ) -> dict[str, Any]:
     """The S1 sections. The resolved configuration is recorded whole (X2)."""
     config = cfg.to_dict()
@@ -157,7 +166,7 @@ def manifest_sections(
         },
         "update": {**dataclasses.asdict(cfg.update), "group_digest": group_digest},
         "numerics": dataclasses.asdict(cfg.numerics),
-        "parallel": {**dataclasses.asdict(cfg.parallel), "world_size": 1},
+        "parallel": {**dataclasses.asdict(cfg.parallel), "world_size": world_size},
         "seeds": {"seed": cfg.seed},
         "code": {
             "exactstep": __version__,
@@ -170,39 +179,48 @@ def manifest_sections(
     return sections
 
 
-def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None) -> Run:
-    """Construct every stage; nothing is written to disk here."""
+def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
+              ctx: DistContext | None = None) -> Run:
+    """Construct every stage; nothing is written to disk here.
+
+    Under torchrun (D1-D4) the process joins the job: the stream is sharded by rank
+    (D3), the model is sharded when ``parallel.strategy = "fsdp"``, and the engine's
+    reducer agrees D, the finite decision and the no-objective decision (D2).
+    """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device)
+    ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
+    device = ctx.device
     tokenizer = ByteTokenizer()
     data = build_data(cfg, tokenizer)
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
-                       vocab_size=tokenizer.vocab_size)
+                       vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed).to(device)
+    model = shard_model(model, ctx, cfg.parallel)
     optimizer, groups = build_optimizer(model, cfg.update)
     schedule = build_schedule(cfg.update, total_windows=cfg.train.steps)
     precision = Precision(cfg.numerics, device)
     engine = UpdateEngine(
         model, optimizer, schedule, precision, cfg.update, cfg.objective,
-        device=device, pad_id=tokenizer.pad_id,
+        device=device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),
     )
-    manifest = build_manifest(manifest_sections(cfg, data, groups.digest, parent))
+    distribute_engine(engine, ctx, cfg.parallel)
+    sections = manifest_sections(cfg, data, groups.digest, ctx.world_size, parent)
     return Run(cfg, out_dir, device, tokenizer, data, stream, model, engine, precision,
-               manifest, groups.table)
+               build_manifest(sections), ctx, groups.table)
 
 
 # --------------------------------------------------------------------------- state
 
 
-def checkpoint_parts(run: Run, next_window: int, ledger: Ledger) -> dict[str, Any]:
+def checkpoint_parts(run: Run, next_window: int, ledger: Ledger | None) -> dict[str, Any]:
     """Everything S2 asks for besides the weights; names are fixed for ``verify``."""
     update_state = run.engine.state_dict()
     return {
         **update_state,
         "progress": {
             "next_window": next_window,
-            "ledger_position": ledger.position,
+            "ledger_position": ledger.position if ledger is not None else 0,
             "manifest_digest": run.manifest.digest,
         },
         "rng": capture_rng(),
@@ -210,19 +228,27 @@ def checkpoint_parts(run: Run, next_window: int, ledger: Ledger) -> dict[str, An
     }
 
 
-def save_checkpoint(run: Run, next_window: int, ledger: Ledger) -> Path:
+def save_checkpoint(run: Run, next_window: int, ledger: Ledger | None) -> Path:
+    """Publish S2 state atomically (S3); multi-rank jobs go through DCP (S7)."""
+    name = f"window-{next_window:08d}"
+    parts = checkpoint_parts(run, next_window, ledger)
+    if run.ctx.distributed:
+        rank_state = {"rng": parts.pop("rng"), "data": parts.pop("data")}
+        parts.pop("optimizer", None)
+        return save_distributed_checkpoint(
+            run.checkpoints, name, model=run.model, optimizer=run.engine.optimizer,
+            common=parts, rank_state=rank_state, ctx=run.ctx, keep=run.cfg.checkpoint.keep,
+        )
     model_state = {k: v.detach().cpu() for k, v in run.model.state_dict().items()}
-    return publish_checkpoint(
-        run.checkpoints,
-        f"window-{next_window:08d}",
-        model_state,
-        checkpoint_parts(run, next_window, ledger),
-        keep=run.cfg.checkpoint.keep,
-    )
+    return publish_checkpoint(run.checkpoints, name, model_state, parts,
+                              keep=run.cfg.checkpoint.keep)
 
 
-def restore_checkpoint(run: Run, path: Path, *, weights_only: bool = False) -> tuple[int, int]:
+def restore_checkpoint(run: Run, path: Path, *, weights_only: bool = False,
+                       reshard: bool = False) -> tuple[int, int]:
     """Load a committed checkpoint into ``run``; returns (next window, ledger position)."""
+    if run.ctx.distributed:
+        return restore_distributed(run, path, reshard=reshard)
     model_state, parts = load_checkpoint(path)
     run.model.load_state_dict(model_state)
     if weights_only:
@@ -233,6 +259,26 @@ def restore_checkpoint(run: Run, path: Path, *, weights_only: bool = False) -> t
                                 if k not in ("progress", "rng", "data")})
     run.stream.load_state_dict(parts["data"])
     restore_rng(parts["rng"])
+    return int(progress["next_window"]), int(progress["ledger_position"])
+
+
+def restore_distributed(run: Run, path: Path, *, reshard: bool) -> tuple[int, int]:
+    """S7: every rank loads its shard; a world-size change only with ``reshard``."""
+    state = load_distributed_checkpoint(path, model=run.model, optimizer=run.engine.optimizer,
+                                        ctx=run.ctx, reshard=reshard)
+    common = state.common
+    progress = common["progress"]
+    check_progress_digest(progress, run.manifest, path)
+    engine_state = {k: v for k, v in common.items() if k != "progress"}
+    engine_state["optimizer"] = run.engine.optimizer.state_dict()
+    run.engine.load_state_dict(engine_state)
+    if state.reshard is None:
+        run.stream.load_state_dict(state.rank_state["data"])
+    else:
+        run.stream.load_state_dict(reshard_stream_state(state.old_data, run.stream.state_dict()))
+    restore_rng(state.rank_state["rng"])
+    if state.reshard is not None:
+        run.events.append(state.reshard)
     return int(progress["next_window"]), int(progress["ledger_position"])
 
 
@@ -277,36 +323,42 @@ class Meter:
         return record
 
 
-def next_window_batches(it: Iterator[Batch], k: int) -> list[Batch]:
-    """Up to ``k`` microbatches; fewer only at the end of the data (U1 remainder)."""
-    return list(islice(it, k))
-
-
-def run_windows(run: Run, start: int, ledger: Ledger, progress: bool) -> None:
+def run_windows(run: Run, start: int, ledger: Ledger | None, progress: bool) -> None:
     """Drive windows ``start .. train.steps-1``; checkpoint on cadence and on signals."""
-    cfg = run.cfg
+    cfg, main = run.cfg, run.ctx.is_main
     steps, every = cfg.train.steps, cfg.checkpoint.every
     metrics_path = run.out_dir / "metrics.jsonl"
     meter = Meter()
-    bar = make_bar(steps, start, enabled=progress and cfg.train.progress)
+    bar = make_bar(steps, start, enabled=progress and cfg.train.progress and main)
     it = iter(run.stream)
+    reducer = run.engine.reducer if run.ctx.distributed else None
     window = start
-    with StopRequest() as stop, metrics_path.open("a") as metrics:
+    with (
+        StopRequest() as stop,
+        metrics_path.open("a") if main else open(os.devnull, "w") as metrics,
+        collective_guard(run.ctx),
+    ):
         while window < steps:
-            batches = next_window_batches(it, cfg.update.accum)
+            # Up to K microbatches; fewer only at the end of the data (U1 remainder);
+            # every rank runs the same count (D1).
+            batches = agreed_window(it, cfg.update.accum, reducer, rows=cfg.batch.rows,
+                                    seq_len=cfg.batch.seq_len, pad_id=run.tokenizer.pad_id)
             if not batches:
                 break
             disp = run.engine.run_window(batches, window)
-            ledger.append(disp)
             meter.add(disp, sum(b.input_ids.numel() for b in batches))
             window += 1
-            if window % cfg.train.log_every == 0 or window == steps:
+            if ledger is not None:
+                ledger.append(disp)
+            if main and (window % cfg.train.log_every == 0 or window == steps):
                 record = meter.flush(window, run.engine.schedule.lr())
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 update_bar(bar, record, run.engine)
             if cfg.train.eval_every and window % cfg.train.eval_every == 0 and window < steps:
-                metrics.write(json.dumps({"window": window, **eval_record(run)}) + "\n")
+                record = eval_record(run)
+                if main:
+                    metrics.write(json.dumps({"window": window, **record}) + "\n")
             if every and window % every == 0 and window < steps:
                 save_checkpoint(run, window, ledger)
             if stop.requested:
@@ -386,7 +438,7 @@ def plot_loss(run_dir: Path) -> None:
     windows, losses, evals = [], [], []
     for line in (run_dir / "ledger.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if rec["disposition"] == "COMMITTED" and isinstance(rec["loss"], float):
+        if rec.get("disposition") == "COMMITTED" and isinstance(rec["loss"], float):
             windows.append(rec["window"])
             losses.append(rec["loss"])
     metrics = run_dir / "metrics.jsonl"
@@ -470,11 +522,14 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def finish(run: Run, started: float) -> dict[str, Any]:
+    """Evaluate, then (rank 0) write the summary, data report and loss curve."""
     summary = summarize(run, time.perf_counter() - started)
     if run.data.heldout_conversations is not None:
         from exactstep.rows.chat_source import heldout_accuracy
 
         summary.update(heldout_accuracy(run))
+    if not run.ctx.is_main:
+        return summary
     write_json(run.out_dir / "data_report.json", run.stream.report())
     write_json(run.out_dir / "summary.json", summary)
     plot_loss(run.out_dir)
@@ -489,19 +544,33 @@ def train(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict[str, 
     """A new run in ``out_dir``. Refuses a directory that already holds another run."""
     started = time.perf_counter()
     run = build_run(cfg, out_dir)
+    try:
+        ledger = open_new_run(run)
+        if run.ctx.is_main:
+            print(f"exactstep: {run.model.num_parameters():,} parameters on {run.device} "
+                  f"x {run.ctx.world_size}, {len(run.data.train)} train / {len(run.data.val)} "
+                  f"val documents, manifest {run.manifest.digest[:12]}, run dir {out_dir}",
+                  file=sys.stderr)
+        run_windows(run, 0, ledger, progress)
+        return finish(run, started)
+    finally:
+        shutdown(run.ctx)
+
+
+def open_new_run(run: Run) -> Ledger | None:
+    """Write the immutable manifest (S1) and empty logs; the ledger lives on rank 0."""
+    out_dir = run.out_dir
+    if not run.ctx.is_main:
+        return None
     out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / "ledger.jsonl").exists() and (out_dir / "ledger.jsonl").stat().st_size:
+    ledger_path = out_dir / "ledger.jsonl"
+    if ledger_path.exists() and ledger_path.stat().st_size:
         raise ResumeError(
             f"{out_dir} already holds a run; use 'exactstep resume {out_dir}' or choose a new --out"
         )
     write_manifest(out_dir, run.manifest)
-    ledger = Ledger(out_dir / "ledger.jsonl")
     (out_dir / "metrics.jsonl").write_text("")
-    print(f"exactstep: {run.model.num_parameters():,} parameters on {run.device}, "
-          f"{len(run.data.train)} train / {len(run.data.val)} val documents, "
-          f"manifest {run.manifest.digest[:12]}, run dir {out_dir}", file=sys.stderr)
-    run_windows(run, 0, ledger, progress)
-    return finish(run, started)
+    return Ledger(ledger_path)
 
 
 def config_from_manifest(manifest: Manifest) -> RunConfig:
@@ -524,36 +593,53 @@ def resume(
     from_checkpoint: Path | None = None,
     overrides: Sequence[str] = (),
     warm_start_dir: Path | None = None,
+    reshard: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Continue ``run_dir`` exactly (S4), or warm-start a new run from its weights."""
+    """Continue ``run_dir`` exactly (S4), or warm-start a new run from its weights.
+
+    A different world size is a declared migration (S7): refused unless ``reshard``,
+    which keeps the run's manifest, re-partitions the data cursor by the rule in
+    ``parallel.checkpoint`` and records a RESHARD line in the ledger.
+    """
     started = time.perf_counter()
     old = read_manifest(run_dir)
     cfg = apply_overrides(config_from_manifest(old), overrides)
     root = run_dir / "checkpoints"
-    if root.is_dir():
-        clean_uncommitted(root)
-    path = choose_checkpoint(root, from_checkpoint)
     if warm_start_dir is not None:
+        path = choose_checkpoint(root, from_checkpoint)
         parent = {"run_dir": str(run_dir), "checkpoint": path.name, "manifest_digest": old.digest}
         run = build_run(cfg, warm_start_dir, parent=parent)
+        if run.ctx.distributed:
+            shutdown(run.ctx)
+            raise DistributedError("--warm-start runs in one process; launch it without torchrun")
         restore_checkpoint(run, path, weights_only=True)
-        warm_start_dir.mkdir(parents=True, exist_ok=True)
-        write_manifest(warm_start_dir, run.manifest)
-        ledger = Ledger(warm_start_dir / "ledger.jsonl")
-        (warm_start_dir / "metrics.jsonl").write_text("")
+        ledger = open_new_run(run)
         run_windows(run, 0, ledger, progress)
         return finish(run, started)
     run = build_run(cfg, run_dir)
-    classify_resume(old, run.manifest)
-    next_window, ledger_position = restore_checkpoint(run, path)
-    ledger = Ledger(run_dir / "ledger.jsonl")
-    ledger.truncate_to(ledger_position)
-    truncate_metrics(run_dir / "metrics.jsonl", next_window)
-    print(f"exactstep: resuming {run_dir} at window {next_window} from {path.name}",
-          file=sys.stderr)
-    run_windows(run, next_window, ledger, progress)
-    return finish(run, started)
+    try:
+        if run.ctx.is_main and root.is_dir():
+            clean_uncommitted(root)
+        path = choose_checkpoint(root, from_checkpoint)
+        changed = diff_manifests(old, run.manifest)
+        if reshard and set(changed) <= {"parallel.world_size"}:
+            run.manifest = old
+        classify_resume(old, run.manifest)
+        next_window, ledger_position = restore_checkpoint(run, path, reshard=reshard)
+        ledger = None
+        if run.ctx.is_main:
+            ledger = Ledger(run_dir / "ledger.jsonl")
+            ledger.truncate_to(ledger_position)
+            for event in run.events:
+                ledger.append(event)
+            truncate_metrics(run_dir / "metrics.jsonl", next_window)
+            print(f"exactstep: resuming {run_dir} at window {next_window} from {path.name}",
+                  file=sys.stderr)
+        run_windows(run, next_window, ledger, progress)
+        return finish(run, started)
+    finally:
+        shutdown(run.ctx)
 
 
 def truncate_metrics(path: Path, next_window: int) -> None:
