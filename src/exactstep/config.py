@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from exactstep.data.arith import ArithSpec
 from exactstep.data.config import DataConfig
 from exactstep.errors import ConfigError
 from exactstep.model.config import ModelConfig
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.parallel.config import ParallelConfig
+from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
 from exactstep.state.config import CheckpointConfig
 from exactstep.update.config import NumericsConfig, UpdateConfig
@@ -54,7 +56,11 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """The whole run. ``seed`` seeds every stream (data order, init, dropout)."""
+    """The whole run. ``seed`` seeds every stream (data order, init, dropout).
+
+    ``chat`` (ownership policy, R5) and ``arith`` (the built-in SFT demo) only matter
+    when ``data.kind = "chat"``.
+    """
 
     seed: int = 0
     data: DataConfig = field(default_factory=DataConfig)
@@ -66,6 +72,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    chat: ChatPolicy = field(default_factory=ChatPolicy)
+    arith: ArithSpec = field(default_factory=ArithSpec)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
