@@ -53,11 +53,10 @@ _CALL_COST = 6000
 
 @dataclass(frozen=True)
 class _Bucket:
-    """Segments stacked at one padded length ``length`` (``count`` of them)."""
+    """``count`` segments stacked at one padded length ``length``."""
 
     length: int
     count: int
-    gather_index: torch.Tensor  # [count * length] flat positions into B*T
     key_mask: torch.Tensor | None  # [count, 1, 1, length] bool, only when not causal
 
 
@@ -66,6 +65,12 @@ class Visibility:
     """Everything attention needs for one forward, built once and shared by all layers.
 
     Build it with ``prepare_visibility``; its fields are private to this module.
+
+    For ``"segments"`` the B*T positions are laid out in *slots*: the buckets' stacked
+    segments one after another (each right-padded to its bucket length), then the
+    padding positions. ``slot_of[p]`` is position p's slot; ``position_of[s]`` is the
+    position slot s reads (bucket padding reads its segment's first position);
+    ``position_or_none[s]`` is the same with bucket padding mapped to ``B*T`` (none).
     """
 
     impl: str  # "segments" | "dense" | "flex"
@@ -73,8 +78,11 @@ class Visibility:
     causal: bool
     dense_mask: torch.Tensor | None = None  # [B, 1, T, T] bool (dense)
     buckets: tuple[_Bucket, ...] = ()  # segments
-    pad_index: torch.Tensor | None = None  # [P] flat positions of padding (segments)
-    inverse_index: torch.Tensor | None = None  # [B*T] row of each position's result
+    slot_sizes: tuple[int, ...] = ()  # segments: count * length per bucket, then padding
+    slot_of: torch.Tensor | None = None  # [B*T] long
+    position_of: torch.Tensor | None = None  # [S] long
+    position_or_none: torch.Tensor | None = None  # [S] long, B*T = none
+    whole_rows: bool = False  # segments: every row is one document filling it
     block_mask: object | None = None  # flex BlockMask
 
 
@@ -118,16 +126,42 @@ def prepare_visibility(batch: Batch, impl: str, device: torch.device) -> Visibil
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
     """Scaled dot-product attention under ``vis``: ``[B, nH, T, Dh]`` x3 -> ``[B, nH, T, Dh]``."""
-    if tuple(q.shape[0:1]) + tuple(q.shape[2:3]) != vis.batch_shape:
+    _check_shape(q.shape[0], q.shape[2], vis)
+    if vis.impl == "segments" and not vis.whole_rows:
+        qkv = torch.stack([x.transpose(1, 2) for x in (q, k, v)], dim=2)  # [B, T, 3, nH, Dh]
+        return _attend_segments(qkv, vis).transpose(1, 2)
+    return _attend_rows(q, k, v, vis)
+
+
+def attend_fused(qk: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
+    """The same attention on the projection's layout; the decoder's hot path.
+
+    ``qk [B, T, 2, nH, Dh]`` (rotated queries and keys), ``v [B, T, nH, Dh]`` ->
+    ``[B, T, nH, Dh]``. The per-document path moves q, k and v together in one gather
+    per layer (and one in backward) instead of three; whole-row paths use views.
+    """
+    _check_shape(qk.shape[0], qk.shape[1], vis)
+    if vis.impl == "segments" and not vis.whole_rows:
+        return _attend_segments(torch.cat([qk, v[:, :, None]], dim=2), vis)
+    q, k = (x.transpose(1, 2) for x in qk.unbind(2))  # [B, nH, T, Dh] each
+    return _attend_rows(q, k, v.transpose(1, 2), vis).transpose(1, 2)
+
+
+def _check_shape(B: int, T: int, vis: Visibility) -> None:
+    if (B, T) != vis.batch_shape:
         raise ModelError(
-            f"attention input has batch shape {(q.shape[0], q.shape[2])} but the visibility "
-            f"was prepared for {vis.batch_shape}; prepare it from the same batch"
+            f"attention input has batch shape {(B, T)} but the visibility was prepared "
+            f"for {vis.batch_shape}; prepare it from the same batch"
         )
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility):
+    """Whole-row implementations: ``[B, nH, T, Dh]`` x3 -> ``[B, nH, T, Dh]``."""
     if vis.impl == "dense":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=vis.dense_mask)
     if vis.impl == "flex":
         return _flex_attention()(q, k, v, block_mask=vis.block_mask)
-    return _attend_segments(q, k, v, vis)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=vis.causal)  # whole rows
 
 
 # ----------------------------------------------------------------------------- dense
@@ -237,88 +271,104 @@ def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
     if batch.segment_ids.device.type == "cpu":
         _check_segments_match_ids(batch)
     B, T = batch.shape
-    starts: list[int] = []  # flat start position of every segment
-    lengths: list[int] = []
-    for b, row in enumerate(batch.segments):
-        for s in row:
-            if s.length > 0:
-                starts.append(b * T + s.start)
-                lengths.append(s.length)
+    if all(len(row) == 1 and row[0].start == 0 and row[0].length == T for row in batch.segments):
+        # The common case when long documents are split into full rows: one plain
+        # causal (or bidirectional) SDPA over the batch, no relayout.
+        return Visibility(impl="segments", batch_shape=(B, T), causal=batch.causal, whole_rows=True)
+    starts = [b * T + s.start for b, row in enumerate(batch.segments) for s in row if s.length]
+    lengths = [s.length for row in batch.segments for s in row if s.length]
 
-    covered = np.zeros(B * T, dtype=bool)
-    result_row = np.empty(B * T, dtype=np.int64)  # where each position's output lands
+    none = B * T
+    slot_of = np.full(B * T, -1, dtype=np.int64)
+    position_of: list[np.ndarray] = []
+    position_or_none: list[np.ndarray] = []
     buckets: list[_Bucket] = []
+    sizes: list[int] = []
     offset = 0
     if lengths:
         bucket_lengths = _choose_buckets(lengths)
         starts_a, lengths_a = np.asarray(starts), np.asarray(lengths)
         which = np.searchsorted(bucket_lengths, lengths_a)  # smallest bucket >= length
-        for bi, Lb in enumerate(bucket_lengths):
+        for bi, L in enumerate(bucket_lengths):
             members = np.nonzero(which == bi)[0]
             if members.size == 0:
                 continue
-            s0, ln = starts_a[members], lengths_a[members]
-            cols = np.arange(Lb)
-            gather = s0[:, None] + cols[None, :]  # [n, Lb]
-            real = cols[None, :] < ln[:, None]  # [n, Lb]
-            # Padded columns read any valid position (here the segment's first);
-            # their outputs are discarded and causal attention never lets a real
-            # query see them.
-            gather = np.where(real, gather, s0[:, None])
-            flat_real = gather[real]
-            covered[flat_real] = True
-            result_row[flat_real] = offset + np.nonzero(real.reshape(-1))[0]
+            first, n_real = starts_a[members], lengths_a[members]
+            cols = np.arange(L)
+            real = cols[None, :] < n_real[:, None]  # [n, L]
+            reads = first[:, None] + cols[None, :]  # [n, L]
+            slot_of[reads[real]] = offset + np.flatnonzero(real.reshape(-1))
+            position_of.append(np.where(real, reads, first[:, None]).reshape(-1))
+            position_or_none.append(np.where(real, reads, none).reshape(-1))
             key_mask = None
             if not batch.causal:
                 key_mask = torch.from_numpy(real[:, None, None, :]).to(device)
-            buckets.append(
-                _Bucket(
-                    length=int(Lb),
-                    count=int(members.size),
-                    gather_index=torch.from_numpy(gather.reshape(-1)).to(device),
-                    key_mask=key_mask,
-                )
-            )
-            offset += members.size * Lb
-    pad = np.nonzero(~covered)[0]
-    result_row[pad] = offset + np.arange(pad.size)
+            buckets.append(_Bucket(length=int(L), count=int(members.size), key_mask=key_mask))
+            sizes.append(int(members.size * L))
+            offset += members.size * L
+    padding = np.flatnonzero(slot_of < 0)  # uncovered positions see only themselves
+    slot_of[padding] = offset + np.arange(padding.size)
+    position_of.append(padding)
+    position_or_none.append(padding)
+    sizes.append(int(padding.size))
+
+    def to_device(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
     return Visibility(
         impl="segments",
         batch_shape=(B, T),
         causal=batch.causal,
         buckets=tuple(buckets),
-        pad_index=torch.from_numpy(pad).to(device) if pad.size else None,
-        inverse_index=torch.from_numpy(result_row).to(device),
+        slot_sizes=tuple(sizes),
+        slot_of=to_device(slot_of),
+        position_of=to_device(np.concatenate(position_of)),
+        position_or_none=to_device(np.concatenate(position_or_none)),
     )
 
 
-def _attend_segments(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility
-) -> torch.Tensor:
-    B, nH, T, Dh = q.shape
-    # [B, nH, T, Dh] -> [B*T, nH, Dh]; free when the caller made q from a [B, T, nH, Dh] view.
-    q_flat = q.transpose(1, 2).reshape(B * T, nH, Dh)
-    k_flat = k.transpose(1, 2).reshape(B * T, nH, Dh)
-    v_flat = v.transpose(1, 2).reshape(B * T, nH, Dh)
-    pieces = []
-    for bucket in vis.buckets:
+class _Relayout(torch.autograd.Function):
+    """``out = x[index]`` whose backward is the gather ``grad[inverse]`` (no scatter).
+
+    Exact because every element of ``x`` is read by exactly one slot whose gradient
+    matters: the other reads (bucket padding) carry an exactly zero gradient, since
+    causal or key-masked attention gives them zero probability and their outputs are
+    discarded. With ``zero_row``, ``inverse`` may hold ``len(grad)`` to mean "no
+    source": that gradient row is zero.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, zero_row: bool):
+        ctx.save_for_backward(inverse)
+        ctx.zero_row = zero_row
+        return x.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        if ctx.zero_row:
+            grad = torch.cat([grad, grad.new_zeros((1, *grad.shape[1:]))])
+        return grad.index_select(0, inverse), None, None, None
+
+
+def _attend_segments(qkv: torch.Tensor, vis: Visibility) -> torch.Tensor:
+    """Per-document SDPA: ``[B, T, 3, nH, Dh] -> [B, T, nH, Dh]``."""
+    B, T, three, nH, Dh = qkv.shape
+    flat = qkv.reshape(B * T, three, nH, Dh)  # free for the projection's output
+    slots = _Relayout.apply(flat, vis.position_of, vis.slot_of, False)  # [S, 3, nH, Dh]
+    parts = torch.split(slots, vis.slot_sizes)
+    results = []
+    for bucket, part in zip(vis.buckets, parts, strict=False):
+        n, L = bucket.count, bucket.length
+        q, k, v = (  # [n, nH, L, Dh] each
+            x.transpose(1, 2) for x in part.view(n, L, three, nH, Dh).unbind(2)
+        )
         out = F.scaled_dot_product_attention(
-            _stack(q_flat, bucket),
-            _stack(k_flat, bucket),
-            _stack(v_flat, bucket),
-            attn_mask=bucket.key_mask,
-            is_causal=vis.causal,
+            q, k, v, attn_mask=bucket.key_mask, is_causal=vis.causal
         )  # [n, nH, L, Dh]
-        pieces.append(out.transpose(1, 2).reshape(bucket.count * bucket.length, nH, Dh))
-    if vis.pad_index is not None:
-        pieces.append(v_flat.index_select(0, vis.pad_index))  # padding sees itself only
-    results = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-    out_flat = results.index_select(0, vis.inverse_index)  # [B*T, nH, Dh]
-    return out_flat.view(B, T, nH, Dh).transpose(1, 2)  # [B, nH, T, Dh]
-
-
-def _stack(x_flat: torch.Tensor, bucket: _Bucket) -> torch.Tensor:
-    """``[B*T, nH, Dh] -> [n, nH, L, Dh]``: the bucket's segments, right-padded to L."""
-    _, nH, Dh = x_flat.shape
-    picked = x_flat.index_select(0, bucket.gather_index)  # [n*L, nH, Dh]
-    return picked.view(bucket.count, bucket.length, nH, Dh).transpose(1, 2)
+        results.append(out.transpose(1, 2).reshape(n * L, nH, Dh))
+    results.append(parts[-1][:, 2])  # padding sees itself only: its output is its value
+    out_slots = torch.cat(results)  # [S, nH, Dh]
+    out_flat = _Relayout.apply(out_slots, vis.slot_of, vis.position_or_none, True)  # [B*T, nH, Dh]
+    return out_flat.view(B, T, nH, Dh)

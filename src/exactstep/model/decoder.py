@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from exactstep.errors import ModelError
-from exactstep.model.attention import Visibility, attend, prepare_visibility
+from exactstep.model.attention import Visibility, attend_fused, prepare_visibility
 from exactstep.model.config import ModelConfig
 from exactstep.rows.batch import Batch
 
@@ -65,11 +65,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, H = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)  # [B, T, 3, nH, Dh]
-        q = apply_rope(qkv[:, :, 0], cos, sin)  # [B, T, nH, Dh]
-        k = apply_rope(qkv[:, :, 1], cos, sin)  # [B, T, nH, Dh]
-        v = qkv[:, :, 2]  # [B, T, nH, Dh]
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), vis)  # [B, nH, T, Dh]
-        return self.out(y.transpose(1, 2).reshape(B, T, H))  # [B, T, H]
+        qk = apply_rope(qkv[:, :, :2], cos[:, :, None], sin[:, :, None])  # [B, T, 2, nH, Dh]
+        y = attend_fused(qk, qkv[:, :, 2], vis)  # [B, T, nH, Dh]
+        return self.out(y.reshape(B, T, H))  # [B, T, H]
 
 
 class SwiGLU(nn.Module):
