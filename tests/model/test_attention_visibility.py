@@ -19,7 +19,12 @@ from model_batches import packed_batch
 
 from exactstep.errors import ModelError
 from exactstep.model import attention as attn
-from exactstep.model.attention import attend, dense_visibility_mask, prepare_visibility
+from exactstep.model.attention import (
+    attend,
+    attend_fused,
+    dense_visibility_mask,
+    prepare_visibility,
+)
 
 CPU = torch.device("cpu")
 TOL = 1e-5  # fp32, forward and backward (issue 3 item 6)
@@ -92,6 +97,20 @@ def attention_and_grads(batch, impl: str, seed: int = 0, vis=None, nH: int = 2, 
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+def fused_attention_and_grads(batch, impl: str, seed: int = 0, nH: int = 2, Dh: int = 8):
+    """The decoder's layout: ``attend_fused(qk [B,T,2,nH,Dh], v [B,T,nH,Dh])``; same inputs."""
+    B, T = batch.shape
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, nH, T, Dh, generator=g) for _ in range(3))
+    upstream = torch.randn(B, nH, T, Dh, generator=g)
+    qk = torch.stack([q.transpose(1, 2), k.transpose(1, 2)], dim=2).requires_grad_()
+    v_btd = v.transpose(1, 2).contiguous().requires_grad_()
+    out = attend_fused(qk, v_btd, prepare_visibility(batch, impl, CPU))  # [B, T, nH, Dh]
+    (out.transpose(1, 2) * upstream).sum().backward()
+    q_grad, k_grad = (x.transpose(1, 2) for x in qk.grad.unbind(2))
+    return [out.detach().transpose(1, 2), q_grad, k_grad, v_btd.grad.transpose(1, 2)]
+
+
 def max_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
@@ -105,6 +124,17 @@ def test_segments_equal_dense_forward_and_backward(layout, causal, seed):
     candidate = attention_and_grads(batch, "segments", seed)
     assert max_error(candidate, reference) <= TOL
     assert all(torch.isfinite(t).all() for t in candidate)
+    for impl in ("segments", "dense"):  # the decoder's fused layout agrees too
+        assert max_error(fused_attention_and_grads(batch, impl, seed), reference) <= TOL
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_whole_rows_take_the_plain_path_and_equal_dense(causal):
+    batch = batch_for([[10], [10], [10]], 10, causal)
+    assert prepare_visibility(batch, "segments", CPU).whole_rows
+    reference = attention_and_grads(batch, "dense")
+    assert max_error(attention_and_grads(batch, "segments"), reference) <= TOL
+    assert max_error(fused_attention_and_grads(batch, "segments"), reference) <= TOL
 
 
 def test_segments_check_catches_a_wrong_variant():
