@@ -241,16 +241,16 @@ class UpdateEngine:
             cause = _skip_cause(injected, norm_value, numerator_total)
         self.optimizer.zero_grad(set_to_none=True)
         return Disposition(
-            window,
-            outcome,
-            cause,
-            lr_used,
-            denominator,
-            loss,
-            norm_value,
-            tokens,
-            gold_total,
-            len(batches),
+            window=window,
+            outcome=outcome,
+            cause=cause,
+            lr=lr_used,
+            denominator=denominator,
+            loss=loss,
+            grad_norm=norm_value,
+            tokens=tokens,
+            gold_nll_sum=gold_total,
+            microbatches=len(batches),
         )
 
     # -- steps of the transaction ---------------------------------------------------
