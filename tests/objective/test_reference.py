@@ -140,7 +140,7 @@ def torch_row_losses(logits, labels, convention, eps, pad, chunk, fused: bool):
     return logits_row_losses(z, y, cfg, pad_id=pad)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(small_cases(), st.booleans())
 def test_torch_row_losses_match_the_reference(case, fused):
     logits, labels, convention, eps, pad, chunk = case
@@ -159,12 +159,13 @@ def test_torch_row_losses_match_the_reference(case, fused):
         assert nll[r].item() == pytest.approx(want_nll, abs=1e-6, rel=1e-6)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(small_cases())
 def test_torch_logit_gradient_matches_the_reference(case):
+    """In fp64, so that any gap beyond rounding (1e-9) is a formula difference."""
     logits, labels, convention, eps, pad, chunk = case
     V = len(logits[0][0])
-    z = torch.tensor(logits, dtype=torch.float32).reshape(-1, V).requires_grad_(True)
+    z = torch.tensor(logits, dtype=torch.float64).reshape(-1, V).requires_grad_(True)
     y = torch.tensor(labels).reshape(-1)
     cfg = ObjectiveConfig(smoothing=convention, label_smoothing=eps, chunk_rows=chunk)
     ce, _ = logits_row_losses(z, y, cfg, pad_id=pad)
@@ -175,7 +176,7 @@ def test_torch_logit_gradient_matches_the_reference(case):
             if yr == IGNORE_INDEX
             else ref.row_logit_gradient(zr, yr, eps, convention, pad)
         )
-        assert grad[r].tolist() == pytest.approx(want, abs=1e-6)
+        assert grad[r].tolist() == pytest.approx(want, abs=1e-9)
 
 
 def test_reference_agreement_check_catches_a_mixed_convention():
