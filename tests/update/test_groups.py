@@ -185,3 +185,14 @@ def test_sgd_with_momentum_builds_u6():
     optimizer, _ = build_optimizer(TinyLM(), UpdateConfig(optimizer="sgd", momentum=0.5))
     assert isinstance(optimizer, torch.optim.SGD)
     assert all(g["momentum"] == 0.5 for g in optimizer.param_groups)
+
+
+def test_adafactor_uses_the_groups_and_commits_u6():
+    engine = make_engine(optimizer="adafactor", lr=1e-2, weight_decay=0.1)
+    assert isinstance(engine.optimizer, torch.optim.Adafactor)
+    decays = {g["name"]: g["weight_decay"] for g in engine.optimizer.param_groups}
+    assert decays == {"decay": 0.1, "no_decay": 0.0}
+    before = [p.detach().clone() for p in engine.parameters]
+    d = engine.run_window([random_batch(torch.Generator().manual_seed(5), 2, 5)], 0)
+    assert d.outcome is Outcome.COMMITTED
+    assert any(not torch.equal(p, b) for p, b in zip(engine.parameters, before, strict=True))

@@ -17,6 +17,11 @@ class UpdateConfig:
     ``min_lr_ratio * lr`` by ``decay_steps`` (0 = ``train.steps``). ``clip`` is the
     global L2 cap (0 = no clipping). ``weight_decay`` uses PyTorch's convention.
 
+    ``optimizer``: ``adamw`` (``beta1``, ``beta2``, ``eps``), ``sgd`` (``momentum``)
+    or ``adafactor`` (PyTorch's implementation: factored second moment, no first
+    moment; ``beta1``/``eps`` unused). All use decoupled weight decay in PyTorch's
+    convention, applied only to the ``decay`` group (U6).
+
     ``fail_window`` is fault injection for checking the skip path (U4): when it
     equals a window's index (0-based, counting every window), that window's
     gradient is made non-finite after its last backward, so the window ends
@@ -25,7 +30,7 @@ class UpdateConfig:
     """
 
     accum: int = 1
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "sgd", "adafactor"] = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     schedule: Literal["constant", "cosine", "wsd", "noam", "inverse_sqrt"] = "cosine"

@@ -96,7 +96,7 @@ def resolve_groups(model: nn.Module, cfg: UpdateConfig) -> ResolvedGroups:
 def build_optimizer(
     model: nn.Module, cfg: UpdateConfig
 ) -> tuple[torch.optim.Optimizer, ResolvedGroups]:
-    """AdamW (PyTorch's decoupled convention) or SGD with momentum over the groups.
+    """AdamW (PyTorch's decoupled convention), SGD with momentum, or Adafactor.
 
     AdamW uses the fused kernel when every parameter lives on a device that has
     one (CPU and CUDA): it reads no host value during ``step`` (U7).
@@ -119,8 +119,14 @@ def build_optimizer(
             weight_decay=cfg.weight_decay,
             **_fast_kernel(groups.parameters),
         )
+    elif cfg.optimizer == "adafactor":
+        optimizer = torch.optim.Adafactor(
+            groups.param_groups, lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
     else:  # pragma: no cover - UpdateConfig's Literal forbids it
-        raise ConfigError(f"update.optimizer must be adamw or sgd; got {cfg.optimizer!r}")
+        raise ConfigError(
+            f"update.optimizer must be adamw, sgd or adafactor; got {cfg.optimizer!r}"
+        )
     return optimizer, groups
 
 
