@@ -172,3 +172,17 @@ def test_decoder_constructed_directly_is_usable():
     model = Decoder(tiny(), VOCAB)
     hidden = model(packed_batch(fill_rows([[5]], VOCAB), 5))
     assert torch.isfinite(hidden).all()
+
+
+@pytest.mark.parametrize("attention", ["segments", "dense"])
+def test_bf16_autocast_forward_is_close_to_fp32(attention):
+    # U2 runs the forward under bf16 autocast; the attention paths must accept it.
+    # Tolerance: bf16 has 8 mantissa bits; hidden states are unit-RMS after the norm.
+    model = build_model(tiny(attention=attention), VOCAB, seed=0).eval()
+    batch = packed_batch(fill_rows([[4, 6, 3], [9]], VOCAB), 14)
+    with torch.no_grad():
+        reference = model(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(batch)
+    difference = float((low.float() - reference).abs().max())
+    assert 0 < difference < 0.1  # > 0: autocast really ran the matmuls in bf16
