@@ -20,7 +20,7 @@ from exactstep.state.resume import (
     choose_checkpoint,
     classify_resume,
 )
-from exactstep.state.rng import capture_rng, restore_rng
+from exactstep.state.rng import capture_rng, restore_rng, seed_rng
 
 __all__ = [
     "ResumeKind",
@@ -39,6 +39,7 @@ __all__ = [
     "prune",
     "publish_checkpoint",
     "restore_rng",
+    "seed_rng",
     "state_differences",
     "tensors_bitwise_equal",
     "verify_checkpoint",

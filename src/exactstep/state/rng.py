@@ -22,6 +22,19 @@ from exactstep.errors import CheckpointError
 RNG_FORMAT = 1
 
 
+def seed_rng(seed: int) -> None:
+    """Seed every stream from the run's seed: Python, NumPy's global generator,
+    torch CPU and all CUDA devices (S2, S5).
+
+    A new run must call this before anything draws: Python's and NumPy's streams
+    otherwise start from OS entropy, so two runs of one manifest would differ in
+    their RNG state even though every update agrees.
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
 def capture_rng() -> dict[str, Any]:
     """Snapshot every RNG stream as weights-only-loadable plain data and tensors."""
     version, internal, gauss_next = random.getstate()
