@@ -39,13 +39,15 @@ def tiny_decoder(seed: int = 0):
     return build_model(cfg, VOCAB, seed=seed)
 
 
-def real_engine(model=None, *, precision="fp32", **overrides) -> UpdateEngine:
+def real_engine(
+    model=None, *, precision="fp32", engine_cls=UpdateEngine, **overrides
+) -> UpdateEngine:
     model = model if model is not None else tiny_decoder()
     settings = {"schedule": "constant", "warmup": 0, "clip": 1.0, "weight_decay": 0.1}
     settings.update(overrides)
     cfg = UpdateConfig(**settings)
     optimizer, _ = build_optimizer(model, cfg)
-    return UpdateEngine(
+    return engine_cls(
         model,
         optimizer,
         build_schedule(cfg, 10),
@@ -216,3 +218,89 @@ def test_bf16_and_fp16_windows_commit_finite_u2():
         d = engine.run_window(window_batches(seed=1), 0)
         assert d.outcome is Outcome.COMMITTED, precision
         assert all(p.dtype == torch.float32 for p in engine.parameters)  # fp32 master weights
+
+
+# ----------------------------------------------------------------------------- reducer seam (D1, D2)
+
+
+class IdenticalPeerReducer:
+    """Two ranks where the other rank holds exactly the same data: every sum doubles.
+
+    Without DDP wrapping no gradient averaging happens, and with an identical peer
+    DDP's average would change nothing, so the update must equal one process's.
+    """
+
+    world_size = 2
+
+    def sum(self, values):
+        return values * 2
+
+    def no_sync(self, module, is_last):
+        return contextlib.nullcontext()
+
+
+class PeerWithDataReducer(IdenticalPeerReducer):
+    """This rank's share is empty; the peer has ``peer_denominator`` supervised rows."""
+
+    def __init__(self, peer_denominator: float):
+        self.peer = peer_denominator
+
+    def sum(self, values):
+        if values.dtype == torch.float64:  # the host-side [D, tokens] of the plan
+            return values + torch.tensor([self.peer, self.peer], dtype=torch.float64)
+        return values  # flags and reports: the peer is finite and reports nothing here
+
+
+class ForgetsWorldSizeEngine(UpdateEngine):
+    """WRONG (D1): scales by ``1 / D_global``, forgetting the ``R`` that undoes DDP's mean."""
+
+    def _loss_scale(self, denominator: float) -> float:
+        return 1.0 / denominator
+
+
+def update_with_reducer(reducer, engine_cls=UpdateEngine):
+    engine = real_engine(
+        tiny_decoder(seed=5),
+        accum=3,
+        optimizer="sgd",
+        lr=1.0,
+        momentum=0.0,
+        clip=0.0,
+        weight_decay=0.0,
+        engine_cls=engine_cls,
+    )
+    if reducer is not None:
+        engine.reducer = reducer
+    d = engine.run_window(window_batches(seed=3), 0)
+    return [p.detach() for p in engine.parameters], d
+
+
+def same_update_as_alone(reducer, engine_cls=UpdateEngine) -> bool:
+    alone, a = update_with_reducer(None)
+    paired, b = update_with_reducer(reducer, engine_cls)
+    return b.loss == pytest.approx(a.loss, rel=1e-6) and all(
+        torch.allclose(x, y, rtol=0, atol=1e-6) for x, y in zip(alone, paired, strict=True)
+    )
+
+
+def test_identical_peer_gives_the_single_process_update_d1():
+    assert same_update_as_alone(IdenticalPeerReducer())
+
+
+def test_forgetting_the_world_size_factor_is_caught_d1():
+    assert not same_update_as_alone(IdenticalPeerReducer(), ForgetsWorldSizeEngine)
+
+
+def test_locally_empty_rank_runs_a_zero_pass_and_commits_with_its_peer_d1():
+    empty = [make_batch([[1, 2, 3, 4]], [[IGNORE_INDEX] * 4])] * 2
+    engine = real_engine(accum=2, weight_decay=0.0)
+    engine.reducer = PeerWithDataReducer(peer_denominator=7.0)
+    grads_seen = []
+    engine.optimizer.register_step_pre_hook(
+        lambda opt, *a: grads_seen.extend(p.grad for p in engine.parameters)
+    )
+    d = engine.run_window(empty, 0)
+    assert d.outcome is Outcome.COMMITTED and d.denominator == 7.0
+    assert grads_seen and all(g is not None and not g.any() for g in grads_seen)
+    # alone, the same window has no objective at all (L4)
+    assert real_engine(accum=2).run_window(empty, 0).outcome is Outcome.NO_OBJECTIVE

@@ -192,7 +192,7 @@ class UpdateEngine:
         coefficients, row_indices = _microbatch_inputs(plan, batches)
 
         # 2. microbatches at the same parameters; one loss scale for the window (U1, U2)
-        loss_scale = self.reducer.world_size / denominator  # DDP averages gradients (D1)
+        loss_scale = self._loss_scale(denominator)  # 1 / D_W, times R under DDP (D1)
         numerators: list[torch.Tensor] = []
         gold_sums: list[torch.Tensor] = []
         last = len(batches) - 1
@@ -262,6 +262,12 @@ class UpdateEngine:
         summed = self.reducer.sum(torch.tensor([denominator, float(tokens)], dtype=torch.float64))
         total_denominator, total_tokens = summed.cpu().tolist()
         return total_denominator, int(total_tokens)
+
+    def _loss_scale(self, denominator: float) -> float:
+        """Pre-scale of every numerator: ``R / D_global``. DDP averages the gradient
+        over the ``R`` ranks, so ``R`` restores the sum and ``1 / D_global`` normalizes
+        the window objective (U1, D1). One process: ``1 / D_W``."""
+        return self.reducer.world_size / denominator
 
     def _plan(self, batches: Sequence[Batch]) -> Any:
         """The objective stage's host-side plan. With several ranks a locally empty
