@@ -44,11 +44,13 @@ IMPLEMENTATIONS = ("auto", "segments", "dense", "flex")
 
 # Cost model used to choose length buckets for the "segments" path. A bucket of
 # length L holding n segments costs about n * L * (L + _LINEAR_COST) units (the
-# attention is quadratic, gathers and softmax rows are linear), plus
-# _CALL_COST units per SDPA call (dispatch and per-call overhead, forward and
-# backward). Units are "key-query pairs"; the constants were fitted on CPU.
+# attention is quadratic, gathers and softmax rows are linear), plus _CALL_COST
+# units per bucket for the fixed work of a bucket (about ten small operators
+# forward and backward). Units are key-query pairs. Measured on 2 CPU cores: one
+# unit is ~0.1 us, a bucket's fixed work ~0.3 ms on an idle machine and several ms
+# when the cores are oversubscribed; the constant leans towards few buckets.
 _LINEAR_COST = 32
-_CALL_COST = 6000
+_CALL_COST = 30000
 
 
 @dataclass(frozen=True)
