@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from model_batches import fill_rows, packed_batch
 
 from exactstep.model.attention import Visibility
@@ -36,9 +38,9 @@ def leaky_visibility(batch) -> Visibility:
     return Visibility(impl="dense", batch_shape=(B, T), causal=True, dense_mask=mask)
 
 
-def run_packed(model, documents, make_visibility=None):
+def run_packed(model, documents, make_visibility=None, seq_len: int = SEQ_LEN):
     """Per-document logits, token-mean loss, gradients from one packed batch."""
-    batch = packed_batch(documents, SEQ_LEN)
+    batch = packed_batch(documents, seq_len)
     model.zero_grad()
     vis = make_visibility(batch) if make_visibility else None
     logits = model.logits(model(batch, visibility=vis))  # [B, T, V]
@@ -101,3 +103,24 @@ def test_leaky_packing_fails_the_equivalence():
     leaky = run_packed(model, documents, make_visibility=leaky_visibility)
     separate = run_one_by_one(model, documents)
     assert equivalence_error(leaky, separate) > 1e-3
+
+
+@st.composite
+def packings(draw):
+    """1-3 rows of 1-4 documents (length 1-9 each), padded to the longest row."""
+    rows = draw(
+        st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=4), min_size=1, max_size=3)
+    )
+    seq_len = max(sum(row) for row in rows) + draw(st.integers(0, 3))
+    return rows, seq_len
+
+
+@settings(max_examples=8, deadline=None)
+@given(packings(), st.sampled_from(["segments", "dense"]), st.integers(0, 1000))
+def test_random_packings_equal_documents_one_by_one(packing, attention, seed):
+    lengths, seq_len = packing
+    assume(sum(n - 1 for row in lengths for n in row) > 0)  # at least one target (else L4)
+    model = build_model(tiny_config(attention), VOCAB, seed=seed)
+    documents = fill_rows(lengths, VOCAB, seed=seed)
+    packed = run_packed(model, documents, seq_len=seq_len)
+    assert equivalence_error(packed, run_one_by_one(model, documents)) <= TOL
