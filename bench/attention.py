@@ -137,7 +137,8 @@ def run(quick: bool) -> dict:
             packed_rows([[256]] * 16, 256), 4, 64, repeats
         ),
     }
-    figures.update(decoder_figures(packed_rows([[256]] * 16, 256), 2 if quick else 5))
+    figures.update(decoder_figures(packed_rows([[256]] * 16, 256), 1 if quick else 5))
+    figures["threads"] = torch.get_num_threads()
     return figures
 
 
