@@ -186,3 +186,7 @@ def test_bf16_autocast_forward_is_close_to_fp32(attention):
             low = model(batch)
     difference = float((low.float() - reference).abs().max())
     assert 0 < difference < 0.1  # > 0: autocast really ran the matmuls in bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model(batch)
+    model.logits(hidden).float().logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
