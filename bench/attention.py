@@ -77,14 +77,13 @@ def attention_speedup(batch: Batch, n_heads: int, head_dim: int, repeats: int) -
     """Median dense time / median segments time, each call = prepare + forward + backward."""
     B, T = batch.shape
     g = torch.Generator().manual_seed(0)
-    # The decoder's layout: rotated q and k stacked, v beside them.
-    qk = torch.randn(B, T, 2, n_heads, head_dim, generator=g).requires_grad_()
-    v = torch.randn(B, T, n_heads, head_dim, generator=g).requires_grad_()
+    # The decoder's layout: rotated queries and keys, and values, in one tensor.
+    qkv = torch.randn(B, T, 3, n_heads, head_dim, generator=g).requires_grad_()
     upstream = torch.randn(B, T, n_heads, head_dim, generator=g)
 
     def step(impl: str):
         def call() -> None:
-            out = attend_fused(qk, v, prepare_visibility(batch, impl, CPU))  # [B, T, nH, Dh]
+            out = attend_fused(qkv, prepare_visibility(batch, impl, CPU))  # [B, T, nH, Dh]
             out.backward(upstream)
 
         return call

@@ -98,17 +98,16 @@ def attention_and_grads(batch, impl: str, seed: int = 0, vis=None, nH: int = 2, 
 
 
 def fused_attention_and_grads(batch, impl: str, seed: int = 0, nH: int = 2, Dh: int = 8):
-    """The decoder's layout: ``attend_fused(qk [B,T,2,nH,Dh], v [B,T,nH,Dh])``; same inputs."""
+    """The decoder's layout: ``attend_fused(qkv [B, T, 3, nH, Dh])``; same inputs as above."""
     B, T = batch.shape
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, nH, T, Dh, generator=g) for _ in range(3))
     upstream = torch.randn(B, nH, T, Dh, generator=g)
-    qk = torch.stack([q.transpose(1, 2), k.transpose(1, 2)], dim=2).requires_grad_()
-    v_btd = v.transpose(1, 2).contiguous().requires_grad_()
-    out = attend_fused(qk, v_btd, prepare_visibility(batch, impl, CPU))  # [B, T, nH, Dh]
+    qkv = torch.stack([x.transpose(1, 2) for x in (q, k, v)], dim=2).requires_grad_()
+    out = attend_fused(qkv, prepare_visibility(batch, impl, CPU))  # [B, T, nH, Dh]
     (out.transpose(1, 2) * upstream).sum().backward()
-    q_grad, k_grad = (x.transpose(1, 2) for x in qk.grad.unbind(2))
-    return [out.detach().transpose(1, 2), q_grad, k_grad, v_btd.grad.transpose(1, 2)]
+    grads = [x.transpose(1, 2) for x in qkv.grad.unbind(2)]
+    return [out.detach().transpose(1, 2), *grads]
 
 
 def max_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -9,7 +9,7 @@ import torch
 from model_batches import fill_rows, packed_batch
 
 from exactstep.model.config import ModelConfig
-from exactstep.model.decoder import Decoder, apply_rope, build_model, rope_cos_sin
+from exactstep.model.decoder import Decoder, apply_rope, build_model, rope_tables
 
 VOCAB = 41
 
@@ -38,22 +38,24 @@ def rope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> to
     return torch.cat([w.real, w.imag], dim=-1).float()
 
 
-def wrong_rope(x, cos, sin):
+def wrong_rope(x, cos, sin_signed):
     """WRONG on purpose: rotates adjacent pairs (2i, 2i+1) against tables built for (i, i+Dh/2)."""
-    pairs = x.unflatten(-1, (-1, 2))
-    rotated = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-    return x * cos + rotated * sin
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos + swapped * sin_signed
 
 
 @pytest.mark.parametrize("rope", [apply_rope, wrong_rope])
 def test_rotation_matches_complex_reference(rope):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 6, 3, 8, generator=g)  # [B, T, nH, Dh]
+    qkv = torch.randn(2, 6, 3, 4, 8, generator=g)  # [B, T, 3, nH, Dh]
     positions = torch.randint(0, 300, (2, 6), generator=g)
-    cos, sin = rope_cos_sin(positions, 8, 10000.0)
-    error = float((rope(x, cos, sin) - rope_reference(x, positions, 10000.0)).abs().max())
+    cos, sin = rope_tables(positions, 8, 10000.0)  # [B, T, 3, 1, Dh]
+    rotated = rope(qkv, cos, sin)
+    expected_qk = rope_reference(qkv[:, :, :2].flatten(2, 3), positions, 10000.0)
+    error = float((rotated[:, :, :2].flatten(2, 3) - expected_qk).abs().max())
     if rope is apply_rope:
         assert error <= 1e-4  # fp32 angles up to 300 rad
+        assert torch.equal(rotated[:, :, 2], qkv[:, :, 2])  # values pass through exactly
     else:  # negative control
         assert error > 1e-2
 

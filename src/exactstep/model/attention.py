@@ -135,18 +135,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -
     return _attend_rows(q, k, v, vis)
 
 
-def attend_fused(qk: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
+def attend_fused(qkv: torch.Tensor, vis: Visibility) -> torch.Tensor:
     """The same attention on the projection's layout; the decoder's hot path.
 
-    ``qk [B, T, 2, nH, Dh]`` (rotated queries and keys), ``v [B, T, nH, Dh]`` ->
-    ``[B, T, nH, Dh]``. The per-document path moves q, k and v together in one gather
-    per layer (and one in backward) instead of three; whole-row paths use views.
+    ``qkv [B, T, 3, nH, Dh]`` (rotated queries and keys, values) -> ``[B, T, nH, Dh]``.
+    The per-document path moves q, k and v together in one gather per layer (and
+    one in backward) instead of three; whole-row paths use views.
     """
-    _check_shape(qk.shape[0], qk.shape[1], vis)
+    _check_shape(qkv.shape[0], qkv.shape[1], vis)
     if vis.impl == "segments" and not vis.whole_rows:
-        return _attend_segments(torch.cat([qk, v[:, :, None]], dim=2), vis)
-    q, k = (x.transpose(1, 2) for x in qk.unbind(2))  # [B, nH, T, Dh] each
-    return _attend_rows(q, k, v.transpose(1, 2), vis).transpose(1, 2)
+        return _attend_segments(qkv, vis)
+    q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))  # [B, nH, T, Dh] each
+    return _attend_rows(q, k, v, vis).transpose(1, 2)
 
 
 def _check_shape(B: int, T: int, vis: Visibility) -> None:

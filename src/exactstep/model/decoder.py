@@ -29,27 +29,37 @@ from exactstep.model.config import ModelConfig
 from exactstep.rows.batch import Batch
 
 
-def rope_cos_sin(
+def rope_tables(
     position_ids: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables for the given positions: two ``[B, T, 1, Dh]`` fp32 tensors.
+    """Rotary tables for the fused ``[B, T, 3, nH, Dh]`` projection: two ``[B, T, 3, 1, Dh]``.
 
-    Computed once per forward from ``position_ids`` (B*T*Dh/2 angles: cheaper than a
-    table lookup, exact for any position, no device sync) and shared by all layers.
+    Slots 0 and 1 (queries, keys) hold ``cos`` and the signed ``sin`` of
+    ``position * theta^(-2i/Dh)`` for the pairs (i, i + Dh/2); slot 2 (values) holds
+    1 and 0, so values pass through exactly unchanged. Computed once per forward
+    from ``position_ids`` (cheaper than a cached table lookup, exact for any
+    position, no device sync) and shared by all layers.
     """
     inv_freq = theta ** (
         -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
     )  # [Dh/2]
     angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, Dh/2]
-    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]  # [B, T, 1, Dh]
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()  # [B, T, Dh/2]
+    cos_qk = torch.cat([cos, cos], dim=-1)  # [B, T, Dh]
+    sin_qk = torch.cat([-sin, sin], dim=-1)  # [B, T, Dh]: sign of the rotation folded in
+    cos3 = torch.stack([cos_qk, cos_qk, torch.ones_like(cos_qk)], dim=2)  # [B, T, 3, Dh]
+    sin3 = torch.stack([sin_qk, sin_qk, torch.zeros_like(sin_qk)], dim=2)  # [B, T, 3, Dh]
+    return cos3[:, :, :, None], sin3[:, :, :, None]  # [B, T, 3, 1, Dh]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + Dh/2) of ``x [B, T, nH, Dh]`` by the position angles."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [B, T, nH, Dh]
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + Dh/2) of ``x [..., Dh]``: ``x * cos + swap_halves(x) * sin_signed``.
+
+    ``swap_halves`` is a flip of the two halves (one operator forward and backward,
+    no slicing, so no zero-filled gradient buffers).
+    """
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [..., Dh]: (x2, x1)
+    return x * cos.to(x.dtype) + swapped * sin_signed.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -65,8 +75,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, H = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)  # [B, T, 3, nH, Dh]
-        qk = apply_rope(qkv[:, :, :2], cos[:, :, None], sin[:, :, None])  # [B, T, 2, nH, Dh]
-        y = attend_fused(qk, qkv[:, :, 2], vis)  # [B, T, nH, Dh]
+        qkv = apply_rope(qkv, cos, sin)  # [B, T, 3, nH, Dh]; values unchanged
+        y = attend_fused(qkv, vis)  # [B, T, nH, Dh]
         return self.out(y.reshape(B, T, H))  # [B, T, H]
 
 
@@ -153,7 +163,7 @@ class Decoder(nn.Module):
         x = self.embed(batch.input_ids)  # [B, T, H]
         if visibility is None:
             visibility = prepare_visibility(batch, self.cfg.attention, x.device)
-        cos, sin = rope_cos_sin(
+        cos, sin = rope_tables(
             batch.position_ids.to(x.device),
             self.cfg.d_model // self.cfg.n_heads,
             self.cfg.rope_theta,
