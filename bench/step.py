@@ -92,13 +92,10 @@ def plain_loop(model, precision: str):
     return step
 
 
-def measure(precision: str, *, rows: int, seq_len: int, windows: int, repeats: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    batches = [random_packed_batch(gen, rows, seq_len, docs=4) for _ in range(windows)]
-    cfg = ModelConfig()
-    engine = build_engine(build_model(cfg, VOCAB, seed=0), precision)
-    baseline_model = build_model(cfg, VOCAB, seed=0)
-    baseline_step = plain_loop(baseline_model, precision)
+def measure(precision: str, models: tuple, batches: list[Batch], repeats: int) -> dict:
+    """Interleaved timing of both steps over ``batches`` (one window per batch)."""
+    engine = build_engine(models[0], precision)
+    baseline_step = plain_loop(models[1], precision)
     counter = {"window": 0}
 
     def candidate() -> None:
@@ -111,7 +108,7 @@ def measure(precision: str, *, rows: int, seq_len: int, windows: int, repeats: i
             baseline_step(batch)
 
     cand, base = interleaved_times(candidate, baseline, repeats=repeats, warmup=1)
-    tokens = rows * seq_len * windows
+    tokens = sum(b.input_ids.numel() for b in batches)
     return {
         f"{precision}_time_ratio": median(cand) / median(base),
         f"{precision}_tokens_per_s": tokens / median(cand),
@@ -120,13 +117,15 @@ def measure(precision: str, *, rows: int, seq_len: int, windows: int, repeats: i
 
 
 def run(quick: bool) -> dict:
-    if quick:
-        shape = {"rows": 2, "seq_len": 64, "windows": 1, "repeats": 3}
-    else:
-        shape = {"rows": 16, "seq_len": 256, "windows": 1, "repeats": 7}
-    figures = {"rows": shape["rows"], "seq_len": shape["seq_len"]}
+    rows, seq_len, windows, repeats = (2, 64, 1, 2) if quick else (16, 256, 1, 7)
+    gen = torch.Generator().manual_seed(0)
+    batches = [random_packed_batch(gen, rows, seq_len, docs=4) for _ in range(windows)]
+    cfg = ModelConfig()
+    # identical initial weights; each precision gets a fresh optimizer on the same models
+    models = (build_model(cfg, VOCAB, seed=0), build_model(cfg, VOCAB, seed=0))
+    figures: dict = {"rows": rows, "seq_len": seq_len}
     for precision in ("fp32", "bf16"):
-        figures.update(measure(precision, **shape))
+        figures.update(measure(precision, models, batches, repeats))
     figures["time_ratio"] = max(figures["fp32_time_ratio"], figures["bf16_time_ratio"])
     return figures
 
