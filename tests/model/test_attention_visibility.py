@@ -247,3 +247,10 @@ def test_bucket_choice_is_optimal_and_covers_every_length(lengths):
         for subset in itertools.combinations(distinct[:-1], r)
     )
     assert bucket_cost(lengths, chosen) == pytest.approx(best)
+
+
+def test_visibility_from_another_batch_is_refused():
+    vis = prepare_visibility(batch_for([[3, 4]], 8), "segments", CPU)
+    q = torch.randn(1, 2, 9, 4)
+    with pytest.raises(ModelError, match="same batch"):
+        attend(q, q, q, vis)

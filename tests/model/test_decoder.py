@@ -192,3 +192,20 @@ def test_bf16_autocast_forward_is_close_to_fp32(attention):
         hidden = model(batch)
     model.logits(hidden).float().logsumexp(-1).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_visibility_is_prepared_once_per_forward(monkeypatch):
+    # Shared by all layers: no per-layer mask or index rebuilding.
+    import exactstep.model.decoder as decoder_module
+
+    calls = []
+    real = decoder_module.prepare_visibility
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoder_module, "prepare_visibility", counting)
+    model = build_model(tiny(n_layers=3), VOCAB, seed=0)
+    model(packed_batch(fill_rows([[3, 4]], VOCAB), 8))
+    assert len(calls) == 1
