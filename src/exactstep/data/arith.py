@@ -56,11 +56,11 @@ class ArithSpec:
     """
 
     n_train: int = 20000
-    n_heldout: int = 200
-    max_operand: int = 20
-    max_multiplier: int = 9
+    n_heldout: int = 100
+    max_operand: int = 9
+    max_multiplier: int = 5
     min_follow_ups: int = 1
-    max_follow_ups: int = 2
+    max_follow_ups: int = 1
     max_new_tokens: int = 8
 
     def __post_init__(self) -> None:
