@@ -11,18 +11,27 @@ Implementations (``impl``):
 
 - ``"dense"``: one boolean mask ``[B, 1, T, T]`` handed to SDPA. The reference.
 - ``"segments"``: per-document SDPA. Segments are read from ``batch.segments`` (host
-  data, so no device-to-host sync), grouped into a few length buckets, gathered
-  into stacked ``[n, nH, L, Dh]`` slices and run with ``is_causal=True``; results
-  are scattered back with one gather. Right-padding a segment up to its bucket's
-  length is exact under causal attention: a real query never sees a later column,
-  and the padded query rows are discarded (their gradient is zero). Equal to
-  ``"dense"`` to 1e-5 in fp32, forward and backward (issue 3 item 6).
+  data, so preparing needs no device-to-host sync) and grouped into a few length
+  buckets (an exact dynamic programme over a cost model). One gather per layer
+  moves q, k and v of every segment into stacked ``[n, nH, L, Dh]`` slices, SDPA
+  runs once per bucket with ``is_causal=True``, and one gather puts the results
+  back; both gathers have gather-only backwards (``_Relayout``). Right-padding a
+  segment up to its bucket's length is exact under causal attention: a real query
+  never sees a later column, and the padded query rows are discarded with exactly
+  zero gradient. When every row is one document filling the row (what splitting
+  long documents produces, i.e. the default training data) it is a single plain
+  causal SDPA over the batch. Equal to ``"dense"`` to 1e-5 in fp32, forward and
+  backward (issue 3 item 6).
 - ``"flex"``: FlexAttention with a block mask built from ``segment_ids``. CUDA only
   for training (no FlexAttention backward on CPU); on CPU it is allowed only with
   gradients disabled.
-- ``"auto"``: ``"flex"`` on CUDA, ``"segments"`` on CPU (measured faster than the
-  dense mask on CPU at the default training shape and much faster when rows hold
-  many documents; see ``bench/attention.py``).
+- ``"auto"``: ``"flex"`` on CUDA, ``"segments"`` on CPU. Measured with
+  ``exactstep bench attention`` (forward + backward, same run): on whole rows at
+  the training shape it is plain causal SDPA, faster than the masked dense call;
+  on rows of several documents it does a fraction of the dense work (about 2.2 to
+  2.7x faster on one thread when two thirds of the causal pairs cross documents).
+  On an oversubscribed machine its extra small operators can make packed rows
+  slower than ``"dense"`` with two threads; ``"dense"`` stays selectable.
 
 ``prefix_len`` (prefix LM, R8) is reserved: a batch carrying it is refused with a
 ``ModelError`` until the bidirectional-prefix rule is implemented.
