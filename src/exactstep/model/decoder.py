@@ -111,8 +111,9 @@ class Decoder(nn.Module):
 
     Parameters are initialised by ``init_weights(generator)``: normal(0, init_std),
     with residual output projections (``attn.out``, ``mlp.down``) scaled by
-    ``1 / sqrt(2 * n_layers)``; norms at one. Construction itself draws nothing from
-    the global RNG. Use ``build_model`` for a seeded, deterministic model.
+    ``1 / sqrt(2 * n_layers)``; norms at one. Submodules are created uninitialised, so
+    the only random draws are these, from ``generator`` (the global RNG only when no
+    generator is given). Use ``build_model`` for a seeded, deterministic model.
     """
 
     def __init__(
