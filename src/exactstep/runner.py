@@ -61,7 +61,7 @@ from exactstep.state.resume import (
     choose_checkpoint,
     classify_resume,
 )
-from exactstep.state.rng import capture_rng, restore_rng
+from exactstep.state.rng import capture_rng, restore_rng, seed_rng
 from exactstep.update.disposition import Disposition, Outcome
 from exactstep.update.groups import build_optimizer
 from exactstep.update.ledger import Ledger
@@ -189,6 +189,7 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    seed_rng(cfg.seed)  # every stream starts from the seed; a resume restores them later
     ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
     device = ctx.device
     tokenizer = ByteTokenizer()
@@ -198,7 +199,9 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed).to(device)
     model = shard_model(model, ctx, cfg.parallel)
     optimizer, groups = build_optimizer(model, cfg.update)
-    schedule = build_schedule(cfg.update, total_windows=cfg.train.steps)
+    slots_per_window = cfg.batch.rows * cfg.batch.seq_len * cfg.update.accum * ctx.world_size
+    schedule = build_schedule(cfg.update, total_windows=cfg.train.steps,
+                              tokens_per_window=slots_per_window)
     precision = Precision(cfg.numerics, device)
     engine = UpdateEngine(
         model, optimizer, schedule, precision, cfg.update, cfg.objective,
@@ -213,11 +216,16 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
 # --------------------------------------------------------------------------- state
 
 
+# Checkpoint part names (what ``checkpoint verify`` reports) for the engine's state keys.
+ENGINE_PARTS = {"optimizer": "optimizer", "schedule": "scheduler", "precision": "scaler",
+                "counters": "counters"}
+
+
 def checkpoint_parts(run: Run, next_window: int, ledger: Ledger | None) -> dict[str, Any]:
-    """Everything S2 asks for besides the weights; names are fixed for ``verify``."""
+    """Everything S2 asks for besides the weights, one named part each."""
     update_state = run.engine.state_dict()
     return {
-        **update_state,
+        **{ENGINE_PARTS[k]: v for k, v in update_state.items()},
         "progress": {
             "next_window": next_window,
             "ledger_position": ledger.position if ledger is not None else 0,
@@ -255,8 +263,7 @@ def restore_checkpoint(run: Run, path: Path, *, weights_only: bool = False,
         return 0, 0
     progress = parts["progress"]
     check_progress_digest(progress, run.manifest, path)
-    run.engine.load_state_dict({k: v for k, v in parts.items()
-                                if k not in ("progress", "rng", "data")})
+    run.engine.load_state_dict({k: parts[name] for k, name in ENGINE_PARTS.items()})
     run.stream.load_state_dict(parts["data"])
     restore_rng(parts["rng"])
     return int(progress["next_window"]), int(progress["ledger_position"])
@@ -269,8 +276,8 @@ def restore_distributed(run: Run, path: Path, *, reshard: bool) -> tuple[int, in
     common = state.common
     progress = common["progress"]
     check_progress_digest(progress, run.manifest, path)
-    engine_state = {k: v for k, v in common.items() if k != "progress"}
-    engine_state["optimizer"] = run.engine.optimizer.state_dict()
+    engine_state = {k: common[name] for k, name in ENGINE_PARTS.items() if name != "optimizer"}
+    engine_state["optimizer"] = run.engine.optimizer.state_dict()  # loaded by DCP above
     run.engine.load_state_dict(engine_state)
     if state.reshard is None:
         run.stream.load_state_dict(state.rank_state["data"])

@@ -248,7 +248,7 @@ def test_killed_and_resumed_run_is_bitwise_identical(runs) -> None:
     name_a, state_a = final_state(straight)
     name_b, state_b = final_state(killed_dir)
     assert name_a == name_b == f"window-{WINDOWS:08d}"
-    assert set(state_a) >= {"model", "optimizer", "schedule", "rng", "data", "progress"}
+    assert set(state_a) >= {"model", "optimizer", "scheduler", "scaler", "rng", "data", "progress"}
     assert "torch" in state_a["rng"]
     assert state_differences(state_a, state_b) == []
     assert (straight / "ledger.jsonl").read_bytes() == (killed_dir / "ledger.jsonl").read_bytes()
@@ -286,5 +286,6 @@ def test_resume_without_rng_fails_comparison(runs) -> None:
     _, state_a = final_state(straight)
     _, state_b = final_state(defective["no_rng"])
     differences = state_differences(state_a, state_b)
-    assert "rng.torch" in differences and "rng.python.state.0" in differences
+    assert "rng.torch" in differences, differences[:20]
+    assert any(d.startswith("rng.python.") for d in differences), differences[:20]
     assert all(d.startswith("rng.") for d in differences)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 
-class NoObjectiveCause(str, enum.Enum):
+class NoObjectiveCause(enum.StrEnum):
     """Why a window (or microbatch) has no objective (L4)."""
 
     EMPTY_ELIGIBLE_SET = "EMPTY_ELIGIBLE_SET"  # no supervised row at all

@@ -43,8 +43,8 @@ from exactstep.errors import CheckpointError, DistributedError
 from exactstep.manifest import fsync_dir
 from exactstep.parallel.process_group import DistContext
 from exactstep.state import checkpoint as s3
+from exactstep.state.checkpoint import DIST_FORMAT
 
-DIST_FORMAT = "exactstep-dist-checkpoint/1"
 DCP_DIR = "dcp"
 COMMON_FILE = "common.pt"
 

@@ -45,6 +45,10 @@ CHECKPOINT_MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 MODEL_PART = "model"
 FORMAT = "exactstep-checkpoint/1"
+# Multi-rank checkpoints (S7, written by ``exactstep.parallel.checkpoint``) share the
+# per-file digest records; their files may sit one level down (``dcp/``) and their
+# parts are named by file: ``common.pt``, ``rank-NNNNN.pt``, ``dcp/*``.
+DIST_FORMAT = "exactstep-dist-checkpoint/1"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 LATEST_TMP_PREFIX = ".LATEST.tmp-"
@@ -402,12 +406,16 @@ def _read_checkpoint_manifest(path: Path) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(file.read_bytes().decode("utf-8"))
-        if manifest["format"] != FORMAT:
+        if manifest["format"] not in (FORMAT, DIST_FORMAT):
             raise ValueError(f"format {manifest['format']!r}, expected {FORMAT!r}")
+        distributed = manifest["format"] == DIST_FORMAT
         for filename, record in manifest["files"].items():
-            _check_filename(filename)
+            _check_filename(filename, allow_subdir=distributed)
             if not isinstance(record["sha256"], str) or not isinstance(record["bytes"], int):
                 raise ValueError(f"bad record for {filename}")
+        if distributed:
+            manifest["parts"] = {_dist_part(f): f for f in manifest["files"]}
+            return manifest
         if manifest["parts"].get(MODEL_PART) != MODEL_FILE:
             raise ValueError("no model part")
         if not set(manifest["parts"].values()) <= set(manifest["files"]):
@@ -487,7 +495,8 @@ def verify_checkpoint(path: Path) -> VerifyReport:
     for filename, record in manifest["files"].items():
         reports.append(_verify_file(path, filename, part_of.get(filename, "?"), record))
     listed = set(manifest["files"]) | {CHECKPOINT_MANIFEST}
-    extra = sorted(p.name for p in path.iterdir() if p.name not in listed)
+    present = (str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    extra = sorted(name for name in present if name not in listed)
     problems = [f"file {name} is not listed in {CHECKPOINT_MANIFEST}" for name in extra]
     return VerifyReport(path=path, parts=reports, problems=problems)
 
@@ -647,6 +656,18 @@ def _check_part_name(part: str) -> None:
         )
 
 
-def _check_filename(filename: str) -> None:
-    if "/" in filename or "\\" in filename or filename.startswith("."):
+def _check_filename(filename: str, *, allow_subdir: bool = False) -> None:
+    parts = filename.split("/") if allow_subdir else [filename]
+    if len(parts) > 2 or "\\" in filename or any(
+        not p or p.startswith(".") and p != ".metadata" or "/" in p for p in parts
+    ):
         raise ValueError(f"file name {filename!r} escapes the checkpoint directory")
+
+
+def _dist_part(filename: str) -> str:
+    """The state part a multi-rank checkpoint file holds (for ``verify``'s report)."""
+    if filename.startswith("dcp/"):
+        return "model+optimizer " + filename.removeprefix("dcp/").lstrip(".")
+    if filename.startswith("rank-"):
+        return "rng+data (" + filename.removesuffix(".pt") + ")"
+    return "scheduler+scaler+progress" if filename == "common.pt" else "?"

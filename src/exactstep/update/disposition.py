@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
     COMMITTED = "COMMITTED"
     SKIPPED_NONFINITE = "SKIPPED_NONFINITE"
     NO_OBJECTIVE = "NO_OBJECTIVE"
