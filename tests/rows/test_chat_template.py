@@ -111,3 +111,8 @@ def test_writer_round_trips_through_the_loader(tmp_path):
     loaded = load_chat_jsonl(path)
     assert [c.messages for c in loaded] == [c.messages for c in conversations]
     assert loaded[0].name == f"{path}:1"
+
+
+def test_a_message_built_in_code_with_an_unknown_role_is_a_data_error():
+    with pytest.raises(DataError, match="unknown chat role 'bot'"):
+        DEFAULT_TEMPLATE.render((Message("bot", "x"),), TOK)

@@ -27,6 +27,7 @@ non-string ``content``, or malformed ``tool_calls``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -53,6 +54,9 @@ class Role(IntEnum):
 
     @classmethod
     def of(cls, name: str) -> Role:
+        """The role called ``name``; ``DataError`` for anything outside ``ROLE_NAMES``."""
+        if name not in ROLE_NAMES:
+            raise DataError(f"unknown chat role {name!r}; use one of {', '.join(ROLE_NAMES)}")
         return cls[name.upper()]
 
 
@@ -138,7 +142,7 @@ class ChatTemplate:
     tool_call_json: str = "compact,sorted-keys,utf-8"
 
     def definition(self, tokenizer: ChatTokenizer) -> dict[str, Any]:
-        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {**fields, "bos_id": tokenizer.bos_id, "end_of_turn_id": tokenizer.eos_id}
 
     def fingerprint(self, tokenizer: ChatTokenizer) -> str:
