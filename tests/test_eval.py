@@ -1,0 +1,107 @@
+"""E1: evaluation is isolated; L5: perplexity comes from globally summed NLL and tokens."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from exactstep.data.tokenizer import ByteTokenizer
+from exactstep.eval import evaluate, unigram_bits
+from exactstep.model.config import ModelConfig
+from exactstep.model.decoder import build_model
+from exactstep.rows.config import BatchConfig
+from exactstep.rows.example import Example
+from exactstep.rows.stream import eval_batches
+
+TOK = ByteTokenizer()
+CFG = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64)
+
+
+def examples(n: int = 12, seed: int = 0) -> list[Example]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        body = rng.integers(0, 256, size=int(rng.integers(5, 70)))
+        tokens = np.concatenate([[TOK.bos_id], body, [TOK.eos_id]]).astype(np.int64)
+        out.append(Example(example_id=i, tokens=tokens))
+    return out
+
+
+def batches(exs):
+    return list(eval_batches(exs, BatchConfig(seq_len=32, rows=3), pad_id=TOK.pad_id))
+
+
+class RandomProbe(torch.nn.Module):
+    """Records the mode and grad state seen by the forward, and draws randomness."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+        self.seen: list[tuple[bool, bool]] = []
+
+    @property
+    def head_weight(self):
+        return self.inner.head_weight
+
+    def forward(self, batch):
+        self.seen.append((self.training, torch.is_grad_enabled()))
+        torch.rand(3)  # e.g. dropout would draw here
+        return self.inner(batch)
+
+
+def test_evaluation_is_isolated() -> None:
+    model = RandomProbe(build_model(CFG, TOK.vocab_size, seed=0))
+    model.train()
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    rng_before = torch.get_rng_state()
+    result = evaluate(model, batches(examples()), device=torch.device("cpu"),
+                      max_tokens=10**9, pad_id=TOK.pad_id)
+    assert result.tokens > 0
+    assert model.seen and all(mode == (False, False) for mode in model.seen)  # eval, no_grad
+    assert model.training  # mode restored
+    assert torch.equal(torch.get_rng_state(), rng_before)  # RNG untouched
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_negative_control_unisolated_loop_moves_the_rng() -> None:
+    model = RandomProbe(build_model(CFG, TOK.vocab_size, seed=0))
+    torch.manual_seed(123)
+    rng_before = torch.get_rng_state()
+    with torch.no_grad():  # a loop without RNG isolation
+        for batch in batches(examples()):
+            model(batch)
+    assert not torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_perplexity_from_global_sums_not_batch_means() -> None:
+    model = build_model(CFG, TOK.vocab_size, seed=1)
+    bs = batches(examples(20, seed=3))
+    total = evaluate(model, bs, device=torch.device("cpu"), max_tokens=10**9, pad_id=TOK.pad_id)
+    per_batch = [evaluate(model, [b], device=torch.device("cpu"), max_tokens=10**9,
+                          pad_id=TOK.pad_id) for b in bs]
+    assert total.tokens == sum(r.tokens for r in per_batch)
+    assert total.gold_nll_sum == pytest.approx(sum(r.gold_nll_sum for r in per_batch), rel=1e-9)
+    assert total.perplexity == pytest.approx(math.exp(total.gold_nll_sum / total.tokens))
+    # negative control: averaging per-batch perplexities is a different number (L5)
+    averaged = sum(r.perplexity for r in per_batch) / len(per_batch)
+    assert averaged != pytest.approx(total.perplexity, rel=1e-6)
+    assert total.bits_per_token == pytest.approx(total.loss / math.log(2))
+
+
+def test_unigram_baseline_matches_hand_count() -> None:
+    train = examples(10, seed=5)
+    val = examples(4, seed=6)
+    counts = np.ones(TOK.vocab_size)
+    for ex in train:
+        counts += np.bincount(ex.tokens[1:], minlength=TOK.vocab_size)
+    p = counts / counts.sum()
+    targets = np.concatenate([ex.tokens[1:] for ex in val])
+    expected = -np.log2(p[targets]).mean()
+    got = unigram_bits(train, batches(val), TOK.vocab_size, max_tokens=10**9)
+    assert got == pytest.approx(expected, rel=1e-9)
