@@ -110,5 +110,5 @@ def test_sigkill_of_one_rank_stops_the_job_in_bounded_time(tmp_path) -> None:
     results, codes, elapsed = spawn_ranks(rank_main, WORLD, tmp_path, job, deadline_s=60)
     assert codes[1] == -9 and results[1] is None
     assert codes[0] is not None, "the surviving rank hung"
-    assert results[0] is not None and results[0]["kind"] == "DistributedError", results[0]
+    assert results[0] is not None and results[0]["kind"] == "PeerFailure", results[0]  # a DistributedError
     assert "collective failed" in results[0]["error"]

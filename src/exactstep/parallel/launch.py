@@ -25,9 +25,15 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from exactstep.errors import DistributedError, ExactstepError
-from exactstep.parallel.process_group import DistContext, peer_failure
+from exactstep.parallel.process_group import (
+    PEER_FAILURE_TEXT,
+    DistContext,
+    PeerFailure,
+    peer_failure,
+)
 
 # Fragments of the messages torch.distributed raises when a peer is gone or stalls.
 PEER_FAILURE_MARKERS = (
@@ -70,13 +76,17 @@ def collective_guard(ctx: DistContext) -> Iterator[None]:
 
 def report_failure(exc: ExactstepError, ctx: DistContext | None,
                    env: Mapping[str, str] | None = None) -> None:
-    """Print ``error: ...`` once (rank 0) and record it for the launcher (every rank)."""
+    """Print ``error: ...`` once (rank 0) and record it for the launcher (every rank).
+
+    A ``PeerFailure`` under a launcher is recorded but not printed: it is the echo of
+    another rank's failure, and the launcher reports that root cause (one line, X4).
+    """
     env = os.environ if env is None else env
     rank = ctx.rank if ctx is not None else int(env.get("RANK", "0"))
     path = env.get(ERROR_FILE_VAR)
     if path:
         write_error_file(path, rank, exc)
-    if rank == 0:
+    if rank == 0 and not (path and isinstance(exc, PeerFailure)):
         print(f"error: {exc}", file=sys.stderr, flush=True)
 
 
@@ -143,10 +153,55 @@ def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0) -> in
     try:
         elastic_launch(config, sys.executable)("-m", "exactstep", *argv)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if rank != 0 or not failure.message:
-            message = failure.message if isinstance(failure.message, str) else ""
+        rank, failure = root_cause(exc.failures)
+        message = failure_text(failure)
+        died = failure.exitcode is not None and failure.exitcode < 0
+        if died and not isinstance(failure.message, dict):  # a signal, no error of its own
+            print(f"error: rank {rank} of {nproc} died ({message or 'killed by a signal'}); "
+                  "the other ranks were stopped; continue from the last committed "
+                  f"checkpoint with 'exactstep resume {run_dir_of(argv)} --nproc {nproc}'",
+                  file=sys.stderr, flush=True)
+        elif rank != 0 or not message or PEER_FAILURE_TEXT in message:
+            # rank 0 printed its own (non-peer) error already; every other case is ours
             print(f"error: {message or f'rank {rank} exited with code {failure.exitcode}'}",
                   file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
     return 0
+
+
+def run_dir_of(argv: Sequence[str]) -> str:
+    """The run directory named by a ``train`` (``--out``) or ``resume`` command line."""
+    items = list(argv)
+    for i, item in enumerate(items):
+        if item == "--out" and i + 1 < len(items):
+            return items[i + 1]
+        if item.startswith("--out="):
+            return item.split("=", 1)[1]
+    if items[:1] == ["resume"]:
+        positional = [a for i, a in enumerate(items[1:], 1)
+                      if not a.startswith("-") and items[i - 1] not in RESUME_VALUED]
+        if positional:
+            return positional[0]
+    return "runs/default" if items[:1] == ["train"] else "RUN_DIR"
+
+
+RESUME_VALUED = ("--from", "--set", "--warm-start", "--nproc")
+
+
+def failure_text(failure: Any) -> str:
+    """A worker failure's message as text (the error file nests it one level)."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return message if isinstance(message, str) else ""
+
+
+def root_cause(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The failure that explains the others: a rank that did not fail *because* a
+    collective failed (it died, or raised its own error), earliest first; failing
+    that, the earliest peer failure. Ties go to the lower rank."""
+    def is_echo(failure: Any) -> bool:
+        return PEER_FAILURE_TEXT in failure_text(failure)
+
+    return min(failures.items(),
+               key=lambda item: (is_echo(item[1]), item[1].timestamp, item[0]))

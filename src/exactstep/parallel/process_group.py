@@ -154,10 +154,18 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
+class PeerFailure(DistributedError):
+    """A collective failed because another rank died or stalled: a consequence, not
+    the root cause. Under a launcher the launcher names the root cause instead."""
+
+
+PEER_FAILURE_TEXT = "a collective failed"
+
+
 def peer_failure(ctx: DistContext, exc: BaseException) -> DistributedError:
     """Translate a failed collective into the one message a user sees (D1)."""
-    return DistributedError(
-        f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({_first_line(exc)}); "
+    return PeerFailure(
+        f"rank {ctx.rank} of {ctx.world_size}: {PEER_FAILURE_TEXT} ({_first_line(exc)}); "
         "another rank probably died or stalled — see the first failing rank's message, "
         "then resume from the last committed checkpoint"
     )
