@@ -302,3 +302,198 @@ def ckpt_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
         torch.save({**result, "error": str(exc), "traceback": traceback.format_exc()}, path)
     finally:
         shutdown(ctx)
+
+
+# ----------------------------------------------------------------- FSDP2 and host reads
+
+
+class LocalShardNormEngine(UpdateEngine):
+    """Deliberately wrong (negative control for D4): the clipping norm is taken over
+    this rank's gradient shards only, never reduced across ranks."""
+
+    def _grad_norm(self) -> torch.Tensor:
+        from torch.nn.utils import get_total_norm
+
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in self._grads()]
+        return get_total_norm(grads, 2.0).float()
+
+
+def build_rank_engine(ctx, cfg: ParallelConfig, update: UpdateConfig,
+                      engine_cls=UpdateEngine) -> UpdateEngine:
+    """``build_engine`` for one rank: FSDP2 shards the model before the optimizer is
+    built (``parallel.strategy = "fsdp"``), DDP wraps the train module (``"ddp"``)."""
+    from exactstep.parallel.wrap import shard_model
+    from exactstep.update.groups import build_optimizer
+
+    model = shard_model(build_model(MODEL, VOCAB, seed=0), ctx, cfg)
+    optimizer, _ = build_optimizer(model, update)
+    schedule = build_schedule(update, total_windows=100)
+    precision = Precision(NumericsConfig(), "cpu")
+    engine = engine_cls(model, optimizer, schedule, precision, update, OBJECTIVE,
+                        device=torch.device("cpu"), pad_id=PAD_ID)
+    return distribute_engine(engine, ctx, cfg)
+
+
+def full_params(engine: UpdateEngine) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (FSDP2 holds DTensor shards)."""
+    out = {}
+    for name, value in engine.model.state_dict().items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        out[name] = value.detach().clone()
+    return out
+
+
+def fsdp_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """FSDP2 over gloo: run ``job['windows'][rank]`` with the right engine and with the
+    local-shard-norm engine; write gathered parameters and ledgers (or the error)."""
+    torch.set_num_threads(1)
+    path = Path(out) / f"rank{rank}.pt"
+    cfg = ParallelConfig(strategy="fsdp", timeout_s=30.0)
+    ctx = None
+    result: dict = {}
+    try:
+        ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
+        update = replace(UPDATE, clip=job["clip"])
+        with collective_guard(ctx):
+            for name, cls in (("right", UpdateEngine), ("local_norm", LocalShardNormEngine)):
+                engine = build_rank_engine(ctx, cfg, update, cls)
+                ledger = run_windows(engine, job["windows"][rank])
+                result[name] = {"params": full_params(engine), "ledger": ledger}
+        torch.save(result, path)
+    except BaseException as exc:  # noqa: BLE001 - the test reads what failed
+        torch.save({**result, "kind": type(exc).__name__, "error": str(exc),
+                    "traceback": traceback.format_exc()}, path)
+    finally:
+        if ctx is not None:
+            try:
+                shutdown(ctx)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+class HostReadCounter:
+    """Counts reads of tensor values into Python while the window runs (U7).
+
+    Exempt, because they never involve a device: the host-side batches, the
+    objective's host-side plan, and *host-born* tensors: made by ``torch.tensor``
+    from Python values on the host, and the results of the reducer's collectives
+    over such tensors (a host all-reduce is a collective, not a device sync).
+    Everything else (values computed by the forward/backward) counts.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.paused = 0
+        self.host_born: dict[int, object] = {}  # id -> weak reference (ids are reused)
+        self.undo: list = []
+
+    def mark(self, t: torch.Tensor) -> None:
+        import weakref
+
+        self.host_born[id(t)] = weakref.ref(t)
+
+    def is_host_born(self, t: torch.Tensor) -> bool:
+        ref = self.host_born.get(id(t))
+        return ref is not None and ref() is t
+
+    def install(self) -> None:
+        for name in SYNC_METHODS:
+            original = getattr(torch.Tensor, name)
+            self.undo.append((torch.Tensor, name, original))
+            setattr(torch.Tensor, name, self._counted(original))
+        factory = torch.tensor
+        self.undo.append((torch, "tensor", factory))
+
+        def tensor(*args, **kwargs):
+            made = factory(*args, **kwargs)
+            if made.device.type == "cpu":
+                self.mark(made)
+            return made
+
+        torch.tensor = tensor
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self.undo):
+            setattr(owner, name, original)
+
+    def _counted(self, original):
+        def counted(t, *args, **kwargs):
+            if not self.paused and not self.is_host_born(t):
+                self.count += 1
+            return original(t, *args, **kwargs)
+
+        return counted
+
+    def watch(self, engine: UpdateEngine, batches: Sequence[Batch]) -> None:
+        for b in batches:
+            for t in (b.input_ids, b.labels, b.position_ids, b.segment_ids):
+                self.mark(t)
+        if not getattr(engine, "_counted", False):
+            plan, reducer_sum = engine.plan, engine.reducer.sum
+
+            def paused_plan(*args, **kwargs):
+                self.paused += 1
+                try:
+                    return plan(*args, **kwargs)
+                finally:
+                    self.paused -= 1
+
+            def host_sum(values):
+                out = reducer_sum(values)
+                if self.is_host_born(values):
+                    self.mark(out)
+                return out
+
+            engine.plan, engine.reducer.sum, engine._counted = paused_plan, host_sum, True
+
+
+class NormLoggingEngine(UpdateEngine):
+    """Deliberately wrong (negative control for U7): reads the norm on its own."""
+
+    def _grad_norm(self) -> torch.Tensor:
+        norm = super()._grad_norm()
+        self.logged_norm = norm.item()  # WRONG: a second device read per window
+        return norm
+
+
+def sync_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """Count device reads per window: DDP, FSDP2 and the norm-logging control."""
+    torch.set_num_threads(1)
+    path = Path(out) / f"rank{rank}.pt"
+    ctx = None
+    result: dict = {}
+    counter = HostReadCounter()
+    try:
+        ctx = init_distributed(ParallelConfig(timeout_s=30.0), "cpu",
+                               env=launcher_env(rank, world, port))
+        with collective_guard(ctx):
+            for name, strategy, cls in (("ddp", "ddp", UpdateEngine),
+                                        ("fsdp", "fsdp", UpdateEngine),
+                                        ("control", "ddp", NormLoggingEngine)):
+                cfg = ParallelConfig(strategy=strategy, timeout_s=30.0)
+                engine = build_rank_engine(ctx, cfg, UPDATE, cls)
+                counts = []
+                counter.install()
+                try:
+                    for w, batches in enumerate(job["windows"][rank]):
+                        counter.watch(engine, batches)
+                        counter.count = 0
+                        engine.run_window(list(batches), w)
+                        counts.append(counter.count)
+                finally:
+                    counter.uninstall()
+                result[name] = counts
+        torch.save(result, path)
+    except BaseException as exc:  # noqa: BLE001 - the test reads what failed
+        torch.save({**result, "kind": type(exc).__name__, "error": str(exc),
+                    "traceback": traceback.format_exc()}, path)
+    finally:
+        if ctx is not None:
+            try:
+                shutdown(ctx)
+            except Exception:  # noqa: BLE001
+                pass

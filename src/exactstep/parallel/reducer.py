@@ -56,31 +56,41 @@ class DDPReducer:
         self.world_size = ctx.world_size
         # nccl reduces device tensors only; gloo reduces host tensors.
         self.comm_device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        self._host_group: object | None = None if ctx.backend == "nccl" else dist.group.WORLD
         self.collectives = 0  # how many sums this reducer issued (for tests and bench)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over ranks of a small tensor, in one all-reduce.
 
-        Returns a new tensor on ``values``' device and dtype; ``values`` is not
-        modified.
+        Host tensors are reduced on the host (U7: values known on the host, such as the
+        window's planned ``[D, tokens]``, never visit a device, so reading the result
+        is not a device sync); device tensors on ``comm_device``. Returns a new tensor
+        on ``values``' device and dtype; ``values`` is not modified.
         """
-        buffer = values.detach().to(self.comm_device, copy=True)
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over ranks (used to agree on window lengths)."""
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values: torch.Tensor, op) -> torch.Tensor:
+        host = values.device.type == "cpu"
+        device = torch.device("cpu") if host else self.comm_device
+        buffer = values.detach().to(device, copy=True)
         try:
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+            dist.all_reduce(buffer, op=op, group=self._host() if host else None)
         except (RuntimeError, dist.DistBackendError) as exc:
             raise peer_failure(self.ctx, exc) from None
         self.collectives += 1
         return buffer.to(values.device)
 
-    def max(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise maximum over ranks (used to agree on window lengths)."""
-        buffer = values.detach().to(self.comm_device, copy=True)
-        try:
-            dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise peer_failure(self.ctx, exc) from None
-        self.collectives += 1
-        return buffer.to(values.device)
+    def _host(self):
+        """A process group that reduces host tensors: the default one under gloo; under
+        nccl a gloo group over the same ranks, created on first use (every rank makes
+        the same calls in the same order, so creation is aligned)."""
+        if self._host_group is None:
+            self._host_group = dist.new_group(backend="gloo")
+        return self._host_group
 
     def no_sync(self, module: nn.Module, is_last: bool) -> AbstractContextManager:
         """Skip gradient synchronisation for this microbatch unless it is the last (D1).
@@ -93,8 +103,11 @@ class DDPReducer:
             return contextlib.nullcontext()
         if isinstance(module, nn.parallel.DistributedDataParallel):
             return module.no_sync()
-        if hasattr(module, "set_requires_gradient_sync"):
-            return _fsdp_no_sync(module)
+        # FSDP2 shards the model inside the engine's TrainModule (not a wrapper around it)
+        sharded = module if hasattr(module, "set_requires_gradient_sync") else getattr(
+            module, "model", None)
+        if hasattr(sharded, "set_requires_gradient_sync"):
+            return _fsdp_no_sync(sharded)
         return contextlib.nullcontext()
 
 

@@ -213,12 +213,15 @@ class UpdateEngine:
         grad_norm = self._grad_norm()  # fp32, unique parameters, computed once
         numerator_sum = torch.stack(numerators).sum().float()
         local_bad = ~(torch.isfinite(grad_norm) & torch.isfinite(numerator_sum))
-        agreed = self.reducer.sum(
-            torch.stack([local_bad.float(), numerator_sum, torch.stack(gold_sums).sum().float()])
-        )  # D2: one all-reduce of flag + report values
-        # U7: the window's single device-to-host read
+        gold_sum = torch.stack(gold_sums).sum().float()
+        # [norm, flag, S, NLL]; a reducer that reduces on the host (gloo) takes it there
+        # first: that copy is then the window's one device read, the collective a host op
+        packed = torch.stack([grad_norm, local_bad.float(), numerator_sum, gold_sum])
+        packed = packed.to(getattr(self.reducer, "comm_device", packed.device))
+        agreed = self.reducer.sum(packed[1:])  # D2: one all-reduce of flag + report values
+        # U7: the window's single device-to-host read (a no-op copy if already on the host)
         norm_value, bad_ranks, numerator_total, gold_total = torch.cat(
-            [grad_norm.view(1), agreed]
+            [packed[:1], agreed]
         ).tolist()
         loss = numerator_total / denominator
         finite = bad_ranks == 0.0
@@ -259,8 +262,10 @@ class UpdateEngine:
         """Window denominator and supervised tokens summed over ranks (host values)."""
         if self.reducer.world_size == 1:
             return denominator, tokens
+        # Host values, known before the forward: summed as a host tensor over a host-
+        # capable group (a collective, not a device sync; U7). The read is of host memory.
         summed = self.reducer.sum(torch.tensor([denominator, float(tokens)], dtype=torch.float64))
-        total_denominator, total_tokens = summed.cpu().tolist()
+        total_denominator, total_tokens = summed.tolist()
         return total_denominator, int(total_tokens)
 
     def _loss_scale(self, denominator: float) -> float:
@@ -296,14 +301,23 @@ class UpdateEngine:
         grads = self._grads()
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        return get_total_norm(grads, 2.0).float()
+        norm = get_total_norm(grads, 2.0)
+        full_tensor = getattr(norm, "full_tensor", None)
+        if full_tensor is not None:
+            # FSDP2 (D4): the norm of sharded (DTensor) gradients is a partial value per
+            # rank; reducing it counts each logical parameter exactly once.
+            norm = full_tensor()
+        return norm.float()
 
     def _inject_nonfinite_gradient(self) -> None:
         """Fault injection (``update.fail_window``): one gradient entry becomes NaN."""
         for param in self.parameters:
             if param.grad is not None:
-                param.grad.view(-1)[0] = float("nan")
-                return
+                grad = param.grad
+                local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2 shard
+                if local.numel():
+                    local.view(-1)[0] = float("nan")
+                    return
 
     def _set_lr(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
