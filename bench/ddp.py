@@ -14,13 +14,81 @@ seconds per window), ``overhead_ms_per_window`` and the extra collectives per wi
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+VOCAB = 32
+PAD_ID = 0
+
+
+def _examples(n: int = 24, seed: int = 0) -> list:
+    """``n`` documents of 3..20 random tokens (ids in [1, VOCAB))."""
+    import numpy as np
+
+    from exactstep.rows.example import Example
+
+    rng = np.random.default_rng(seed)
+    return [Example(i, rng.integers(1, VOCAB, size=int(rng.integers(3, 21))).astype(np.int64))
+            for i in range(n)]
+
+
+def _batch_cfg():
+    from exactstep.rows.config import BatchConfig
+
+    return BatchConfig(seq_len=16, rows=2, buffer=8)
+
+
+def _stream(rank: int, world: int):
+    from exactstep.rows.stream import RowStream
+
+    return RowStream(_examples(), _batch_cfg(), pad_id=PAD_ID, seed=3, rank=rank, world=world,
+                     vocab_size=VOCAB)
+
+
+def _engine():
+    """A small decoder under the window transaction (AdamW, clip 1, fp32)."""
+    from exactstep.model.config import ModelConfig
+    from exactstep.model.decoder import build_model
+    from exactstep.objective.config import ObjectiveConfig
+    from exactstep.update.config import NumericsConfig, UpdateConfig
+    from exactstep.update.groups import build_optimizer
+    from exactstep.update.precision import Precision
+    from exactstep.update.schedule import build_schedule
+    from exactstep.update.window import UpdateEngine
+
+    update = UpdateConfig(accum=2, optimizer="adamw", lr=1e-2, warmup=0, schedule="constant",
+                          clip=1.0, weight_decay=0.1)
+    model = build_model(ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32,
+                                    attention="dense"), VOCAB, seed=0)
+    optimizer, _ = build_optimizer(model, update)
+    return UpdateEngine(model, optimizer, build_schedule(update, total_windows=100),
+                        Precision(NumericsConfig(), "cpu"), update, ObjectiveConfig(),
+                        device=torch.device("cpu"), pad_id=PAD_ID)
+
+
+def _spawn(world: int, out: Path, job: dict, *, deadline_s: float) -> list[int | None]:
+    """Start ``world`` ranks of ``_rank``, join them by ``deadline_s``, kill stragglers."""
+    from exactstep.parallel.process_group import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, str(out), job), daemon=True)
+             for r in range(world)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, deadline_s - (time.monotonic() - start)))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    return [p.exitcode for p in procs]
 
 
 def _plain_window(module, optimizer, batches, plan_window, cfg, clip: float) -> None:
@@ -37,11 +105,6 @@ def _plain_window(module, optimizer, batches, plan_window, cfg, clip: float) -> 
 
 
 def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
-    root = str(Path(__file__).resolve().parents[1] / "tests" / "parallel")
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from workers import batch_cfg, build_engine, stream_for
-
     from exactstep.objective import plan_window
     from exactstep.objective.config import ObjectiveConfig
     from exactstep.parallel.config import ParallelConfig
@@ -52,10 +115,10 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
     cfg = ParallelConfig(timeout_s=60.0)
     ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
     try:
-        exact = distribute_engine(build_engine(), ctx, cfg)
-        plain = distribute_engine(build_engine(), ctx, cfg)
+        exact = distribute_engine(_engine(), ctx, cfg)
+        plain = distribute_engine(_engine(), ctx, cfg)
         plain_module, plain_opt = plain.train_module, plain.optimizer
-        stream = stream_for(rank, world)
+        stream = _stream(rank, world)
         it = iter(stream)
         k, windows = job["accum"], job["windows"]
         pool = [[next(it) for _ in range(k)] for _ in range(8)]
@@ -75,20 +138,15 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
                     times[name].append(time.perf_counter() - t0)
         if rank == 0:
             torch.save({**times, "collectives": exact.reducer.collectives,
-                        "windows": windows + 2, "rows": batch_cfg().rows}, Path(out) / "times.pt")
+                        "windows": windows + 2, "rows": _batch_cfg().rows}, Path(out) / "times.pt")
     finally:
         shutdown(ctx)
 
 
 def run(quick: bool) -> dict:
-    root = str(Path(__file__).resolve().parents[1] / "tests" / "parallel")
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from workers import spawn_ranks
-
     job = {"accum": 4, "windows": 10 if quick else 40}
     with tempfile.TemporaryDirectory() as tmp:
-        results, codes, _ = spawn_ranks(_rank, 2, Path(tmp), job, deadline_s=600)
+        codes = _spawn(2, Path(tmp), job, deadline_s=600)
         file = Path(tmp) / "times.pt"
         if not file.exists():
             raise RuntimeError(f"bench ddp: ranks exited with {codes} and wrote no timings")
