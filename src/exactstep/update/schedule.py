@@ -98,7 +98,8 @@ class Schedule:
         if c < decay_start:
             return self.peak_lr
         progress = _clamp01((c - decay_start) / max(1, self.horizon - decay_start))
-        return self.peak_lr * (1.0 - (1.0 - self.min_ratio) * progress)
+        # written so that the end of the decay is min_ratio exactly (no 1 - (1 - r) rounding)
+        return self.peak_lr * (self.min_ratio + (1.0 - self.min_ratio) * (1.0 - progress))
 
     def _noam(self, c: int) -> float:
         w = max(1, self.warmup)
