@@ -44,6 +44,7 @@ from exactstep.model.decoder import build_model
 from exactstep.objective.perplexity import NotAvailable
 from exactstep.parallel.checkpoint import (
     load_distributed_checkpoint,
+    reshard_record,
     reshard_stream_state,
     save_distributed_checkpoint,
 )
@@ -54,7 +55,12 @@ from exactstep.parallel.window import agreed_window, distribute_engine
 from exactstep.parallel.wrap import shard_model
 from exactstep.rows.example import Example, encode_documents
 from exactstep.rows.stream import RowStream, eval_batches
-from exactstep.state.checkpoint import clean_uncommitted, load_checkpoint, publish_checkpoint
+from exactstep.state.checkpoint import (
+    clean_uncommitted,
+    is_distributed_checkpoint,
+    load_checkpoint,
+    publish_checkpoint,
+)
 from exactstep.state.resume import (
     StopRequest,
     check_progress_digest,
@@ -254,9 +260,19 @@ def save_checkpoint(run: Run, next_window: int, ledger: Ledger | None) -> Path:
 
 def restore_checkpoint(run: Run, path: Path, *, weights_only: bool = False,
                        reshard: bool = False) -> tuple[int, int]:
-    """Load a committed checkpoint into ``run``; returns (next window, ledger position)."""
-    if run.ctx.distributed:
-        return restore_distributed(run, path, reshard=reshard)
+    """Load a committed checkpoint into ``run``; returns (next window, ledger position).
+
+    The checkpoint's own format decides the loader (S7): a multi-rank checkpoint
+    loads through DCP even into one process, and a one-process checkpoint into
+    several ranks; either migration needs ``reshard`` (checked by the loaders).
+    """
+    if is_distributed_checkpoint(path):
+        return restore_distributed(run, path, reshard=reshard, weights_only=weights_only)
+    if run.ctx.world_size != 1 and not (reshard or weights_only):
+        raise DistributedError(
+            f"checkpoint {path.name} was written by 1 process but this job has "
+            f"{run.ctx.world_size}; relaunch with 1 process, or pass --reshard"
+        )
     model_state, parts = load_checkpoint(path)
     run.model.load_state_dict(model_state)
     if weights_only:
@@ -264,15 +280,22 @@ def restore_checkpoint(run: Run, path: Path, *, weights_only: bool = False,
     progress = parts["progress"]
     check_progress_digest(progress, run.manifest, path)
     run.engine.load_state_dict({k: parts[name] for k, name in ENGINE_PARTS.items()})
-    run.stream.load_state_dict(parts["data"])
     restore_rng(parts["rng"])
+    if run.ctx.world_size == 1:
+        run.stream.load_state_dict(parts["data"])
+    else:
+        run.stream.load_state_dict(reshard_stream_state([parts["data"]], run.stream.state_dict()))
+        run.events.append(reshard_record(1, run.ctx.world_size, [parts["data"]]))
     return int(progress["next_window"]), int(progress["ledger_position"])
 
 
-def restore_distributed(run: Run, path: Path, *, reshard: bool) -> tuple[int, int]:
+def restore_distributed(run: Run, path: Path, *, reshard: bool,
+                        weights_only: bool = False) -> tuple[int, int]:
     """S7: every rank loads its shard; a world-size change only with ``reshard``."""
     state = load_distributed_checkpoint(path, model=run.model, optimizer=run.engine.optimizer,
-                                        ctx=run.ctx, reshard=reshard)
+                                        ctx=run.ctx, reshard=reshard or weights_only)
+    if weights_only:
+        return 0, 0
     common = state.common
     progress = common["progress"]
     check_progress_digest(progress, run.manifest, path)
@@ -283,9 +306,8 @@ def restore_distributed(run: Run, path: Path, *, reshard: bool) -> tuple[int, in
         run.stream.load_state_dict(state.rank_state["data"])
     else:
         run.stream.load_state_dict(reshard_stream_state(state.old_data, run.stream.state_dict()))
-    restore_rng(state.rank_state["rng"])
-    if state.reshard is not None:
         run.events.append(state.reshard)
+    restore_rng(state.rank_state["rng"])
     return int(progress["next_window"]), int(progress["ledger_position"])
 
 

@@ -199,9 +199,6 @@ def test_world_size_change_is_refused_naming_parallel_world_size(runs) -> None:
     assert (run_dir / "ledger.jsonl").read_bytes() == before  # nothing committed is lost
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the runner restores a multi-rank (DCP) checkpoint only when the resuming job is "
-    "itself distributed; a one-process --reshard reads it as a one-process checkpoint"))
 def test_reshard_to_one_process_proceeds_and_is_recorded(runs, tmp_path) -> None:
     """S7: with --reshard the migration proceeds and the ledger says so (RESHARD)."""
     cli = runs["cli"]

@@ -300,6 +300,14 @@ def _point_latest(root: Path, name: str) -> None:
 # ---------------------------------------------------------------- read
 
 
+def is_distributed_checkpoint(path: Path) -> bool:
+    """True when ``path`` holds a multi-rank (DCP) checkpoint (S7)."""
+    try:
+        return json.loads((Path(path) / CHECKPOINT_MANIFEST).read_bytes())["format"] == DIST_FORMAT
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The checkpoint ``root/LATEST`` names, or ``None`` if nothing was published yet.
 
