@@ -207,7 +207,7 @@ def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a directory so that renames and creations inside it are durable."""
+    """fsync a directory (or a file) so that renames and creations inside it are durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

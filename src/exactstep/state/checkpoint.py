@@ -209,7 +209,7 @@ def _write_part(directory: Path, part: str, value: Any) -> str:
 
 def _seal(path: Path) -> dict[str, Any]:
     """fsync a written file, then return its size and sha256 (S3)."""
-    _fsync_path(path)
+    fsync_dir(path)  # works for a file too: open read-only, fsync
     return _record(path)
 
 
@@ -253,14 +253,6 @@ def _write_file_durably(path: Path, data: bytes) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _record(path: Path) -> dict[str, Any]:
