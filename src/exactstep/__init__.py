@@ -1,4 +1,71 @@
 """exactstep: train language models so every optimizer update is exactly the declared
-objective. See the contracts (R, L, U, D, S, E, A, X ids) in the README."""
+objective. The contracts (R, L, U, D, S, E, A, X ids) are listed in the README.
+
+The public names below are imported lazily, so ``import exactstep`` (and the CLI's
+start-up) does not pay for torch until a name that needs it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    # configuration and errors
+    "RunConfig": "exactstep.config",
+    "load_config": "exactstep.config",
+    "ExactstepError": "exactstep.errors",
+    "ConfigError": "exactstep.errors",
+    "DataError": "exactstep.errors",
+    "BatchInvariantError": "exactstep.errors",
+    "ObjectiveError": "exactstep.errors",
+    "ModelError": "exactstep.errors",
+    "CheckpointError": "exactstep.errors",
+    "ResumeError": "exactstep.errors",
+    "DistributedError": "exactstep.errors",
+    # data and rows
+    "ByteTokenizer": "exactstep.data.tokenizer",
+    "load_corpus": "exactstep.data.corpus",
+    "Example": "exactstep.rows.example",
+    "RowStream": "exactstep.rows.stream",
+    "eval_batches": "exactstep.rows.stream",
+    "Batch": "exactstep.rows.batch",
+    "Segment": "exactstep.rows.batch",
+    "IGNORE_INDEX": "exactstep.rows.batch",
+    "check_batch": "exactstep.rows.invariants",
+    "ChatPolicy": "exactstep.rows.chat",
+    # model, objective, update
+    "build_model": "exactstep.model.decoder",
+    "Decoder": "exactstep.model.decoder",
+    "plan_window": "exactstep.objective.plan",
+    "microbatch_terms": "exactstep.objective.terms",
+    "perplexity": "exactstep.objective.perplexity",
+    "Objective": "exactstep.objective.types",
+    "NoObjective": "exactstep.objective.types",
+    "UpdateEngine": "exactstep.update.window",
+    "Disposition": "exactstep.update.disposition",
+    "Outcome": "exactstep.update.disposition",
+    # state and runs
+    "build_manifest": "exactstep.manifest",
+    "publish_checkpoint": "exactstep.state.checkpoint",
+    "load_checkpoint": "exactstep.state.checkpoint",
+    "verify_checkpoint": "exactstep.state.checkpoint",
+    "train": "exactstep.runner",
+    "resume": "exactstep.runner",
+    "evaluate": "exactstep.eval",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'exactstep' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
