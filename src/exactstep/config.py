@@ -38,7 +38,7 @@ class TrainConfig:
     ``eval_every`` (windows, 0 = only at the end) and ``eval_tokens`` bound evaluation.
     """
 
-    steps: int = 1200
+    steps: int = 800
     eval_every: int = 0
     eval_tokens: int = 131072
     log_every: int = 10

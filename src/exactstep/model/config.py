@@ -17,10 +17,10 @@ class ModelConfig:
     (one boolean mask, the reference) or ``flex`` (CUDA only).
     """
 
-    d_model: int = 256
+    d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    d_ff: int = 688
+    d_ff: int = 344
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5

@@ -31,7 +31,7 @@ class UpdateConfig:
 
     accum: int = 1
     optimizer: Literal["adamw", "sgd", "adafactor"] = "adamw"
-    lr: float = 3e-3
+    lr: float = 6e-3
     min_lr_ratio: float = 0.1
     schedule: Literal["constant", "cosine", "wsd", "noam", "inverse_sqrt"] = "cosine"
     clock: Literal["updates", "tokens"] = "updates"
