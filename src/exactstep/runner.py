@@ -53,7 +53,7 @@ from exactstep.parallel.process_group import DistContext, init_distributed, shut
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.window import agreed_window, distribute_engine
 from exactstep.parallel.wrap import shard_model
-from exactstep.rows.example import Example, encode_documents
+from exactstep.rows.example import DataBundle, encode_documents
 from exactstep.rows.stream import RowStream, eval_batches
 from exactstep.state.checkpoint import (
     clean_uncommitted,
@@ -78,17 +78,6 @@ from exactstep.update.window import UpdateEngine
 # Keys that change presentation only; they are left out of the manifest so that a
 # resume may change them (S4).
 PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.threads")
-
-
-@dataclass
-class DataBundle:
-    """Examples of both splits plus what the manifest records about them."""
-
-    train: list[Example]
-    val: list[Example]
-    section: dict[str, Any]
-    representation: dict[str, Any]
-    heldout_conversations: Any = None
 
 
 @dataclass

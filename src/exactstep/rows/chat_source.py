@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from exactstep.data.arith import (
@@ -31,20 +31,9 @@ from exactstep.data.chat import (
 )
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.rows.chat import ChatPolicy, chat_examples
-from exactstep.rows.example import Example
+from exactstep.rows.example import DataBundle
 
 ARITH_SOURCE = "arith"
-
-
-@dataclass
-class ChatData:
-    """Both splits plus what the manifest records (same fields the runner reads)."""
-
-    train: list[Example]
-    val: list[Example]
-    section: dict[str, Any]
-    representation: dict[str, Any]
-    heldout_conversations: list[Conversation] | None = None
 
 
 def chat_policy_of(cfg: Any) -> ChatPolicy:
@@ -94,7 +83,7 @@ def split_conversations(
     return train, val, rule, None
 
 
-def load_chat_data(cfg: Any, tokenizer: ByteTokenizer) -> ChatData:
+def load_chat_data(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
     """Compile the run's chat data (R5): rendered once, owned on targets, truncated to
     ``batch.seq_len`` with ``chat.empty`` deciding empty conversations.
 
@@ -126,7 +115,7 @@ def load_chat_data(cfg: Any, tokenizer: ByteTokenizer) -> ChatData:
         "template": DEFAULT_TEMPLATE.name,
         "template_hash": DEFAULT_TEMPLATE.fingerprint(tokenizer),
     }
-    return ChatData(train, val, section, representation, heldout)
+    return DataBundle(train, val, section, representation, heldout)
 
 
 def heldout_accuracy(run: Any) -> dict[str, Any]:

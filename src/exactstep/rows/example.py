@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,3 +55,16 @@ def encode_documents(docs: Sequence[Document], tokenizer: ByteTokenizer) -> list
         Example(example_id=i, tokens=np.concatenate([head, tokenizer.encode_array(d.text), tail]))
         for i, d in enumerate(docs)
     ]
+
+
+@dataclass
+class DataBundle:
+    """Both splits of a run's examples plus what the manifest records about them (S1):
+    the ``data`` and ``representation`` sections, and for a demo with a checkable
+    answer the held-out conversations scored at the end of a run."""
+
+    train: list[Example]
+    val: list[Example]
+    section: dict[str, Any]
+    representation: dict[str, Any]
+    heldout_conversations: Any = None
