@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from text_corpus import write_corpus
 
 from exactstep.state.checkpoint import latest_checkpoint
 from exactstep.state.compare import state_differences
@@ -56,15 +57,6 @@ if _defect == "no_cursor":
     from exactstep.rows.stream import RowStream
     RowStream.load_state_dict = lambda self, state: None
 """
-
-
-def write_corpus(path: Path) -> None:
-    words = "the quick brown fox jumps over a lazy dog while seven owls watch".split()
-    with path.open("w") as fh:
-        for i in range(48):
-            n = 6 + (i * 7) % 29
-            text = " ".join(words[(i * 3 + j * 5) % len(words)] for j in range(n))
-            fh.write(json.dumps({"text": f"{i}: {text}."}) + "\n")
 
 
 def overrides(corpus: Path) -> list[str]:

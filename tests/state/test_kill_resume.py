@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from text_corpus import write_corpus
 
 from exactstep.state.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from exactstep.state.compare import state_differences
@@ -89,15 +90,6 @@ elif defect == "no_cursor":
 from exactstep.cli import main
 sys.exit(main(argv))
 """
-
-
-def write_corpus(path: Path) -> None:
-    words = "the quick brown fox jumps over a lazy dog while seven owls watch".split()
-    with path.open("w") as fh:
-        for i in range(48):
-            n = 6 + (i * 7) % 29
-            text = " ".join(words[(i * 3 + j * 5) % len(words)] for j in range(n))
-            fh.write(json.dumps({"text": f"{i}: {text}."}) + "\n")
 
 
 def settings(corpus: Path) -> list[str]:

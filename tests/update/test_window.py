@@ -502,32 +502,20 @@ def test_per_tensor_clip_is_caught_u3(monkeypatch):
 # ----------------------------------------------------------------------------- state
 
 
+def resumable_engine(model: TinyLM) -> UpdateEngine:
+    """fp16 with clipping, decay and a warmup schedule: every piece of state matters."""
+    return make_engine(model, precision="fp16", init_scale=4096.0, accum=2, schedule="cosine",
+                       warmup=1, clip=0.5, weight_decay=0.1)
+
+
 def test_state_dict_round_trip_continues_bitwise_s2():
     gen = torch.Generator().manual_seed(12)
     windows = [[random_batch(gen, 2, 5), random_batch(gen, 1, 7)] for _ in range(4)]
-    straight = make_engine(
-        TinyLM(seed=2),
-        precision="fp16",
-        init_scale=4096.0,
-        accum=2,
-        schedule="cosine",
-        warmup=1,
-        clip=0.5,
-        weight_decay=0.1,
-    )
+    straight = resumable_engine(TinyLM(seed=2))
     for w, batches in enumerate(windows):
         straight.run_window(batches, w)
 
-    first = make_engine(
-        TinyLM(seed=2),
-        precision="fp16",
-        init_scale=4096.0,
-        accum=2,
-        schedule="cosine",
-        warmup=1,
-        clip=0.5,
-        weight_decay=0.1,
-    )
+    first = resumable_engine(TinyLM(seed=2))
     for w, batches in enumerate(windows[:2]):
         first.run_window(batches, w)
     state = first.state_dict()
@@ -536,16 +524,7 @@ def test_state_dict_round_trip_continues_bitwise_s2():
     def resumed(load_state: bool) -> UpdateEngine:
         model = TinyLM(seed=2)
         model.load_state_dict(weights)
-        engine = make_engine(
-            model,
-            precision="fp16",
-            init_scale=4096.0,
-            accum=2,
-            schedule="cosine",
-            warmup=1,
-            clip=0.5,
-            weight_decay=0.1,
-        )
+        engine = resumable_engine(model)
         if load_state:
             engine.load_state_dict(state)
         for w, batches in enumerate(windows[2:], start=2):
