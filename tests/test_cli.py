@@ -12,7 +12,7 @@ import pytest
 
 from exactstep.cli import main
 from exactstep.manifest import canonical_json, read_manifest
-from exactstep.state.checkpoint import latest_checkpoint, verify_checkpoint
+from exactstep.state import latest_checkpoint, verify_checkpoint
 
 TINY = [
     "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",

@@ -51,7 +51,7 @@ _EXPORTS = {
     "build_manifest": "exactstep.manifest",
     "publish_checkpoint": "exactstep.state.checkpoint",
     "load_checkpoint": "exactstep.state.checkpoint",
-    "verify_checkpoint": "exactstep.state.checkpoint",
+    "verify_checkpoint": "exactstep.state.store",
     "train": "exactstep.runner",
     "resume": "exactstep.runner",
     "evaluate": "exactstep.eval",

@@ -108,7 +108,7 @@ def dispatch(args: argparse.Namespace) -> int:
         )
         return 0
     if args.command == "eval":
-        from exactstep.runner import evaluate_run
+        from exactstep.eval import evaluate_run
 
         report = evaluate_run(
             Path(args.run_dir),
@@ -118,7 +118,7 @@ def dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "inspect":
         from exactstep.config import load_config
-        from exactstep.runner import inspect_rows
+        from exactstep.rows.inspect import inspect_rows
 
         cfg = load_config(args.config, args.overrides)
         print(inspect_rows(cfg, parse_range(args.rows), split=args.split))
@@ -151,7 +151,8 @@ def parse_range(text: str) -> range:
 
 
 def verify_command(path: Path) -> int:
-    from exactstep.state.checkpoint import latest_checkpoint, verify_checkpoint
+    """Verify one checkpoint, or a run directory's ``LATEST`` checkpoint (S6)."""
+    from exactstep.state.store import latest_checkpoint, verify_checkpoint
 
     target = path
     if (path / "checkpoints").is_dir():

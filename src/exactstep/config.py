@@ -98,6 +98,22 @@ def load_config(
     return build(RunConfig, raw, prefix="")
 
 
+def apply_overrides(cfg: RunConfig, overrides: typing.Sequence[str]) -> RunConfig:
+    """``cfg`` with ``key=value`` overrides applied and every value validated again."""
+    if not overrides:
+        return cfg
+    raw = cfg.to_dict()
+    for item in overrides:
+        key, value = split_override(item)
+        set_dotted(raw, key, value)
+    return build(RunConfig, raw, prefix="")
+
+
+def config_from_manifest(manifest: Any) -> RunConfig:
+    """The ``RunConfig`` a run's manifest recorded (its ``config`` section, X2)."""
+    return build(RunConfig, manifest.body["config"], prefix="")
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass an existing .toml file")

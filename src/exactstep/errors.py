@@ -50,3 +50,7 @@ class Interrupted(ExactstepError):
     """Training stopped on a signal after publishing a checkpoint; says how to resume."""
 
     exit_code = 130
+
+
+class StorageError(ExactstepError):
+    """A file could not be written (disk full, quota, read-only); nothing committed was lost."""

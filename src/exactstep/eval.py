@@ -1,9 +1,14 @@
-"""Held-out evaluation with isolation (E1) and perplexity from global sums (L5).
+"""Evaluation with isolation (E1), perplexity from global sums (L5), greedy decoding.
 
 ``evaluate`` switches the model to eval mode under ``torch.no_grad``, forks the RNG
 streams so evaluation consumes no randomness of the training run, and restores the
 model's previous mode afterwards. It touches no optimizer, scheduler, scaler or
 progress state: it only reads parameters.
+
+``Validator`` is the component a run calls for held-out figures (mid-run records,
+the end-of-run summary); ``greedy_answer_accuracy`` scores a chat demo's held-out
+answers; ``evaluate_run`` evaluates a finished run's checkpoint with only a model
+and its data (no optimizer, engine or process group).
 """
 
 from __future__ import annotations
@@ -12,15 +17,22 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from exactstep.data.arith import last_turn_prompt
+from exactstep.data.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTokenizer, Conversation
+from exactstep.errors import DataError
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.cross_entropy import fused_row_losses
 from exactstep.objective.perplexity import NotAvailable, perplexity
-from exactstep.rows.batch import IGNORE_INDEX, Batch
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
+from exactstep.rows.stream import eval_batches
 
 LN2 = math.log(2.0)
 
@@ -116,3 +128,193 @@ def unigram_bits(
 def _head_weight(model: torch.nn.Module) -> torch.Tensor:
     inner = getattr(model, "module", model)
     return inner.head_weight
+
+
+def display_perplexity(result: EvalResult) -> float | str:
+    """A perplexity for JSON and summaries: the number, or ``"N/A (cause)"`` (L5)."""
+    ppl = result.perplexity
+    return ppl if not isinstance(ppl, NotAvailable) else f"N/A ({ppl.cause})"
+
+
+@dataclass(frozen=True)
+class Validator:
+    """Held-out evaluation of one run: its model and splits, fixed at build time (E1, L5)."""
+
+    model: torch.nn.Module
+    train: Sequence[Example]
+    val: Sequence[Example]
+    batch: BatchConfig
+    pad_id: int
+    vocab_size: int
+    device: torch.device
+    max_tokens: int
+    autocast: Callable[[], AbstractContextManager] | None = None
+
+    def evaluate(self) -> EvalResult:
+        batches = eval_batches(self.val, self.batch, pad_id=self.pad_id,
+                               vocab_size=self.vocab_size)
+        return evaluate(self.model, batches, device=self.device, max_tokens=self.max_tokens,
+                        pad_id=self.pad_id, autocast=self.autocast)
+
+    def record(self) -> dict[str, Any]:
+        """One ``metrics.jsonl`` evaluation record."""
+        result = self.evaluate()
+        return {
+            "eval_loss": result.loss,
+            "eval_tokens": result.tokens,
+            "eval_bits_per_byte": result.bits_per_token,
+            "eval_perplexity": display_perplexity(result),
+        }
+
+    def baseline_bits(self) -> float | None:
+        """Unigram (byte-frequency) bits per byte on the same validation targets."""
+        val = eval_batches(self.val, self.batch, pad_id=self.pad_id)
+        return unigram_bits(self.train, val, self.vocab_size, self.max_tokens)
+
+    def summary(self) -> dict[str, Any]:
+        """The held-out figures of the end-of-run summary."""
+        result = self.evaluate()
+        unigram = self.baseline_bits()
+        bpb = result.bits_per_token
+        return {
+            "heldout_loss": result.loss,
+            "heldout_tokens": result.tokens,
+            "heldout_perplexity": display_perplexity(result),
+            "heldout_bits_per_byte": bpb,
+            "unigram_bits_per_byte": unigram,
+            "bpb_ratio_to_unigram": (bpb / unigram) if (bpb and unigram) else None,
+        }
+
+
+# --------------------------------------------------------------------------- greedy decoding
+
+
+class DecoderLike(Protocol):
+    def __call__(self, batch: Batch) -> torch.Tensor: ...  # [B, T, H] (runs forward)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [B, T, V]
+
+
+def single_segment_batch(prompts: torch.Tensor) -> Batch:
+    """A batch of ``G`` equal-length prompts, one segment each, positions ``0..L-1``."""
+    rows, length = prompts.shape  # [G, L]
+    positions = torch.arange(length, dtype=torch.int64).expand(rows, length)
+    segment = (Segment(example_id=0, piece=0, offset=0, start=0, length=length),)
+    return Batch(
+        input_ids=prompts,
+        labels=torch.full_like(prompts, IGNORE_INDEX),
+        position_ids=positions.to(prompts.device),
+        segment_ids=torch.ones(rows, length, dtype=torch.int32, device=prompts.device),
+        segments=tuple(segment for _ in range(rows)),
+    )
+
+
+@torch.no_grad()
+def _greedy_continue(
+    model: DecoderLike, prompts: torch.Tensor, eos_id: int, max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy decoding without a KV cache; each list stops before its first EOS."""
+    tokens = prompts  # [G, L]
+    finished = torch.zeros(prompts.shape[0], dtype=torch.bool, device=prompts.device)
+    for _ in range(max_new_tokens):
+        hidden = model(single_segment_batch(tokens))  # [G, L', H]
+        next_ids = model.logits(hidden[:, -1:, :])[:, -1, :].argmax(dim=-1)  # [G]
+        next_ids = torch.where(finished, torch.full_like(next_ids, eos_id), next_ids)
+        tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+        finished |= next_ids == eos_id
+        if bool(finished.all()):
+            break
+    generated = tokens[:, prompts.shape[1]:].tolist()
+    return [row[: row.index(eos_id)] if eos_id in row else row + [-1] for row in generated]
+
+
+def greedy_answer_accuracy(
+    model: DecoderLike,
+    tokenizer: ChatTokenizer,
+    conversations: Sequence[Conversation],
+    *,
+    device: torch.device | str,
+    max_new_tokens: int = 16,
+    batch_size: int = 64,
+    template: ChatTemplate = DEFAULT_TEMPLATE,
+) -> float:
+    """Exact-match accuracy of greedy answers to each conversation's LAST assistant turn.
+
+    The prompt is every earlier message plus the assistant header; an answer counts
+    only if the model emits exactly the expected tokens and then the end-of-turn
+    marker within ``max_new_tokens``. Runs in eval mode under ``no_grad`` and restores
+    the model's previous mode (E1). Raises ``DataError`` on an empty set.
+    """
+    if not conversations:
+        raise DataError("greedy_answer_accuracy needs at least one held-out conversation")
+    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for conversation in conversations:
+        messages, expected = last_turn_prompt(conversation)
+        prompt = template.render_prompt(messages, tokenizer).tokens.tolist()
+        by_length.setdefault(len(prompt), []).append((prompt, tokenizer.encode(expected)))
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        correct = 0
+        for group in by_length.values():
+            for start in range(0, len(group), batch_size):
+                chunk = group[start : start + batch_size]
+                prompts = torch.tensor([p for p, _ in chunk], dtype=torch.int64, device=device)
+                answers = _greedy_continue(model, prompts, tokenizer.eos_id, max_new_tokens)
+                correct += sum(got == want for got, (_, want) in zip(answers, chunk, strict=True))
+    finally:
+        if hasattr(model, "train"):
+            model.train(was_training)
+    return correct / len(conversations)
+
+
+# --------------------------------------------------------------------------- a finished run
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    checkpoint: str
+    result: EvalResult
+    unigram: float | None
+
+    def format(self) -> str:
+        r = self.result
+        ppl = r.perplexity
+        ppl_s = f"N/A ({ppl.cause})" if isinstance(ppl, NotAvailable) else f"{ppl:.3f}"
+        loss_s = f"{r.loss:.4f}" if r.loss is not None else "N/A (no targets)"
+        bpb = f"{r.bits_per_token:.4f}" if r.bits_per_token is not None else "N/A"
+        uni = f"{self.unigram:.4f}" if self.unigram is not None else "N/A"
+        return (f"checkpoint {self.checkpoint}\n  held-out loss {loss_s} over {r.tokens} targets\n"
+                f"  perplexity {ppl_s}\n  bits per byte {bpb} (unigram baseline {uni})")
+
+
+def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalReport:
+    """Evaluate a run's checkpoint on its validation split (E1, L5).
+
+    Builds only the model and the data; the weights come from ``--from`` or the
+    checkpoint a resume would choose (``LATEST``, or the newest that verifies).
+    """
+    from exactstep.config import config_from_manifest
+    from exactstep.data.tokenizer import ByteTokenizer
+    from exactstep.errors import ResumeError
+    from exactstep.manifest import read_manifest
+    from exactstep.model.decoder import build_model
+    from exactstep.parallel.checkpoint import DcpFormat
+    from exactstep.parallel.process_group import resolve_rank_device, single_process
+    from exactstep.rows.sources import load_bundle
+    from exactstep.state.checkpointer import load_weights
+    from exactstep.state.resume import choose_resume_point
+
+    run_dir = Path(run_dir)
+    cfg = config_from_manifest(read_manifest(run_dir))
+    point = choose_resume_point(run_dir / "checkpoints", from_checkpoint)
+    if point.path is None:
+        raise ResumeError(f"{run_dir} has no checkpoint to evaluate yet; train or resume it first")
+    device = resolve_rank_device(cfg.train.device, 0)
+    tokenizer = ByteTokenizer()
+    data = load_bundle(cfg, tokenizer)
+    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed).to(device)
+    load_weights(point.path, model, DcpFormat(single_process(device)))
+    validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
+                          tokenizer.vocab_size, device, cfg.train.eval_tokens)
+    return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits())

@@ -21,12 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exactstep.durable import create_durably
 from exactstep.errors import CheckpointError, ConfigError, ResumeError
 
 MANIFEST_FILE = "manifest.json"
@@ -133,8 +133,8 @@ def build_manifest(sections: Mapping[str, Any]) -> Manifest:
 def write_manifest(run_dir: Path, m: Manifest) -> None:
     """Write ``run_dir/manifest.json`` = ``{"digest": ..., "manifest": body}`` atomically.
 
-    The file is written to a temporary name, fsynced, and hard-linked into place, so
-    a crash leaves either no manifest or the complete one. Writing the same manifest
+    The file is written durably and linked into place (``durable.create_durably``),
+    so a crash leaves either no manifest or the complete one. Writing the same manifest
     again is a no-op; writing a different one raises ``ResumeError`` naming the
     differing fields (the manifest of a run is immutable, S1).
     """
@@ -145,20 +145,8 @@ def write_manifest(run_dir: Path, m: Manifest) -> None:
         _refuse_if_different(run_dir, m)
         return
     data = canonical_json({"digest": m.digest, "manifest": m.body})
-    tmp = run_dir / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        try:
-            os.link(tmp, target)  # fails if another writer got there first: never clobbers
-        except FileExistsError:
-            _refuse_if_different(run_dir, m)
-            return
-        fsync_dir(run_dir)
-    finally:
-        tmp.unlink(missing_ok=True)
+    if not create_durably(target, data):  # another writer got there first: never clobbers
+        _refuse_if_different(run_dir, m)
 
 
 def read_manifest(run_dir: Path) -> Manifest:
@@ -204,15 +192,6 @@ def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
     out: list[str] = []
     _diff(_thaw(a.body), _thaw(b.body), "", out)
     return sorted(out)
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (or a file) so that renames and creations inside it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- helpers

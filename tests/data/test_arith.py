@@ -11,18 +11,17 @@ from torch import nn
 from exactstep.data.arith import (
     ArithSpec,
     arith_conversations,
-    arith_examples,
-    greedy_answer_accuracy,
     last_turn_prompt,
     write_arith_jsonl,
 )
 from exactstep.data.chat import DEFAULT_TEMPLATE, Conversation, load_chat_jsonl
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ConfigError, DataError
+from exactstep.eval import greedy_answer_accuracy
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.rows.batch import Batch
-from exactstep.rows.chat import ChatPolicy
+from exactstep.rows.chat import ChatPolicy, chat_examples
 
 TOK = ByteTokenizer()
 SPEC = ArithSpec(max_operand=30, max_multiplier=9, min_follow_ups=1, max_follow_ups=3)
@@ -88,14 +87,14 @@ def test_spec_rejects_invalid_values():
 
 
 def test_examples_own_exactly_the_answers_and_their_end_of_turn():
-    data = arith_examples(0, 20, 5, TOK, ChatPolicy(), max_len=512, spec=SPEC)
-    assert len(data.train_examples) == 20 and len(data.heldout) == 5
     train = arith_conversations(0, 20, split="train", spec=SPEC)
-    for example, conversation in zip(data.train_examples, train, strict=True):
+    examples, report = chat_examples(train, TOK, ChatPolicy(), max_len=512)
+    assert len(examples) == 20
+    for example, conversation in zip(examples, train, strict=True):
         owned = TOK.decode(example.tokens[example.owned])
         expected = "".join(m.content + "<eos>" for m in conversation.messages if m.role == "assistant")
         assert owned == expected
-    assert data.report.supervised_targets == sum(int(e.owned.sum()) for e in data.train_examples)
+    assert report.supervised_targets == sum(int(e.owned.sum()) for e in examples)
 
 
 def test_jsonl_writer_round_trips(tmp_path):

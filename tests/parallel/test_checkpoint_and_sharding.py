@@ -18,7 +18,7 @@ from exactstep.parallel.checkpoint import (
     reshard_stream_state,
 )
 from exactstep.parallel.process_group import single_process
-from exactstep.state.checkpoint import latest_checkpoint
+from exactstep.state import latest_checkpoint
 
 NAME = "window-00000002"
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 from text_corpus import write_corpus
 
-from exactstep.state.checkpoint import latest_checkpoint
+from exactstep.state import latest_checkpoint
 from exactstep.state.compare import state_differences
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -210,12 +210,12 @@ def rank_denominators(cli: Cli, rank: int) -> list[float]:
     from exactstep.config import load_config
     from exactstep.data.tokenizer import ByteTokenizer
     from exactstep.objective import plan_window
+    from exactstep.rows.sources import load_bundle
     from exactstep.rows.stream import RowStream
-    from exactstep.runner import build_data
 
     cfg = load_config(None, [o for o in overrides(cli.corpus) if o != "--set"])
     tokenizer = ByteTokenizer()
-    data = build_data(cfg, tokenizer)
+    data = load_bundle(cfg, tokenizer)
     stream = iter(RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
                             vocab_size=tokenizer.vocab_size, rank=rank, world=2))
     out = []

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
-from exactstep.errors import CheckpointError
-from exactstep.state import checkpoint as ckpt
-from exactstep.state.checkpoint import (
+from exactstep.errors import CheckpointError, StorageError
+from exactstep.state import store
+from exactstep.state.checkpoint import load_checkpoint, publish_checkpoint
+from exactstep.state.compare import state_differences
+from exactstep.state.rng import capture_rng
+from exactstep.state.store import (
     clean_uncommitted,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
-    publish_checkpoint,
+    published_checkpoints,
     verify_checkpoint,
 )
-from exactstep.state.compare import state_differences
-from exactstep.state.rng import capture_rng
 
 # ------------------------------------------------------------ a tiny trained state
 
@@ -188,7 +191,7 @@ def test_optimizer_round_trip_continues_identically(tmp_path, state) -> None:
     assert_bitwise_equal(dict(twin.state_dict()), dict(model.state_dict()))
 
 
-# ------------------------------------------------------------ atomic publication (S3)
+# ------------------------------------------------------------ atomic publication (S3, S8)
 
 
 def naive_publish(root: Path, name: str, model_state, parts, *, keep: int) -> Path:
@@ -197,28 +200,15 @@ def naive_publish(root: Path, name: str, model_state, parts, *, keep: int) -> Pa
     (root / "LATEST").write_text(name + "\n")
     final = root / name
     final.mkdir()
-    files = {}
-    ckpt.safetensors.torch.save_file(
-        ckpt._dedupe_tensors(model_state)[0], str(final / "model.safetensors")
-    )
-    files["model.safetensors"] = ckpt._record(final / "model.safetensors")
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(final / "model.safetensors"))
     raise OSError("simulated crash before the other parts were written")
 
 
-def crash_during_publication(monkeypatch, tmp_path, state, publisher) -> Path:
-    """Publish step_1, then crash while publishing step_2 after all files are written."""
-    root = tmp_path / "checkpoints"
-    model, parts = state
-    publish_checkpoint(root, "step_1", model.state_dict(), parts, keep=3)
-
+def fail_rename(monkeypatch) -> None:
     def crashing_rename(src, dst):
-        raise OSError("simulated crash between writing files and publishing")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt.os, "rename", crashing_rename)
-    with pytest.raises(OSError, match="simulated crash"):
-        publisher(root, "step_2", model.state_dict(), parts, keep=3)
-    monkeypatch.undo()
-    return root
+    monkeypatch.setattr(store.os, "rename", crashing_rename)
 
 
 def committed_state_survives(root: Path, expected_parts) -> bool:
@@ -233,56 +223,68 @@ def committed_state_survives(root: Path, expected_parts) -> bool:
         return False
 
 
-def test_crash_before_publication_keeps_previous_checkpoint(monkeypatch, tmp_path, state) -> None:
-    root = crash_during_publication(monkeypatch, tmp_path, state, publish_checkpoint)
-    assert latest_checkpoint(root) == root / "step_1"
-    assert committed_state_survives(root, state[1])
-    leftovers = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
-    assert (
-        len(leftovers) == 1 and (leftovers[0] / "manifest.json").is_file()
-    )  # fully written, unpublished
-    assert list_checkpoints(root) == [root / "step_1"]
-    assert clean_uncommitted(root) == leftovers
+def test_failed_publication_keeps_previous_checkpoint_and_leaves_nothing(
+        monkeypatch, tmp_path, state) -> None:
+    root = tmp_path / "checkpoints"
+    publish(root, "step_1", state)
+    fail_rename(monkeypatch)
+    with pytest.raises(StorageError, match=r"step_2 .* failed \(No space left on device\); "
+                                           r"the previous checkpoint step_1 is intact"):
+        publish(root, "step_2", state)
+    monkeypatch.undo()
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step_1"]
     assert committed_state_survives(root, state[1])
 
 
-def test_crash_check_catches_naive_publisher(monkeypatch, tmp_path, state) -> None:
+def test_crash_check_catches_naive_publisher(tmp_path, state) -> None:
     """Negative control: a publisher that moves LATEST first loses the committed state."""
-    root = crash_during_publication(monkeypatch, tmp_path, state, naive_publish)
+    root = tmp_path / "checkpoints"
+    publish(root, "step_1", state)
+    with pytest.raises(OSError, match="simulated crash"):
+        naive_publish(root, "step_2", state[0].state_dict(), state[1], keep=3)
     assert not committed_state_survives(root, state[1])
 
 
-def test_crash_after_rename_before_latest(monkeypatch, tmp_path, state) -> None:
-    """Renamed into place but LATEST not replaced: the orphan is uncommitted."""
+def test_clean_uncommitted_removes_only_temporary_names(tmp_path, state) -> None:
+    """What a SIGKILL can leave: temporaries of each kind. Only those go (S3, S8)."""
     root = tmp_path / "checkpoints"
     publish(root, "step_1", state)
+    shutil.copytree(root / "step_1", root / ".tmp-step_2-999")
+    shutil.copytree(root / "step_1", root / ".trash-step_0-999")
+    (root / ".LATEST.tmp-999").write_text("step_2\n")
+    removed = clean_uncommitted(root)
+    assert sorted(p.name for p in removed) == [".LATEST.tmp-999", ".tmp-step_2-999",
+                                               ".trash-step_0-999"]
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step_1"]
+    assert committed_state_survives(root, state[1])
 
+
+def crash_after_rename(monkeypatch, root: Path, state) -> None:
     def crash(*args, **kwargs):
         raise OSError("simulated crash before LATEST moved")
 
-    monkeypatch.setattr(ckpt, "_point_latest", crash)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(store, "point_latest", crash)
+    with pytest.raises(StorageError, match="simulated crash"):
         publish(root, "step_2", state)
     monkeypatch.undo()
-    assert (root / "step_2" / "manifest.json").is_file()
-    assert latest_checkpoint(root) == root / "step_1"
-    assert list_checkpoints(root) == [root / "step_1"]
-    # a resumed run republishes the same name over the orphan
-    publish(root, "step_2", state)
-    assert latest_checkpoint(root) == root / "step_2"
-    assert verify_checkpoint(root / "step_2").ok
 
 
-def test_orphan_removed_by_clean_uncommitted(monkeypatch, tmp_path, state) -> None:
+def test_crash_after_rename_before_latest_keeps_the_orphan(monkeypatch, tmp_path, state) -> None:
+    """Renamed into place, LATEST not moved: not committed, but never deleted (S8);
+    the resumed run's identical re-publication adopts it."""
     root = tmp_path / "checkpoints"
     publish(root, "step_1", state)
-    monkeypatch.setattr(ckpt, "_point_latest", lambda *a: (_ for _ in ()).throw(OSError("crash")))
-    with pytest.raises(OSError):
-        publish(root, "step_2", state)
-    monkeypatch.undo()
-    assert clean_uncommitted(root) == [root / "step_2"]
-    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step_1"]
+    crash_after_rename(monkeypatch, root, state)
+    orphan_manifest = (root / "step_2" / "manifest.json").read_bytes()
+    assert latest_checkpoint(root) == root / "step_1"
+    assert list_checkpoints(root) == [root / "step_1"]
+    assert published_checkpoints(root) == [root / "step_1", root / "step_2"]
+    assert clean_uncommitted(root) == []
+    assert (root / "step_2" / "manifest.json").read_bytes() == orphan_manifest
+    publish(root, "step_2", state)
+    assert latest_checkpoint(root) == root / "step_2"
+    assert (root / "step_2" / "manifest.json").read_bytes() == orphan_manifest  # adopted
+    assert not (root / "quarantine").exists()
 
 
 def test_no_latest_means_nothing_committed(tmp_path) -> None:
@@ -306,18 +308,56 @@ def test_republishing_latest_name_identical_is_noop(tmp_path, state) -> None:
     assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_1"]
 
 
-def test_republishing_latest_name_with_new_content_refused(tmp_path, state) -> None:
+def test_republishing_with_new_content_quarantines_the_old(tmp_path, state) -> None:
     model, parts = state
     path = publish(tmp_path, "step_1", state)
+    old_manifest = (path / "manifest.json").read_bytes()
     changed = {**parts, "progress": {**parts["progress"], "committed": 99}}
-    with pytest.raises(CheckpointError, match=r"different content \(progress.json\)"):
-        publish_checkpoint(tmp_path, "step_1", model.state_dict(), changed, keep=3)
+    publish_checkpoint(tmp_path, "step_1", model.state_dict(), changed, keep=3)
+    assert load_checkpoint(path)[1]["progress"]["committed"] == 99
+    kept = tmp_path / "quarantine" / "step_1"
+    assert (kept / "manifest.json").read_bytes() == old_manifest and verify_checkpoint(kept).ok
+    assert load_checkpoint(kept)[1]["progress"]["committed"] == parts["progress"]["committed"]
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "quarantine", "step_1"]
+
+
+def test_republishing_over_a_damaged_checkpoint_replaces_it(tmp_path, state) -> None:
+    """A damaged checkpoint of the same name is quarantined and replaced, even though
+    its recorded digests equal the new ones (S8)."""
+    path = publish(tmp_path, "step_1", state)
+    recorded = json.loads((path / "manifest.json").read_bytes())["files"]
+    flip_byte(path / "optimizer.pt", 200)
+    assert not verify_checkpoint(path).ok
+    publish(tmp_path, "step_1", state)
     assert verify_checkpoint(path).ok
-    assert load_checkpoint(path)[1]["progress"]["committed"] == parts["progress"]["committed"]
-    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_1"]
+    assert json.loads((path / "manifest.json").read_bytes())["files"] == recorded
+    damaged = tmp_path / "quarantine" / "step_1"
+    assert verify_checkpoint(damaged).bad_files == ["optimizer.pt"]
 
 
-@pytest.mark.parametrize("name", ["", ".hidden", "LATEST", "a/b", " x"])
+def test_recorded_digests_alone_would_keep_the_damage(tmp_path, state) -> None:
+    """Negative control for the test above: comparing recorded digests (without
+    recomputing them) calls the damaged directory identical."""
+    path = publish(tmp_path, "step_1", state)
+    before = json.loads((path / "manifest.json").read_bytes())["files"]
+    flip_byte(path / "optimizer.pt", 200)
+    after = json.loads((path / "manifest.json").read_bytes())["files"]
+    assert before == after and not verify_checkpoint(path).ok
+
+
+def test_edited_checkpoint_manifest_is_detected(tmp_path, state) -> None:
+    """The manifest's own digest covers its sequence, names and records (S6)."""
+    path = publish(tmp_path, "step_1", state)
+    doc = json.loads((path / "manifest.json").read_bytes())
+    doc["sequence"] = 7
+    (path / "manifest.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    report = verify_checkpoint(path)
+    assert not report.ok and "does not match its digest" in report.problems[0]
+    with pytest.raises(CheckpointError, match="does not match its digest"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "LATEST", "quarantine", "a/b", " x"])
 def test_bad_names_refused(tmp_path, state, name) -> None:
     with pytest.raises(CheckpointError, match="not allowed"):
         publish(tmp_path, name, state)

@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 from text_corpus import write_corpus
 
-from exactstep.state.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
+from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
+from exactstep.state.store import latest_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,8 @@ import os, random, signal, sys
 import numpy as np
 import torch
 import exactstep.runner as runner
-import exactstep.state.checkpoint as checkpoint
+import exactstep.state.checkpointer as checkpointer
+import exactstep.state.store as store
 from exactstep.update.window import UpdateEngine
 
 kill_at, defect, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -72,7 +74,7 @@ UpdateEngine.run_window = probed_run_window
 
 if kill_at != "none" and not kill_at.startswith("window_"):
     name, nth = kill_at.split(":")
-    module = runner if name == "finish" else checkpoint
+    module = runner if name == "finish" else store
     original, calls = getattr(module, name), [0]
     def counted(*args, **kwargs):
         calls[0] += 1
@@ -82,7 +84,7 @@ if kill_at != "none" and not kill_at.startswith("window_"):
     setattr(module, name, counted)
 
 if defect == "no_rng":
-    runner.restore_rng = lambda state: None
+    checkpointer.restore_rng = lambda state: None
 elif defect == "no_cursor":
     from exactstep.rows.stream import RowStream
     RowStream.load_state_dict = lambda self, state: None
@@ -200,7 +202,7 @@ def run_killed_lineage(h: Harness, defective: ThreadPoolExecutor) -> tuple[Path,
         controls[defect] = defective.submit(resume_with_defect, Harness(h.root), copy, defect)
     plan = [
         ("_seal:3", "while sealing (fsync + sha256) the 3rd file of a checkpoint"),
-        ("_point_latest:1", "after a checkpoint's rename, before LATEST moved"),
+        ("point_latest:1", "after a checkpoint's rename, before LATEST moved"),
         ("external", "external SIGKILL once the ledger grew past every earlier line"),
         ("finish:1", "after the final checkpoint, before the summary"),
     ]

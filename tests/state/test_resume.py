@@ -12,11 +12,10 @@ from exactstep.errors import CheckpointError, ResumeError
 from exactstep.manifest import REQUIRED_SECTIONS, build_manifest
 from exactstep.state.checkpoint import publish_checkpoint
 from exactstep.state.resume import (
-    ResumeKind,
     StopRequest,
     check_progress_digest,
-    choose_checkpoint,
-    classify_resume,
+    choose_resume_point,
+    require_same_manifest,
 )
 
 
@@ -27,18 +26,12 @@ def manifest(**update):
 
 
 def test_same_digest_is_exact() -> None:
-    plan = classify_resume(manifest(), manifest())
-    assert plan.kind is ResumeKind.EXACT and plan.exact and plan.differing == []
+    assert require_same_manifest(manifest(), manifest()) is None
 
 
 def test_different_digest_refused_naming_fields() -> None:
     with pytest.raises(ResumeError, match=r"update\.accum, update\.lr"):
-        classify_resume(manifest(), manifest(lr=1e-3, accum=8))
-
-
-def test_warm_start_accepts_difference_and_records_it() -> None:
-    plan = classify_resume(manifest(), manifest(lr=1e-3), warm_start=True)
-    assert plan.kind is ResumeKind.WARM_START and plan.differing == ["update.lr"]
+        require_same_manifest(manifest(), manifest(lr=1e-3, accum=8))
 
 
 def test_progress_digest_must_match_run() -> None:
@@ -54,23 +47,45 @@ def publish(root, name):
     )
 
 
-def test_choose_checkpoint_follows_latest_and_verifies(tmp_path) -> None:
+def test_resume_point_follows_latest_and_verifies(tmp_path) -> None:
     publish(tmp_path, "a")
     b = publish(tmp_path, "b")
-    assert choose_checkpoint(tmp_path) == b
+    assert choose_resume_point(tmp_path).path == b
     (b / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"model.safetensors is corrupted.*--from .*/a"):
-        choose_checkpoint(tmp_path)
-    assert choose_checkpoint(tmp_path, tmp_path / "a") == tmp_path / "a"
+        choose_resume_point(tmp_path)
+    assert choose_resume_point(tmp_path, tmp_path / "a").path == tmp_path / "a"
 
 
-def test_choose_checkpoint_without_any(tmp_path) -> None:
-    with pytest.raises(ResumeError, match="no published checkpoint"):
-        choose_checkpoint(tmp_path)
+def test_nothing_published_starts_again_from_window_zero(tmp_path) -> None:
+    point = choose_resume_point(tmp_path / "absent")
+    assert point.path is None and "window 0" in point.note
+    (tmp_path / ".tmp-window-00000005-1").mkdir()  # a publication that never finished
+    assert choose_resume_point(tmp_path).path is None
+
+
+def test_only_checkpoint_damaged_is_refused_not_restarted(tmp_path) -> None:
     only = publish(tmp_path, "a")
     (only / "progress.json").unlink()
     with pytest.raises(CheckpointError, match="progress.json is missing.*start a new run"):
-        choose_checkpoint(tmp_path)
+        choose_resume_point(tmp_path)
+    (tmp_path / "LATEST").unlink()
+    with pytest.raises(CheckpointError, match="no checkpoint in .* verifies"):
+        choose_resume_point(tmp_path)
+
+
+@pytest.mark.parametrize("latest", [None, "garbage\x00\n", "c\n"])
+def test_missing_garbage_or_dangling_latest_recovers_newest_verified(tmp_path, latest) -> None:
+    a = publish(tmp_path, "a")
+    b = publish(tmp_path, "b")
+    (b / "manifest.json").write_text("{")  # the newest is damaged too
+    if latest is None:
+        (tmp_path / "LATEST").unlink()
+    else:
+        (tmp_path / "LATEST").write_text(latest)
+    point = choose_resume_point(tmp_path)
+    assert point.path == a
+    assert "newest checkpoint that verifies" in point.note and "LATEST" in point.note
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from exactstep.state.checkpoint import latest_checkpoint, verify_checkpoint
+from exactstep.state import latest_checkpoint, verify_checkpoint
 
 STEPS = 40
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 
 import pytest
 import torch
 from update_support import make_engine, random_batch
 
-from exactstep.errors import CheckpointError
+from exactstep.durable import check_mark
 from exactstep.update.disposition import Outcome
 from exactstep.update.ledger import Ledger
 
@@ -23,7 +25,7 @@ def run_windows(ledger: Ledger, windows: range, *, fail_window: int = 2) -> None
 
 
 def test_one_line_per_window_with_u4_fields(tmp_path):
-    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger = Ledger.create(tmp_path / "ledger.jsonl")
     run_windows(ledger, range(4))
     records = ledger.records()
     assert ledger.position == 4 and len(records) == 4
@@ -36,34 +38,69 @@ def test_one_line_per_window_with_u4_fields(tmp_path):
         assert line == json.dumps(json.loads(line), sort_keys=True, separators=(",", ":"))
 
 
-def test_truncate_then_rerun_is_byte_identical_s5(tmp_path):
-    straight = Ledger(tmp_path / "a.jsonl")
+def test_mark_names_exactly_the_bytes_written(tmp_path):
+    ledger = Ledger.create(tmp_path / "ledger.jsonl")
+    run_windows(ledger, range(3))
+    data = (tmp_path / "ledger.jsonl").read_bytes()
+    assert ledger.mark() == {"lines": 3, "bytes": len(data),
+                             "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_reopen_at_mark_drops_the_torn_tail_and_continues_byte_identically_s5(tmp_path):
+    """Windows 0..4 straight vs (0..2, mark, 3..4 written, a torn line, reopen at the
+    mark, 3..4 again from the same engine state): identical bytes."""
+    straight = Ledger.create(tmp_path / "a.jsonl")
     run_windows(straight, range(5))
 
-    resumed = Ledger(tmp_path / "b.jsonl")
-    run_windows(resumed, range(5))  # ran ahead of its last checkpoint...
+    resumed = Ledger.create(tmp_path / "b.jsonl")
+    engine = make_engine(fail_window=2)
+    gen = torch.Generator().manual_seed(0)
+    batches = [random_batch(gen, 2, 5) for _ in range(5)]
+    for w in range(3):
+        resumed.append(engine.run_window([batches[w]], w))
+    mark, saved = resumed.mark(), copy.deepcopy(engine.state_dict())
+    weights = copy.deepcopy(engine.model.state_dict())
+    for w in (3, 4):  # ran ahead of its checkpoint...
+        resumed.append(engine.run_window([batches[w]], w))
     with (tmp_path / "b.jsonl").open("a") as fh:
         fh.write('{"window": 5, "disp')  # ...and died mid-line
-    reopened = Ledger(tmp_path / "b.jsonl")
-    assert reopened.position == 5  # the torn tail is not a line
-    reopened.truncate_to(3)  # the checkpoint said 3
+    assert check_mark(tmp_path / "b.jsonl", mark) is None  # the prefix still holds
+    reopened = Ledger.open_at(tmp_path / "b.jsonl", mark)
     assert reopened.position == 3
-    # re-running windows 3..4 from the same state must reproduce the same lines
-    lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
-    for line in lines[3:]:
-        reopened.append(json.loads(line))
+    engine.load_state_dict(saved)
+    engine.model.load_state_dict(weights)
+    for w in (3, 4):
+        reopened.append(engine.run_window([batches[w]], w))
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert reopened.mark() == straight.mark()
 
 
-def test_truncate_beyond_end_is_refused(tmp_path):
-    ledger = Ledger(tmp_path / "ledger.jsonl")
-    ledger.append({"window": 0})
-    with pytest.raises(CheckpointError, match="fewer than 3"):
-        ledger.truncate_to(3)
+@pytest.mark.parametrize("damage", ["delete_middle", "garbage_middle", "edit_value", "truncate"])
+def test_damaged_prefix_is_refused_naming_the_problem(tmp_path, damage):
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger.create(path)
+    run_windows(ledger, range(4))
+    mark = ledger.mark()
+    lines = path.read_bytes().splitlines(keepends=True)
+    if damage == "delete_middle":
+        del lines[1]
+    elif damage == "garbage_middle":
+        lines[1] = b"not json\n"
+    elif damage == "edit_value":
+        lines[1] = lines[1].replace(b'"window":1', b'"window":7')
+    else:
+        lines[-1] = lines[-1][:5]
+    path.write_bytes(b"".join(lines) + b'{"window":9}\n' * 3)  # later lines do not help
+    problem = check_mark(path, mark)
+    assert problem is not None
+    if damage == "garbage_middle":
+        assert "line 2 is not a JSON object" in problem
+    with pytest.raises(ValueError):
+        Ledger.open_at(path, mark)
 
 
 def test_non_finite_values_keep_json_valid(tmp_path):
-    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger = Ledger.create(tmp_path / "ledger.jsonl")
     with pytest.raises(ValueError):
         ledger.append({"loss": float("inf")})  # raw dicts must already be valid JSON
     assert ledger.position == 0

@@ -9,36 +9,22 @@
 
 Every assistant answer is an exact integer, so a model's greedy answer to the LAST
 turn of a held-out conversation can be scored by exact match
-(``greedy_answer_accuracy``). The train and held-out splits are disjoint: a problem
+(``exactstep.eval.greedy_answer_accuracy``, with ``last_turn_prompt``). The train and held-out splits are disjoint: a problem
 (its operands and operations, which fix every message) belongs to the held-out split
 exactly when a hash of it falls in the held-out bucket, whatever the seed.
 
-``arith_examples`` is the hook a training run calls: conversations compiled to
-supervised ``Example``s for training plus the held-out conversations for scoring.
+``exactstep.rows.sources`` compiles them into supervised examples for a run.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
 
 import numpy as np
-import torch
 
-from exactstep.data.chat import (
-    DEFAULT_TEMPLATE,
-    ChatTemplate,
-    ChatTokenizer,
-    Conversation,
-    Message,
-    write_chat_jsonl,
-)
+from exactstep.data.chat import Conversation, Message, write_chat_jsonl
 from exactstep.errors import ConfigError, DataError
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
-from exactstep.rows.chat import ChatPolicy, ChatReport, chat_examples
-from exactstep.rows.example import Example
 
 # One held-out bucket out of HOLDOUT_BUCKETS; the hash of a problem picks its bucket.
 HOLDOUT_BUCKETS = 10
@@ -137,38 +123,9 @@ def arith_conversations(
     return out
 
 
-class ArithData(NamedTuple):
-    train_examples: list[Example]
-    heldout: list[Conversation]
-    report: ChatReport  # what compiling the training conversations did
-
-
-def arith_examples(
-    seed: int,
-    n_train: int,
-    n_heldout: int,
-    tokenizer: ChatTokenizer,
-    policy: ChatPolicy,
-    *,
-    max_len: int,
-    spec: ArithSpec = DEFAULT_SPEC,
-    template: ChatTemplate = DEFAULT_TEMPLATE,
-) -> ArithData:
-    """The demo's data hook: training ``Example``s, held-out conversations, chat report."""
-    train = arith_conversations(seed, n_train, split="train", spec=spec)
-    heldout = arith_conversations(seed, n_heldout, split="heldout", spec=spec)
-    examples, report = chat_examples(train, tokenizer, policy, max_len=max_len, template=template)
-    return ArithData(examples, heldout, report)
-
-
 def write_arith_jsonl(path: str, seed: int, n: int, *, split: str, spec: ArithSpec = DEFAULT_SPEC) -> None:
     """Write ``n`` generated conversations of ``split`` as chat JSONL, for reading or reuse."""
     write_chat_jsonl(arith_conversations(seed, n, split=split, spec=spec), path)
-
-
-class DecoderLike(Protocol):
-    def __call__(self, batch: Batch) -> torch.Tensor: ...  # [B, T, H] (runs forward)
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [B, T, V]
 
 
 def last_turn_prompt(conversation: Conversation) -> tuple[list[Message], str]:
@@ -177,77 +134,3 @@ def last_turn_prompt(conversation: Conversation) -> tuple[list[Message], str]:
         if conversation.messages[index].role == "assistant":
             return list(conversation.messages[:index]), conversation.messages[index].content
     raise DataError(f"{conversation.name or 'conversation'} has no assistant turn to score")
-
-
-def single_segment_batch(prompts: torch.Tensor) -> Batch:
-    """A batch of ``G`` equal-length prompts, one segment each, positions ``0..L-1``."""
-    rows, length = prompts.shape  # [G, L]
-    positions = torch.arange(length, dtype=torch.int64).expand(rows, length)
-    segment = (Segment(example_id=0, piece=0, offset=0, start=0, length=length),)
-    return Batch(
-        input_ids=prompts,
-        labels=torch.full_like(prompts, IGNORE_INDEX),
-        position_ids=positions.to(prompts.device),
-        segment_ids=torch.ones(rows, length, dtype=torch.int32, device=prompts.device),
-        segments=tuple(segment for _ in range(rows)),
-    )
-
-
-@torch.no_grad()
-def _greedy_continue(
-    model: DecoderLike, prompts: torch.Tensor, eos_id: int, max_new_tokens: int
-) -> list[list[int]]:
-    """Greedy decoding without a KV cache; each list stops before its first EOS."""
-    tokens = prompts  # [G, L]
-    finished = torch.zeros(prompts.shape[0], dtype=torch.bool, device=prompts.device)
-    for _ in range(max_new_tokens):
-        hidden = model(single_segment_batch(tokens))  # [G, L', H]
-        next_ids = model.logits(hidden[:, -1:, :])[:, -1, :].argmax(dim=-1)  # [G]
-        next_ids = torch.where(finished, torch.full_like(next_ids, eos_id), next_ids)
-        tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
-        finished |= next_ids == eos_id
-        if bool(finished.all()):
-            break
-    generated = tokens[:, prompts.shape[1]:].tolist()
-    return [row[: row.index(eos_id)] if eos_id in row else row + [-1] for row in generated]
-
-
-def greedy_answer_accuracy(
-    model: DecoderLike,
-    tokenizer: ChatTokenizer,
-    conversations: Sequence[Conversation],
-    *,
-    device: torch.device | str,
-    max_new_tokens: int = 16,
-    batch_size: int = 64,
-    template: ChatTemplate = DEFAULT_TEMPLATE,
-) -> float:
-    """Exact-match accuracy of greedy answers to each conversation's LAST assistant turn.
-
-    The prompt is every earlier message plus the assistant header; an answer counts
-    only if the model emits exactly the expected tokens and then the end-of-turn
-    marker within ``max_new_tokens``. Runs in eval mode under ``no_grad`` and restores
-    the model's previous mode (E1). Raises ``DataError`` on an empty set.
-    """
-    if not conversations:
-        raise DataError("greedy_answer_accuracy needs at least one held-out conversation")
-    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
-    for conversation in conversations:
-        messages, expected = last_turn_prompt(conversation)
-        prompt = template.render_prompt(messages, tokenizer).tokens.tolist()
-        by_length.setdefault(len(prompt), []).append((prompt, tokenizer.encode(expected)))
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
-    try:
-        correct = 0
-        for group in by_length.values():
-            for start in range(0, len(group), batch_size):
-                chunk = group[start : start + batch_size]
-                prompts = torch.tensor([p for p, _ in chunk], dtype=torch.int64, device=device)
-                answers = _greedy_continue(model, prompts, tokenizer.eos_id, max_new_tokens)
-                correct += sum(got == want for got, (_, want) in zip(answers, chunk, strict=True))
-    finally:
-        if hasattr(model, "train"):
-            model.train(was_training)
-    return correct / len(conversations)

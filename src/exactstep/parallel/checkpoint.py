@@ -9,10 +9,9 @@ Layout of one published checkpoint ``root/<name>/``::
     manifest.json             written last by rank 0: world size, per-file sha256
 
 Publication (S3) with many writers: every rank writes into the same temporary
-directory ``root/.tmp-<name>-dist``; a barrier; rank 0 digests every file, writes
-``manifest.json`` last, renames the directory into place and replaces ``LATEST``
-(the state stage's helpers); a second barrier, so no rank runs on before the
-checkpoint is committed. A crash at any moment leaves ``LATEST`` naming a complete
+directory ``root/.tmp-<name>-dist``; a barrier; rank 0 commits the store's
+``Publication`` (digests, ``manifest.json`` last, rename, ``LATEST``, prune, S3/S8);
+a second barrier, so no rank runs on before the checkpoint is committed. A crash at any moment leaves ``LATEST`` naming a complete
 checkpoint.
 
 Resuming on another world size is a declared migration (S7): ``load`` refuses it
@@ -28,9 +27,8 @@ remainders are skipped, and the record says how many epochs that was.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,17 +38,29 @@ import torch.distributed as dist
 from torch import nn
 
 from exactstep.errors import CheckpointError, DistributedError
-from exactstep.manifest import fsync_dir
 from exactstep.parallel.process_group import DistContext
-from exactstep.state import checkpoint as s3
-from exactstep.state.checkpoint import DIST_FORMAT
+from exactstep.state.store import (
+    Publication,
+    check_files,
+    read_checkpoint_manifest,
+    temporary_directory,
+)
 
+DIST_FORMAT = "exactstep-dist-checkpoint/2"
 DCP_DIR = "dcp"
 COMMON_FILE = "common.pt"
+PUBLICATION_TAG = "dist"  # every rank must name the same temporary directory
 
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
+
+
+def part_labels(world: int) -> dict[str, str]:
+    """What each file holds, for ``checkpoint verify`` (S6)."""
+    labels = {"model+optimizer": DCP_DIR, "scheduler+scaler+progress": COMMON_FILE}
+    labels.update({f"rng+data (rank {r})": rank_file(r) for r in range(world)})
+    return labels
 
 
 # ------------------------------------------------------------------------ save
@@ -72,26 +82,25 @@ def save_distributed_checkpoint(
     ``model`` is the unwrapped model (DDP shares its parameters; FSDP2 shards them),
     ``common`` the rank-independent parts (rank 0's copy is written), ``rank_state``
     this rank's RNG streams and data cursor. Collective: all ranks must call it.
+    Rank 0 owns the ``Publication`` (S3); the others write into its directory.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = Path(root)
-    tmp = root / f"{s3.TMP_PREFIX}{name}-dist"
-    if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier(ctx)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    _save_durably(rank_state, tmp / rank_file(ctx.rank))
-    if ctx.is_main:
-        _save_durably(common, tmp / COMMON_FILE)
-    _barrier(ctx)
-    if ctx.is_main:
-        _commit(root, name, tmp, ctx.world_size, keep)
+    tmp = temporary_directory(root, name, PUBLICATION_TAG)
+    owner = Publication(root, name, tag=PUBLICATION_TAG) if ctx.is_main else nullcontext()
+    with owner as publication:
+        _barrier(ctx)  # the directory exists before any rank writes into it
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+        _save_durably(rank_state, tmp / rank_file(ctx.rank))
+        if publication is not None:
+            _save_durably(common, tmp / COMMON_FILE)
+        _barrier(ctx)
+        if publication is not None:
+            publication.commit(format=DIST_FORMAT, parts=part_labels(ctx.world_size),
+                               fields={"world_size": ctx.world_size}, keep=keep)
     _barrier(ctx)
     return root / name
 
@@ -101,27 +110,6 @@ def _save_durably(value: Any, path: Path) -> None:
         torch.save(value, fh)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def _commit(root: Path, name: str, tmp: Path, world: int, keep: int) -> None:
-    """Rank 0: digests, ``manifest.json`` last, rename into place, ``LATEST``, prune."""
-    files = {
-        str(p.relative_to(tmp)): s3._record(p)
-        for p in sorted(tmp.rglob("*")) if p.is_file()
-    }
-    manifest = {
-        "format": DIST_FORMAT,
-        "name": name,
-        "sequence": s3._next_sequence(root),
-        "world_size": world,
-        "files": files,
-    }
-    s3._write_file_durably(tmp / s3.CHECKPOINT_MANIFEST, s3._json_bytes(manifest))
-    fsync_dir(tmp / DCP_DIR)
-    fsync_dir(tmp)
-    s3._move_into_place(tmp, root / name, root)
-    s3._point_latest(root, name)
-    s3.prune(root, keep)
 
 
 def _barrier(ctx: DistContext) -> None:
@@ -149,51 +137,48 @@ class DistributedState:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    file = Path(path) / s3.CHECKPOINT_MANIFEST
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{file} is missing or unreadable ({exc}); use an earlier "
-                              "committed checkpoint") from None
-    if manifest.get("format") != DIST_FORMAT:
+    """The checkpoint's manifest, refusing any other format."""
+    manifest = read_checkpoint_manifest(path)
+    if manifest["format"] != DIST_FORMAT:
         raise CheckpointError(f"{path} is not a multi-rank checkpoint "
-                              f"(format {manifest.get('format')!r})")
+                              f"(format {manifest['format']!r})")
     return manifest
-
-
-def verify_files(path: Path, manifest: dict[str, Any], names: list[str]) -> None:
-    """Recompute the sha256 of ``names`` (relative paths); name the first bad file (S6)."""
-    for rel in names:
-        record = manifest["files"].get(rel)
-        file = Path(path) / rel
-        if record is None or not file.is_file():
-            raise CheckpointError(f"{file} is missing from checkpoint {path}; fall back to "
-                                  "the previous committed checkpoint")
-        if s3._sha256_file(file) != record["sha256"]:
-            raise CheckpointError(f"{file} does not match its digest (corrupted); fall back "
-                                  "to the previous committed checkpoint")
 
 
 def load_distributed_checkpoint(
     path: Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     ctx: DistContext,
     reshard: bool = False,
-) -> DistributedState:
-    """Load weights and optimizer into ``model``/``optimizer`` and return the rest (S7).
+) -> DistributedState | None:
+    """Load weights (and optimizer) into ``model``/``optimizer``, return the rest (S7).
 
-    Raises ``DistributedError`` when the checkpoint was written by another world size
-    and ``reshard`` is False, ``CheckpointError`` (naming the file) on a missing or
-    corrupted file. Collective when ``ctx`` is distributed.
+    With ``optimizer=None`` only the weights are loaded (evaluation, warm start) and
+    ``None`` is returned. Raises ``DistributedError`` when the checkpoint was written
+    by another world size and ``reshard`` is False, ``CheckpointError`` (naming the
+    file) on a missing or corrupted file. Collective when ``ctx`` is distributed.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     path = Path(path)
     manifest = read_manifest(path)
     saved_world = int(manifest["world_size"])
+    dcp_files = [k for k in manifest["files"] if k.startswith(DCP_DIR + "/")]
+    if optimizer is None:
+        check_files(path, manifest, dcp_files if ctx.is_main else [])
+        _barrier(ctx)
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        set_model_state_dict(model, state["model"])
+        return None
     if saved_world != ctx.world_size and not reshard:
         raise DistributedError(
             f"checkpoint {path.name} was written by {saved_world} ranks but this job has "
@@ -202,8 +187,7 @@ def load_distributed_checkpoint(
         )
     old_ranks = [rank_file(r) for r in range(saved_world)]
     mine = [rank_file(ctx.rank % saved_world)] if not reshard else old_ranks
-    dcp_files = [k for k in manifest["files"] if k.startswith(DCP_DIR + "/")]
-    verify_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
+    check_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
     _barrier(ctx)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -250,3 +234,39 @@ def reshard_record(old_world: int, new_world: int, old_data: list[dict[str, Any]
         "resume_epoch": resume_epoch(old_data),
         "pending_pieces_dropped": sum(len(d["planner"]["pending"]) for d in old_data),
     }
+
+
+class DcpFormat:
+    """The multi-rank format as the state stage's ``Checkpointer`` uses it (S7)."""
+
+    format = DIST_FORMAT
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+
+    def save(self, root: Path, name: str, *, model: nn.Module,
+             optimizer: torch.optim.Optimizer, common: dict[str, Any],
+             rank_state: dict[str, Any], keep: int) -> Path:
+        return save_distributed_checkpoint(root, name, model=model, optimizer=optimizer,
+                                           common=common, rank_state=rank_state,
+                                           ctx=self.ctx, keep=keep)
+
+    def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             reshard: bool) -> DistributedState | None:
+        return load_distributed_checkpoint(path, model=model, optimizer=optimizer,
+                                           ctx=self.ctx, reshard=reshard)
+
+    @staticmethod
+    def read_progress(path: Path) -> dict[str, Any]:
+        """The progress part alone (verified), for choosing a checkpoint."""
+        manifest = read_manifest(path)
+        check_files(path, manifest, [COMMON_FILE])
+        return torch.load(Path(path) / COMMON_FILE, weights_only=True)["progress"]
+
+    @staticmethod
+    def reshard_stream_state(old_data: list[dict[str, Any]], fresh: dict[str, Any]) -> dict:
+        return reshard_stream_state(old_data, fresh)
+
+    @staticmethod
+    def reshard_record(old_world: int, new_world: int, old_data: list[dict[str, Any]]) -> dict:
+        return reshard_record(old_world, new_world, old_data)

@@ -10,8 +10,9 @@ that crosses a segment or a span that reaches into another one.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
+from exactstep.errors import ConfigError
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 
 NO_TARGET = "·"
@@ -93,3 +94,25 @@ def render_report(report: dict) -> str:
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         lines.append(f"  {key:<{width}}  {shown}")
     return "\n".join(lines)
+
+
+def inspect_rows(cfg: Any, rows: range, *, split: str = "train") -> str:
+    """Render rows of the first microbatch a run with ``cfg`` would see (R6).
+
+    Raises ``ConfigError`` when ``rows`` reaches past the microbatch.
+    """
+    from exactstep.data.tokenizer import ByteTokenizer
+    from exactstep.rows.sources import load_bundle
+    from exactstep.rows.stream import RowStream, eval_batches
+
+    tokenizer = ByteTokenizer()
+    data = load_bundle(cfg, tokenizer)
+    if split == "train":
+        batch = next(iter(RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id,
+                                    seed=cfg.seed)))
+    else:
+        batch = next(iter(eval_batches(data.val, cfg.batch, pad_id=tokenizer.pad_id)))
+    if rows.stop > batch.input_ids.shape[0]:
+        raise ConfigError(f"--rows {rows.start}:{rows.stop} is outside the microbatch's "
+                          f"{batch.input_ids.shape[0]} rows")
+    return render_rows(batch, tokenizer, rows)

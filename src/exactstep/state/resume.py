@@ -1,11 +1,16 @@
-"""Resume classification (S4), checkpoint choice with fallback (S6), stop signals.
+"""Resume: the manifest check (S4), the choice of checkpoint with recovery (S6, S8),
+the journals check, and stop signals.
 
-* ``classify_resume(saved, current, warm_start=...)``: the same manifest digest is an
-  exact resume; a different one is refused with every differing field named, unless
-  the user asked for a warm start (weights only, counters reset, a new run).
-* ``choose_checkpoint(root, from_path)``: the checkpoint a resume starts from,
-  verified first; a damaged one is refused naming the file and the previous
-  committed checkpoint to fall back to.
+* ``require_same_manifest(saved, current)``: the same manifest digest is an exact
+  resume; a different one is refused with every differing field named.
+* ``choose_resume_point(root, from_path)``: the verified checkpoint a resume starts
+  from. ``LATEST`` is followed when it names a checkpoint; a missing, garbage or
+  dangling ``LATEST`` is recovered by taking the newest checkpoint that verifies,
+  and the returned note says so. A run that never published a checkpoint starts
+  again from window 0. A damaged chosen checkpoint is refused naming the files and
+  the newest earlier checkpoint that verifies. Nothing on disk changes here.
+* ``check_journals(run_dir, marks, ...)``: ``ledger.jsonl`` and ``metrics.jsonl``
+  must still begin with the bytes the checkpoint recorded (S8).
 * ``StopRequest``: a context manager turning SIGTERM / SIGINT into a flag that the
   training loop reads at window boundaries, so it can publish a checkpoint and exit
   cleanly. A second signal of the same kind restores the default behaviour (a
@@ -16,47 +21,29 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from exactstep.durable import check_mark
 from exactstep.errors import CheckpointError, ResumeError
 from exactstep.manifest import Manifest, diff_manifests
-from exactstep.state.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from exactstep.state.store import (
+    QUARANTINE,
+    latest_checkpoint,
+    published_checkpoints,
+    verify_checkpoint,
+)
 
 
-class ResumeKind(Enum):
-    EXACT = "exact"
-    WARM_START = "warm_start"
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    """How a resume proceeds; ``differing`` lists manifest fields that changed."""
-
-    kind: ResumeKind
-    differing: list[str] = field(default_factory=list)
-
-    @property
-    def exact(self) -> bool:
-        return self.kind is ResumeKind.EXACT
-
-
-def classify_resume(saved: Manifest, current: Manifest, *, warm_start: bool = False) -> ResumePlan:
-    """Decide exact resume vs warm start vs refusal (S4).
-
-    Equal digests: ``EXACT`` (even when ``warm_start`` is asked: there is nothing to
-    migrate, but a caller that insists may still start a new run). Different
-    digests: ``WARM_START`` if ``warm_start``, else ``ResumeError`` naming each
-    differing dotted field.
-    """
+def require_same_manifest(saved: Manifest, current: Manifest) -> None:
+    """An exact resume needs the run's own manifest (S4); else ``ResumeError`` naming
+    each differing dotted field."""
     if saved.digest == current.digest:
-        return ResumePlan(ResumeKind.WARM_START if warm_start else ResumeKind.EXACT)
+        return
     differing = diff_manifests(saved, current)
-    if warm_start:
-        return ResumePlan(ResumeKind.WARM_START, differing)
     raise ResumeError(
         "the run's manifest differs from the resumed configuration in: "
         f"{', '.join(differing) or '(digest only)'}; resume with the original settings, "
@@ -74,29 +61,89 @@ def check_progress_digest(progress: dict[str, Any], manifest: Manifest, path: Pa
         )
 
 
-def choose_checkpoint(root: Path, from_path: Path | None = None) -> Path:
-    """The verified checkpoint a resume starts from: ``from_path`` or ``LATEST`` (S3, S6).
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resume starts: ``path`` (``None``: no checkpoint was ever published, so
+    window 0) and ``note``, what the user must be told about how it was chosen."""
 
-    Raises ``ResumeError`` when nothing was published, and ``CheckpointError`` naming
-    the damaged files (and the previous committed checkpoint, if any) when
-    verification fails.
+    path: Path | None
+    note: str | None = None
+
+
+def choose_resume_point(root: Path, from_path: Path | None = None) -> ResumePoint:
+    """Choose and verify the checkpoint a resume starts from (S3, S6, S8); see module doc.
+
+    Raises ``CheckpointError`` naming the damaged files (and the newest earlier
+    checkpoint that verifies, if any) when the chosen checkpoint fails verification,
+    or when checkpoints exist but none verifies.
     """
     root = Path(root)
-    path = Path(from_path) if from_path is not None else latest_checkpoint(root)
-    if path is None:
-        raise ResumeError(f"{root} holds no published checkpoint; start a new run with train")
+    if from_path is not None:
+        return ResumePoint(_verified(root, Path(from_path)))
+    try:
+        latest = latest_checkpoint(root)
+        why = "checkpoints/LATEST is missing" if latest is None else None
+    except CheckpointError as exc:
+        latest, why = None, str(exc).split(";")[0]
+    if latest is not None:
+        return ResumePoint(_verified(root, latest))
+    skipped: list[str] = []
+    for path in reversed(published_checkpoints(root)):
+        report = verify_checkpoint(path)
+        if report.ok:
+            note = f"{why}; resuming from {path.name}, the newest checkpoint that verifies"
+            if skipped:
+                note += f" (skipped: {'; '.join(skipped)})"
+            return ResumePoint(path, note)
+        skipped.append(f"{path.name}: {report.summary()}")
+    leftovers = _checkpoint_like(root)
+    if leftovers:
+        raise CheckpointError(
+            f"{why} and no checkpoint in {root} verifies ({'; '.join(skipped) or ', '.join(leftovers) + ' have no readable manifest'}); "
+            "nothing was changed; repair one, or start a new run with a new --out"
+        )
+    return ResumePoint(None, "no checkpoint was published yet; starting again from window 0 "
+                             "under the run's manifest")
+
+
+def _verified(root: Path, path: Path) -> Path:
     report = verify_checkpoint(path)
     if report.ok:
         return path
-    problems = [f"{p.file} is {p.status}" for p in report.parts if p.status != "ok"]
-    problems += report.problems
-    earlier = [p for p in list_checkpoints(root) if p.name != path.name]
-    hint = (
-        f"resume from an earlier checkpoint with --from {earlier[-1]}"
-        if earlier
-        else "no earlier committed checkpoint exists; start a new run"
-    )
-    raise CheckpointError(f"checkpoint {path} failed verification: {'; '.join(problems)}; {hint}")
+    earlier = next(
+        (p for p in reversed(published_checkpoints(root))
+         if p.name != path.name and verify_checkpoint(p).ok), None)
+    hint = (f"resume from an earlier checkpoint with --from {earlier}" if earlier
+            else "no other checkpoint verifies; start a new run")
+    raise CheckpointError(f"checkpoint {path} failed verification: {report.summary()}; {hint}")
+
+
+def _checkpoint_like(root: Path) -> list[str]:
+    """Visible directories under ``root`` other than the quarantine (maybe checkpoints)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir()
+                  if p.is_dir() and not p.name.startswith(".") and p.name != QUARANTINE)
+
+
+def check_journals(run_dir: Path, marks: Mapping[str, dict[str, Any]], checkpoint: str,
+                   earlier: Callable[[], str | None]) -> None:
+    """Every journal must begin with the bytes the checkpoint recorded (S8).
+
+    ``marks`` maps a journal's file name to its recorded mark; a journal that was
+    written further is fine (the tail after the checkpoint is dropped on resume).
+    A journal that lost or changed recorded lines raises ``ResumeError`` naming it;
+    ``earlier()`` names an earlier checkpoint whose marks hold, for the hint.
+    """
+    for filename, mark in marks.items():
+        problem = check_mark(Path(run_dir) / filename, mark)
+        if problem is None:
+            continue
+        fallback = earlier()
+        hint = (f"resume from {fallback} with --from, whose record still matches" if fallback
+                else "restore the file from a copy, or start a new run with --warm-start")
+        raise ResumeError(f"{Path(run_dir) / filename} does not match checkpoint {checkpoint}: "
+                          f"{problem}; nothing was changed; {hint}")
 
 
 class StopRequest:

@@ -1,14 +1,15 @@
-"""Chat data for a training run: the bridge from ``RunConfig`` to chat ``Example``s (R5, S1).
+"""Where a run's examples come from: ``load_bundle(cfg, tokenizer) -> DataBundle`` (R5, S1).
 
-``load_chat_data(cfg, tokenizer)`` reads ``data.source`` (``"arith"`` for the
-built-in demo, otherwise a chat JSONL path), compiles both splits with the chat
-policy and returns what the runner records: examples, the manifest's ``data`` and
-``representation`` sections (with the template hash), and, for the demo, the
-held-out conversations that ``heldout_accuracy`` scores at the end of a run.
+Text sources (the stdlib corpus, a JSONL of ``{"text": ...}``) are encoded as
+``BOS + bytes + EOS`` examples that own every target. Chat sources (``"arith"`` for
+the built-in demo, otherwise a chat JSONL path) are rendered once and owned on
+targets by the chat policy (R5), truncated to ``batch.seq_len`` with ``chat.empty``
+deciding empty conversations; for the demo, the held-out conversations that the
+end of a run scores come with the bundle.
 
-The policy comes from the run configuration's ``chat`` section and the demo's
-family from its ``arith`` section; a configuration without those sections gets
-the documented defaults (``ChatPolicy()``, ``ArithSpec()``).
+Both return the manifest's ``data`` and ``representation`` sections (S1). The
+policy comes from the configuration's ``chat`` section and the demo's family from
+its ``arith`` section; a configuration without them gets the documented defaults.
 """
 
 from __future__ import annotations
@@ -19,19 +20,16 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from exactstep.data.arith import (
-    ArithSpec,
-    arith_conversations,
-    greedy_answer_accuracy,
-)
+from exactstep.data.arith import ArithSpec, arith_conversations
 from exactstep.data.chat import (
     DEFAULT_TEMPLATE,
     Conversation,
     load_chat_jsonl,
 )
+from exactstep.data.corpus import load_corpus
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.rows.chat import ChatPolicy, chat_examples
-from exactstep.rows.example import DataBundle
+from exactstep.rows.example import DataBundle, encode_documents
 
 ARITH_SOURCE = "arith"
 
@@ -83,7 +81,38 @@ def split_conversations(
     return train, val, rule, None
 
 
-def load_chat_data(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
+def load_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
+    """Load and encode both splits of the run's data (text or chat, by ``data.kind``).
+
+    Raises ``DataError`` for a missing, malformed or empty source (file and line
+    named where there is one).
+    """
+    if cfg.data.kind == "chat":
+        return load_chat_bundle(cfg, tokenizer)
+    corpus = load_corpus(cfg.data)
+    section = {
+        "source": corpus.source,
+        "kind": cfg.data.kind,
+        "fingerprint": corpus.fingerprint,
+        "split": corpus.split_rule,
+        "train_documents": len(corpus.train),
+        "val_documents": len(corpus.val),
+    }
+    representation = {
+        "tokenizer": "bytes",
+        "tokenizer_hash": tokenizer.fingerprint(),
+        "special_ids": tokenizer.special_ids(),
+        "template_hash": None,
+    }
+    return DataBundle(
+        train=encode_documents(corpus.train, tokenizer),
+        val=encode_documents(corpus.val, tokenizer),
+        section=section,
+        representation=representation,
+    )
+
+
+def load_chat_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
     """Compile the run's chat data (R5): rendered once, owned on targets, truncated to
     ``batch.seq_len`` with ``chat.empty`` deciding empty conversations.
 
@@ -116,14 +145,3 @@ def load_chat_data(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
         "template_hash": DEFAULT_TEMPLATE.fingerprint(tokenizer),
     }
     return DataBundle(train, val, section, representation, heldout)
-
-
-def heldout_accuracy(run: Any) -> dict[str, Any]:
-    """End-of-run exact match of greedy last-turn answers on the held-out conversations."""
-    conversations = run.data.heldout_conversations
-    spec = arith_spec_of(run.cfg)
-    accuracy = greedy_answer_accuracy(
-        run.model, run.tokenizer, conversations,
-        device=run.device, max_new_tokens=spec.max_new_tokens,
-    )
-    return {"exact_match": accuracy, "exact_match_n": len(conversations)}

@@ -1,4 +1,4 @@
-"""Chat data for a run: splits, manifest sections, held-out scoring hook (R5, S1)."""
+"""A run's data sources: splits, manifest sections, held-out conversations (R5, S1)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
-from torch import nn
 
 from exactstep.config import RunConfig
 from exactstep.data.chat import DEFAULT_TEMPLATE, load_chat_jsonl
@@ -15,8 +13,8 @@ from exactstep.data.config import DataConfig
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import DataError
 from exactstep.rows.chat import ChatPolicy
-from exactstep.rows.chat_source import heldout_accuracy, is_val, load_chat_data
 from exactstep.rows.config import BatchConfig
+from exactstep.rows.sources import is_val, load_bundle
 
 TOK = ByteTokenizer()
 
@@ -26,16 +24,16 @@ def run_config(source: str, **data) -> RunConfig:
 
 
 def test_arith_source_gives_train_examples_heldout_and_template_hash():
-    data = load_chat_data(run_config("arith", max_docs=30), TOK)
+    data = load_bundle(run_config("arith", max_docs=30), TOK)
     assert len(data.train) == 30
     assert len(data.heldout_conversations) == len(data.val) > 0
     assert data.representation["template_hash"] == DEFAULT_TEMPLATE.fingerprint(TOK)
     assert data.section["chat_policy"] == {"turns": "all", "supervise_eot": True,
                                            "supervise_tool_calls": True, "empty": "drop"}
     assert data.section["chat_train"]["kept"] == 30
-    again = load_chat_data(run_config("arith", max_docs=30), TOK)
+    again = load_bundle(run_config("arith", max_docs=30), TOK)
     assert again.section["fingerprint"] == data.section["fingerprint"]
-    other_seed = load_chat_data(RunConfig(seed=1, data=DataConfig(source="arith", kind="chat", max_docs=30)), TOK)
+    other_seed = load_bundle(RunConfig(seed=1, data=DataConfig(source="arith", kind="chat", max_docs=30)), TOK)
     assert other_seed.section["fingerprint"] != data.section["fingerprint"]
 
 
@@ -50,7 +48,7 @@ def write_lines(path, n: int) -> None:
 def test_jsonl_source_is_split_by_content_hash_without_heldout_scoring(tmp_path):
     path = tmp_path / "c.jsonl"
     write_lines(path, 60)
-    data = load_chat_data(run_config(str(path), val_fraction=0.25), TOK)
+    data = load_bundle(run_config(str(path), val_fraction=0.25), TOK)
     conversations = load_chat_jsonl(path)
     n_val = sum(is_val(c, 0.25) for c in conversations)
     assert 0 < n_val < 60
@@ -63,29 +61,9 @@ def test_jsonl_errors_and_empty_policy_surface_as_data_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
     with pytest.raises(DataError, match="bad.jsonl:1"):
-        load_chat_data(run_config(str(bad)), TOK)
+        load_bundle(run_config(str(bad)), TOK)
     no_answer = tmp_path / "q.jsonl"
     no_answer.write_text('{"messages": [{"role": "user", "content": "x"}]}\n' * 40)
     cfg = SimpleNamespace(**{**vars(run_config(str(no_answer))), "chat": ChatPolicy(empty="error")})
     with pytest.raises(DataError, match="no supervised token"):
-        load_chat_data(cfg, TOK)
-
-
-class SilentModel(nn.Module):
-    """Ends its turn at once: every answer is empty, so exact match is 0."""
-
-    def forward(self, batch):
-        hidden = torch.zeros(*batch.input_ids.shape, TOK.vocab_size)
-        hidden[..., TOK.eos_id] = 1.0
-        return hidden
-
-    def logits(self, hidden):
-        return hidden
-
-
-def test_heldout_accuracy_reports_exact_match_and_count():
-    cfg = run_config("arith", max_docs=5)
-    data = load_chat_data(cfg, TOK)
-    data.heldout_conversations = data.heldout_conversations[:7]
-    run = SimpleNamespace(cfg=cfg, data=data, model=SilentModel(), tokenizer=TOK, device="cpu")
-    assert heldout_accuracy(run) == {"exact_match": 0.0, "exact_match_n": 7}
+        load_bundle(cfg, TOK)

@@ -1,0 +1,221 @@
+"""The Checkpointer: what the runner calls to save and restore a run's state (S2, S7).
+
+Built once per run with everything S2 names: the model, the update engine
+(optimizer, schedule, scaler, counters), the row stream (data cursor and packer
+remainder), the journals whose position a checkpoint records (``ledger.jsonl``,
+``metrics.jsonl``), and the run's manifest digest. Every RNG stream is captured at
+save time. The format is picked at construction: one process writes
+``state.checkpoint``'s safetensors format; a multi-rank job writes through the
+``MultiRankFormat`` it is given (``parallel.checkpoint``, over DCP). A restore picks
+the loader by the checkpoint's own format, so a migration between them works in
+both directions when the caller allows it (``reshard``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from exactstep.durable import Journal
+from exactstep.errors import CheckpointError, DistributedError, StorageError
+from exactstep.state.checkpoint import FORMAT, load_checkpoint, publish_checkpoint, read_part
+from exactstep.state.rng import capture_rng, restore_rng
+from exactstep.state.store import checkpoint_format
+
+# Checkpoint part names (what ``checkpoint verify`` reports) for the engine's state keys.
+ENGINE_PARTS = {"optimizer": "optimizer", "schedule": "scheduler", "precision": "scaler",
+                "counters": "counters"}
+
+
+class Context(Protocol):
+    rank: int
+    world_size: int
+    distributed: bool
+    is_main: bool
+
+
+class Engine(Protocol):
+    optimizer: torch.optim.Optimizer
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Stream(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class MultiRankFormat(Protocol):
+    """What a multi-rank checkpoint format offers (``parallel.checkpoint.DcpFormat``).
+
+    The runner hands one in; ``state`` never imports ``parallel`` (which builds on
+    ``state.store``), so the packages do not import each other.
+    """
+
+    format: str
+
+    def save(self, root: Path, name: str, *, model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer, common: dict[str, Any],
+             rank_state: dict[str, Any], keep: int) -> Path: ...
+    def load(self, path: Path, *, model: torch.nn.Module,
+             optimizer: torch.optim.Optimizer | None, reshard: bool) -> Any: ...
+    def read_progress(self, path: Path) -> dict[str, Any]: ...
+    def reshard_stream_state(self, old_data: list[Any], fresh: dict[str, Any]) -> dict: ...
+    def reshard_record(self, old_world: int, new_world: int, old_data: list[Any]) -> dict: ...
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where a restored run continues: ``next_window``, the journal marks the
+    checkpoint recorded (file name -> mark), and ledger events (a RESHARD record)."""
+
+    next_window: int
+    progress: dict[str, Any]
+    journals: dict[str, dict[str, Any]]
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def checkpoint_name(next_window: int) -> str:
+    return f"window-{next_window:08d}"
+
+
+class Checkpointer:
+    """``save(next_window)`` publishes S2 state; ``restore(path)`` loads it back."""
+
+    def __init__(self, root: Path, *, keep: int, model: torch.nn.Module, engine: Engine,
+                 stream: Stream, ctx: Context, manifest_digest: str,
+                 journals: dict[str, Journal] | None = None,
+                 multi_rank: MultiRankFormat | None = None) -> None:
+        if ctx.distributed and multi_rank is None:
+            raise ValueError("a multi-rank job needs a multi-rank checkpoint format")
+        self.root = Path(root)
+        self.keep = keep
+        self.model = model
+        self.engine = engine
+        self.stream = stream
+        self.ctx = ctx
+        self.manifest_digest = manifest_digest
+        self.journals = journals or {}
+        self.multi_rank = multi_rank
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, next_window: int) -> Path:
+        """Publish the state after ``next_window`` windows as ``window-<n>`` (S2, S3).
+
+        Journals are fsynced first, so the marks recorded are on disk. A failed write
+        raises ``StorageError`` saying the previous checkpoint is intact.
+        """
+        for journal in self.journals.values():
+            journal.sync()
+        name = checkpoint_name(next_window)
+        engine_state = self.engine.state_dict()
+        parts = {ENGINE_PARTS[k]: v for k, v in engine_state.items()}
+        parts["progress"] = {
+            "next_window": next_window,
+            "manifest_digest": self.manifest_digest,
+            "journals": {Path(j.path).name: j.mark() for j in self.journals.values()},
+        }
+        try:
+            if self.ctx.distributed:
+                assert self.multi_rank is not None
+                parts.pop("optimizer")
+                return self.multi_rank.save(
+                    self.root, name, model=self.model, optimizer=self.engine.optimizer,
+                    common=parts, rank_state={"rng": capture_rng(),
+                                              "data": self.stream.state_dict()},
+                    keep=self.keep)
+            parts["rng"] = capture_rng()
+            parts["data"] = self.stream.state_dict()
+            model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            return publish_checkpoint(self.root, name, model_state, parts, keep=self.keep)
+        except StorageError as exc:
+            raise StorageError(f"{exc}; free space and continue with: exactstep resume "
+                               f"{self.root.parent}") from None
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, path: Path, *, reshard: bool = False) -> Restored:
+        """Load a verified checkpoint into the model, engine, stream and RNG (S2, S7).
+
+        The checkpoint's own format decides the loader: a multi-rank checkpoint
+        loads through DCP even into one process, and a one-process checkpoint into
+        several ranks; either migration needs ``reshard``.
+        """
+        if checkpoint_format(path) != FORMAT:
+            return self._restore_multi_rank(path, reshard)
+        if self.ctx.world_size != 1 and not reshard:
+            raise DistributedError(
+                f"checkpoint {path.name} was written by 1 process but this job has "
+                f"{self.ctx.world_size}; relaunch with 1 process, or pass --reshard"
+            )
+        model_state, parts = load_checkpoint(path)
+        self.model.load_state_dict(model_state)
+        self.engine.load_state_dict({k: parts[name] for k, name in ENGINE_PARTS.items()})
+        restore_rng(parts["rng"])
+        events = []
+        if self.ctx.world_size == 1:
+            self.stream.load_state_dict(parts["data"])
+        else:
+            assert self.multi_rank is not None
+            fresh = self.stream.state_dict()
+            self.stream.load_state_dict(self.multi_rank.reshard_stream_state([parts["data"]],
+                                                                             fresh))
+            events.append(self.multi_rank.reshard_record(1, self.ctx.world_size,
+                                                         [parts["data"]]))
+        return _restored(parts["progress"], events)
+
+    def _restore_multi_rank(self, path: Path, reshard: bool) -> Restored:
+        multi_rank = self._multi_rank_format()
+        state = multi_rank.load(path, model=self.model, optimizer=self.engine.optimizer,
+                                reshard=reshard)
+        common = state.common
+        engine_state = {k: common[name] for k, name in ENGINE_PARTS.items() if name != "optimizer"}
+        engine_state["optimizer"] = self.engine.optimizer.state_dict()  # loaded by DCP above
+        self.engine.load_state_dict(engine_state)
+        events = []
+        if state.reshard is None:
+            self.stream.load_state_dict(state.rank_state["data"])
+        else:
+            fresh = self.stream.state_dict()
+            self.stream.load_state_dict(multi_rank.reshard_stream_state(state.old_data, fresh))
+            events.append(state.reshard)
+        restore_rng(state.rank_state["rng"])
+        return _restored(common["progress"], events)
+
+    def journal_marks(self, path: Path) -> dict[str, dict[str, Any]] | None:
+        """The journal marks a checkpoint recorded, or ``None`` if it cannot be read."""
+        try:
+            if checkpoint_format(path) == FORMAT:
+                progress = read_part(path, "progress")
+            else:
+                progress = self._multi_rank_format().read_progress(path)
+        except (CheckpointError, DistributedError):
+            return None
+        return dict(progress.get("journals", {}))
+
+    def _multi_rank_format(self) -> MultiRankFormat:
+        if self.multi_rank is None:
+            raise DistributedError("this checkpoint was written by several ranks; resume it "
+                                   "with --reshard (or under torchrun)")
+        return self.multi_rank
+
+
+def _restored(progress: dict[str, Any], events: list[dict[str, Any]]) -> Restored:
+    journals = dict(progress.get("journals", {}))
+    return Restored(int(progress["next_window"]), progress, journals, events)
+
+
+def load_weights(path: Path, model: torch.nn.Module,
+                 multi_rank: MultiRankFormat | None = None) -> None:
+    """Load only a checkpoint's weights into ``model`` (evaluation, warm start, E1)."""
+    if checkpoint_format(path) == FORMAT:
+        model.load_state_dict(load_checkpoint(path)[0])
+        return
+    if multi_rank is None:
+        raise DistributedError(f"{path} is a multi-rank checkpoint; no loader for it was given")
+    multi_rank.load(path, model=model, optimizer=None, reshard=True)
