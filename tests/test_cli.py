@@ -128,7 +128,16 @@ def test_inspect_shows_the_shift(tmp_path, capsys) -> None:
     assert "<bos>" in out
 
 
-def test_bench_list_names_the_benchmarks(capsys) -> None:
+def test_bench_list_is_exactly_the_shipped_benchmarks(capsys) -> None:
+    # the helper module is not a benchmark; names written out, not taken from the code
     code, out, _ = run_cli(["bench", "list"], capsys)
     assert code == 0
-    assert "packing" in out.split()
+    assert out.split() == ["attention", "checkpoint", "ddp", "loss", "packing", "step"]
+
+
+def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
+    code, _, err = run_cli(["bench", "nosuch"], capsys)
+    assert code == 2
+    assert err.strip() == ("error: unknown benchmark 'nosuch'; available: "
+                           "attention, checkpoint, ddp, loss, packing, step")
+

@@ -6,12 +6,14 @@ import argparse
 import importlib
 import json
 import os
+import pkgutil
 import sys
 from pathlib import Path
 
 from exactstep.errors import ExactstepError
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+BENCH_PACKAGE = "exactstep.bench"  # each module in it but the helpers is one benchmark
+BENCH_HELPERS = frozenset({"common"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("path", help="a checkpoint directory, or a run directory (uses LATEST)")
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side against a baseline")
-    bench.add_argument("name", help="benchmark name (a module in bench/); 'list' lists them")
+    bench.add_argument("name",
+                       help="benchmark name (a module of exactstep.bench); 'list' lists them")
     bench.add_argument("--quick", action="store_true", help="a smaller, faster measurement")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -162,8 +165,16 @@ def verify_command(path: Path) -> int:
 
 
 def bench_names() -> list[str]:
+    """The benchmarks shipped in ``exactstep.bench``, sorted: its modules minus helpers.
+
+    Found with ``pkgutil`` in the installed package (not a source-checkout path), so
+    ``exactstep bench`` works the same from a wheel; no benchmark is imported to list them.
+    """
+    package = importlib.import_module(BENCH_PACKAGE)
     return sorted(
-        p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in ("__init__", "common")
+        info.name
+        for info in pkgutil.iter_modules(package.__path__)
+        if not info.ispkg and info.name not in BENCH_HELPERS and not info.name.startswith("_")
     )
 
 
@@ -177,15 +188,12 @@ def bench_command(name: str, *, quick: bool, as_json: bool) -> int:
         return 0
     if name not in names:
         raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(names)}")
-    root = str(BENCH_DIR.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    module = importlib.import_module(f"bench.{name}")
+    module = importlib.import_module(f"{BENCH_PACKAGE}.{name}")
     figures = module.run(quick=quick)
     if as_json:
         print(json.dumps({"bench": name, "quick": quick, **figures}, sort_keys=True))
     else:
-        from bench.common import format_figures
+        from exactstep.bench.common import format_figures
 
         print(format_figures(name, figures))
     return 0
