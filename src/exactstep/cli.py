@@ -1,4 +1,9 @@
-"""The ``exactstep`` command (X2). Thin: parse, build, call; errors become one line (X4)."""
+"""The ``exactstep`` command (X2). Thin: parse, build, call; errors become one line (X4).
+
+Importing this module and parsing a command line import nothing heavy: torch and the
+training stack load only once a command runs (inside ``dispatch``), so a usage error,
+``--help`` and ``bench list`` answer at once (X4).
+"""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="continue a run exactly from its last checkpoint")
     resume.add_argument("run_dir", help="the run directory to continue")
     resume.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
-    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_arg(resume)
     resume.add_argument("--warm-start", metavar="NEW_DIR",
                         help="start a new run in NEW_DIR from the weights only (config may differ)")
     resume.add_argument("--no-progress", action="store_true")
@@ -67,8 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a TOML configuration file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one key, e.g. --set update.lr=1e-3 (repeatable)")
+    add_set_arg(p)
+
+
+def add_set_arg(p: argparse.ArgumentParser) -> None:
+    """``--set K=V [K=V ...]``, repeatable; ``args.overrides`` is every pair in order (X2).
+
+    Later pairs win over earlier ones (the config applies them in order). A value without
+    ``=`` is a usage error naming it, before anything is built.
+    """
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
+                   type=key_value, metavar="KEY=VALUE",
+                   help="override keys, e.g. --set update.lr=1e-3 train.steps=100 (repeatable)")
+
+
+def key_value(text: str) -> str:
+    """``text`` unchanged when it reads ``key=value`` with a non-empty key (argparse type)."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected KEY=VALUE (e.g. update.lr=3e-4), got {text!r}; "
+            "a positional argument such as RUN_DIR goes before --set"
+        )
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
