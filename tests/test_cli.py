@@ -128,7 +128,123 @@ def test_inspect_shows_the_shift(tmp_path, capsys) -> None:
     assert "<bos>" in out
 
 
-def test_bench_list_names_the_benchmarks(capsys) -> None:
+def test_bench_list_is_exactly_the_shipped_benchmarks(capsys) -> None:
+    # the helper module is not a benchmark; names written out, not taken from the code
     code, out, _ = run_cli(["bench", "list"], capsys)
     assert code == 0
-    assert "packing" in out.split()
+    assert out.split() == ["attention", "checkpoint", "ddp", "loss", "packing", "step"]
+
+
+def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
+    code, _, err = run_cli(["bench", "nosuch"], capsys)
+    assert code == 2
+    assert err.strip() == ("error: unknown benchmark 'nosuch'; available: "
+                           "attention, checkpoint, ddp, loss, packing, step")
+
+
+# ---------------------------------------------------------------- start-up cost (X4)
+
+
+def imported_top_modules(importtime_stderr: str) -> set[str]:
+    """Top-level package names in ``python -X importtime`` output."""
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            names.add(name.split(".")[0])
+    return names - {"package"}  # the header line
+
+
+def usage_error(stderr_lines: list[str], prog: str) -> str:
+    """argparse's usage error: ``prog``'s usage block, then one error line (returned)."""
+    *usage, error = [line for line in stderr_lines if line.strip()]
+    assert usage and usage[0].startswith(f"usage: {prog} "), stderr_lines
+    assert not any("error" in line for line in usage), stderr_lines
+    return error
+
+
+def run_importtime(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "importtime", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def without_importtime(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if not line.startswith("import time:")]
+
+
+def test_a_usage_error_does_not_import_torch() -> None:
+    proc = run_importtime(["-m", "exactstep", "train", "--bogus"])
+    assert proc.returncode == 2
+    # argparse reports an unknown option of a sub-command at the top level
+    assert usage_error(without_importtime(proc.stderr), "exactstep") == (
+        "exactstep: error: unrecognized arguments: --bogus")
+    imported = imported_top_modules(proc.stderr)
+    assert "exactstep" in imported  # the detector sees the package itself ...
+    assert not imported & {"torch", "numpy"}  # ... and nothing heavy
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["train", "--help"], ["resume", "--help"], ["bench", "--help"],
+     ["bench", "list"]],
+)
+def test_help_and_bench_list_do_not_import_torch(args) -> None:
+    proc = run_importtime(["-m", "exactstep", *args])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not without_importtime(proc.stderr)
+    assert "torch" not in imported_top_modules(proc.stderr)
+
+
+def test_the_import_detector_sees_torch() -> None:
+    # negative control: the check above fails for a command path that does load torch
+    proc = run_importtime(["-c", "import exactstep.runner"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch" in imported_top_modules(proc.stderr)
+
+
+# ------------------------------------------------------------------- --set forms (X2)
+
+
+@pytest.mark.parametrize("head", [["train"], ["inspect"], ["resume", "runs/r"]])
+def test_set_takes_several_pairs_after_one_flag_or_repeated_flags(head) -> None:
+    from exactstep.cli import build_parser
+
+    expected = ["update.lr=1e-3", "train.steps=7", "batch.rows=3"]
+    for form in (
+        ["--set", "update.lr=1e-3", "train.steps=7", "batch.rows=3"],
+        ["--set", "update.lr=1e-3", "--set", "train.steps=7", "--set", "batch.rows=3"],
+        ["--set", "update.lr=1e-3", "train.steps=7", "--set", "batch.rows=3"],
+    ):
+        args = build_parser().parse_args([*head, *form])
+        assert args.overrides == expected, form
+        if head[0] == "resume":
+            assert args.run_dir == "runs/r"
+
+
+def test_both_set_forms_reach_the_configuration() -> None:
+    from exactstep.cli import build_parser
+    from exactstep.config import load_config
+
+    for form in (["--set", "update.lr=1e-3", "train.steps=7"],
+                 ["--set", "update.lr=1e-3", "--set", "train.steps=7"]):
+        cfg = load_config(None, build_parser().parse_args(["train", *form]).overrides)
+        assert cfg.update.lr == 1e-3 and cfg.train.steps == 7, form
+
+
+@pytest.mark.parametrize(
+    ("argv", "bad"),
+    [(["train", "--set", "update.lr"], "update.lr"),
+     (["inspect", "--set", "batch.rows=2", "batch.seq_len"], "batch.seq_len"),
+     (["resume", "runs/r", "--set", "=3"], "=3"),
+     (["resume", "--set", "update.lr=1", "runs/r"], "runs/r")],
+)
+def test_a_set_value_without_equals_is_a_usage_error(capsys, argv, bad) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert usage_error(capsys.readouterr().err.splitlines(), f"exactstep {argv[0]}") == (
+        f"exactstep {argv[0]}: error: argument --set: expected KEY=VALUE "
+        f"(e.g. update.lr=3e-4), got {bad!r}; a positional argument such as RUN_DIR goes "
+        "before --set"
+    )
+

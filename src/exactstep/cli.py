@@ -1,4 +1,9 @@
-"""The ``exactstep`` command (X2). Thin: parse, build, call; errors become one line (X4)."""
+"""The ``exactstep`` command (X2). Thin: parse, build, call; errors become one line (X4).
+
+Importing this module and parsing a command line import nothing heavy: torch and the
+training stack load only once a command runs (inside ``dispatch``), so a usage error,
+``--help`` and ``bench list`` answer at once (X4).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,14 @@ import argparse
 import importlib
 import json
 import os
+import pkgutil
 import sys
 from pathlib import Path
 
 from exactstep.errors import ExactstepError
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+BENCH_PACKAGE = "exactstep.bench"  # each module in it but the helpers is one benchmark
+BENCH_HELPERS = frozenset({"common"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="continue a run exactly from its last checkpoint")
     resume.add_argument("run_dir", help="the run directory to continue")
     resume.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
-    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_arg(resume)
     resume.add_argument("--warm-start", metavar="NEW_DIR",
                         help="start a new run in NEW_DIR from the weights only (config may differ)")
     resume.add_argument("--no-progress", action="store_true")
@@ -54,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("path", help="a checkpoint directory, or a run directory (uses LATEST)")
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side against a baseline")
-    bench.add_argument("name", help="benchmark name (a module in bench/); 'list' lists them")
+    bench.add_argument("name",
+                       help="benchmark name (a module of exactstep.bench); 'list' lists them")
     bench.add_argument("--quick", action="store_true", help="a smaller, faster measurement")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -64,8 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a TOML configuration file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one key, e.g. --set update.lr=1e-3 (repeatable)")
+    add_set_arg(p)
+
+
+def add_set_arg(p: argparse.ArgumentParser) -> None:
+    """``--set K=V [K=V ...]``, repeatable; ``args.overrides`` is every pair in order (X2).
+
+    Later pairs win over earlier ones (the config applies them in order). A value without
+    ``=`` is a usage error naming it, before anything is built.
+    """
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
+                   type=key_value, metavar="KEY=VALUE",
+                   help="override keys, e.g. --set update.lr=1e-3 train.steps=100 (repeatable)")
+
+
+def key_value(text: str) -> str:
+    """``text`` unchanged when it reads ``key=value`` with a non-empty key (argparse type)."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected KEY=VALUE (e.g. update.lr=3e-4), got {text!r}; "
+            "a positional argument such as RUN_DIR goes before --set"
+        )
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,8 +192,16 @@ def verify_command(path: Path) -> int:
 
 
 def bench_names() -> list[str]:
+    """The benchmarks shipped in ``exactstep.bench``, sorted: its modules minus helpers.
+
+    Found with ``pkgutil`` in the installed package (not a source-checkout path), so
+    ``exactstep bench`` works the same from a wheel; no benchmark is imported to list them.
+    """
+    package = importlib.import_module(BENCH_PACKAGE)
     return sorted(
-        p.stem for p in BENCH_DIR.glob("*.py") if p.stem not in ("__init__", "common")
+        info.name
+        for info in pkgutil.iter_modules(package.__path__)
+        if not info.ispkg and info.name not in BENCH_HELPERS and not info.name.startswith("_")
     )
 
 
@@ -178,15 +215,12 @@ def bench_command(name: str, *, quick: bool, as_json: bool) -> int:
         return 0
     if name not in names:
         raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(names)}")
-    root = str(BENCH_DIR.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    module = importlib.import_module(f"bench.{name}")
+    module = importlib.import_module(f"{BENCH_PACKAGE}.{name}")
     figures = module.run(quick=quick)
     if as_json:
         print(json.dumps({"bench": name, "quick": quick, **figures}, sort_keys=True))
     else:
-        from bench.common import format_figures
+        from exactstep.bench.common import format_figures
 
         print(format_figures(name, figures))
     return 0

@@ -19,7 +19,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from bench.common import interleaved_times, median
+from exactstep.bench.common import interleaved_times, median
 from exactstep.model.attention import attend_fused, prepare_visibility
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
@@ -151,6 +151,6 @@ def run(quick: bool) -> dict:
 
 
 if __name__ == "__main__":
-    from bench.common import format_figures
+    from exactstep.bench.common import format_figures
 
     print(format_figures("attention", run(quick=True)))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bench.common import interleaved_times, median
+from exactstep.bench.common import interleaved_times, median
 from exactstep.state.checkpoint import load_checkpoint, publish_checkpoint
 from exactstep.state.rng import capture_rng
 

@@ -1,6 +1,6 @@
 """Shared helpers for benchmarks: interleaved timing and one output convention.
 
-Every benchmark module in ``bench/`` defines ``run(quick: bool) -> dict`` returning
+Every benchmark module in ``exactstep.bench`` defines ``run(quick: bool) -> dict`` returning
 plainly named figures (``time_ratio``, ``memory_ratio``, ``speedup``,
 ``tokens_per_s`` ...) measured against a baseline in the same process, and a
 one-paragraph ``__doc__``. ``exactstep bench NAME [--quick] [--json]`` prints them.

@@ -16,7 +16,7 @@ gradients included. Children run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed a
 blocks leave the resident set at once (otherwise the heap keeps them and the figure
 depends on allocation history). Where the counter cannot be reset the child skips the warm-up and
 uses ``getrusage`` peak RSS instead (reported as ``memory_method``). Wall time is the
-median of interleaved runs (``bench.common.interleaved_times``) in one process.
+median of interleaved runs (``exactstep.bench.common.interleaved_times``) in one process.
 
 Figures: ``memory_ratio`` (fused / naive peak extra, target <= 0.25), ``time_ratio``
 (fused / naive wall time, target <= 1.2), ``fused_growth_per_row_bytes`` when N
@@ -37,6 +37,7 @@ from pathlib import Path
 FULL = {"rows": 8192, "vocab": 32000, "hidden": 512, "chunk_rows": 1024, "repeats": 3}
 QUICK = {"rows": 1024, "vocab": 8000, "hidden": 128, "chunk_rows": 256, "repeats": 3}
 TRAIN_SHAPE = {"rows": 4096, "vocab": 259, "hidden": 256, "chunk_rows": 1024}
+CHILD_MODULE = "exactstep.bench.loss"  # each child runs ``python -m CHILD_MODULE ...``
 
 
 def run(quick: bool) -> dict:
@@ -87,10 +88,14 @@ def run(quick: bool) -> dict:
 
 
 def child(kind: str, mode: str, N: int, V: int, H: int, C: int, repeats: int = 3) -> dict:
-    """Run one measurement in a fresh interpreter and return its JSON result."""
+    """Run one measurement in a fresh interpreter and return its JSON result.
+
+    The child is started as ``python -m exactstep.bench.loss``, so it finds this module
+    wherever the package is installed (no path of a source checkout is assumed)."""
     args = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        "-m",
+        CHILD_MODULE,
         kind,
         mode,
         str(N),
@@ -191,8 +196,7 @@ def measure_memory(mode: str, N: int, V: int, H: int, C: int) -> dict:
 
 
 def measure_time(N: int, V: int, H: int, C: int, repeats: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.common import interleaved_times, median
+    from exactstep.bench.common import interleaved_times, median
 
     hidden, weight, labels = make_inputs(N, V, H)
     fused = make_step("fused", hidden, weight, labels, C)

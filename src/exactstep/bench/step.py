@@ -20,7 +20,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from bench.common import interleaved_times, median
+from exactstep.bench.common import interleaved_times, median
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.common import interleaved_times, median
+from exactstep.bench.common import interleaved_times, median
 from exactstep.rows.causal import compile_causal_batch
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
@@ -103,6 +103,6 @@ def run(quick: bool) -> dict:
 
 
 if __name__ == "__main__":
-    from bench.common import format_figures
+    from exactstep.bench.common import format_figures
 
     print(format_figures("packing", run(quick=True)))
