@@ -192,9 +192,12 @@ class Journal:
     def append(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False)
                 + "\n").encode("utf-8")
-        with open(self.path, "ab") as fh:
-            fh.write(line)
-            fh.flush()
+        try:
+            with open(self.path, "ab") as fh:
+                fh.write(line)
+                fh.flush()
+        except OSError as exc:  # name the file: a flush error carries no filename
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
         self._hash.update(line)
         self._lines += 1
         self._bytes += len(line)

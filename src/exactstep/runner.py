@@ -327,13 +327,13 @@ def resume(
     if warm_start_dir is not None:
         return warm_start(run_dir, old, cfg, warm_start_dir, from_checkpoint, progress)
     ensure_writable_dir(run_dir, "run directory")
+    point = choose_resume_point(Path(run_dir) / "checkpoints", from_checkpoint)
     run = build_run(cfg, run_dir)
     try:
         if reshard and set(diff_manifests(old, run.manifest)) <= {"parallel.world_size"}:
             run.manifest = old
             run.checkpointer.manifest_digest = old.digest
         require_same_manifest(old, run.manifest)
-        point = choose_resume_point(run.checkpoints, from_checkpoint)
         next_window, events, marks = 0, [], {}
         if point.path is not None:
             restored = run.checkpointer.restore(point.path, reshard=reshard)
