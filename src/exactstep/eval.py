@@ -1,8 +1,9 @@
 """Evaluation with isolation (E1), perplexity from global sums (L5), greedy decoding.
 
-``evaluate`` switches the model to eval mode under ``torch.no_grad``, forks the RNG
-streams so evaluation consumes no randomness of the training run, and restores the
-model's previous mode afterwards. It touches no optimizer, scheduler, scaler or
+``evaluate`` switches the model to eval mode under ``torch.no_grad``, isolates every
+RNG stream a run draws from (Python, NumPy, torch CPU and CUDA: ``state.rng``) so
+evaluation consumes no randomness of the training run, and restores every module's
+previous train/eval mode afterwards. It touches no optimizer, scheduler, scaler or
 progress state: it only reads parameters.
 
 ``Validator`` is the component a run calls for held-out figures (mid-run records,
@@ -13,8 +14,9 @@ and its data (no optimizer, engine or process group).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.stream import eval_batches
+from exactstep.state.rng import isolated_rng
 
 LN2 = math.log(2.0)
 
@@ -68,16 +71,18 @@ def evaluate(
 ) -> EvalResult:
     """Sum gold NLL over held-out batches until ``max_tokens`` targets are seen.
 
-    The sums are accumulated on the device and read once at the end (U7 spirit).
+    Isolation (E1): the forward runs in eval mode under ``torch.no_grad`` inside
+    ``isolated_rng``; on return (or on an error) every RNG stream and every module's
+    ``training`` flag are what they were before the call (a submodule frozen in eval
+    mode inside a training model stays so), no gradient is created and nothing but
+    parameters is read. The sums are accumulated on the device and read once at the
+    end (U7 spirit).
     """
     cfg = ObjectiveConfig(label_smoothing=0.0)
-    was_training = model.training
-    model.eval()
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
-    devices = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with _eval_mode(model):
+        with isolated_rng(), torch.no_grad():
             for batch in batches:
                 if tokens >= max_tokens:
                     break
@@ -96,9 +101,19 @@ def evaluate(
                 )
                 nll_sum += gold.double().sum()
                 tokens += n
-    finally:
-        model.train(was_training)
     return EvalResult(gold_nll_sum=float(nll_sum), tokens=tokens)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Every module in eval mode inside; each module's own prior mode restored after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def unigram_bits(
@@ -241,8 +256,9 @@ def greedy_answer_accuracy(
 
     The prompt is every earlier message plus the assistant header; an answer counts
     only if the model emits exactly the expected tokens and then the end-of-turn
-    marker within ``max_new_tokens``. Runs in eval mode under ``no_grad`` and restores
-    the model's previous mode (E1). Raises ``DataError`` on an empty set.
+    marker within ``max_new_tokens``. Runs in eval mode under ``no_grad`` inside
+    ``isolated_rng`` (every RNG stream is restored afterwards) and restores the model's
+    previous mode (E1). Raises ``DataError`` on an empty set.
     """
     if not conversations:
         raise DataError("greedy_answer_accuracy needs at least one held-out conversation")
@@ -256,12 +272,15 @@ def greedy_answer_accuracy(
         model.eval()
     try:
         correct = 0
-        for group in by_length.values():
-            for start in range(0, len(group), batch_size):
-                chunk = group[start : start + batch_size]
-                prompts = torch.tensor([p for p, _ in chunk], dtype=torch.int64, device=device)
-                answers = _greedy_continue(model, prompts, tokenizer.eos_id, max_new_tokens)
-                correct += sum(got == want for got, (_, want) in zip(answers, chunk, strict=True))
+        with isolated_rng():  # a stochastic layer must not move the run's streams (E1)
+            for group in by_length.values():
+                for start in range(0, len(group), batch_size):
+                    chunk = group[start : start + batch_size]
+                    prompts = torch.tensor([p for p, _ in chunk], dtype=torch.int64, device=device)
+                    answers = _greedy_continue(model, prompts, tokenizer.eos_id, max_new_tokens)
+                    correct += sum(
+                        got == want for got, (_, want) in zip(answers, chunk, strict=True)
+                    )
     finally:
         if hasattr(model, "train"):
             model.train(was_training)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exactstep.config import load_config
 from exactstep.errors import ConfigError
 from exactstep.update.config import UpdateConfig
 from exactstep.update.schedule import Schedule, build_schedule
@@ -124,10 +125,27 @@ def test_state_round_trip_u5_s2():
 def test_horizon_defaults_u5():
     cfg = UpdateConfig(schedule="cosine", clock="updates", decay_steps=0)
     assert build_schedule(cfg, total_windows=77).horizon == 77
-    tokens_cfg = UpdateConfig(schedule="cosine", clock="tokens", decay_steps=0)
-    assert build_schedule(tokens_cfg, 10, tokens_per_window=100).horizon == 1000
-    with pytest.raises(ConfigError, match="update.decay_steps"):
-        build_schedule(tokens_cfg, 10)
+    tokens_cfg = UpdateConfig(schedule="cosine", clock="tokens", decay_steps=1000)
+    # the token horizon is the declared one; a slot estimate is never used
+    assert build_schedule(tokens_cfg, 10, tokens_per_window=7).horizon == 1000
+
+
+@pytest.mark.parametrize("family", ["cosine", "wsd"])
+def test_token_clock_without_token_horizon_is_refused_at_config_time_u5(family):
+    """The run's supervised-token count is unknown in advance: no silent estimate."""
+    with pytest.raises(ConfigError, match=r"update\.decay_steps.*supervised tokens"):
+        UpdateConfig(schedule=family, clock="tokens", decay_steps=0)
+    with pytest.raises(ConfigError, match=r"update\.clock = 'tokens'"):
+        load_config(overrides=["update.clock=tokens"])  # the default family is cosine
+
+
+@pytest.mark.parametrize("family", ["constant", "noam", "inverse_sqrt"])
+def test_families_without_a_horizon_need_none_on_the_token_clock_u5(family):
+    s = build_schedule(
+        UpdateConfig(lr=1.0, schedule=family, clock="tokens", warmup=4, decay_steps=0), 10
+    )
+    assert s.horizon is None
+    assert s.lr_at(3) == schedule(family, warmup=4).lr_at(3)  # horizon never read
 
 
 def test_invalid_schedule_settings_name_the_key():
@@ -135,3 +153,34 @@ def test_invalid_schedule_settings_name_the_key():
         UpdateConfig(decay_fraction=1.5)
     with pytest.raises(ConfigError, match="update.momentum"):
         UpdateConfig(momentum=1.0)
+
+
+def test_token_clock_decay_ends_at_the_declared_supervised_tokens_u5():
+    """Padded windows (4 supervised targets in 6 slots each) through the real engine:
+    the lr follows the closed-form cosine in committed supervised tokens and reaches
+    ``min_lr_ratio * lr`` once ``decay_steps`` tokens are committed. Negative control:
+    the horizon the run used to estimate (windows x slots) is still decaying there."""
+    from update_support import IGNORE_INDEX, make_batch, make_engine
+
+    peak, floor, horizon, windows, slots = 1e-2, 0.1, 12, 5, 6
+    engine = make_engine(schedule="cosine", clock="tokens", warmup=0, decay_steps=horizon,
+                         lr=peak, min_lr_ratio=floor)
+    x = IGNORE_INDEX
+
+    def closed_form(tokens: int) -> float:
+        progress = min(tokens, horizon) / horizon
+        return peak * (floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2)
+
+    used = [
+        engine.run_window([make_batch([[1, 2, 3, 4, 5, 0]], [[2, 3, 4, 5, x, x]])], w).lr
+        for w in range(windows)
+    ]
+    clock = [0, 4, 8, 12, 16]  # supervised tokens committed before each window
+    assert used == pytest.approx([closed_form(c) for c in clock], rel=1e-12, abs=0)
+    assert used[3] == pytest.approx(floor * peak, rel=1e-12) and used[4] == used[3]
+    assert engine.schedule.tokens == 20 and engine.schedule.updates == windows
+
+    slot_estimate = Schedule(UpdateConfig(schedule="cosine", clock="tokens", warmup=0,
+                                          decay_steps=horizon, lr=peak, min_lr_ratio=floor),
+                             windows * slots)
+    assert slot_estimate.lr_at(12) != pytest.approx(closed_form(12), rel=1e-3)

@@ -20,9 +20,13 @@ whatever key order the source file used. A generation prompt is the rendering of
 earlier messages followed by the assistant header; the model then answers and ends
 its turn with ``<eos>``.
 
+A conversation may carry an optional numeric ``"weight"`` beside ``"messages"`` (L3);
+it is part of the conversation's JSON (so of the data fingerprint).
+
 Failure modes: ``load_chat_jsonl`` raises ``DataError`` naming the file and line for
 bad JSON, a missing or empty ``messages`` list, an unknown role, a missing or
-non-string ``content``, or malformed ``tool_calls``.
+non-string ``content``, malformed ``tool_calls``, or a ``weight`` that is not a
+finite number >= 0.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from exactstep.data.weights import parse_weight
 from exactstep.errors import DataError
 
 ROLE_NAMES = ("system", "user", "assistant", "tool")
@@ -96,13 +101,18 @@ class Message:
 
 @dataclass(frozen=True)
 class Conversation:
-    """An ordered, non-empty tuple of messages; ``name`` says where it came from."""
+    """An ordered, non-empty tuple of messages; ``name`` says where it came from;
+    ``weight`` is the conversation's L3 weight (``None`` when the source gives none)."""
 
     messages: tuple[Message, ...]
     name: str = ""
+    weight: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"messages": [m.to_json() for m in self.messages]}
+        out: dict[str, Any] = {"messages": [m.to_json() for m in self.messages]}
+        if self.weight is not None:
+            out["weight"] = self.weight
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,7 +230,7 @@ def parse_conversation(obj: Any, where: str) -> Conversation:
     if not isinstance(raw, list) or not raw:
         raise DataError(f'{where}: "messages" must be a non-empty list of messages')
     messages = tuple(_parse_message(m, f"{where}: message {k}") for k, m in enumerate(raw))
-    return Conversation(messages=messages, name=where)
+    return Conversation(messages=messages, name=where, weight=parse_weight(obj, where))
 
 
 def _parse_message(raw: Any, where: str) -> Message:

@@ -10,9 +10,12 @@ Invariants:
 - ``fingerprint`` is a sha256 over every document's name and UTF-8 bytes (train then
   validation, each in order, each field length-prefixed), recorded in the manifest.
 - Empty documents are skipped and counted (``skipped_empty``); they carry no tokens.
+- A JSONL line may carry an optional ``"weight"`` (L3, ``exactstep.data.weights``);
+  when any document has one, the fingerprint covers every document's weight too.
 
 Failure modes (all ``DataError`` naming the file, line or setting to change): a missing
-file, a line that is not JSON, a line without a string ``"text"``, a corpus with no
+file, a line that is not JSON, a line without a string ``"text"``, a ``"weight"`` that
+is not a finite number >= 0, a corpus with no
 non-empty document, and an empty train or validation split.
 """
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exactstep.data.config import DataConfig
+from exactstep.data.weights import parse_weight
 from exactstep.errors import ConfigError, DataError
 
 STDLIB_SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
@@ -35,10 +39,12 @@ STDLIB_SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", 
 
 @dataclass(frozen=True)
 class Document:
-    """One document: a stable ``name`` (used for the split) and its ``text``."""
+    """One document: a stable ``name`` (used for the split), its ``text`` and, when the
+    source gives one, its ``weight`` (L3; ``None`` when absent)."""
 
     name: str
     text: str
+    weight: float | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,8 @@ def read_text(path: Path) -> str:
 
 
 def read_jsonl(path: Path) -> list[Document]:
-    """Documents from ``{"text": str}`` lines, named ``<file>:<line>``; blank lines skipped."""
+    """Documents from ``{"text": str}`` lines (optional ``"weight"``, L3), named
+    ``<file>:<line>``; blank lines skipped."""
     if not path.is_file():
         raise DataError(
             f"data file {path} does not exist; set data.source to 'stdlib' or an existing .jsonl file"
@@ -139,13 +146,13 @@ def read_jsonl(path: Path) -> list[Document]:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
-            documents.append(
-                Document(name=f"{path.name}:{line_no}", text=text_of(line, path, line_no))
-            )
+            text, weight = text_of(line, path, line_no)
+            documents.append(Document(name=f"{path.name}:{line_no}", text=text, weight=weight))
     return documents
 
 
-def text_of(line: str, path: Path, line_no: int) -> str:
+def text_of(line: str, path: Path, line_no: int) -> tuple[str, float | None]:
+    """The line's ``"text"`` and its optional ``"weight"`` (validated, L3)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -160,7 +167,7 @@ def text_of(line: str, path: Path, line_no: int) -> str:
         raise DataError(
             f'{path} line {line_no}: "text" must be a string, got {type(record["text"]).__name__}'
         )
-    return record["text"]
+    return record["text"], parse_weight(record, f"{path}:{line_no}")
 
 
 def keep_non_empty(documents: list[Document], max_docs: int) -> tuple[list[Document], int]:
@@ -206,7 +213,12 @@ def check_split(train: tuple[Document, ...], val: tuple[Document, ...], cfg: Dat
 
 
 def corpus_fingerprint(train: tuple[Document, ...], val: tuple[Document, ...]) -> str:
-    """sha256 over (split tag, name, bytes) of every document, length-prefixed."""
+    """sha256 over (split tag, name, bytes) of every document, length-prefixed.
+
+    When any document carries a weight, every document's weight (``repr`` of the
+    float, empty when absent) follows in the same order, so changing a weight changes
+    the fingerprint while a corpus without weights keeps its fingerprint.
+    """
     h = hashlib.sha256()
     for tag, docs in ((b"train", train), (b"val", val)):
         h.update(tag)
@@ -215,4 +227,10 @@ def corpus_fingerprint(train: tuple[Document, ...], val: tuple[Document, ...]) -
             for field in (doc.name.encode("utf-8"), doc.text.encode("utf-8")):
                 h.update(len(field).to_bytes(8, "big"))
                 h.update(field)
+    if any(doc.weight is not None for doc in train + val):
+        h.update(b"weights")
+        for doc in train + val:
+            field = b"" if doc.weight is None else repr(doc.weight).encode("ascii")
+            h.update(len(field).to_bytes(8, "big"))
+            h.update(field)
     return h.hexdigest()

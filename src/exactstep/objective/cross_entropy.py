@@ -287,7 +287,9 @@ class _FusedWeightedSum(torch.autograd.Function):
                 ce_n, nll_n, logp_nV = chunk_losses(z_nV, gold_n, valid_n, sm)
                 del z_nV
                 numerator += torch.dot(coeff_n, ce_n)
-                nll_sum += nll_n.sum()
+                # the same kernel as the numerator: under token_mean without smoothing
+                # (coeff = supervised mask, ce = nll) both sums agree bit for bit (L2)
+                nll_sum += torch.dot(valid_n.to(acc), nll_n)
                 if need_h or need_w:
                     dz = logit_grad_from_logp_(logp_nV, gold_n, coeff_n, sm)
                     accumulate_head_grads(

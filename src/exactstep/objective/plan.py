@@ -16,6 +16,13 @@ weighted            w_r                       w_r              sum of weights
 weighted_count      w_r                       1                supervised rows
 ==================  ========================  ===============  ========================
 
+``w_r`` is ``batch.weights[b, t]``: the weight of the example that owns row ``r``
+(its source's ``"weight"``), written by the compiler on every column of every piece
+of that example (``rows.causal``). So one example of weight ``w`` and ``n`` supervised
+rows adds ``w * n`` to ``D`` under ``weighted`` wherever its pieces landed (several
+rows, other microbatches), and never the weight of whatever shares its physical row.
+A microbatch with no supervised row needs no weights (an empty distributed filler).
+
 ``n_doc`` counts a document's supervised rows over the whole window, wherever its
 pieces landed (several rows, packed beside other documents, other microbatches): a
 document is an ``example_id`` of ``batch.segments`` (R6), never a physical row. A
@@ -159,7 +166,8 @@ def reduction_coefficients(
         return per_doc, per_doc
     if reduction in ("weighted", "weighted_count"):
         weights = [
-            row_weights(b, mask, m) for m, (b, mask) in enumerate(zip(batches, masks, strict=True))
+            row_weights(b, mask, m, reduction)
+            for m, (b, mask) in enumerate(zip(batches, masks, strict=True))
         ]
         return weights, (weights if reduction == "weighted" else ones)
     raise ObjectiveError(
@@ -168,12 +176,21 @@ def reduction_coefficients(
     )
 
 
-def row_weights(batch: Batch, mask: torch.Tensor, microbatch: int) -> torch.Tensor:
-    """``w_r`` on supervised rows (0 elsewhere), validated: finite and non-negative."""
+def row_weights(
+    batch: Batch, mask: torch.Tensor, microbatch: int, reduction: str = "weighted"
+) -> torch.Tensor:
+    """``w_r`` on supervised rows (0 elsewhere), validated: finite and non-negative.
+
+    ``batch.weights`` may be ``None`` only when no row of the microbatch is supervised.
+    """
     if batch.weights is None:
+        if not bool(mask.any()):
+            return torch.zeros(mask.shape, dtype=torch.float32)
         raise ObjectiveError(
-            f"microbatch {microbatch} has no per-row weights; objective.reduction="
-            "weighted/weighted_count needs batch.weights (or use token_mean)"
+            f"microbatch {microbatch} has supervised rows but no weights; "
+            f"objective.reduction = '{reduction}' needs a numeric \"weight\" field on "
+            "every example of the data (each text JSONL line or chat conversation), "
+            "or set objective.reduction = token_mean"
         )
     if tuple(batch.weights.shape) != tuple(mask.shape):
         raise ObjectiveError(

@@ -11,6 +11,7 @@ import torch
 
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.cross_entropy import fused_weighted_sum, logits_row_losses
+from exactstep.rows.batch import IGNORE_INDEX
 
 Tensor = torch.Tensor
 
@@ -62,4 +63,6 @@ def logits_microbatch_terms(
         logits_BTV.reshape(-1, V), labels_BT.reshape(-1), cfg, pad_id=pad_id, rows_index=rows_index
     )
     coeff_N = coeff_BT.reshape(-1).to(ce_N.device, non_blocking=True)
-    return torch.dot(coeff_N.to(ce_N.dtype), ce_N), nll_N.sum()
+    supervised_N = (labels_BT.reshape(-1) != IGNORE_INDEX).to(nll_N.dtype)
+    # one kernel for both sums: equal bit for bit under token_mean without smoothing (L2)
+    return torch.dot(coeff_N.to(ce_N.dtype), ce_N), torch.dot(supervised_N, nll_N)

@@ -13,7 +13,11 @@ Semantics of one segment holding tokens ``[a, a + L)`` of an example, at columns
   ``IGNORE_INDEX``;
 - positions restart at 0 per segment (``positions = "reset"``) or equal the column
   (``"continue"``); segment ids are 1, 2, ... per row and 0 on padding;
-- padding: input ``pad_id``, label ``IGNORE_INDEX``, position 0, segment 0.
+- padding: input ``pad_id``, label ``IGNORE_INDEX``, position 0, segment 0;
+- weights (``weighted=True``, L3): every column of the segment gets its example's
+  ``weight``, so each supervised row carries the weight of the example that owns it,
+  in every piece of a split example; padding gets 0. Under ``boundary = "keep"`` the
+  kept boundary target carries the left segment's weight.
 
 Loss ownership is only in ``labels``; visibility is only in ``segment_ids`` and
 ``causal`` (R2). Arrays are built in NumPy and handed to torch without copying.
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from exactstep.errors import DataError
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.example import Example
 from exactstep.rows.packing import Piece
@@ -39,13 +44,19 @@ def compile_causal_batch(
     pad_id: int,
     boundary: str = "ignore",
     positions: str = "reset",
+    weighted: bool = False,
 ) -> Batch:
-    """One ``Batch`` of ``len(rows)`` rows x ``seq_len`` columns (see module doc)."""
+    """One ``Batch`` of ``len(rows)`` rows x ``seq_len`` columns (see module doc).
+
+    With ``weighted`` the batch carries ``weights`` [B, T] float32 from the examples'
+    ``weight``; an example without one then raises ``DataError``.
+    """
     n_rows = len(rows)
     input_ids = np.full((n_rows, seq_len), pad_id, dtype=np.int64)  # [B, T]
     labels = np.full((n_rows, seq_len), IGNORE_INDEX, dtype=np.int64)  # [B, T]
     position_ids = np.zeros((n_rows, seq_len), dtype=np.int64)  # [B, T]
     segment_ids = np.zeros((n_rows, seq_len), dtype=np.int32)  # [B, T]
+    weights = np.zeros((n_rows, seq_len), dtype=np.float32) if weighted else None  # [B, T]
     columns = np.arange(seq_len, dtype=np.int64)  # [T]
     all_segments = []
     for r, row in enumerate(rows):
@@ -65,6 +76,8 @@ def compile_causal_batch(
                 columns[:length] if positions == "reset" else columns[start:stop]
             )
             segment_ids[r, start:stop] = s
+            if weights is not None:
+                weights[r, start:stop] = example_weight(example)
             segments.append(Segment(example.example_id, piece.piece, a, start, length))
             start = stop
         if boundary == "keep":
@@ -77,4 +90,15 @@ def compile_causal_batch(
         position_ids=torch.from_numpy(position_ids),
         segment_ids=torch.from_numpy(segment_ids),
         segments=tuple(all_segments),
+        weights=None if weights is None else torch.from_numpy(weights),
     )
+
+
+def example_weight(example: Example) -> float:
+    """The example's L3 weight; ``DataError`` when a weighted batch meets one without."""
+    if example.weight is None:
+        raise DataError(
+            f"example {example.example_id} has no \"weight\" but the batch is weighted; "
+            'give every example a "weight" (objective.reduction = weighted*)'
+        )
+    return example.weight

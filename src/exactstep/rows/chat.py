@@ -127,7 +127,8 @@ def chat_example(
     """Render, own and truncate one conversation.
 
     Keeps the first ``max_len`` tokens (a row of ``max_len`` columns then holds the
-    whole example, every kept target with its predecessor row). Returns ``None`` when
+    whole example, every kept target with its predecessor row). The conversation's
+    ``weight`` (L3) becomes the example's. Returns ``None`` when
     no supervised target remains and ``policy.empty == "drop"``; raises ``DataError``
     naming the conversation when ``policy.empty == "error"``.
     """
@@ -150,7 +151,9 @@ def chat_example(
     report.targets_cut += cut_targets
     report.supervised_targets += int(owned.sum())
     report.tokens += int(tokens.shape[0])
-    return Example(example_id=example_id, tokens=tokens.copy(), owned=owned.copy())
+    return Example(
+        example_id=example_id, tokens=tokens.copy(), owned=owned.copy(), weight=conversation.weight
+    )
 
 
 def _empty(

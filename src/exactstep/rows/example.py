@@ -5,6 +5,12 @@ supervised *targets* (``owned[j]`` is ``a_j`` of R5); a compiler turns target ow
 into row ownership by the shift (``l_i = a_(i+1)``, R1). Text examples own every token
 but the first; a chat template decides ownership per token (R5); other families (R8)
 build their own examples and compilers on the same type.
+
+An example may carry a ``weight`` from its source (L3): the compilers give every
+column of every piece of the example that weight, so ``Batch.weights`` is the
+example's weight on each of its supervised rows, however packing cut and placed it.
+``require_weights`` refuses a weighted reduction over examples without weights
+before a run starts.
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ import numpy as np
 
 from exactstep.data.corpus import Document
 from exactstep.data.tokenizer import ByteTokenizer
+from exactstep.errors import ConfigError
+
+# Reductions whose coefficients are the examples' weights (L3).
+WEIGHTED_REDUCTIONS = ("weighted", "weighted_count")
 
 
 @dataclass(frozen=True)
@@ -28,11 +38,13 @@ class Example:
     ``owned``: bool ``[n]``; ``owned[j]`` means token ``j`` is a supervised target.
     ``None`` means every token but the first. ``owned[0]`` can never be an in-example
     target (no row of the example precedes it).
+    ``weight``: the example's L3 weight (finite, >= 0) from its source, or ``None``.
     """
 
     example_id: int
     tokens: np.ndarray  # [n] int64
     owned: np.ndarray | None = None  # [n] bool
+    weight: float | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -48,13 +60,46 @@ class Example:
 
 
 def encode_documents(docs: Sequence[Document], tokenizer: ByteTokenizer) -> list[Example]:
-    """``BOS + UTF-8 bytes + EOS`` per document; ``example_id`` = position in ``docs``."""
+    """``BOS + UTF-8 bytes + EOS`` per document; ``example_id`` = position in ``docs``;
+    the document's weight (if any) carried over."""
     head = np.array([tokenizer.bos_id], dtype=np.int64)
     tail = np.array([tokenizer.eos_id], dtype=np.int64)
     return [
-        Example(example_id=i, tokens=np.concatenate([head, tokenizer.encode_array(d.text), tail]))
+        Example(
+            example_id=i,
+            tokens=np.concatenate([head, tokenizer.encode_array(d.text), tail]),
+            weight=d.weight,
+        )
         for i, d in enumerate(docs)
     ]
+
+
+def all_weighted(examples: Sequence[Example]) -> bool:
+    """Every example carries a weight (then batches carry ``weights``, L3)."""
+    return bool(examples) and all(e.weight is not None for e in examples)
+
+
+def require_weights(examples: Sequence[Example], reduction: str, *, source: str) -> None:
+    """Refuse ``objective.reduction = weighted | weighted_count`` over examples that do
+    not all carry a ``weight`` (L3), before the first step.
+
+    A missing weight is never read as 1. Raises ``ConfigError`` naming the reduction,
+    the missing ``"weight"`` field, the source and the first example without one;
+    any other reduction passes (weights, if present, are then unused).
+    """
+    if reduction not in WEIGHTED_REDUCTIONS or not examples:
+        return  # no examples at all is the packer's error to report
+    missing = [e.example_id for e in examples if e.weight is None]
+    if not missing:
+        return
+    raise ConfigError(
+        f"objective.reduction = '{reduction}' needs a numeric \"weight\" field on every "
+        f"example, but {len(missing)} of {len(examples)} training examples of data.source "
+        f"{source!r} have none (first: example {missing[0]}); built-in sources (stdlib, "
+        "arith) carry no weights. "
+        'Give every JSONL line (text) or conversation (chat) a "weight", or set '
+        "objective.reduction to token_mean, sequence_mean or microbatch_mean"
+    )
 
 
 @dataclass
@@ -68,3 +113,7 @@ class DataBundle:
     section: dict[str, Any]
     representation: dict[str, Any]
     heldout_conversations: Any = None
+
+    def require_weights(self, reduction: str) -> None:
+        """``require_weights`` over the training split (L3); call before the first step."""
+        require_weights(self.train, reduction, source=str(self.section.get("source", "?")))

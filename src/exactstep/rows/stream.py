@@ -12,6 +12,10 @@ Invariants:
 - ``state_dict()`` taken after ``k`` batches were yielded, loaded into a fresh stream
   built from the same examples and settings, continues with bitwise the same batches
   as the uninterrupted stream (S2, S5).
+- When every example carries a ``weight`` (L3), every training batch carries
+  ``weights`` (each example's weight on its rows). Weights live in the examples, so
+  the cursor (``state_dict``) is the same with or without them, and a resumed stream
+  yields bitwise the same weights.
 - ``report()`` counts documents, tokens, targets and every over-long outcome (R4), and
   ``supervised_rows == targets - *_targets_lost`` (+ boundary targets under ``keep``)
   once every admitted example has been emitted.
@@ -24,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from exactstep.rows.batch import Batch
 from exactstep.rows.causal import compile_causal_batch
 from exactstep.rows.config import BatchConfig
-from exactstep.rows.example import Example
+from exactstep.rows.example import Example, all_weighted
 from exactstep.rows.invariants import check_batch
 from exactstep.rows.packing import PackPlanner
 
@@ -67,6 +71,7 @@ class RowStream:
             rank=rank,
             world=world,
         )
+        self.weighted = all_weighted(examples)  # batches carry weights (L3)
         self.batches = 0
         self.supervised_rows = 0
         self.boundary_targets = 0
@@ -83,7 +88,9 @@ class RowStream:
         rows = self.planner.next_rows(self.cfg.rows)
         if not rows:
             return None
-        batch = compile_rows(rows, self.examples, self.cfg, self.pad_id, self.vocab_size)
+        batch = compile_rows(
+            rows, self.examples, self.cfg, self.pad_id, self.vocab_size, weighted=self.weighted
+        )
         self.batches += 1
         self.supervised_rows += batch.num_targets()
         if self.cfg.boundary == "keep":
@@ -116,7 +123,13 @@ class RowStream:
 
 
 def compile_rows(
-    rows: list, examples: Sequence[Example], cfg: BatchConfig, pad_id: int, vocab_size: int | None
+    rows: list,
+    examples: Sequence[Example],
+    cfg: BatchConfig,
+    pad_id: int,
+    vocab_size: int | None,
+    *,
+    weighted: bool = False,
 ) -> Batch:
     batch = compile_causal_batch(
         rows,
@@ -125,6 +138,7 @@ def compile_rows(
         pad_id=pad_id,
         boundary=cfg.boundary,
         positions=cfg.positions,
+        weighted=weighted,
     )
     if cfg.check_invariants:
         check_batch(batch, vocab_size, cfg.boundary, next_token_targets=True)

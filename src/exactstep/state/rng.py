@@ -6,12 +6,16 @@ CUDA device when CUDA is initialised. The captured state holds only values that
 strings, lists, dicts): the NumPy key array is stored as an int64 tensor.
 
 Invariant: ``restore_rng(capture_rng())`` followed by any draw gives the same number
-as that draw right after the capture, for every stream.
+as that draw right after the capture, for every stream. ``isolated_rng()`` applies
+that around a block (evaluation, E1): whatever the block draws, every stream reads
+afterwards as if it had never run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -95,3 +99,19 @@ def restore_rng(state: dict[str, Any]) -> None:
                 "are visible; resume on the same devices"
             )
         torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+
+
+@contextlib.contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Run a block without consuming any stream ``capture_rng`` captures (E1).
+
+    Every stream is captured on entry and restored on exit, also when the block
+    raises, so a training run's draws after the block are the draws it would have
+    made without it. Unlike ``torch.random.fork_rng`` this covers Python's and
+    NumPy's global streams too.
+    """
+    saved = capture_rng()
+    try:
+        yield
+    finally:
+        restore_rng(saved)

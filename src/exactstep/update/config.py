@@ -14,8 +14,13 @@ class UpdateConfig:
 
     ``lr`` is the peak learning rate; ``schedule`` runs on ``clock`` (committed
     updates by default) with ``warmup`` units of that clock, decaying to
-    ``min_lr_ratio * lr`` by ``decay_steps`` (0 = ``train.steps``). ``clip`` is the
-    global L2 cap (0 = no clipping). ``weight_decay`` uses PyTorch's convention.
+    ``min_lr_ratio * lr`` by ``decay_steps`` units of that clock. ``decay_steps = 0``
+    means ``train.steps`` on the updates clock; on the tokens clock the horizon must be
+    given in supervised tokens, because a run's supervised-token count is not known
+    before it runs (padding, ownership and skipped windows decide it): a decaying
+    family (``cosine``, ``wsd``) with ``clock = "tokens"`` and ``decay_steps = 0`` is
+    refused here (U5). ``clip`` is the global L2 cap (0 = no clipping).
+    ``weight_decay`` uses PyTorch's convention.
 
     ``optimizer``: ``adamw`` (``beta1``, ``beta2``, ``eps``), ``sgd`` (``momentum``)
     or ``adafactor`` (PyTorch's implementation: factored second moment, no first
@@ -56,6 +61,8 @@ class UpdateConfig:
             raise ConfigError("update.min_lr_ratio must be in [0, 1]")
         if self.warmup < 0 or self.decay_steps < 0:
             raise ConfigError("update.warmup and update.decay_steps must be >= 0")
+        if self.needs_token_horizon():
+            raise ConfigError(token_horizon_message(self.schedule))
         if self.clip < 0:
             raise ConfigError(f"update.clip must be >= 0 (0 = no clipping); got {self.clip}")
         if self.weight_decay < 0:
@@ -68,6 +75,25 @@ class UpdateConfig:
             raise ConfigError(f"update.eps must be > 0; got {self.eps}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"update.momentum must be in [0, 1); got {self.momentum}")
+
+    def needs_token_horizon(self) -> bool:
+        """A decaying family on the tokens clock without a horizon in tokens (U5)."""
+        return (
+            self.clock == "tokens" and self.decay_steps == 0 and self.schedule in HORIZON_FAMILIES
+        )
+
+
+# Families whose learning rate depends on the horizon (the others never read it).
+HORIZON_FAMILIES = ("cosine", "wsd")
+
+
+def token_horizon_message(schedule: str) -> str:
+    return (
+        f"update.clock = 'tokens' with update.schedule = '{schedule}' needs its decay "
+        "horizon in supervised tokens: set update.decay_steps to the number of committed "
+        "supervised tokens by which the decay ends (update.decay_steps = 0 means "
+        "train.steps only on update.clock = 'updates')"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

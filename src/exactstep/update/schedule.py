@@ -26,19 +26,22 @@ from __future__ import annotations
 import math
 
 from exactstep.errors import ConfigError
-from exactstep.update.config import UpdateConfig
+from exactstep.update.config import HORIZON_FAMILIES, UpdateConfig, token_horizon_message
 
 
 class Schedule:
     """The learning rate as a pure function of the clock (U5).
 
+    ``horizon`` is in clock units; ``None`` only for a family that never reads it.
     ``lr()`` is the rate for the next update; ``advance(tokens)`` is called once
     per committed window and only then. ``state_dict`` holds both clocks, so a
     resume continues bit for bit (S2).
     """
 
-    def __init__(self, cfg: UpdateConfig, horizon: int) -> None:
-        if horizon < 1:
+    def __init__(self, cfg: UpdateConfig, horizon: int | None) -> None:
+        if horizon is None and cfg.schedule in HORIZON_FAMILIES:
+            raise ConfigError(token_horizon_message(cfg.schedule))
+        if horizon is not None and horizon < 1:
             raise ConfigError(f"the schedule horizon must be >= 1 {cfg.clock}; got {horizon}")
         self.family = cfg.schedule
         self.clock = cfg.clock
@@ -114,27 +117,30 @@ class Schedule:
 def build_schedule(
     cfg: UpdateConfig, total_windows: int, *, tokens_per_window: int | None = None
 ) -> Schedule:
-    """A ``Schedule`` whose decay horizon is ``update.decay_steps`` clock units.
+    """A ``Schedule`` whose decay horizon is ``update.decay_steps`` clock units (U5).
 
-    ``decay_steps = 0`` means "the whole run": ``total_windows`` on the updates
-    clock, ``total_windows * tokens_per_window`` on the tokens clock (raises
-    ``ConfigError`` when that estimate is not given: set ``update.decay_steps``
-    in tokens instead).
+    ``decay_steps = 0`` means "the whole run" on the updates clock: ``total_windows``
+    committed updates. On the tokens clock the horizon is ``decay_steps`` supervised
+    tokens; a decaying family with ``decay_steps = 0`` there is refused with a
+    ``ConfigError`` (``UpdateConfig`` already refuses it). The run's supervised-token
+    count is not known before it runs, and an estimate in slots (rows x seq_len)
+    overcounts by the padding and the unowned tokens, so the decay would never end.
+    A family that never reads the horizon (``constant``, ``noam``, ``inverse_sqrt``)
+    needs none on either clock.
+
+    ``tokens_per_window`` is accepted for existing callers and ignored: no slot-based
+    estimate of the token horizon is made.
     """
-    if cfg.decay_steps > 0:
-        horizon = cfg.decay_steps
-    elif cfg.clock == "updates":
-        horizon = total_windows
-    elif tokens_per_window is not None:
-        horizon = total_windows * tokens_per_window
-    else:
-        raise ConfigError(
-            "update.clock = tokens needs update.decay_steps (in supervised tokens) "
-            "when the run's token count is not known in advance"
-        )
+    del tokens_per_window  # a slot count is not a supervised-token count (U5)
     if not 0.0 <= cfg.decay_fraction <= 1.0:
         raise ConfigError(f"update.decay_fraction must be in [0, 1]; got {cfg.decay_fraction}")
-    return Schedule(cfg, max(1, horizon))
+    if cfg.decay_steps > 0:
+        return Schedule(cfg, cfg.decay_steps)
+    if cfg.clock == "updates":
+        return Schedule(cfg, max(1, total_windows))
+    if cfg.needs_token_horizon():
+        raise ConfigError(token_horizon_message(cfg.schedule))
+    return Schedule(cfg, None)
 
 
 def _clamp01(x: float) -> float:
