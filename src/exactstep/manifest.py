@@ -19,8 +19,10 @@ never in it. ``diff_manifests`` names the differing fields for S4 resume refusal
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import math
+import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +194,60 @@ def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
     out: list[str] = []
     _diff(_thaw(a.body), _thaw(b.body), "", out)
     return sorted(out)
+
+
+# Keys that change presentation only; they are left out of the manifest so that a
+# resume may change them (S4).
+PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.threads")
+
+
+def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
+                 parent: dict | None = None) -> dict[str, Any]:
+    """The S1 sections a training run declares, from its ``RunConfig`` and ``DataBundle``.
+
+    The resolved configuration is recorded whole (X2) but for ``PRESENTATION_KEYS``;
+    ``parent`` (a warm start's origin, S4) becomes its own section.
+    """
+    config = cfg.to_dict()
+    for key in PRESENTATION_KEYS:
+        section, name = key.split(".")
+        config[section].pop(name, None)
+    family = "chat_sft" if cfg.data.kind == "chat" else "causal_lm"
+    sections: dict[str, Any] = {
+        "config": config,
+        "data": data.section,
+        "representation": data.representation,
+        "batch": config["batch"],
+        "objective": {
+            "family": family,
+            "shift_owner": "collator",
+            "ownership": "assistant_targets" if family == "chat_sft" else "all_next_tokens",
+            "ignore_index": -100,
+            "smoothing": cfg.objective.smoothing,
+            "label_smoothing": cfg.objective.label_smoothing,
+            "reduction": cfg.objective.reduction,
+        },
+        "update": {**config["update"], "group_digest": group_digest},
+        "numerics": config["numerics"],
+        "parallel": {**config["parallel"], "world_size": world_size},
+        "seeds": {"seed": cfg.seed},
+        "code": {
+            "exactstep": _version("exactstep"),
+            "torch": _version("torch").split("+")[0],
+            "python": platform.python_version(),
+        },
+    }
+    if parent is not None:
+        sections["parent"] = parent
+    return sections
+
+
+def _version(package: str) -> str:
+    if package == "exactstep":
+        from exactstep import __version__
+
+        return __version__
+    return importlib.metadata.version(package)
 
 
 # ---------------------------------------------------------------- helpers

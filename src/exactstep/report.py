@@ -28,7 +28,7 @@ class Meter:
     """Interval sums for the metrics lines; outcome counts are cumulative for the run.
 
     ``loss`` is the interval's optimized objective (sum of S over sum of D);
-    ``gold_loss`` its unsmoothed NLL per supervised target (L2: reported beside the
+    ``gold_nll`` its unsmoothed NLL per supervised target (L2: reported beside the
     smoothed loss, equal to it when there is no smoothing).
     """
 
@@ -56,7 +56,7 @@ class Meter:
         record = {
             "window": window,
             "loss": self.objective / self.denom if self.denom else None,
-            "gold_loss": self.gold_nll / self.tokens if self.tokens else None,
+            "gold_nll": self.gold_nll / self.tokens if self.tokens else None,
             "lr": lr,
             "tokens_per_s": self.slots / elapsed,
             "supervised_tokens": self.tokens,

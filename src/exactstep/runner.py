@@ -16,30 +16,27 @@ Disposition``; this module wires the stages and calls three components: the
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import platform
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from exactstep import __version__
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.durable import Journal, ensure_writable_dir
-from exactstep.errors import DistributedError, Interrupted, ResumeError, StorageError
+from exactstep.errors import DistributedError, Interrupted, ResumeError
 from exactstep.eval import Validator, greedy_answer_accuracy
 from exactstep.manifest import (
     Manifest,
     build_manifest,
     diff_manifests,
     read_manifest,
+    run_sections,
     write_manifest,
 )
 from exactstep.model.decoder import build_model
@@ -62,16 +59,12 @@ from exactstep.state.resume import (
     require_same_manifest,
 )
 from exactstep.state.rng import seed_rng
-from exactstep.state.store import clean_uncommitted, published_checkpoints, read_latest_name
+from exactstep.state.store import clean_uncommitted
 from exactstep.update.groups import build_optimizer
 from exactstep.update.ledger import Ledger
 from exactstep.update.precision import Precision
 from exactstep.update.schedule import build_schedule
 from exactstep.update.window import UpdateEngine
-
-# Keys that change presentation only; they are left out of the manifest so that a
-# resume may change them (S4).
-PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.threads")
 
 
 @dataclass
@@ -117,14 +110,12 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     model = shard_model(build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
                         .to(ctx.device), ctx, cfg.parallel)
     optimizer, groups = build_optimizer(model, cfg.update)
-    slots_per_window = cfg.batch.rows * cfg.batch.seq_len * cfg.update.accum * ctx.world_size
-    schedule = build_schedule(cfg.update, total_windows=cfg.train.steps,
-                              tokens_per_window=slots_per_window)
+    schedule = build_schedule(cfg.update, total_windows=cfg.train.steps)
     precision = Precision(cfg.numerics, ctx.device)
     engine = UpdateEngine(model, optimizer, schedule, precision, cfg.update, cfg.objective,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx))
     distribute_engine(engine, ctx, cfg.parallel)
-    manifest = build_manifest(manifest_sections(cfg, data, groups.digest, ctx.world_size, parent))
+    manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, ctx.device, cfg.train.eval_tokens,
                           precision.autocast)
@@ -133,45 +124,6 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
                                 manifest_digest=manifest.digest, multi_rank=DcpFormat(ctx))
     return Run(cfg, out_dir, tokenizer, data, stream, model, engine, validator, checkpointer,
                manifest, ctx)
-
-
-def manifest_sections(
-    cfg: RunConfig, data: DataBundle, group_digest: str, world_size: int,
-    parent: dict | None = None,
-) -> dict[str, Any]:
-    """The S1 sections. The resolved configuration is recorded whole (X2)."""
-    config = cfg.to_dict()
-    for key in PRESENTATION_KEYS:
-        section, name = key.split(".")
-        config[section].pop(name, None)
-    family = "chat_sft" if cfg.data.kind == "chat" else "causal_lm"
-    sections: dict[str, Any] = {
-        "config": config,
-        "data": data.section,
-        "representation": data.representation,
-        "batch": dataclasses.asdict(cfg.batch),
-        "objective": {
-            "family": family,
-            "shift_owner": "collator",
-            "ownership": "assistant_targets" if family == "chat_sft" else "all_next_tokens",
-            "ignore_index": -100,
-            "smoothing": cfg.objective.smoothing,
-            "label_smoothing": cfg.objective.label_smoothing,
-            "reduction": cfg.objective.reduction,
-        },
-        "update": {**dataclasses.asdict(cfg.update), "group_digest": group_digest},
-        "numerics": dataclasses.asdict(cfg.numerics),
-        "parallel": {**dataclasses.asdict(cfg.parallel), "world_size": world_size},
-        "seeds": {"seed": cfg.seed},
-        "code": {
-            "exactstep": __version__,
-            "torch": torch.__version__.split("+")[0],
-            "python": platform.python_version(),
-        },
-    }
-    if parent is not None:
-        sections["parent"] = parent
-    return sections
 
 
 # --------------------------------------------------------------------------- windows
@@ -184,7 +136,7 @@ def run_windows(run: Run, start: int, ledger: Ledger | None, reporter: Reporter)
     it = iter(run.stream)
     reducer = run.engine.reducer if run.ctx.distributed else None
     window = start
-    with StopRequest() as stop, collective_guard(run.ctx), storage_guard(run):
+    with StopRequest() as stop, collective_guard(run.ctx), run.checkpointer.guard_writes():
         while window < steps:
             # Up to K microbatches; fewer only at the end of the data (U1 remainder);
             # every rank runs the same count (D1).
@@ -210,23 +162,6 @@ def run_windows(run: Run, start: int, ledger: Ledger | None, reporter: Reporter)
                 )
         reporter.close()
         run.checkpointer.save(window)
-
-
-@contextmanager
-def storage_guard(run: Run) -> Iterator[None]:
-    """A journal write that fails (disk full, quota) is one clear error, not a traceback."""
-    try:
-        yield
-    except OSError as exc:
-        try:
-            latest = read_latest_name(run.checkpoints)
-        except Exception:
-            latest = None
-        kept = f"checkpoint {latest} is intact" if latest else "no checkpoint was published yet"
-        raise StorageError(
-            f"writing {exc.filename or 'the run directory'} failed ({exc.strerror or exc}); "
-            f"{kept}; free space and continue with: exactstep resume {run.out_dir}"
-        ) from None
 
 
 def finish(run: Run, started: float) -> dict[str, Any]:
@@ -338,8 +273,8 @@ def resume(
         if point.path is not None:
             restored = run.checkpointer.restore(point.path, reshard=reshard)
             check_progress_digest(restored.progress, run.manifest, point.path)
-            check_journals(run_dir, restored.journals, point.path.name,
-                           lambda: earlier_matching(run, point.path))
+            check_journals(run_dir, restored.journals, point.path,
+                           marks_of=run.checkpointer.journal_marks)
             next_window, events, marks = restored.next_window, restored.events, restored.journals
         ledger, metrics = reopen_journals(run, marks, events)
         if run.ctx.is_main:
@@ -366,20 +301,6 @@ def reopen_journals(run: Run, marks: dict[str, dict], events: list[dict]
     for event in events:
         ledger.append(event)
     return attach(run, ledger, metrics)
-
-
-def earlier_matching(run: Run, chosen: Path) -> str | None:
-    """The newest checkpoint before ``chosen`` whose journal record still holds."""
-    from exactstep.durable import check_mark
-
-    names = [p.name for p in published_checkpoints(run.checkpoints)]
-    for path in reversed(published_checkpoints(run.checkpoints)[: names.index(chosen.name)]
-                         if chosen.name in names else []):
-        marks = run.checkpointer.journal_marks(path)
-        if marks is not None and all(check_mark(run.out_dir / f, m) is None
-                                     for f, m in marks.items()):
-            return str(path)
-    return None
 
 
 def warm_start(run_dir: Path, old: Manifest, cfg: RunConfig, new_dir: Path,

@@ -228,8 +228,6 @@ def test_weighted_run_without_weight_fields_takes_no_step_l3(tmp_path) -> None:
     assert not ledger.exists() or ledger.read_text() == ""
 
 
-@pytest.mark.xfail(strict=True, reason="the runner does not yet call DataBundle.require_weights "
-                   "in build_run, so the refusal comes at window 0, after the manifest")
 def test_weighted_run_without_weights_is_refused_before_the_manifest_l3(tmp_path) -> None:
     from exactstep.runner import train
 

@@ -127,7 +127,7 @@ def test_horizon_defaults_u5():
     assert build_schedule(cfg, total_windows=77).horizon == 77
     tokens_cfg = UpdateConfig(schedule="cosine", clock="tokens", decay_steps=1000)
     # the token horizon is the declared one; a slot estimate is never used
-    assert build_schedule(tokens_cfg, 10, tokens_per_window=7).horizon == 1000
+    assert build_schedule(tokens_cfg, 10).horizon == 1000
 
 
 @pytest.mark.parametrize("family", ["cosine", "wsd"])

@@ -85,10 +85,17 @@ def load_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
     """Load and encode both splits of the run's data (text or chat, by ``data.kind``).
 
     Raises ``DataError`` for a missing, malformed or empty source (file and line
-    named where there is one).
+    named where there is one), and ``ConfigError`` when a weighted reduction meets
+    examples without a ``weight`` (L3), before anything is written.
     """
-    if cfg.data.kind == "chat":
-        return load_chat_bundle(cfg, tokenizer)
+    bundle = (load_chat_bundle(cfg, tokenizer) if cfg.data.kind == "chat"
+              else load_text_bundle(cfg, tokenizer))
+    bundle.require_weights(cfg.objective.reduction)
+    return bundle
+
+
+def load_text_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
+    """Text examples: ``BOS + bytes + EOS`` per document, every target owned."""
     corpus = load_corpus(cfg.data)
     section = {
         "source": corpus.source,

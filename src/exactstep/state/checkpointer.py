@@ -13,6 +13,8 @@ both directions when the caller allows it (``reshard``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,7 +25,7 @@ from exactstep.durable import Journal
 from exactstep.errors import CheckpointError, DistributedError, StorageError
 from exactstep.state.checkpoint import FORMAT, load_checkpoint, publish_checkpoint, read_part
 from exactstep.state.rng import capture_rng, restore_rng
-from exactstep.state.store import checkpoint_format
+from exactstep.state.store import checkpoint_format, read_latest_name
 
 # Checkpoint part names (what ``checkpoint verify`` reports) for the engine's state keys.
 ENGINE_PARTS = {"optimizer": "optimizer", "schedule": "scheduler", "precision": "scaler",
@@ -136,6 +138,23 @@ class Checkpointer:
         except StorageError as exc:
             raise StorageError(f"{exc}; free space and continue with: exactstep resume "
                                f"{self.root.parent}") from None
+
+    @contextmanager
+    def guard_writes(self) -> Iterator[None]:
+        """Inside, a failed write to the run directory (disk full, quota) becomes one
+        ``StorageError`` that names the file and the checkpoint that is intact."""
+        try:
+            yield
+        except OSError as exc:
+            try:
+                latest = read_latest_name(self.root)
+            except CheckpointError:
+                latest = None
+            kept = f"checkpoint {latest} is intact" if latest else "no checkpoint was published yet"
+            raise StorageError(
+                f"writing {exc.filename or self.root.parent} failed ({exc.strerror or exc}); "
+                f"{kept}; free space and continue with: exactstep resume {self.root.parent}"
+            ) from None
 
     # ------------------------------------------------------------------ restore
 

@@ -126,24 +126,38 @@ def _checkpoint_like(root: Path) -> list[str]:
                   if p.is_dir() and not p.name.startswith(".") and p.name != QUARANTINE)
 
 
-def check_journals(run_dir: Path, marks: Mapping[str, dict[str, Any]], checkpoint: str,
-                   earlier: Callable[[], str | None]) -> None:
-    """Every journal must begin with the bytes the checkpoint recorded (S8).
+def check_journals(run_dir: Path, marks: Mapping[str, dict[str, Any]], checkpoint: Path,
+                   *, marks_of: Callable[[Path], dict[str, dict[str, Any]] | None]) -> None:
+    """Every journal must begin with the prefix the checkpoint recorded (S8).
 
-    ``marks`` maps a journal's file name to its recorded mark; a journal that was
-    written further is fine (the tail after the checkpoint is dropped on resume).
-    A journal that lost or changed recorded lines raises ``ResumeError`` naming it;
-    ``earlier()`` names an earlier checkpoint whose marks hold, for the hint.
+    ``marks`` maps a journal's file name to its recorded mark; a journal written
+    further is fine (the tail after the checkpoint is dropped on resume). A journal
+    that lost or changed recorded lines raises ``ResumeError`` naming it, with the
+    newest earlier checkpoint whose record still holds (``marks_of`` reads a
+    checkpoint's marks) as the way forward.
     """
     for filename, mark in marks.items():
         problem = check_mark(Path(run_dir) / filename, mark)
         if problem is None:
             continue
-        fallback = earlier()
+        fallback = _earlier_matching(run_dir, checkpoint, marks_of)
         hint = (f"resume from {fallback} with --from, whose record still matches" if fallback
                 else "restore the file from a copy, or start a new run with --warm-start")
-        raise ResumeError(f"{Path(run_dir) / filename} does not match checkpoint {checkpoint}: "
-                          f"{problem}; nothing was changed; {hint}")
+        raise ResumeError(f"{Path(run_dir) / filename} does not match checkpoint "
+                          f"{checkpoint.name}: {problem}; nothing was changed; {hint}")
+
+
+def _earlier_matching(run_dir: Path, chosen: Path,
+                      marks_of: Callable[[Path], dict[str, dict[str, Any]] | None]) -> Path | None:
+    published = published_checkpoints(chosen.parent)
+    names = [p.name for p in published]
+    earlier = published[: names.index(chosen.name)] if chosen.name in names else []
+    for path in reversed(earlier):
+        marks = marks_of(path)
+        if marks is not None and all(check_mark(Path(run_dir) / f, m) is None
+                                     for f, m in marks.items()):
+            return path
+    return None
 
 
 class StopRequest:

@@ -114,9 +114,7 @@ class Schedule:
         return self.peak_lr * math.sqrt(w / max(c + 1, w))
 
 
-def build_schedule(
-    cfg: UpdateConfig, total_windows: int, *, tokens_per_window: int | None = None
-) -> Schedule:
+def build_schedule(cfg: UpdateConfig, total_windows: int) -> Schedule:
     """A ``Schedule`` whose decay horizon is ``update.decay_steps`` clock units (U5).
 
     ``decay_steps = 0`` means "the whole run" on the updates clock: ``total_windows``
@@ -127,11 +125,7 @@ def build_schedule(
     overcounts by the padding and the unowned tokens, so the decay would never end.
     A family that never reads the horizon (``constant``, ``noam``, ``inverse_sqrt``)
     needs none on either clock.
-
-    ``tokens_per_window`` is accepted for existing callers and ignored: no slot-based
-    estimate of the token horizon is made.
     """
-    del tokens_per_window  # a slot count is not a supervised-token count (U5)
     if not 0.0 <= cfg.decay_fraction <= 1.0:
         raise ConfigError(f"update.decay_fraction must be in [0, 1]; got {cfg.decay_fraction}")
     if cfg.decay_steps > 0:
