@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from exactstep.cli import main
-from exactstep.manifest import canonical_json, read_manifest
+from exactstep.manifest import read_manifest
 from exactstep.state import latest_checkpoint, verify_checkpoint
 
 TINY = [
@@ -51,7 +51,8 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys) -> None:
     assert manifest.digest == raw["digest"]
     import hashlib
 
-    assert hashlib.sha256(canonical_json(raw["manifest"])).hexdigest() == raw["digest"]
+    text = json.dumps(raw["manifest"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert hashlib.sha256((text + "\n").encode()).hexdigest() == raw["digest"]
     assert raw["manifest"]["objective"]["shift_owner"] == "collator"
     # U4: one ledger line per window
     ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.eval import evaluate, unigram_bits
@@ -79,19 +80,33 @@ def test_negative_control_unisolated_loop_moves_the_rng() -> None:
     assert not torch.equal(torch.get_rng_state(), rng_before)
 
 
+def plain_nll(model, batch) -> tuple[float, int]:
+    """Plain PyTorch: (gold NLL sum in float64, supervised rows) of one held-out batch."""
+    with torch.no_grad():
+        logits = model(batch) @ model.head_weight.t()  # [B, T, V]
+    labels = batch.labels.flatten()
+    keep = labels != -100
+    nll = F.cross_entropy(logits.flatten(0, 1)[keep], labels[keep], reduction="none")
+    return float(nll.double().sum()), int(keep.sum())
+
+
 def test_perplexity_from_global_sums_not_batch_means() -> None:
     model = build_model(CFG, TOK.vocab_size, seed=1)
     bs = batches(examples(20, seed=3))
     total = evaluate(model, bs, device=torch.device("cpu"), max_tokens=10**9, pad_id=TOK.pad_id)
-    per_batch = [evaluate(model, [b], device=torch.device("cpu"), max_tokens=10**9,
-                          pad_id=TOK.pad_id) for b in bs]
-    assert total.tokens == sum(r.tokens for r in per_batch)
-    assert total.gold_nll_sum == pytest.approx(sum(r.gold_nll_sum for r in per_batch), rel=1e-9)
-    assert total.perplexity == pytest.approx(math.exp(total.gold_nll_sum / total.tokens))
-    # negative control: averaging per-batch perplexities is a different number (L5)
-    averaged = sum(r.perplexity for r in per_batch) / len(per_batch)
-    assert averaged != pytest.approx(total.perplexity, rel=1e-6)
-    assert total.bits_per_token == pytest.approx(total.loss / math.log(2))
+    sums = [plain_nll(model, b) for b in bs]
+    nll, tokens = math.fsum(s for s, _ in sums), sum(n for _, n in sums)
+    assert total.tokens == tokens
+    assert total.gold_nll_sum == pytest.approx(nll, rel=1e-6)
+    assert total.loss == pytest.approx(nll / tokens, rel=1e-6)
+    assert total.perplexity == pytest.approx(math.exp(nll / tokens), rel=1e-6)
+    assert total.bits_per_token == pytest.approx(nll / tokens / math.log(2), rel=1e-6)
+    # negative controls (L5): averaging per-batch losses or perplexities differs
+    assert len({n for _, n in sums}) > 1  # batches weigh tokens unequally
+    per_batch_loss = sum(s / n for s, n in sums) / len(sums)
+    per_batch_ppl = sum(math.exp(s / n) for s, n in sums) / len(sums)
+    assert total.loss != pytest.approx(per_batch_loss, rel=1e-6)
+    assert total.perplexity != pytest.approx(per_batch_ppl, rel=1e-6)
 
 
 def test_unigram_baseline_matches_hand_count() -> None:

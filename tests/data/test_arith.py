@@ -94,7 +94,9 @@ def test_examples_own_exactly_the_answers_and_their_end_of_turn():
         owned = TOK.decode(example.tokens[example.owned])
         expected = "".join(m.content + "<eos>" for m in conversation.messages if m.role == "assistant")
         assert owned == expected
-    assert report.supervised_targets == sum(int(e.owned.sum()) for e in examples)
+    # every answer byte and its end-of-turn marker, counted from the conversations
+    answers = [m.content for c in train for m in c.messages if m.role == "assistant"]
+    assert report.supervised_targets == sum(len(a.encode()) + 1 for a in answers)
 
 
 def test_jsonl_writer_round_trips(tmp_path):

@@ -37,7 +37,11 @@ def test_invalid_utf8_is_replaced_and_unknown_ids_refused() -> None:
 
 
 def test_fingerprint_is_sha256_of_the_canonical_description() -> None:
-    canonical = json.dumps(TOK.describe(), sort_keys=True, separators=(",", ":"))
+    description = TOK.describe()
+    assert description["kind"] == "bytes" and description["byte_encoding"] == "utf-8"
+    assert description["vocab_size"] == 259
+    assert description["special_ids"] == {"bos": 256, "eos": 257, "pad": 258}
+    canonical = json.dumps(description, sort_keys=True, separators=(",", ":"))
     assert TOK.fingerprint() == hashlib.sha256(canonical.encode()).hexdigest()
     assert ByteTokenizer().fingerprint() == TOK.fingerprint()
 

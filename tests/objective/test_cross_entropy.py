@@ -14,9 +14,9 @@ from exactstep.objective import (
     fused_row_losses,
     fused_weighted_sum,
     logits_row_losses,
-    target_distribution,
 )
 from exactstep.objective import cross_entropy as ce_module
+from exactstep.objective import reference as ref
 from exactstep.rows.batch import IGNORE_INDEX
 
 N, V, H = 50, 13, 8
@@ -65,15 +65,17 @@ def test_uniform_check_catches_other_conventions():
 # ----------------------------------------------- every convention vs a dense target
 
 
-def dense_losses(logits_NV, labels, smoothing):
+def dense_losses(logits_NV, labels, convention, eps, pad):
+    """``-sum_c q_c log p_c`` per row with ``q`` from the pure-Python reference (L6)."""
     logp = logits_NV.log_softmax(-1)
+    V = logits_NV.shape[-1]
     rows = []
     for r in range(labels.shape[0]):
         if labels[r] == IGNORE_INDEX:
             rows.append(logp.new_zeros(()))
             continue
-        q = target_distribution(smoothing, int(labels[r])).to(logp.dtype)
-        rows.append(-(q * logp[r]).sum())
+        q = ref.target_distribution(V, int(labels[r]), eps, convention, pad)
+        rows.append(-(torch.tensor(q, dtype=logp.dtype) * logp[r]).sum())
     return torch.stack(rows)
 
 
@@ -83,9 +85,8 @@ def test_every_path_matches_a_dense_target_in_fp64(convention, eps):
     hidden, weight, labels, w = make_case(dtype=torch.float64)
     pad = 3
     labels[5] = pad  # a supervised pad target (pad shares an end-of-sequence id)
-    smoothing = Smoothing.resolve(convention, eps, V, pad)
     cfg = ObjectiveConfig(smoothing=convention, label_smoothing=eps, chunk_rows=7)
-    want = dense_losses(hidden @ weight.T, labels, smoothing)
+    want = dense_losses(hidden @ weight.T, labels, convention, eps, pad)
     want_grads = grads_of((want * w).sum(), hidden, weight)
 
     ce, nll = fused_row_losses(hidden, weight, labels, cfg, pad_id=pad)
@@ -102,6 +103,20 @@ def test_every_path_matches_a_dense_target_in_fp64(convention, eps):
     logits = (hidden @ weight.T).detach().requires_grad_(True)
     ce_l, _ = logits_row_losses(logits, labels, cfg, pad_id=pad)
     torch.testing.assert_close(ce_l, want.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(nll, dense_losses(hidden @ weight.T, labels, convention, 0.0, pad),
+                               atol=1e-12, rtol=0)  # the gold NLL is the unsmoothed one
+
+
+@pytest.mark.parametrize("convention", ["uniform", "non_pad", "harvard"])
+def test_dense_target_check_catches_a_mixed_convention(convention):
+    """Negative control: each convention's losses fail the check against the others' q."""
+    hidden, weight, labels, _ = make_case(dtype=torch.float64)
+    cfg = ObjectiveConfig(smoothing=convention, label_smoothing=0.2, chunk_rows=7)
+    with torch.no_grad():
+        ce, _ = fused_row_losses(hidden, weight, labels, cfg, pad_id=3)
+        for other in {"uniform", "non_pad", "harvard"} - {convention}:
+            want = dense_losses(hidden @ weight.T, labels, other, 0.2, 3)
+            assert float((ce - want).abs().max()) > 1e-6, other
 
 
 def test_gold_nll_is_unsmoothed_and_detached():

@@ -26,14 +26,17 @@ def test_equal_logits_have_perplexity_v():
 
 
 def test_global_sums_not_an_average_of_batch_perplexities():
-    # batch 1: 3 tokens of NLL 1; batch 2: 1 token of NLL 3
+    """Hand-worked: batch 1 has 3 tokens of NLL 1, batch 2 one token of NLL 3, so the
+    global mean NLL is 6 / 4 = 1.5 and the perplexity e^1.5. The same check run on the
+    per-batch aggregations (built from the same two functions) fails."""
     batches = [(3.0, 3), (3.0, 1)]
+    expected = math.exp(1.5)
     right = perplexity(sum(s for s, _ in batches), sum(n for _, n in batches))
-    assert right == pytest.approx(math.exp(1.5))
-    # negative controls: averaging per-batch perplexities or per-batch losses differs
-    per_batch_ppl = sum(math.exp(s / n) for s, n in batches) / 2
-    per_batch_loss = math.exp(sum(s / n for s, n in batches) / 2)
-    assert abs(per_batch_ppl - right) > 1e-3 and abs(per_batch_loss - right) > 1e-3
+    assert right == pytest.approx(expected, rel=1e-12)
+    per_batch_ppl = sum(perplexity(s, n) for s, n in batches) / 2  # (e^1 + e^3) / 2
+    per_batch_loss = math.exp(sum(mean_loss(s, n) for s, n in batches) / 2)  # e^2
+    assert per_batch_ppl != pytest.approx(expected, rel=1e-6)
+    assert per_batch_loss != pytest.approx(expected, rel=1e-6)
 
 
 def test_not_available_causes():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -74,11 +75,13 @@ def test_accumulated_window_equals_one_big_batch_token_mean():
     (g_ours,) = torch.autograd.grad(objective, weight)
     (g_want,) = torch.autograd.grad(want, weight)
     torch.testing.assert_close(g_ours, g_want, atol=1e-6, rtol=0)
-    # negative control: mean per microbatch, divided by K
+    # negative control: the same path with the per-microbatch mean (divided by K)
+    # fails the same comparison with the union's token mean
+    q = plan(batches, "microbatch_mean")
     wrong = sum(
-        F.cross_entropy(h.reshape(-1, H) @ weight.T, b.labels.reshape(-1))
-        for h, b in zip(hidden, batches, strict=True)
-    ) / len(batches)
+        microbatch_terms(h, weight, b.labels, a, cfg, pad_id=None, rows_index=idx)[0]
+        for h, b, a, idx in zip(hidden, batches, q.coefficients, q.row_indices, strict=True)
+    ) / q.denominator
     assert abs(wrong.item() - want.item()) > 1e-3
 
 
@@ -113,9 +116,13 @@ def test_sequence_mean_counts_documents_not_physical_rows():
         torch.tensor([[2.0, 0, 3.0, 3.0, 0, 0]]),
     ]
     assert objective_value(p, losses) == pytest.approx(2.0)
-    # negative control: a mean over physical rows (one per microbatch row) differs
-    per_pack = (sum([1, 1, 2, 2, 2]) / 5 + sum([2, 3, 3]) / 3) / 2
-    assert per_pack != pytest.approx(2.0)
+    # negative control: a plan that averages per physical pack (each microbatch row is
+    # one "sequence") fails the same check
+    per_pack = SimpleNamespace(
+        coefficients=[(b.labels != IGNORE_INDEX).float() / b.num_targets() for b in (mb0, mb1)],
+        denominator=2.0,
+    )
+    assert objective_value(per_pack, losses) != pytest.approx(2.0)
 
 
 def test_microbatch_mean_ignores_empty_microbatches():

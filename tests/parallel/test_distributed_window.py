@@ -4,9 +4,15 @@ All scenarios of one job run in the same two spawned ranks, one after the other
 (each phase builds a fresh engine), so the suite pays the process start-up once.
 Each promise has its negative control in the same job: a deliberately wrong reducer
 that must fail the very check the right one passes.
+
+The communication cadence (D1) is counted on DDP's own collectives: a communication
+hook on the DDP-wrapped module records every gradient-bucket all-reduce DDP issues,
+with the window and microbatch it happened in.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -27,6 +33,10 @@ UNEQUAL_NONEMPTY = [
     [[1, 0], [16, 9], [0, 2]],
 ]
 FINITE = [[[6, 2], [3, 3], [4, 0], [2, 5]], [[1, 7], [0, 2], [8, 8], [0, 1]]]
+# K = 3 microbatches per window, unequal, one empty microbatch on each rank
+K = 3
+CADENCE = [[[5, 0, 9], [3, 3, 3], [12, 1, 4]], [[2, 7, 1], [0, 6, 8], [4, 4, 0]]]
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP caps its first gradient bucket at 1 MiB
 WORLD = 2
 
 
@@ -49,6 +59,9 @@ def job(tmp_path_factory) -> list[dict]:
         {"windows": shards(UNEQUAL_NONEMPTY), "reducer": "local_mean"},
         {"windows": shards(FINITE), "fail_window": {1: 2}},
         {"windows": shards(FINITE), "fail_window": {1: 2}, "reducer": "unagreed_finite"},
+        {"windows": shards(CADENCE), "count_ddp_collectives": True},
+        {"windows": shards(CADENCE), "count_ddp_collectives": True,
+         "reducer": "sync_every_microbatch"},
     ]
     results, codes, _ = spawn_ranks(rank_main, WORLD, out, {"phases": phases}, deadline_s=120)
     for rank, result in enumerate(results):
@@ -82,9 +95,35 @@ def test_negative_control_mean_of_rank_local_means_fails_d5(job) -> None:
 
 def test_window_costs_two_small_collectives(job) -> None:
     """D1: per window one all-reduce of [D, tokens] and one of [flag, S, NLL], nothing
-    per microbatch (gradient buckets are DDP's, once per window under no_sync)."""
+    per microbatch (DDP's own bucket all-reduces are counted separately, below)."""
     windows = len(UNEQUAL_NONEMPTY[0])
     assert job[1]["ranks"][0]["collectives"] == 2 * windows
+
+
+def bucket_reduces_per_window(calls: list[dict]) -> list[int]:
+    counts = Counter(c["window"] for c in calls)
+    return [counts[w] for w in range(len(CADENCE[0]))]
+
+
+def test_gradients_are_all_reduced_once_per_window_not_per_microbatch(job) -> None:
+    """D1: with K = 3, DDP reduces its buckets once per window, in the last backward."""
+    for rank in job[5]["ranks"]:
+        # the tiny model's gradients fit DDP's first bucket: one bucket, one all-reduce
+        assert rank["grad_bytes"] < FIRST_BUCKET_BYTES
+        assert bucket_reduces_per_window(rank["ddp_calls"]) == [1] * len(CADENCE[0])
+        assert {c["microbatch"] for c in rank["ddp_calls"]} == {K - 1}
+
+
+def test_negative_control_without_no_sync_reduces_k_times_per_window(job) -> None:
+    """The same count on ranks that never enter no_sync: K times as many, one set
+    after every microbatch (the replicas still agree: only the traffic differs)."""
+    for right, wrong in zip(job[5]["ranks"], job[6]["ranks"], strict=True):
+        expected = [K * n for n in bucket_reduces_per_window(right["ddp_calls"])]
+        assert bucket_reduces_per_window(wrong["ddp_calls"]) == expected
+        assert {c["microbatch"] for c in wrong["ddp_calls"]} == set(range(K))
+    for phase in (5, 6):
+        rank0, rank1 = job[phase]["ranks"]
+        assert max_diff(rank0["params"], rank1["params"]) == 0.0
 
 
 def test_nonfinite_on_one_rank_skips_the_window_everywhere(job) -> None:

@@ -115,8 +115,10 @@ class UnagreedFiniteReducer(DDPReducer):
         return super().sum(values)
 
 
-REDUCERS = {"ddp": DDPReducer, "local_mean": RankLocalMeanReducer,
-            "unagreed_finite": UnagreedFiniteReducer}
+def reducers() -> dict[str, type]:
+    return {"ddp": DDPReducer, "local_mean": RankLocalMeanReducer,
+            "unagreed_finite": UnagreedFiniteReducer,
+            "sync_every_microbatch": SyncEveryMicrobatchReducer}
 
 
 def rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
@@ -151,7 +153,11 @@ def run_phase(rank: int, ctx, cfg: ParallelConfig, phase: dict) -> dict:
     update = replace(UPDATE, fail_window=phase.get("fail_window", {}).get(rank, -1))
     engine = build_engine(update)
     distribute_engine(engine, ctx, cfg)
-    engine.reducer = REDUCERS[phase.get("reducer", "ddp")](ctx)
+    engine.reducer = reducers()[phase.get("reducer", "ddp")](ctx)
+    if phase.get("count_ddp_collectives"):
+        calls = count_ddp_collectives(engine, phase["windows"][rank])
+        return {"params": params_of(engine), "ddp_calls": calls,
+                "grad_bytes": sum(p.numel() * p.element_size() for p in engine.parameters)}
     records = []
     for w, batches in enumerate(phase["windows"][rank]):
         if phase.get("kill_at") == (rank, w):
@@ -497,3 +503,47 @@ def sync_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
                 shutdown(ctx)
             except Exception:  # noqa: BLE001
                 pass
+
+
+# ----------------------------------------------------------------- DDP communication cadence
+
+
+class SyncEveryMicrobatchReducer(DDPReducer):
+    """Deliberately wrong (negative control for D1's cadence): never enters ``no_sync``,
+    so DDP all-reduces the gradient buckets after every microbatch's backward."""
+
+    def no_sync(self, module, is_last: bool):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def count_ddp_collectives(engine: UpdateEngine, windows: Sequence[Sequence[Batch]]) -> list[dict]:
+    """Run ``windows`` and record every gradient-bucket all-reduce DDP itself issues.
+
+    A communication hook on the DDP-wrapped train module sees each bucket DDP
+    reduces (it then does DDP's default averaging all-reduce); a forward pre-hook
+    numbers the microbatches, so each call is recorded as (window, microbatch, bucket).
+    """
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = engine.train_module
+    assert isinstance(ddp, DistributedDataParallel), type(ddp)
+    where = {"window": -1, "microbatch": -1}
+    calls: list[dict] = []
+
+    def counting_hook(state, bucket):
+        calls.append({**where, "bucket": bucket.index()})
+        return allreduce_hook(dist.group.WORLD, bucket)
+
+    def next_microbatch(module, args):
+        where["microbatch"] += 1
+
+    ddp.register_comm_hook(None, counting_hook)
+    ddp.register_forward_pre_hook(next_microbatch)
+    for w, batches in enumerate(windows):
+        where.update(window=w, microbatch=-1)
+        engine.run_window(list(batches), w)
+    return calls

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from types import SimpleNamespace
 
@@ -37,24 +38,35 @@ def test_arith_source_gives_train_examples_heldout_and_template_hash():
     assert other_seed.section["fingerprint"] != data.section["fingerprint"]
 
 
-def write_lines(path, n: int) -> None:
+def write_lines(path, n: int) -> list[dict]:
     lines = [
         {"messages": [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}]}
         for k in range(n)
     ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return lines
+
+
+def content_bucket(line: dict) -> float:
+    """The split rule spelled out: sha256 of the conversation's sorted-key JSON."""
+    canonical = json.dumps(line, sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.sha256(canonical.encode()).digest()[:8], "big") / 2**64
 
 
 def test_jsonl_source_is_split_by_content_hash_without_heldout_scoring(tmp_path):
     path = tmp_path / "c.jsonl"
-    write_lines(path, 60)
+    lines = write_lines(path, 60)
     data = load_bundle(run_config(str(path), val_fraction=0.25), TOK)
-    conversations = load_chat_jsonl(path)
-    n_val = sum(is_val(c, 0.25) for c in conversations)
-    assert 0 < n_val < 60
-    assert (len(data.train), len(data.val)) == (60 - n_val, n_val)
+    val = [line for line in lines if content_bucket(line) < 0.25]
+    assert 0 < len(val) < 60
+    assert [is_val(c, 0.25) for c in load_chat_jsonl(path)] == [
+        content_bucket(line) < 0.25 for line in lines]
+    assert (len(data.train), len(data.val)) == (60 - len(val), len(val))
     assert data.heldout_conversations is None
-    assert data.section["chat_train"]["supervised_targets"] == sum(int(e.owned.sum()) for e in data.train)
+    # supervised targets: each answer's bytes and its end-of-turn marker
+    train = [line for line in lines if content_bucket(line) >= 0.25]
+    expected = sum(len(line["messages"][1]["content"].encode()) + 1 for line in train)
+    assert data.section["chat_train"]["supervised_targets"] == expected
 
 
 def test_jsonl_errors_and_empty_policy_surface_as_data_errors(tmp_path):

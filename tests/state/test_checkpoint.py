@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -54,12 +55,14 @@ def trained_state(seed: int = 0, steps: int = 2):
         betas=(0.9, 0.95),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    # a live scaler whose state moved: growth every step doubles the scale (1024 -> 4096)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     ids = torch.arange(8) % 11
     for _ in range(steps):
         loss = torch.nn.functional.cross_entropy(model(ids), (ids + 1) % 11)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         sched.step()
         opt.zero_grad()
     parts = {
@@ -106,6 +109,10 @@ def test_round_trip_is_bitwise(tmp_path, state) -> None:
     model_state, loaded = load_checkpoint(path)
     assert_bitwise_equal({k: v for k, v in model_state.items()}, dict(model.state_dict()), "model")
     assert_bitwise_equal(loaded, parts, "parts")
+    # the round trip carried state that had moved away from its initial values
+    assert loaded["scaler"]["scale"] == 1024.0 * 2**2
+    assert all(int(s["step"]) == 2 for s in loaded["optimizer"]["state"].values())
+    assert loaded["schedule"]["last_epoch"] == 2
 
 
 def test_bitwise_check_catches_a_one_ulp_difference(state) -> None:
@@ -499,8 +506,9 @@ def test_verify_report_lists_every_part_with_digest(tmp_path, state) -> None:
         "data",
     }
     manifest = json.loads((path / "manifest.json").read_bytes())
-    for p in report.parts:
-        assert p.actual_sha256 == manifest["files"][p.file]["sha256"]
+    for p in report.parts:  # digests recomputed here from the files' bytes
+        digest = hashlib.sha256((path / p.file).read_bytes()).hexdigest()
+        assert p.actual_sha256 == digest == manifest["files"][p.file]["sha256"]
     json.dumps(report.to_dict())
 
 

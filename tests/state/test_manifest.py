@@ -108,6 +108,10 @@ def test_key_order_check_catches_noncanonical_serialiser() -> None:
 def test_digest_is_sha256_of_canonical_body() -> None:
     m = build_manifest(sections())
     assert m.digest == hashlib.sha256(canonical_json(m.to_dict())).hexdigest()
+    # the same bytes spelled out with the standard library (S1: sorted keys, compact
+    # separators, UTF-8, one trailing newline)
+    text = json.dumps(sections(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert m.digest == hashlib.sha256((text + "\n").encode()).hexdigest()
     assert build_manifest(reversed_keys(sections())).digest == m.digest
 
 

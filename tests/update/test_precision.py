@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from update_support import make_engine, random_batch
 from exactstep.update.config import NumericsConfig
 from exactstep.update.disposition import Outcome
 from exactstep.update.precision import Precision
+from exactstep.update.schedule import Schedule
 
 
 def window_batches(k: int = 3):
@@ -110,18 +112,59 @@ def test_per_microbatch_unscale_is_caught_u2():
 
 
 def test_scaler_state_round_trip_u2_s2():
-    a = Precision(NumericsConfig(precision="fp16", init_scale=512.0), "cpu")
-    engine = make_engine(precision="fp16", init_scale=512.0)
-    engine.run_window(window_batches(1), 0)
-    a.load_state_dict(engine.precision.state_dict())
-    assert a.current_scale() == engine.precision.current_scale()
+    """A scale that moved (one skip: x0.5; then two commits: tracker 2) survives
+    state_dict/load_state_dict; a fresh scaler is the negative control."""
+    engine = make_engine(precision="fp16", init_scale=512.0, fail_window=0)
+    outcomes = [engine.run_window(window_batches(1), w).outcome for w in range(3)]
+    assert outcomes == [Outcome.SKIPPED_NONFINITE, Outcome.COMMITTED, Outcome.COMMITTED]
+    state = engine.precision.state_dict()
+    assert (state["scaler"]["scale"], state["scaler"]["_growth_tracker"]) == (256.0, 2)
+
+    def scale_and_tracker(precision: Precision) -> tuple[float, int]:
+        return precision.current_scale(), precision.state_dict()["scaler"]["_growth_tracker"]
+
+    loaded = Precision(NumericsConfig(precision="fp16", init_scale=512.0), "cpu")
+    fresh = Precision(NumericsConfig(precision="fp16", init_scale=512.0), "cpu")
+    loaded.load_state_dict(state)
+    assert scale_and_tracker(loaded) == (256.0, 2)
+    assert scale_and_tracker(fresh) != (256.0, 2)
     assert Precision(NumericsConfig(precision="bf16"), "cpu").state_dict()["scaler"] == {}
 
 
-def test_lr_recorded_is_the_lr_the_optimizer_used_u4_u5():
-    engine = make_engine(schedule="cosine", warmup=3, total_windows=8)
+def cosine(c: int, *, peak: float, warmup: int, horizon: int, floor: float) -> float:
+    """U5 cosine written out: linear warmup to ``peak``, then half a cosine to ``floor``."""
+    if c < warmup:
+        return peak * (c + 1) / warmup
+    p = min(1.0, (c - warmup) / (horizon - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+class AheadSchedule(Schedule):
+    """WRONG (U5): the rate of the update after the one being taken (stepped early)."""
+
+    def lr(self) -> float:
+        return self.lr_at(self.clock_value + 1)
+
+
+def lrs_seen_by_the_optimizer(engine) -> tuple[list[float], list]:
+    seen: list[float] = []
+    engine.optimizer.register_step_pre_hook(
+        lambda opt, *a: seen.append({g["lr"] for g in opt.param_groups}.pop()))
     gen = torch.Generator().manual_seed(1)
-    for w in range(4):
-        d = engine.run_window([random_batch(gen, 2, 5)], w)
-        assert all(g["lr"] == d.lr for g in engine.optimizer.param_groups)
-        assert d.lr == engine.schedule.lr_at(w)
+    recorded = [engine.run_window([random_batch(gen, 2, 5)], w).lr for w in range(5)]
+    return seen, recorded
+
+
+def test_lr_recorded_is_the_lr_the_optimizer_used_u4_u5():
+    """The rate each optimizer step used (read in a step pre-hook) is the ledger's lr and
+    the closed-form schedule of the committed count (lr 6e-3, warmup 3, 8 windows)."""
+    expected = [cosine(c, peak=6e-3, warmup=3, horizon=8, floor=0.1) for c in range(5)]
+    engine = make_engine(schedule="cosine", warmup=3, total_windows=8)
+    seen, recorded = lrs_seen_by_the_optimizer(engine)
+    assert seen == recorded
+    assert recorded == pytest.approx(expected, rel=1e-12)
+    # negative control: a schedule stepped one update early fails the same check
+    wrong = make_engine(schedule="cosine", warmup=3, total_windows=8)
+    wrong.schedule.__class__ = AheadSchedule
+    seen, recorded = lrs_seen_by_the_optimizer(wrong)
+    assert recorded != pytest.approx(expected, rel=1e-12)

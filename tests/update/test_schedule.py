@@ -74,16 +74,51 @@ def test_noam_matches_the_transformer_formula_u5():
     assert max(ratio) == pytest.approx(min(ratio), rel=1e-12)
 
 
+def closed_form(family: str, c: int, *, warmup: int = 10, horizon: int = 110,
+                floor: float = 0.1, fraction: float = 0.2) -> float:
+    """Each family at clock value ``c`` with peak 1, written from U5 (``s = c + 1``)."""
+    s = c + 1
+    ramp = min(1.0, s / warmup)
+    if family == "constant":
+        return ramp
+    if family == "noam":
+        return min(s / warmup, math.sqrt(warmup / s))
+    if family == "inverse_sqrt":
+        return math.sqrt(warmup / max(s, warmup))
+    if c < warmup:
+        return ramp
+    if family == "cosine":
+        p = min(1.0, (c - warmup) / (horizon - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p))
+    start = horizon - round(fraction * horizon)  # wsd: flat, then linear to the floor
+    if c < start:
+        return 1.0
+    return floor + (1 - floor) * (1 - min(1.0, (c - start) / (horizon - start)))
+
+
+class UpdatesOnlyClock(Schedule):
+    """WRONG (U5): reads the updates counter whatever clock was declared."""
+
+    @property
+    def clock_value(self) -> int:
+        return self.updates
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_clocks_differ_only_in_what_they_count_u5(family):
+    """7 committed updates of 13 tokens each: the updates clock reads 7, the tokens
+    clock 91, and each rate is the family's closed form at that reading."""
     by_updates = schedule(family, clock="updates")
     by_tokens = schedule(family, clock="tokens")
-    for _ in range(7):
-        by_updates.advance(committed_tokens=13)
-        by_tokens.advance(committed_tokens=13)
+    wrong = schedule(family, clock="tokens")
+    wrong.__class__ = UpdatesOnlyClock
+    for s in (by_updates, by_tokens, wrong):
+        for _ in range(7):
+            s.advance(committed_tokens=13)
     assert by_updates.clock_value == 7 and by_tokens.clock_value == 91
-    assert by_updates.lr() == by_updates.lr_at(7)
-    assert by_tokens.lr() == by_tokens.lr_at(91)
+    assert by_updates.lr() == pytest.approx(closed_form(family, 7), rel=1e-12)
+    assert by_tokens.lr() == pytest.approx(closed_form(family, 91), rel=1e-12)
+    assert wrong.lr() != pytest.approx(closed_form(family, 91), rel=1e-12)  # negative control
 
 
 @settings(max_examples=60, deadline=None)
@@ -119,7 +154,10 @@ def test_state_round_trip_u5_s2():
         a.advance(tokens)
     b = schedule("cosine", clock="tokens")
     b.load_state_dict(a.state_dict())
-    assert b.lr() == a.lr() and b.state_dict() == {"updates": 3, "tokens": 26}
+    assert b.state_dict() == {"updates": 3, "tokens": 26}
+    assert b.lr() == pytest.approx(closed_form("cosine", 26), rel=1e-12)
+    # negative control: a schedule that was not loaded is still at clock 0
+    assert schedule("cosine", clock="tokens").lr() != pytest.approx(closed_form("cosine", 26))
 
 
 def test_horizon_defaults_u5():
@@ -145,7 +183,7 @@ def test_families_without_a_horizon_need_none_on_the_token_clock_u5(family):
         UpdateConfig(lr=1.0, schedule=family, clock="tokens", warmup=4, decay_steps=0), 10
     )
     assert s.horizon is None
-    assert s.lr_at(3) == schedule(family, warmup=4).lr_at(3)  # horizon never read
+    assert s.lr_at(3) == pytest.approx(closed_form(family, 3, warmup=4), rel=1e-12)
 
 
 def test_invalid_schedule_settings_name_the_key():

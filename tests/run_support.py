@@ -1,0 +1,157 @@
+"""Independent expectations for tests that run the real ``exactstep`` command.
+
+These helpers recompute what a run directory must hold from the test's own
+declarations and plain PyTorch, never from the runner: the held-out loss of a
+checkpoint (each validation document run alone, cross entropy over its shifted
+targets), a closed-form learning-rate schedule, a bitwise comparison of checkpoint
+states, and digests of whole directories. The tests using them read run outputs only
+through public entry points (``load_checkpoint``, ``latest_checkpoint``,
+``evaluate_run``, the command line) and the files themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from exactstep import Batch, Segment, build_model, load_corpus
+from exactstep.data.config import DataConfig
+from exactstep.model.config import ModelConfig
+
+BOS, EOS, VOCAB = 256, 257, 259  # the byte tokenizer, written out (its own test pins them)
+
+# Tiny shapes shared by every test that trains through the command line.
+TINY = {
+    "batch.seq_len": 32,
+    "batch.rows": 2,
+    "model.d_model": 16,
+    "model.n_layers": 1,
+    "model.n_heads": 2,
+    "model.d_ff": 32,
+}
+TINY_MODEL = ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32)
+
+
+def set_args(pairs: Mapping[str, Any]) -> list[str]:
+    """``--set key=value`` for every pair, in order."""
+    return [arg for key, value in pairs.items() for arg in ("--set", f"{key}={value}")]
+
+
+def write_texts(path: Path, texts: Sequence[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def short_texts(n: int = 60) -> list[str]:
+    """``n`` documents of 3..28 bytes (at most 30 tokens with BOS and EOS), so that
+    every held-out document fits one 32-token row whole."""
+    words = "the quick brown fox jumps over a lazy dog while seven owls watch".split()
+    out = []
+    for i in range(n):
+        text = " ".join(words[(i * 3 + j * 5) % len(words)] for j in range(2 + (i * 7) % 5))
+        out.append(f"{i % 10} {text}"[:28])
+    return out
+
+
+def tokens_of(text: str) -> list[int]:
+    """``BOS + UTF-8 bytes + EOS``, as the byte tokenizer is documented to encode."""
+    return [BOS, *text.encode("utf-8"), EOS]
+
+
+def model_from(model_state: Mapping[str, torch.Tensor], cfg: ModelConfig = TINY_MODEL):
+    model = build_model(cfg, VOCAB, seed=12345)  # any init: every weight is replaced
+    model.load_state_dict(dict(model_state))
+    return model.eval()
+
+
+def alone(tokens: Sequence[int]) -> Batch:
+    """One document alone in one unpadded row (no packing, positions from 0)."""
+    n = len(tokens)
+    ids = torch.tensor([list(tokens)], dtype=torch.long)  # [1, n]
+    labels = torch.tensor([list(tokens[1:]) + [-100]], dtype=torch.long)  # [1, n]
+    return Batch(ids, labels, torch.arange(n).unsqueeze(0), torch.ones(1, n, dtype=torch.int32),
+                 ((Segment(0, 0, 0, 0, n),),))
+
+
+def document_nll(model, tokens: Sequence[int]) -> torch.Tensor:
+    """Per-target gold NLL ``[n - 1]`` (fp32 logits, plain ``F.cross_entropy``)."""
+    hidden = model(alone(tokens))[0]  # [n, H]
+    logits = hidden[:-1].float() @ model.head_weight.float().t()  # [n - 1, V]
+    return F.cross_entropy(logits, torch.tensor(list(tokens[1:])), reduction="none")
+
+
+def val_documents(source: Path, val_fraction: float) -> list[list[int]]:
+    """The validation split's documents as token lists, in corpus order."""
+    corpus = load_corpus(DataConfig(source=str(source), val_fraction=val_fraction))
+    return [tokens_of(doc.text) for doc in corpus.val]
+
+
+def heldout_per_document(model_state, docs: Sequence[Sequence[int]]) -> list[tuple[float, int]]:
+    """(NLL sum in float64, target count) of every document, each run alone."""
+    model = model_from(model_state)
+    with torch.no_grad():
+        return [(float(document_nll(model, d).double().sum()), len(d) - 1) for d in docs]
+
+
+def global_mean(per_doc: Sequence[tuple[float, int]]) -> tuple[float, int]:
+    """L5: both sums reduced first, then divided."""
+    total = math.fsum(s for s, _ in per_doc)
+    count = sum(n for _, n in per_doc)
+    return total / count, count
+
+
+def cosine_lr(c: int, *, peak: float, warmup: int, horizon: int, floor: float) -> float:
+    """U5 ``cosine`` in closed form: ``peak * (c + 1) / warmup`` during the warmup, then
+    half a cosine from ``peak`` to ``floor * peak`` over ``[warmup, horizon]``."""
+    if c < warmup:
+        return peak * (c + 1) / warmup
+    p = min(1.0, max(0.0, (c - warmup) / (horizon - warmup)))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+
+
+def tree_digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` by relative path (what "byte-identical" means)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def bitwise_differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Dotted paths where ``a`` and ``b`` differ; tensors compared by dtype, shape and
+    bytes (so ``-0.0 != 0.0`` and a NaN equals only the same NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape
+                and _raw_bytes(a) == _raw_bytes(b))
+        return [] if same else [path]
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out = []
+        for key in sorted(set(a) | set(b), key=str):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in a or key not in b:
+                out.append(f"{where} (missing on one side)")
+            else:
+                out += bitwise_differences(a[key], b[key], where)
+        return out
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) != len(b):
+            return [f"{path} (length {len(a)} vs {len(b)})"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True))
+                for d in bitwise_differences(x, y, f"{path}.{i}")]
+    if type(a) is not type(b) or a != b:
+        return [path]
+    return []
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
