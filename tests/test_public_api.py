@@ -11,11 +11,11 @@ import exactstep
 PINNED = {
     "__version__", "RunConfig", "load_config", "ExactstepError", "ConfigError", "DataError",
     "BatchInvariantError", "ObjectiveError", "ModelError", "CheckpointError", "ResumeError",
-    "DistributedError", "ByteTokenizer", "load_corpus", "Example", "RowStream", "eval_batches",
+    "DistributedError", "StorageError", "ByteTokenizer", "load_corpus", "Example", "RowStream", "eval_batches",
     "Batch", "Segment", "IGNORE_INDEX", "check_batch", "ChatPolicy", "build_model", "Decoder",
-    "plan_window", "microbatch_terms", "perplexity", "Objective", "NoObjective", "UpdateEngine",
+    "plan_window", "microbatch_terms", "perplexity", "NoObjective", "UpdateEngine",
     "Disposition", "Outcome", "build_manifest", "publish_checkpoint", "load_checkpoint",
-    "verify_checkpoint", "train", "resume", "evaluate",
+    "verify_checkpoint", "train", "resume", "evaluate", "evaluate_run",
 }
 
 

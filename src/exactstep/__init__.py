@@ -7,8 +7,7 @@ start-up) does not pay for torch until a name that needs it is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from exactstep.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -25,6 +24,7 @@ _EXPORTS = {
     "CheckpointError": "exactstep.errors",
     "ResumeError": "exactstep.errors",
     "DistributedError": "exactstep.errors",
+    "StorageError": "exactstep.errors",
     # data and rows
     "ByteTokenizer": "exactstep.data.tokenizer",
     "load_corpus": "exactstep.data.corpus",
@@ -42,7 +42,6 @@ _EXPORTS = {
     "plan_window": "exactstep.objective.plan",
     "microbatch_terms": "exactstep.objective.terms",
     "perplexity": "exactstep.objective.perplexity",
-    "Objective": "exactstep.objective.types",
     "NoObjective": "exactstep.objective.types",
     "UpdateEngine": "exactstep.update.window",
     "Disposition": "exactstep.update.disposition",
@@ -52,20 +51,11 @@ _EXPORTS = {
     "publish_checkpoint": "exactstep.state.checkpoint",
     "load_checkpoint": "exactstep.state.checkpoint",
     "verify_checkpoint": "exactstep.state.store",
+    "evaluate_run": "exactstep.eval",
     "train": "exactstep.runner",
     "resume": "exactstep.runner",
     "evaluate": "exactstep.eval",
 }
 
-__all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'exactstep' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+_NAMES, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = ["__version__", *_NAMES]

@@ -176,9 +176,10 @@ def test_built_in_sources_carry_no_weights_l3() -> None:
     for overrides in (["data.max_docs=40", "data.val_fraction=0.5"],
                       ["data.kind=chat", "data.source=arith", "arith.n_train=20"]):
         cfg = load_config(overrides=[*overrides, "objective.reduction=weighted"])
-        bundle = load_bundle(cfg, TOK)
         with pytest.raises(ConfigError, match=r"objective.reduction = 'weighted'.*\"weight\""):
-            bundle.require_weights(cfg.objective.reduction)
+            load_bundle(cfg, TOK)  # the bundle is refused as it loads
+        plain = load_bundle(load_config(overrides=overrides), TOK)
+        assert all(e.weight is None for e in plain.train)
 
 
 # ------------------------------------------------------------------- through train()

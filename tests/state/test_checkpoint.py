@@ -342,14 +342,19 @@ def test_republishing_over_a_damaged_checkpoint_replaces_it(tmp_path, state) -> 
     assert verify_checkpoint(damaged).bad_files == ["optimizer.pt"]
 
 
-def test_recorded_digests_alone_would_keep_the_damage(tmp_path, state) -> None:
-    """Negative control for the test above: comparing recorded digests (without
-    recomputing them) calls the damaged directory identical."""
+def test_recorded_digests_alone_would_keep_the_damage(monkeypatch, tmp_path, state) -> None:
+    """Negative control for the test above: a publisher that compares only the
+    recorded digests (without recomputing them) adopts the damaged directory."""
+
+    def recorded_only(existing: Path, manifest) -> bool:
+        return json.loads((existing / "manifest.json").read_bytes())["files"] == manifest["files"]
+
     path = publish(tmp_path, "step_1", state)
-    before = json.loads((path / "manifest.json").read_bytes())["files"]
     flip_byte(path / "optimizer.pt", 200)
-    after = json.loads((path / "manifest.json").read_bytes())["files"]
-    assert before == after and not verify_checkpoint(path).ok
+    monkeypatch.setattr(store, "_same_checkpoint", recorded_only)
+    publish(tmp_path, "step_1", state)
+    assert verify_checkpoint(path).bad_files == ["optimizer.pt"]  # the damage stayed
+    assert not (tmp_path / "quarantine").exists()
 
 
 def test_edited_checkpoint_manifest_is_detected(tmp_path, state) -> None:

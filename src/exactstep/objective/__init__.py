@@ -9,34 +9,25 @@
 - ``reference``: a pure-Python oracle for tests (L6).
 """
 
-from exactstep.objective.config import ObjectiveConfig
-from exactstep.objective.cross_entropy import (
-    fused_row_losses,
-    fused_weighted_sum,
-    logits_row_losses,
-)
-from exactstep.objective.perplexity import NotAvailable, mean_loss, perplexity
-from exactstep.objective.plan import WindowPlan, no_objective, plan_window
-from exactstep.objective.smoothing import Smoothing, target_distribution
-from exactstep.objective.terms import logits_microbatch_terms, microbatch_terms
-from exactstep.objective.types import NoObjective, NoObjectiveCause, Objective
+from exactstep.lazy import lazy_exports
 
-__all__ = [
-    "NoObjective",
-    "NoObjectiveCause",
-    "NotAvailable",
-    "Objective",
-    "ObjectiveConfig",
-    "Smoothing",
-    "WindowPlan",
-    "fused_row_losses",
-    "fused_weighted_sum",
-    "logits_microbatch_terms",
-    "logits_row_losses",
-    "mean_loss",
-    "microbatch_terms",
-    "no_objective",
-    "perplexity",
-    "plan_window",
-    "target_distribution",
-]
+_EXPORTS = {
+    "NoObjective": "exactstep.objective.types",
+    "NoObjectiveCause": "exactstep.objective.types",
+    "NotAvailable": "exactstep.objective.perplexity",
+    "ObjectiveConfig": "exactstep.objective.config",
+    "Smoothing": "exactstep.objective.smoothing",
+    "WindowPlan": "exactstep.objective.plan",
+    "fused_row_losses": "exactstep.objective.cross_entropy",
+    "fused_weighted_sum": "exactstep.objective.cross_entropy",
+    "logits_microbatch_terms": "exactstep.objective.terms",
+    "logits_row_losses": "exactstep.objective.cross_entropy",
+    "mean_loss": "exactstep.objective.perplexity",
+    "microbatch_terms": "exactstep.objective.terms",
+    "no_objective": "exactstep.objective.plan",
+    "perplexity": "exactstep.objective.perplexity",
+    "plan_window": "exactstep.objective.plan",
+    "target_distribution": "exactstep.objective.smoothing",
+}
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,11 +1,13 @@
-"""Objective values at the seam between the objective and update stages (L3, L4)."""
+"""The no-objective value at the seam between the objective and update stages (L4).
+
+A window with an objective is described by its ``WindowPlan`` (host coefficients and
+D, L3) and each microbatch's terms; ``NoObjective`` is what a window with ``D == 0`` is.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-import torch
 
 
 class NoObjectiveCause(enum.StrEnum):
@@ -13,22 +15,6 @@ class NoObjectiveCause(enum.StrEnum):
 
     EMPTY_ELIGIBLE_SET = "EMPTY_ELIGIBLE_SET"  # no supervised row at all
     NONEMPTY_ZERO_WEIGHT_MASS = "NONEMPTY_ZERO_WEIGHT_MASS"  # rows exist, weights sum to 0
-
-
-@dataclass(frozen=True)
-class Objective:
-    """One microbatch's share of ``S / D`` (L3).
-
-    ``numerator`` is ``sum a_r * c_r`` (graph-connected, 0-dim, fp32);
-    ``denominator`` is ``sum b_r`` (a host float: it is known before the forward);
-    ``gold_nll_sum`` is the detached unsmoothed NLL sum and ``tokens`` the number of
-    supervised rows, both for reporting and perplexity (L5).
-    """
-
-    numerator: torch.Tensor
-    denominator: float
-    gold_nll_sum: torch.Tensor
-    tokens: int
 
 
 @dataclass(frozen=True)

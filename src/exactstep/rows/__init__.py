@@ -1,0 +1,24 @@
+"""Objective compilers from examples to ``Batch`` rows: packing, the causal and chat
+compilers, invariants, the row stream and ``inspect`` (R1-R7)."""
+
+from exactstep.lazy import lazy_exports
+
+_EXPORTS = {
+    "Batch": "exactstep.rows.batch",
+    "BatchConfig": "exactstep.rows.config",
+    "ChatPolicy": "exactstep.rows.chat",
+    "DataBundle": "exactstep.rows.example",
+    "Example": "exactstep.rows.example",
+    "IGNORE_INDEX": "exactstep.rows.batch",
+    "PackPlanner": "exactstep.rows.packing",
+    "RowStream": "exactstep.rows.stream",
+    "Segment": "exactstep.rows.batch",
+    "chat_examples": "exactstep.rows.chat",
+    "check_batch": "exactstep.rows.invariants",
+    "eval_batches": "exactstep.rows.stream",
+    "inspect_rows": "exactstep.rows.inspect",
+    "load_bundle": "exactstep.rows.sources",
+    "render_rows": "exactstep.rows.inspect",
+}
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

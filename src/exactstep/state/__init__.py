@@ -1,54 +1,34 @@
 """State that survives: the checkpoint store, checkpoint formats, the Checkpointer,
 resume choice, RNG capture (S1-S8). Public names are re-exported here."""
 
-from exactstep.state.checkpoint import load_checkpoint, publish_checkpoint
-from exactstep.state.checkpointer import Checkpointer, Restored, load_weights
-from exactstep.state.compare import state_differences, tensors_bitwise_equal
-from exactstep.state.resume import (
-    ResumePoint,
-    StopRequest,
-    check_progress_digest,
-    choose_resume_point,
-    require_same_manifest,
-)
-from exactstep.state.rng import capture_rng, restore_rng, seed_rng
-from exactstep.state.store import (
-    PartReport,
-    Publication,
-    VerifyReport,
-    clean_uncommitted,
-    latest_checkpoint,
-    list_checkpoints,
-    prune,
-    published_checkpoints,
-    quarantine,
-    verify_checkpoint,
-)
+from exactstep.lazy import lazy_exports
 
-__all__ = [
-    "Checkpointer",
-    "PartReport",
-    "Publication",
-    "Restored",
-    "ResumePoint",
-    "StopRequest",
-    "VerifyReport",
-    "capture_rng",
-    "check_progress_digest",
-    "choose_resume_point",
-    "clean_uncommitted",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_checkpoint",
-    "load_weights",
-    "prune",
-    "publish_checkpoint",
-    "published_checkpoints",
-    "quarantine",
-    "require_same_manifest",
-    "restore_rng",
-    "seed_rng",
-    "state_differences",
-    "tensors_bitwise_equal",
-    "verify_checkpoint",
-]
+_EXPORTS = {
+    "Checkpointer": "exactstep.state.checkpointer",
+    "PartReport": "exactstep.state.store",
+    "Publication": "exactstep.state.store",
+    "Restored": "exactstep.state.checkpointer",
+    "ResumePoint": "exactstep.state.resume",
+    "StopRequest": "exactstep.state.resume",
+    "VerifyReport": "exactstep.state.store",
+    "capture_rng": "exactstep.state.rng",
+    "check_progress_digest": "exactstep.state.resume",
+    "choose_resume_point": "exactstep.state.resume",
+    "clean_uncommitted": "exactstep.state.store",
+    "latest_checkpoint": "exactstep.state.store",
+    "list_checkpoints": "exactstep.state.store",
+    "load_checkpoint": "exactstep.state.checkpoint",
+    "load_weights": "exactstep.state.checkpointer",
+    "prune": "exactstep.state.store",
+    "publish_checkpoint": "exactstep.state.checkpoint",
+    "published_checkpoints": "exactstep.state.store",
+    "quarantine": "exactstep.state.store",
+    "require_same_manifest": "exactstep.state.resume",
+    "restore_rng": "exactstep.state.rng",
+    "seed_rng": "exactstep.state.rng",
+    "state_differences": "exactstep.state.compare",
+    "tensors_bitwise_equal": "exactstep.state.compare",
+    "verify_checkpoint": "exactstep.state.store",
+}
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

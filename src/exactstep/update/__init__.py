@@ -7,36 +7,26 @@
 - ``Ledger``: one JSON line per window (U4).
 """
 
-from exactstep.update.config import NumericsConfig, UpdateConfig
-from exactstep.update.disposition import Disposition, Outcome
-from exactstep.update.groups import (
-    ResolvedGroups,
-    build_optimizer,
-    paper_to_torch_weight_decay,
-    resolve_groups,
-    torch_to_paper_weight_decay,
-)
-from exactstep.update.ledger import Ledger
-from exactstep.update.precision import Precision
-from exactstep.update.schedule import Schedule, build_schedule
-from exactstep.update.window import LocalReducer, Reducer, TrainModule, UpdateEngine
+from exactstep.lazy import lazy_exports
 
-__all__ = [
-    "Disposition",
-    "Ledger",
-    "LocalReducer",
-    "NumericsConfig",
-    "Outcome",
-    "Precision",
-    "Reducer",
-    "ResolvedGroups",
-    "Schedule",
-    "TrainModule",
-    "UpdateConfig",
-    "UpdateEngine",
-    "build_optimizer",
-    "build_schedule",
-    "paper_to_torch_weight_decay",
-    "resolve_groups",
-    "torch_to_paper_weight_decay",
-]
+_EXPORTS = {
+    "Disposition": "exactstep.update.disposition",
+    "Ledger": "exactstep.update.ledger",
+    "LocalReducer": "exactstep.update.window",
+    "NumericsConfig": "exactstep.update.config",
+    "Outcome": "exactstep.update.disposition",
+    "Precision": "exactstep.update.precision",
+    "Reducer": "exactstep.update.window",
+    "ResolvedGroups": "exactstep.update.groups",
+    "Schedule": "exactstep.update.schedule",
+    "TrainModule": "exactstep.update.window",
+    "UpdateConfig": "exactstep.update.config",
+    "UpdateEngine": "exactstep.update.window",
+    "build_optimizer": "exactstep.update.groups",
+    "build_schedule": "exactstep.update.schedule",
+    "paper_to_torch_weight_decay": "exactstep.update.groups",
+    "resolve_groups": "exactstep.update.groups",
+    "torch_to_paper_weight_decay": "exactstep.update.groups",
+}
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
