@@ -236,3 +236,19 @@ def test_ledger_denominator_is_the_global_sum_over_ranks(runs) -> None:
     assert [r["D"] for r in ledger] == [a + b for a, b in zip(d0, d1, strict=True)]
     assert all(r["D"] != a for r, a in zip(ledger, d0, strict=True))
     assert all(a > 0 and b > 0 for a, b in zip(d0, d1, strict=True))
+
+
+def test_multi_rank_checkpoints_are_sequenced_listed_and_pruned(runs, tmp_path) -> None:
+    """S3 for every format: multi-rank checkpoints record their publication order, so
+    listing and ``checkpoint.keep`` see them (they were all sequence 0 before)."""
+    from exactstep.state import list_checkpoints, prune, verify_checkpoint
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(runs["straight"] / "checkpoints", root)
+    names = [f"window-{w:08d}" for w in range(EVERY, WINDOWS + 1, EVERY)]
+    sequences = [json.loads((root / n / "manifest.json").read_bytes())["sequence"] for n in names]
+    assert sequences == sorted(set(sequences)) and len(sequences) == 3
+    assert [p.name for p in list_checkpoints(root)] == names
+    assert all(verify_checkpoint(root / n).ok for n in names)
+    assert [p.name for p in prune(root, 2)] == names[:1]
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", *names[1:]]
