@@ -14,6 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import signal
+import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -155,3 +159,16 @@ def bitwise_differences(a: Any, b: Any, path: str = "") -> list[str]:
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def kill_when_ledger_has(proc: subprocess.Popen, run_dir: Path, lines: int) -> None:
+    """SIGKILL ``proc`` as soon as its ledger holds ``lines`` complete lines."""
+    path = run_dir / "ledger.jsonl"
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if path.exists() and path.read_bytes().count(b"\n") >= lines:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.001)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"

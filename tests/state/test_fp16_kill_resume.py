@@ -21,18 +21,15 @@ thread each, as the child), which spares three interpreter start-ups.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from run_support import TINY, bitwise_differences, ledger, set_args
+from run_support import TINY, bitwise_differences, kill_when_ledger_has, ledger, set_args
 from text_corpus import write_corpus
 
 from exactstep.cli import main
@@ -62,19 +59,6 @@ def in_process(*argv: str) -> None:
         assert main([*argv, "--set", "train.threads=1"]) == 0
     finally:
         torch.set_num_threads(threads)
-
-
-def kill_when_ledger_has(proc: subprocess.Popen, run_dir: Path, lines: int) -> None:
-    """SIGKILL ``proc`` as soon as its ledger holds ``lines`` complete lines."""
-    path = run_dir / "ledger.jsonl"
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline:
-        if path.exists() and path.read_bytes().count(b"\n") >= lines:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.001)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
 
 
 def final_state(run_dir: Path) -> dict:

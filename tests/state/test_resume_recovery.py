@@ -14,15 +14,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from run_support import kill_when_ledger_has
 from text_corpus import write_corpus
 
 from exactstep.state import latest_checkpoint, verify_checkpoint
@@ -137,15 +135,7 @@ def test_run_killed_before_its_first_checkpoint_resumes_from_window_zero(cli, st
     run_dir = cli.root / "killed-early"
     proc = cli.popen(["train", "--no-progress", "--out", str(run_dir),
                       *settings(cli.corpus, 100)])
-    ledger = run_dir / "ledger.jsonl"
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        if ledger.exists() and ledger.read_bytes().count(b"\n") >= 3:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.002)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_ledger_has(proc, run_dir, 3)
     assert not (run_dir / "checkpoints" / "LATEST").exists()
     code, err = cli.train(run_dir, 100)  # the same --out again: told to resume
     assert code == 2 and "exactstep resume" in one_error_line(err)

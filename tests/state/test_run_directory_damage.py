@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from run_support import tree_digests
 from text_corpus import write_corpus
 
 from exactstep.cli import main
@@ -50,11 +51,6 @@ def base(tmp_path_factory) -> Path:
     assert main(["train", "--no-progress", "--out", str(root / "run"),
                  *settings(root / "corpus.jsonl")]) == 0
     return root / "run"
-
-
-def snapshot(run_dir: Path) -> dict[str, str]:
-    return {p.relative_to(run_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
 def checkpoint_contents(run_dir: Path) -> list[dict[str, str]]:
@@ -101,7 +97,7 @@ def assert_refused(code: int, err: str, before: dict[str, str], run_dir: Path) -
     assert code == 2, err
     assert "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert snapshot(run_dir) == before
+    assert tree_digests(run_dir) == before
 
 
 def final_files(run_dir: Path) -> dict:
@@ -134,7 +130,7 @@ def test_damaged_latest_checkpoint_is_refused_and_nothing_changes(base, tmp_path
                                                                    filename, how) -> None:
     run_dir = copy_of(base, tmp_path)
     damage(run_dir / "checkpoints" / FINAL / filename, how)
-    before = snapshot(run_dir)
+    before = tree_digests(run_dir)
     code, err = resume(run_dir, capsys)
     assert_refused(code, err, before, run_dir)
     assert f"--from {run_dir / 'checkpoints' / OLDER}" in err  # names the fallback
@@ -166,7 +162,7 @@ RUN_FILE_OUTCOME = {
 def test_damaged_run_file(base, tmp_path, capsys, filename, how) -> None:
     run_dir = copy_of(base, tmp_path)
     damage(run_dir / filename, how)
-    before, published = snapshot(run_dir), published_before(run_dir)
+    before, published = tree_digests(run_dir), published_before(run_dir)
     code, err = resume(run_dir, capsys)
     expected = RUN_FILE_OUTCOME[filename]
     if filename == "metrics.jsonl" and how == "flip" and code == 0:
