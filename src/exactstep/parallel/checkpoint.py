@@ -27,7 +27,6 @@ remainders are skipped, and the record says how many epochs that was.
 from __future__ import annotations
 
 import copy
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,22 +93,15 @@ def save_distributed_checkpoint(
         _barrier(ctx)  # the directory exists before any rank writes into it
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-        _save_durably(rank_state, tmp / rank_file(ctx.rank))
+        torch.save(rank_state, tmp / rank_file(ctx.rank))  # rank 0's commit seals every file
         if publication is not None:
-            _save_durably(common, tmp / COMMON_FILE)
+            torch.save(common, tmp / COMMON_FILE)
         _barrier(ctx)
         if publication is not None:
             publication.commit(format=DIST_FORMAT, parts=part_labels(ctx.world_size),
                                fields={"world_size": ctx.world_size}, keep=keep)
     _barrier(ctx)
     return root / name
-
-
-def _save_durably(value: Any, path: Path) -> None:
-    with open(path, "wb") as fh:
-        torch.save(value, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _barrier(ctx: DistContext) -> None:
