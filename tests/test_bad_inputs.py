@@ -316,6 +316,13 @@ CASES: list[Case] = [
     # bytes, beyond any 64-bit address space, so the allocation fails at once
     Case("resource-model-beyond-memory", train("--set", "model.d_ff=17592186044416"),
          "out of memory"),
+    Case("resource-rows-beyond-memory", train("--set", "batch.seq_len=10000000000000"),
+         "out of memory",
+         xfail="runner.train_new writes manifest.json, ledger.jsonl and metrics.jsonl "
+               "(start_journals) and prints its status line ('exactstep: N parameters ...') "
+               "before the first microbatch is allocated, so this refusal is two lines and "
+               "leaves a run directory behind; the runner must build (or size) the first "
+               "microbatch before it writes or announces anything"),
     # --- command-line arguments
     Case("cli-rows-not-a-range", inspect("--rows", "x"), "--rows expects A:B"),
     Case("cli-rows-reversed", inspect("--rows", "3:1"), "--rows expects 0 <= A < B"),
