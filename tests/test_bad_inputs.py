@@ -304,9 +304,13 @@ CASES: list[Case] = [
          chat_file(conversation({**USER, "tool_calls": [{"name": "f"}]}, ANSWER))),
     Case("chat-unknown-message-key", chat(), "chat.jsonl:4: message 1 has unknown key 'weight'",
          chat_file(conversation(USER, {**ANSWER, "weight": 0.5}))),
-    Case("chat-nan-constant", chat(), "chat.jsonl:4: not valid JSON (NaN is not a JSON value)",
+    Case("chat-nan-in-a-tool-call", chat(),
+         'chat.jsonl:4: message 0: "tool_calls" item 0 holds NaN or Infinity',
          chat_file('{"messages": [{"role": "assistant", "content": "", '
                    '"tool_calls": [{"x": NaN}]}]}')),
+    Case("chat-nan-weight", chat(), 'chat.jsonl:4: "weight" must be a finite number >= 0',
+         chat_file('{"messages": [{"role": "user", "content": "q"}, '
+                   '{"role": "assistant", "content": "a"}], "weight": NaN}')),
     Case("chat-repeated-key", chat(), "key 'content' appears twice",
          chat_file('{"messages": [{"role": "user", "content": "a", "content": "b"}]}')),
     Case("chat-no-supervised-token-under-empty-error", chat("--set", "chat.empty=error"),

@@ -34,9 +34,9 @@ message and the expected shape)::
 
 A message key outside ``role``, ``content`` and ``tool_calls`` is refused rather than
 ignored: the template renders exactly these, so anything else would silently fall
-out of the training data. Lines are strict UTF-8 and RFC 8259 JSON (no ``NaN``, no
-repeated key; ``exactstep.data.jsonl``), and no string may hold an unpaired
-surrogate.
+out of the training data. Lines are strict UTF-8 with no key repeated in an object
+(``exactstep.data.jsonl``), no string may hold an unpaired surrogate, and a tool call
+may hold no ``NaN`` or ``Infinity`` (its rendering must be JSON).
 """
 
 from __future__ import annotations
@@ -287,6 +287,11 @@ def _parse_tool_calls(raw: Any, role: str, where: str) -> tuple[str, ...]:
             raise DataError(f'{where}: "tool_calls" item {index} must be a JSON object '
                             f"(e.g. {{\"name\": ..., \"arguments\": ...}}), got a JSON "
                             f"{json_type(call)}")
+        try:
+            json.dumps(call, allow_nan=False)
+        except ValueError:
+            raise DataError(f'{where}: "tool_calls" item {index} holds NaN or Infinity, '
+                            "which JSON has no value for; give a finite number") from None
     return tuple(
         unicode_text(canonical_tool_call(call), where, f'"tool_calls" item {index}')
         for index, call in enumerate(raw)

@@ -9,10 +9,11 @@ Invariants:
 - Bytes are decoded as strict UTF-8. An undecodable line is refused, never repaired:
   a replacement character would silently change the training data and its
   fingerprint.
-- ``strict=True`` (the chat loader) accepts only RFC 8259 JSON: no ``NaN`` or
-  ``Infinity`` constants and no key given twice in one object (which value would be
-  meant is ambiguous). The text loader, which reads one field per line, keeps
-  Python's lenient parser for whatever else a line carries.
+- ``strict=True`` (the chat loader) refuses a key given twice in one object (which
+  value would be meant is ambiguous). The text loader, which reads one field per
+  line, keeps Python's lenient parser for whatever else a line carries. ``NaN`` and
+  ``Infinity`` still parse (as Python's parser does), so that the field holding one
+  is named where it is checked (``weights.parse_weight``, the chat tool calls).
 - ``unicode_text`` refuses a string holding an unpaired surrogate (``"\\ud800"`` is
   valid JSON but no Unicode character): it cannot be encoded as UTF-8, so no
   tokenizer could read it.
@@ -73,9 +74,7 @@ def decode_line(raw: bytes, where: str) -> str:
 
 
 def parse_line(line: str, where: str, *, strict: bool) -> Any:
-    hooks: dict[str, Any] = (
-        {"parse_constant": _refuse_constant, "object_pairs_hook": _unique_keys} if strict else {}
-    )
+    hooks: dict[str, Any] = {"object_pairs_hook": _unique_keys} if strict else {}
     try:
         return json.loads(line, **hooks)
     except json.JSONDecodeError as exc:
@@ -111,10 +110,6 @@ def json_type(value: object) -> str:
 
 class _StrictJsonError(ValueError):
     """Raised from the parser hooks; turned into the line's ``DataError``."""
-
-
-def _refuse_constant(name: str) -> Any:
-    raise _StrictJsonError(f"{name} is not a JSON value")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
