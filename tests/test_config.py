@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from exactstep.config import RunConfig, config_keys, load_config
@@ -63,3 +66,178 @@ def test_every_key_is_listed_once() -> None:
                      "update.lr", "update.clip", "train.steps", "numerics.precision",
                      "checkpoint.every", "checkpoint.keep", "model.d_model", "model.n_layers"):
         assert required in keys
+
+
+# --------------------------------------------------------------------------- ranges
+
+F32_TINY, F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # numpy.finfo(float32)
+F32 = "in [1.18e-38, 3.4e+38] (a positive normal float32)"
+I64_MAX = 2**63 - 1
+
+# Every numeric key: values at the edge of its range that are accepted, values just
+# outside that are refused, and the range the refusal must state. Extra overrides
+# make a value legal in context (e.g. d_model with n_heads).
+RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
+    ("seed", (0, I64_MAX), (-1,), "in [0, 2**63 - 1]", ()),
+    ("data.val_fraction", (1e-9, 0.999), (0, 1, -0.5), "in (0, 1)", ()),
+    ("data.max_docs", (0,), (-1,), ">= 0", ()),
+    ("batch.seq_len", (2,), (1, 0), ">= 2", ()),
+    ("batch.rows", (1,), (0,), ">= 1", ()),
+    ("batch.buffer", (1,), (0,), ">= 1", ()),
+    ("model.d_model", (2,), (0,), ">= 1", ("model.n_heads=1",)),
+    ("model.n_layers", (1,), (0,), ">= 1", ()),
+    ("model.n_heads", (1,), (0, -2), ">= 1", ()),
+    ("model.d_ff", (1,), (0,), ">= 1", ()),
+    ("model.rope_theta", (F32_TINY, F32_MAX), (0, -1, 1e-39, 3.5e38), F32, ()),
+    ("model.norm_eps", (F32_TINY, 1e-5), (0, -1, 1e-300, 1e39), F32, ()),
+    ("model.init_std", (F32_TINY, F32_MAX), (0, -1, 1e-40, 1e300), F32, ()),
+    ("objective.label_smoothing", (0, 1), (-0.1, 1.1), "in [0, 1]", ()),
+    ("objective.chunk_rows", (0,), (-1,), ">= 0", ()),
+    ("update.accum", (1,), (0,), ">= 1", ()),
+    ("update.lr", (1e-300, 10.0), (0, -1e-3), "> 0", ()),
+    ("update.min_lr_ratio", (0, 1), (-0.1, 1.5), "in [0, 1]", ()),
+    ("update.warmup", (0,), (-1,), ">= 0", ()),
+    ("update.decay_steps", (0,), (-1,), ">= 0", ()),
+    ("update.decay_fraction", (0, 1), (-0.1, 1.5), "in [0, 1]", ()),
+    ("update.clip", (0,), (-1,), ">= 0", ()),
+    ("update.weight_decay", (0,), (-0.1,), ">= 0", ()),
+    ("update.beta1", (0, 0.999), (1, -0.1), "in [0, 1)", ()),
+    ("update.beta2", (0, 0.999), (1, -0.1), "in [0, 1)", ()),
+    ("update.eps", (F32_TINY, 1.0), (0, -1e-8, 1e-300), F32, ()),
+    ("update.momentum", (0, 0.99), (1, -0.1), "in [0, 1)", ()),
+    ("update.fail_window", (-1, 0), (-2,), ">= -1", ()),
+    ("numerics.init_scale", (1.0, F32_MAX), (0, -1, 1e39), F32, ()),
+    ("train.steps", (1,), (0,), ">= 1", ()),
+    ("train.eval_every", (0,), (-1,), ">= 0", ()),
+    ("train.eval_tokens", (1,), (0,), ">= 1", ()),
+    ("train.log_every", (1,), (0,), ">= 1", ()),
+    ("train.threads", (0,), (-1,), ">= 0", ()),
+    ("checkpoint.every", (0,), (-1,), ">= 0", ()),
+    ("checkpoint.keep", (1,), (0,), ">= 1", ()),
+    ("parallel.timeout_s", (1e-9, 1e9), (0, -1, 1.1e9), "in (0, 1000000000]", ()),
+    ("parallel.bucket_mb", (1,), (0,), ">= 1", ()),
+    ("arith.n_train", (1,), (0,), ">= 1", ()),
+    ("arith.n_heldout", (1,), (0,), ">= 1", ()),
+    ("arith.max_operand", (1,), (0,), ">= 1", ()),
+    ("arith.max_multiplier", (2,), (1,), ">= 2", ()),
+    ("arith.min_follow_ups", (0, 1), (-1,), ">= 0", ()),
+    ("arith.max_follow_ups", (1, 9), (0,), ">= arith.min_follow_ups (1)", ()),
+    ("arith.max_new_tokens", (1,), (0,), ">= 1", ()),
+]
+
+
+def numeric_keys() -> set[str]:
+    return {key for key, _, kind in config_keys() if kind in ("int", "float")}
+
+
+def test_the_range_table_covers_every_numeric_key() -> None:
+    """A numeric key added without a range (and a row here) fails this test."""
+    assert {row[0] for row in RANGES} == numeric_keys()
+
+
+@pytest.mark.parametrize(("key", "accepted", "refused", "allowed", "extra"), RANGES,
+                         ids=[row[0] for row in RANGES])
+def test_each_numeric_key_accepts_its_range_and_refuses_outside_it(
+    key: str, accepted: tuple, refused: tuple, allowed: str, extra: tuple[str, ...]
+) -> None:
+    section, _, name = key.rpartition(".")
+    for value in accepted:
+        cfg = load_config(overrides=[*extra, f"{key}={value!r}"])
+        got = getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
+        assert got == value, (key, value, got)
+    for value in refused:
+        with pytest.raises(ConfigError) as info:
+            load_config(overrides=[*extra, f"{key}={value!r}"])
+        message = str(info.value)
+        assert message.startswith(f"{key} must be ") and allowed in message, message
+
+
+def float_keys() -> list[str]:
+    return sorted(key for key, _, kind in config_keys() if kind == "float")
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN", "1e999"])
+def test_no_float_key_accepts_a_non_finite_value(text: str) -> None:
+    """A non-finite float is refused for every float key, naming the key."""
+    for key in float_keys():
+        with pytest.raises(ConfigError) as info:
+            load_config(overrides=[f"{key}={text}"])
+        assert str(info.value).startswith(f"{key} must be a finite number"), str(info.value)
+
+
+def refuses_nan(section: object, name: str) -> bool:
+    """Whether building ``section`` with ``name = NaN`` in Python (no string
+    coercion) raises ``ConfigError``: the section's own check must refuse NaN."""
+    try:
+        dataclasses.replace(section, **{name: math.nan})
+    except ConfigError:
+        return True
+    return False
+
+
+def test_every_section_refuses_nan_itself() -> None:
+    """Sections built in code (no ``--set``) refuse NaN too: every range check is
+    written so that NaN fails it."""
+    cfg = RunConfig()
+    for key in float_keys():
+        section, name = key.split(".")
+        assert refuses_nan(getattr(cfg, section), name), key
+
+
+def test_negative_control_a_less_than_check_lets_nan_through() -> None:
+    """The probe above can fail: a section whose check is ``if x < 0: raise`` (as
+    update.weight_decay had) accepts NaN."""
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class LessThanCheck:
+        weight_decay: float = 0.1
+
+        def __post_init__(self) -> None:
+            if self.weight_decay < 0:
+                raise ConfigError("weight_decay must be >= 0")
+
+    assert not refuses_nan(LessThanCheck(), "weight_decay")
+    with pytest.raises(ConfigError):
+        LessThanCheck(weight_decay=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("9007199254740993", 9007199254740993), ("1e3", 1000), ("3.0", 3), (" 7 ", 7),
+     ("9223372036854775807", 2**63 - 1)],
+)
+def test_integers_are_parsed_exactly(text: str, expected: int) -> None:
+    """2**53 + 1 survives: the digits are parsed as an integer, not as a float."""
+    assert load_config(overrides=[f"seed={text}"]).seed == expected
+
+
+def test_negative_control_float_parsing_would_round_a_long_integer() -> None:
+    """Why the parser above avoids floats: the route through ``float`` (the old
+    coercion) turns 2**53 + 1 into 2**53."""
+    assert int(float("9007199254740993")) == 2**53 != 9007199254740993
+
+
+@pytest.mark.parametrize("text", ["9223372036854775808", "1e30", "1e400000000", "nan", "inf",
+                                  "1.5", "0x10", "", "true"])
+def test_integers_outside_64_bits_or_not_integral_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"train.steps={text}"])
+    assert str(info.value).startswith("train.steps must be an integer")
+
+
+def test_toml_values_go_through_the_same_checks(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[update]\nweight_decay = nan\n")  # TOML has a nan literal
+    with pytest.raises(ConfigError, match="update.weight_decay must be a finite number"):
+        load_config(path)
+    path.write_text("[model]\nnorm_eps = -1.0\n")
+    with pytest.raises(ConfigError, match="model.norm_eps must be in"):
+        load_config(path)
+
+
+def test_unreadable_config_files(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[data]\nsource = "caf\xe9.jsonl"\n')
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe9 at offset 20\)"):
+        load_config(latin1)

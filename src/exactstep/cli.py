@@ -3,6 +3,11 @@
 Importing this module and parsing a command line import nothing heavy: torch and the
 training stack load only once a command runs (inside ``dispatch``), so a usage error,
 ``--help`` and ``bench list`` answer at once (X4).
+
+Every way a command can be wrong ends in one ``error: ...`` line on stderr and a
+non-zero exit (2 for a user error): a bad argument (argparse's own message, without
+its usage block), any ``ExactstepError``, a setting too large for this machine's
+memory, and an interrupt (130). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,17 +17,27 @@ import importlib
 import json
 import os
 import pkgutil
+import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
-from exactstep.errors import ExactstepError
+from exactstep.errors import ConfigError, DistributedError, ExactstepError, Interrupted
 
 BENCH_PACKAGE = "exactstep.bench"  # each module in it but the helpers is one benchmark
 BENCH_HELPERS = frozenset({"common"})
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is a ``ConfigError`` (one line, exit 2) instead of
+    a usage block and ``SystemExit``; sub-command parsers inherit this class."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message}; see '{self.prog} --help'")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="exactstep",
         description="Train language models so every update is exactly the declared objective.",
     )
@@ -99,12 +114,20 @@ def key_value(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "nproc", None) and "WORLD_SIZE" not in os.environ:
+        args = build_parser().parse_args(argv)
+        nproc = getattr(args, "nproc", None)
+        if nproc is not None:
+            check_nproc(nproc)
+    except ExactstepError as exc:  # a usage error: nothing ran, nothing heavy is loaded
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    try:
+        if nproc is not None and "WORLD_SIZE" not in os.environ:
+            stop_on_early_sigterm()
             from exactstep.parallel.launch import relaunch, strip_nproc
 
-            return relaunch(strip_nproc(argv)[0], args.nproc)
+            return relaunch(strip_nproc(argv)[0], nproc)
         return dispatch(args)
     except ExactstepError as exc:
         from exactstep.parallel.launch import report_failure
@@ -114,6 +137,58 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as exc:
+        message = out_of_memory(exc)
+        if message is None:
+            raise
+        from exactstep.parallel.launch import report_failure
+
+        # reported like any user error: rank 0 prints, every rank records it (D1)
+        report_failure(ConfigError(message), None)
+        return ConfigError.exit_code
+
+
+def check_nproc(nproc: int) -> None:
+    """``--nproc R`` needs R >= 1 (D1); 0 or less is refused, never read as "one"."""
+    if nproc < 1:
+        raise DistributedError(f"--nproc expects a positive number of processes; got {nproc}")
+
+
+def stop_on_early_sigterm() -> None:
+    """A SIGTERM to the ``--nproc`` launcher before torchrun's agent installs its own
+    handlers (which forward it to the workers) ends in one line and 130, not a silent
+    death: importing PyTorch alone takes seconds.
+
+    The handler writes the line and leaves at once (``os._exit``) instead of raising:
+    an exception raised in the middle of an import would leave PyTorch half-imported.
+    No worker exists yet, so nothing is left behind.
+    """
+    def stop(signum: int, frame: object) -> None:
+        os.write(2, f"error: stopped by {signal.Signals(signum).name} before the workers "
+                    "started; nothing ran, run the command again\n".encode())
+        os._exit(Interrupted.exit_code)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+# What PyTorch's CPU allocator says when a request cannot be met (it raises RuntimeError).
+CPU_ALLOCATOR_FAILURE = "can't allocate memory"
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """One line for an allocation the settings made too large, else ``None`` (a bug).
+
+    NumPy raises ``MemoryError``, PyTorch ``torch.OutOfMemoryError`` on a GPU and a
+    ``RuntimeError`` naming the allocator on the CPU.
+    """
+    import torch
+
+    text = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    if not (isinstance(exc, MemoryError | torch.OutOfMemoryError)
+            or CPU_ALLOCATOR_FAILURE in str(exc)):
+        return None
+    return (f"out of memory ({text}); lower batch.rows, batch.seq_len, update.accum or "
+            "the model size (model.d_model, model.d_ff, model.n_layers)")
 
 
 def dispatch(args: argparse.Namespace) -> int:

@@ -5,12 +5,15 @@ Each stage owns a frozen, keyword-only dataclass for its section (``data``,
 ``checkpoint``, ``parallel``); this module composes them, coerces override strings
 to the declared field types, and rejects unknown keys and invalid values with a
 ``ConfigError`` naming the key. Section dataclasses validate their own values in
-``__post_init__``.
+``__post_init__`` (each numeric key against its range, ``exactstep.ranges``); on top
+of that ``coerce`` refuses NaN and the infinities for every float key and any integer
+that does not fit in 64 bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import tomllib
 import types
 import typing
@@ -24,6 +27,7 @@ from exactstep.errors import ConfigError
 from exactstep.model.config import ModelConfig
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.parallel.config import ParallelConfig
+from exactstep.ranges import INT64_MAX, at_least, between, check, check_finite, check_int
 from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
 from exactstep.state.config import CheckpointConfig
@@ -47,11 +51,11 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        require(self.steps >= 1, "train.steps must be >= 1")
-        require(self.eval_every >= 0, "train.eval_every must be >= 0")
-        require(self.eval_tokens >= 1, "train.eval_tokens must be >= 1")
-        require(self.log_every >= 1, "train.log_every must be >= 1")
-        require(self.threads >= 0, "train.threads must be >= 0 (0 = PyTorch's default)")
+        check("train.steps", self.steps, at_least(1))
+        check("train.eval_every", self.eval_every, at_least(0))  # 0 = only at the end
+        check("train.eval_tokens", self.eval_tokens, at_least(1))
+        check("train.log_every", self.log_every, at_least(1))
+        check("train.threads", self.threads, at_least(0))  # 0 = PyTorch's default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +78,10 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     chat: ChatPolicy = field(default_factory=ChatPolicy)
     arith: ArithSpec = field(default_factory=ArithSpec)
+
+    def __post_init__(self) -> None:
+        # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits
+        check("seed", self.seed, between(0, INT64_MAX))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,13 +123,24 @@ def config_from_manifest(manifest: Any) -> RunConfig:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML table of ``path``; ``ConfigError`` naming the file when it is missing,
+    unreadable, not UTF-8 or not TOML."""
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass an existing .toml file")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {what}; pass an existing .toml file")
     try:
         with path.open("rb") as fh:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+            f"offset {exc.start}); save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror}); "
+                          "check its permissions") from None
 
 
 def split_override(item: str) -> tuple[str, str]:
@@ -186,27 +205,48 @@ def coerce(hint: Any, value: Any, key: str) -> Any:
             return False
         raise ConfigError(f"{key} must be true or false; got {value!r}")
     if hint is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} must be an integer; got {value!r}")
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be an integer; got {value!r}") from None
-        if not as_float.is_integer():
-            raise ConfigError(f"{key} must be an integer; got {value!r}")
-        return int(as_float)
+        return coerce_int(value, key)
     if hint is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} must be a number; got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be a number; got {value!r}") from None
+        return coerce_float(value, key)
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string; got {value!r}")
         return value
     raise ConfigError(f"{key}: unsupported config type {hint!r}")
+
+
+def coerce_int(value: Any, key: str) -> int:
+    """An exact integer from TOML (``3``, ``3.0``) or a string (``"3"``, ``"1e3"``).
+
+    Parsed without going through a binary float, so a long integer keeps every digit;
+    refused unless it is integral and fits in 64 bits (``ranges.check_int``).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{key} must be an integer; got {value!r}")
+    try:
+        exact = decimal.Decimal(value.strip() if isinstance(value, str) else value)
+    except (decimal.InvalidOperation, ValueError):
+        raise ConfigError(f"{key} must be an integer; got {value!r}") from None
+    if not exact.is_finite() or exact != exact.to_integral_value():
+        raise ConfigError(f"{key} must be an integer; got {value!r}")
+    if exact.adjusted() > 19:  # more digits than any 64-bit integer: refuse before int()
+        raise ConfigError(f"{key} must be an integer in [-2**63, 2**63 - 1]; got {value!r}")
+    number = int(exact)
+    check_int(key, number)
+    return number
+
+
+def coerce_float(value: Any, key: str) -> float:
+    """A finite float from TOML or a string; NaN and the infinities are refused here,
+    for every float key (no key gives them a meaning)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{key} must be a number; got {value!r}")
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{key} must be a number; got {value!r}") from None
+    check_finite(key, number)
+    return number
 
 
 def config_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -88,10 +88,14 @@ def test_fingerprint_changes_with_one_byte(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
-        (['{"text": "ok"}', "{not json"], "line 2 is not valid JSON"),
-        (['{"text": "ok"}', '{"body": "x"}'], 'line 2 has no "text" field'),
-        (['{"text": 5}'], '"text" must be a string'),
-        (['["text"]'], 'line 1 has no "text"'),
+        (['{"text": "ok"}', "{not json"], "bad.jsonl:2: not valid JSON"),
+        (['{"text": "ok"}', '{"body": "x"}'], 'bad.jsonl:2: no "text" field'),
+        (['{"text": 5}'], 'bad.jsonl:1: "text" must be a string, got a JSON number'),
+        (['{"text": null}'], 'bad.jsonl:1: "text" must be a string, got a JSON null'),
+        (['["text"]'], 'bad.jsonl:1: no "text" field .*a JSON array'),
+        (['"just a string"'], 'bad.jsonl:1: no "text" field .*a JSON string'),
+        (['{"text": "ok"}', '{"text": "a\\ud800b"}'], r"bad.jsonl:2: .*unpaired surrogate \(\\ud800"),
+        (['{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"], "bad.jsonl:1: JSON nested too deeply"),
         (['{"text": ""}', ""], "no non-empty document"),
     ],
 )
@@ -100,6 +104,33 @@ def test_malformed_jsonl_names_file_and_line(tmp_path: Path, lines, message: str
     with pytest.raises(DataError, match=message) as info:
         load_corpus(DataConfig(source=source))
     assert "bad.jsonl" in str(info.value)
+
+
+def test_invalid_utf8_is_refused_naming_file_line_and_byte(tmp_path: Path) -> None:
+    """S1: an undecodable byte is refused, never replaced (the replacement character
+    would silently change the document and its fingerprint)."""
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps({"text": "fine"}).encode()
+    path.write_bytes(good + b"\n" + good + b"\n" + '{"text": "caf\u00e9"}'.encode("latin-1") + b"\n")
+    with pytest.raises(DataError) as info:
+        load_corpus(DataConfig(source=str(path)))
+    assert f"{path}:3: not valid UTF-8 (byte 0xe9 at column 14)" in str(info.value)
+
+
+def test_negative_control_the_same_line_in_utf8_loads(tmp_path: Path) -> None:
+    """The refusal above is about the encoding: the same text in UTF-8 (with a BOM,
+    which is allowed and dropped) loads with its accent intact."""
+    path = tmp_path / "utf8.jsonl"
+    lines = [json.dumps({"text": f"caf\u00e9 {i}"}, ensure_ascii=False) for i in range(60)]
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode("utf-8") + b"\n")
+    corpus = load_corpus(DataConfig(source=str(path), val_fraction=0.2))
+    texts = sorted(d.text for d in corpus.train + corpus.val)
+    assert texts == sorted(f"caf\u00e9 {i}" for i in range(60))
+
+
+def test_a_directory_is_not_a_data_file(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="is a directory"):
+        load_corpus(DataConfig(source=str(tmp_path)))
 
 
 def test_missing_file_and_empty_splits(tmp_path: Path) -> None:

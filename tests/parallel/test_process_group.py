@@ -132,3 +132,63 @@ def test_failure_is_printed_by_rank_zero_and_recorded_by_every_rank(tmp_path, ca
         report_failure(DistributedError("boom"), ctx, env={"TORCHELASTIC_ERROR_FILE": str(path)})
         assert json.loads(path.read_text())["message"]["message"] == f"rank {rank}: boom"
     assert capsys.readouterr().err.count("error: boom") == 1
+
+
+def test_a_message_with_line_breaks_is_printed_on_one_line(capsys) -> None:
+    """X4: whatever a message holds (a path or value with a newline), one line."""
+    from exactstep.errors import DataError
+    from exactstep.parallel.launch import one_line, report_failure
+
+    assert one_line("data file a\nb.jsonl does not exist\n") == "data file a | b.jsonl does not exist"
+    assert one_line("plain") == "plain"
+    report_failure(DataError("file a\r\nb missing"), None, env={})
+    assert capsys.readouterr().err == "error: file a | b missing\n"
+
+
+def write_error_file_for(log_dir, rank: int) -> None:
+    """torchrun's layout: <log_dir>/<run>_<id>/attempt_0/<rank>/error.json."""
+    from exactstep.parallel.launch import write_error_file
+
+    folder = log_dir / "exactstep-1_abc" / "attempt_0" / str(rank)
+    folder.mkdir(parents=True)
+    write_error_file(str(folder / "error.json"), rank, RuntimeError("stopped"))
+
+
+def test_after_a_signal_the_launcher_adds_a_line_only_when_rank_zero_did_not(
+    tmp_path, capsys
+) -> None:
+    """X4: SIGTERM to the launcher: rank 0 already printed its line -> nothing more;
+    no worker reported (it died before it could) -> one line of the launcher's own;
+    130 either way."""
+    import signal
+
+    from exactstep.parallel.launch import rank_reported, report_signal
+
+    argv = ["train", "--out", "runs/x"]
+    assert report_signal(signal.SIGTERM, tmp_path, argv, 2) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "error: stopped by SIGTERM before the workers reported; continue from the last "
+        "committed checkpoint, if any, with 'exactstep resume runs/x --nproc 2'"]
+    write_error_file_for(tmp_path, 1)  # rank 1's report alone is not rank 0's line
+    assert not rank_reported(tmp_path, 0) and rank_reported(tmp_path, 1)
+    write_error_file_for(tmp_path, 0)
+    assert report_signal(signal.SIGTERM, tmp_path, argv, 2) == 130
+    assert capsys.readouterr().err == ""
+
+
+def test_launcher_log_lines_are_silenced_in_every_elastic_module() -> None:
+    """Each torchrun module sets its own logger's level (so the parent's level alone
+    does not silence "Received 15 death signal"); after the call none can warn."""
+    import logging
+
+    import torch.distributed.launcher.api  # noqa: F401  (creates the agent's loggers)
+
+    from exactstep.parallel.launch import quiet_launcher_logs
+
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    agent.setLevel(logging.WARNING)
+    assert agent.isEnabledFor(logging.WARNING)  # negative control: it would print
+    quiet_launcher_logs()
+    assert not agent.isEnabledFor(logging.WARNING)
+    assert not agent.isEnabledFor(logging.ERROR)

@@ -80,6 +80,29 @@ def test_tool_call_rendering_ignores_source_key_order():
         ('{"messages": [{"role": "user", "content": 3}]}', "is not a string"),
         ('{"messages": [{"role": "user", "content": "x", "tool_calls": []}]}', "only assistant"),
         ('{"messages": ["hello"]}', "must be an object"),
+        ('{"messages": "hi"}', "non-empty list of messages, got a JSON string"),
+        ('[{"role": "user", "content": "x"}]', '"messages" list, got a JSON array'),
+        ('{"messages": [{"content": "x"}]}', '"role" is missing'),
+        ('{"messages": [{"role": 5, "content": "x"}]}', "unknown role 5"),
+        ('{"messages": [{"role": "user", "content": ["x"]}]}', "is not a string (got a JSON array)"),
+        ('{"messages": [{"role": "user", "contnet": "x"}]}', "unknown key 'contnet'"),
+        ('{"messages": [{"role": "assistant", "content": null, "tool_calls": [5, null]}]}',
+         '"tool_calls" item 0 must be a JSON object'),
+        ('{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"f": 1}, null]}]}',
+         '"tool_calls" item 1 must be a JSON object'),
+        ('{"messages": [{"role": "assistant", "content": "x", "tool_calls": {"f": 1}}]}',
+         '"tool_calls" must be a list of JSON objects, got a JSON object'),
+        ('{"messages": [{"role": "assistant", "content": null, "tool_calls": []}]}',
+         '"content" is missing'),
+        ('{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"a": NaN}]}]}',
+         '"tool_calls" item 0 holds NaN or Infinity'),
+        ('{"messages": [{"role": "user", "role": "assistant", "content": "x"}]}',
+         "key 'role' appears twice"),
+        ('{"messages": [{"role": "user", "content": "a\\udc00"}]}',
+         '"content" holds an unpaired surrogate'),
+        ('{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"a": "\\ud800"}]}]}',
+         '"tool_calls" item 0 holds an unpaired surrogate'),
+        ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
     ],
 )
 def test_malformed_lines_raise_data_error_naming_file_and_line(tmp_path, line, fragment):
@@ -90,6 +113,37 @@ def test_malformed_lines_raise_data_error_naming_file_and_line(tmp_path, line, f
         load_chat_jsonl(path)
     assert f"{path}:3" in str(info.value)
     assert fragment in str(info.value)
+
+
+def test_invalid_utf8_is_a_data_error_naming_file_line_and_byte(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "ok"}]}).encode()
+    prefix = '{"messages": [{"role": "user", "content": "'
+    path.write_bytes(good + b"\n" + prefix.encode() + b'\xe9"}]}\n')
+    with pytest.raises(DataError) as info:
+        load_chat_jsonl(path)
+    column = len(prefix) + 1  # 1-based column of the Latin-1 byte
+    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at column {column})" in str(info.value)
+
+
+def test_well_formed_shapes_load_negative_control(tmp_path):
+    """The shapes refused above are refused for their shape: the nearest well-formed
+    lines (tool calls as objects, content null beside a call, other top-level keys,
+    non-ASCII text, a BOM) load and keep every field."""
+    path = tmp_path / "chat.jsonl"
+    lines = [
+        {"messages": [{"role": "user", "content": "caf\u00e9"},
+                      {"role": "assistant", "content": None, "tool_calls": [{"name": "f"}, {}]}],
+         "id": 7},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "x",
+                                                             "tool_calls": None}]},
+    ]
+    text = "\n".join(json.dumps(line, ensure_ascii=False) for line in lines) + "\n"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    first, second = load_chat_jsonl(path)
+    assert first.messages == (Message("user", "caf\u00e9"),
+                              Message("assistant", "", ('{"name":"f"}', "{}")))
+    assert second.messages == (Message("system", "s"), Message("user", "x"))
 
 
 def test_missing_and_empty_files_are_data_errors(tmp_path):

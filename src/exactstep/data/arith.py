@@ -25,6 +25,7 @@ import numpy as np
 
 from exactstep.data.chat import Conversation, Message, write_chat_jsonl
 from exactstep.errors import ConfigError, DataError
+from exactstep.ranges import at_least, check
 
 # One held-out bucket out of HOLDOUT_BUCKETS; the hash of a problem picks its bucket.
 HOLDOUT_BUCKETS = 10
@@ -50,12 +51,15 @@ class ArithSpec:
     max_new_tokens: int = 8
 
     def __post_init__(self) -> None:
-        if self.max_operand < 1 or self.max_multiplier < 2:
-            raise ConfigError("arith.max_operand must be >= 1 and arith.max_multiplier >= 2")
-        if not 0 <= self.min_follow_ups <= self.max_follow_ups:
-            raise ConfigError("arith: need 0 <= arith.min_follow_ups <= arith.max_follow_ups")
-        if self.n_train < 1 or self.n_heldout < 1 or self.max_new_tokens < 1:
-            raise ConfigError("arith.n_train, arith.n_heldout and arith.max_new_tokens must be >= 1")
+        for name in ("n_train", "n_heldout", "max_operand", "max_new_tokens"):
+            check(f"arith.{name}", getattr(self, name), at_least(1))
+        check("arith.max_multiplier", self.max_multiplier, at_least(2))
+        check("arith.min_follow_ups", self.min_follow_ups, at_least(0))
+        if self.max_follow_ups < self.min_follow_ups:
+            raise ConfigError(
+                f"arith.max_follow_ups must be >= arith.min_follow_ups ({self.min_follow_ups}); "
+                f"got {self.max_follow_ups}"
+            )
 
 
 DEFAULT_SPEC = ArithSpec()

@@ -20,13 +20,23 @@ whatever key order the source file used. A generation prompt is the rendering of
 earlier messages followed by the assistant header; the model then answers and ends
 its turn with ``<eos>``.
 
-A conversation may carry an optional numeric ``"weight"`` beside ``"messages"`` (L3);
-it is part of the conversation's JSON (so of the data fingerprint).
+The shape of a line (anything else is a ``DataError`` naming ``<file>:<line>``, the
+message and the expected shape)::
 
-Failure modes: ``load_chat_jsonl`` raises ``DataError`` naming the file and line for
-bad JSON, a missing or empty ``messages`` list, an unknown role, a missing or
-non-string ``content``, malformed ``tool_calls``, or a ``weight`` that is not a
-finite number >= 0.
+    {"messages": [message, ...],        a non-empty array
+     "weight": w}                       optional (L3): a finite number >= 0; part of the
+                                        conversation's JSON (so of the data fingerprint);
+                                        other top-level keys are ignored
+    message = {"role": ROLE,            one of system, user, assistant, tool
+               "content": "...",        a string; null or absent only for an assistant
+                                        message with at least one tool call
+               "tool_calls": [{...}]}   assistant only: an array of JSON objects
+
+A message key outside ``role``, ``content`` and ``tool_calls`` is refused rather than
+ignored: the template renders exactly these, so anything else would silently fall
+out of the training data. Lines are strict UTF-8 with no key repeated in an object
+(``exactstep.data.jsonl``), no string may hold an unpaired surrogate, and a tool call
+may hold no ``NaN`` or ``Infinity`` (its rendering must be JSON).
 """
 
 from __future__ import annotations
@@ -42,10 +52,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from exactstep.data.jsonl import json_type, records, unicode_text
 from exactstep.data.weights import parse_weight
 from exactstep.errors import DataError
 
 ROLE_NAMES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "tool_calls")
 
 
 class Role(IntEnum):
@@ -225,18 +237,28 @@ def canonical_tool_call(call: Any) -> str:
 def parse_conversation(obj: Any, where: str) -> Conversation:
     """Validate one decoded JSON object; ``where`` (e.g. ``file.jsonl:3``) names it in errors."""
     if not isinstance(obj, dict) or "messages" not in obj:
-        raise DataError(f'{where}: expected an object with a "messages" list')
+        got = "an object without it" if isinstance(obj, dict) else f"a JSON {json_type(obj)}"
+        raise DataError(f'{where}: expected an object with a "messages" list, got {got}')
     raw = obj["messages"]
     if not isinstance(raw, list) or not raw:
-        raise DataError(f'{where}: "messages" must be a non-empty list of messages')
+        got = "an empty array" if isinstance(raw, list) else f"a JSON {json_type(raw)}"
+        raise DataError(f'{where}: "messages" must be a non-empty list of messages, got {got}')
     messages = tuple(_parse_message(m, f"{where}: message {k}") for k, m in enumerate(raw))
     return Conversation(messages=messages, name=where, weight=parse_weight(obj, where))
 
 
 def _parse_message(raw: Any, where: str) -> Message:
     if not isinstance(raw, dict):
-        raise DataError(f'{where} must be an object with "role" and "content"')
+        raise DataError(
+            f'{where} must be an object with "role" and "content", got a JSON {json_type(raw)}'
+        )
+    unknown = sorted(set(raw) - set(MESSAGE_KEYS))
+    if unknown:
+        raise DataError(f"{where} has unknown key {unknown[0]!r}; a message holds only "
+                        f"{', '.join(MESSAGE_KEYS)}")
     role = raw.get("role")
+    if "role" not in raw:
+        raise DataError(f'{where}: "role" is missing; give it one of {", ".join(ROLE_NAMES)}')
     if role not in ROLE_NAMES:
         raise DataError(f"{where} has unknown role {role!r}; use one of {', '.join(ROLE_NAMES)}")
     calls = _parse_tool_calls(raw.get("tool_calls"), role, where)
@@ -244,9 +266,11 @@ def _parse_message(raw: Any, where: str) -> Message:
     if content is None and calls:
         content = ""
     if not isinstance(content, str):
-        what = "is missing" if "content" not in raw or content is None else "is not a string"
+        what = ("is missing" if content is None
+                else f"is not a string (got a JSON {json_type(content)})")
         raise DataError(f'{where} ({role}): "content" {what}; give it a string')
-    return Message(role=role, content=content, tool_calls=calls)
+    return Message(role=role, content=unicode_text(content, where, '"content"'),
+                   tool_calls=calls)
 
 
 def _parse_tool_calls(raw: Any, role: str, where: str) -> tuple[str, ...]:
@@ -255,30 +279,38 @@ def _parse_tool_calls(raw: Any, role: str, where: str) -> tuple[str, ...]:
     if role != "assistant":
         raise DataError(f'{where} ({role}): only assistant messages may carry "tool_calls"')
     if not isinstance(raw, list):
-        raise DataError(f'{where}: "tool_calls" must be a list of JSON objects')
-    return tuple(canonical_tool_call(call) for call in raw)
+        raise DataError(
+            f'{where}: "tool_calls" must be a list of JSON objects, got a JSON {json_type(raw)}'
+        )
+    for index, call in enumerate(raw):
+        if not isinstance(call, dict):
+            raise DataError(f'{where}: "tool_calls" item {index} must be a JSON object '
+                            f"(e.g. {{\"name\": ..., \"arguments\": ...}}), got a JSON "
+                            f"{json_type(call)}")
+        try:
+            json.dumps(call, allow_nan=False)
+        except ValueError:
+            raise DataError(f'{where}: "tool_calls" item {index} holds NaN or Infinity, '
+                            "which JSON has no value for; give a finite number") from None
+    return tuple(
+        unicode_text(canonical_tool_call(call), where, f'"tool_calls" item {index}')
+        for index, call in enumerate(raw)
+    )
 
 
 def load_chat_jsonl(path: str | Path) -> list[Conversation]:
     """Read ``{"messages": [...]}`` lines; blank lines are skipped.
 
-    Raises ``DataError`` naming the file and 1-based line for any malformed line, and
-    when the file is missing or holds no conversation.
+    Raises ``DataError`` naming the file and 1-based line for any malformed line (see
+    the module docstring for the shape), and when the file is missing or holds no
+    conversation.
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"chat data file {path} does not exist; point data.source at a .jsonl file")
-    conversations = []
-    with path.open("r", encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg}); fix or remove the line") from None
-            conversations.append(parse_conversation(obj, where))
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise DataError(f"chat data file {path} {what}; point data.source at a .jsonl file")
+    conversations = [parse_conversation(line.value, line.where)
+                     for line in records(path, strict=True)]
     if not conversations:
         raise DataError(f"chat data file {path} holds no conversation")
     return conversations

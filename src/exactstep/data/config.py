@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from exactstep.errors import ConfigError
+from exactstep.ranges import at_least, between, check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +29,5 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.source:
             raise ConfigError("data.source must be 'stdlib' or a path to a .jsonl file")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction must be in (0, 1); got {self.val_fraction}")
-        if self.max_docs < 0:
-            raise ConfigError("data.max_docs must be >= 0 (0 = all documents)")
+        check("data.val_fraction", self.val_fraction, between(0, 1, low_open=True, high_open=True))
+        check("data.max_docs", self.max_docs, at_least(0))  # 0 = all documents

@@ -13,16 +13,16 @@ Invariants:
 - A JSONL line may carry an optional ``"weight"`` (L3, ``exactstep.data.weights``);
   when any document has one, the fingerprint covers every document's weight too.
 
-Failure modes (all ``DataError`` naming the file, line or setting to change): a missing
-file, a line that is not JSON, a line without a string ``"text"``, a ``"weight"`` that
-is not a finite number >= 0, a corpus with no
-non-empty document, and an empty train or validation split.
+Failure modes (all ``DataError`` naming the file and line as ``<file>:<line>``, or the
+setting to change): a missing or unreadable file, a line that is not UTF-8 (refused,
+never repaired), not JSON, not an object, or without a string ``"text"``, a ``"text"``
+holding an unpaired surrogate, a ``"weight"`` that is not a finite number >= 0, a
+corpus with no non-empty document, and an empty train or validation split.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import sysconfig
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exactstep.data.config import DataConfig
+from exactstep.data.jsonl import json_type, records, unicode_text
 from exactstep.data.weights import parse_weight
 from exactstep.errors import ConfigError, DataError
 
@@ -136,38 +137,34 @@ def read_text(path: Path) -> str:
 
 def read_jsonl(path: Path) -> list[Document]:
     """Documents from ``{"text": str}`` lines (optional ``"weight"``, L3), named
-    ``<file>:<line>``; blank lines skipped."""
+    ``<file>:<line>``; blank lines skipped.
+
+    Lines are strict UTF-8 (``data.jsonl``); other keys of a line are ignored.
+    """
     if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise DataError(
-            f"data file {path} does not exist; set data.source to 'stdlib' or an existing .jsonl file"
+            f"data file {path} {what}; set data.source to 'stdlib' or an existing .jsonl file"
         )
     documents = []
-    with path.open("r", encoding="utf-8", errors="replace") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            text, weight = text_of(line, path, line_no)
-            documents.append(Document(name=f"{path.name}:{line_no}", text=text, weight=weight))
+    for line in records(path):
+        text, weight = text_of(line.value, line.where)
+        documents.append(Document(name=f"{path.name}:{line.number}", text=text, weight=weight))
     return documents
 
 
-def text_of(line: str, path: Path, line_no: int) -> tuple[str, float | None]:
-    """The line's ``"text"`` and its optional ``"weight"`` (validated, L3)."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DataError(
-            f"{path} line {line_no} is not valid JSON ({exc.msg}); fix or remove it"
-        ) from None
+def text_of(record: object, where: str) -> tuple[str, float | None]:
+    """The ``"text"`` string of one decoded line and its optional ``"weight"``
+    (validated, L3); ``where`` is ``<file>:<line>``."""
     if not isinstance(record, dict) or "text" not in record:
+        got = "an object" if isinstance(record, dict) else f"a JSON {json_type(record)}"
         raise DataError(
-            f'{path} line {line_no} has no "text" field; each line must be {{"text": "..."}}'
+            f'{where}: no "text" field (the line is {got}); each line must be {{"text": "..."}}'
         )
-    if not isinstance(record["text"], str):
-        raise DataError(
-            f'{path} line {line_no}: "text" must be a string, got {type(record["text"]).__name__}'
-        )
-    return record["text"], parse_weight(record, f"{path}:{line_no}")
+    text = record["text"]
+    if not isinstance(text, str):
+        raise DataError(f'{where}: "text" must be a string, got a JSON {json_type(text)}')
+    return unicode_text(text, where, '"text"'), parse_weight(record, where)
 
 
 def keep_non_empty(documents: list[Document], max_docs: int) -> tuple[list[Document], int]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from exactstep.errors import ConfigError
+from exactstep.ranges import POSITIVE_FLOAT32, at_least, check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,9 +29,13 @@ class ModelConfig:
     attention: Literal["auto", "segments", "dense", "flex"] = "auto"
 
     def __post_init__(self) -> None:
+        """Sizes >= 1; ``rope_theta``, ``norm_eps`` and ``init_std`` are realised in
+        float32, so each must be a positive normal float32 (0, a negative value or one
+        that rounds to 0 or infinity makes every window non-finite)."""
         for name in ("d_model", "n_layers", "n_heads", "d_ff"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model.{name} must be >= 1; got {getattr(self, name)}")
+            check(f"model.{name}", getattr(self, name), at_least(1))
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            check(f"model.{name}", getattr(self, name), POSITIVE_FLOAT32)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from exactstep.errors import ConfigError
+from exactstep.ranges import UNIT, at_least, check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,9 +24,5 @@ class ObjectiveConfig:
     chunk_rows: int = 1024
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ConfigError(
-                f"objective.label_smoothing must be in [0, 1]; got {self.label_smoothing}"
-            )
-        if self.chunk_rows < 0:
-            raise ConfigError("objective.chunk_rows must be >= 0 (0 = unchunked)")
+        check("objective.label_smoothing", self.label_smoothing, UNIT)
+        check("objective.chunk_rows", self.chunk_rows, at_least(0))  # 0 = unchunked

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from exactstep.errors import ConfigError
+from exactstep.ranges import at_least, between, check
+
+# Python's timedelta, which carries the timeout to the collectives, overflows past
+# ~8.6e13 s; 1e9 s (about 31 years) is a round bound far below that.
+MAX_TIMEOUT_S = 1e9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +28,5 @@ class ParallelConfig:
     bucket_mb: int = 25
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ConfigError(f"parallel.timeout_s must be > 0; got {self.timeout_s}")
-        if self.bucket_mb < 1:
-            raise ConfigError(f"parallel.bucket_mb must be >= 1; got {self.bucket_mb}")
+        check("parallel.timeout_s", self.timeout_s, between(0, MAX_TIMEOUT_S, low_open=True))
+        check("parallel.bucket_mb", self.bucket_mb, at_least(1))

@@ -14,6 +14,12 @@ stalled (gloo "connection closed", a timeout, an NCCL error) into a
 ``DistributedError``; ``report_failure`` prints a user error on rank 0 only and
 records every rank's error in torchrun's per-worker error file, from which torchrun
 (and ``relaunch``) name the root cause: the earliest failure.
+
+Signals: a SIGTERM or SIGINT sent to the ``relaunch`` process is forwarded by
+torchrun's agent to every worker, which finishes its window, publishes a checkpoint
+and exits; rank 0 prints the one ``error: stopped by ...`` line. ``relaunch`` then
+prints nothing more (or, when no worker got as far as reporting, one line of its
+own) and returns 130, as a single process does (X4).
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from exactstep.errors import DistributedError, ExactstepError
+from exactstep.errors import DistributedError, ExactstepError, Interrupted
 from exactstep.parallel.process_group import (
     PEER_FAILURE_TEXT,
     DistContext,
@@ -87,7 +96,13 @@ def report_failure(exc: ExactstepError, ctx: DistContext | None,
     if path:
         write_error_file(path, rank, exc)
     if rank == 0 and not (path and isinstance(exc, PeerFailure)):
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr, flush=True)
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: line breaks (e.g. from a path or value the user gave)
+    become ``" | "``, so the user always sees exactly one ``error:`` line (X4)."""
+    return " | ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 def write_error_file(path: str, rank: int, exc: BaseException) -> None:
@@ -134,39 +149,83 @@ def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0) -> in
     and its message (unless that rank is 0, which printed it already) and returns
     that worker's exit code (1 when unknown).
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # the launcher's own per-failure log lines would repeat what is printed below
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"exactstep-{os.getpid()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        rdzv_configs={"timeout": int(timeout_s)},
-        max_restarts=0,
-        monitor_interval=0.5,
-    )
-    try:
-        elastic_launch(config, sys.executable)("-m", "exactstep", *argv)
-    except ChildFailedError as exc:
-        rank, failure = root_cause(exc.failures)
-        message = failure_text(failure)
-        died = failure.exitcode is not None and failure.exitcode < 0
-        if died and not isinstance(failure.message, dict):  # a signal, no error of its own
-            print(f"error: rank {rank} of {nproc} died ({message or 'killed by a signal'}); "
-                  "the other ranks were stopped; continue from the last committed "
-                  f"checkpoint with 'exactstep resume {run_dir_of(argv)} --nproc {nproc}'",
-                  file=sys.stderr, flush=True)
-        elif rank != 0 or not message or PEER_FAILURE_TEXT in message:
-            # rank 0 printed its own (non-peer) error already; every other case is ours
-            print(f"error: {message or f'rank {rank} exited with code {failure.exitcode}'}",
-                  file=sys.stderr, flush=True)
-        return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+    quiet_launcher_logs()
+    # the workers' error files land here (read after a signal) and go away afterwards
+    with tempfile.TemporaryDirectory(prefix="exactstep-launch-") as log_dir:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=f"exactstep-{os.getpid()}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"timeout": int(timeout_s)},
+            max_restarts=0,
+            monitor_interval=0.5,
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        )
+        try:
+            elastic_launch(config, sys.executable)("-m", "exactstep", *argv)
+        except ChildFailedError as exc:
+            return report_child_failure(exc, argv, nproc)
+        except SignalException as exc:
+            return report_signal(exc.sigval, Path(log_dir), argv, nproc)
     return 0
+
+
+def quiet_launcher_logs() -> None:
+    """Silence torchrun's own log lines (e.g. "Received 15 death signal"): each of its
+    modules sets its logger's level itself, so the parent's level alone is not enough.
+    What they would say is reported below as one ``error:`` line."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def report_signal(sigval: int, log_dir: Path, argv: Sequence[str], nproc: int) -> int:
+    """After torchrun forwarded a signal to the workers and they exited: one line
+    (rank 0's own, unless it never got to report) and the exit code 130."""
+    if not rank_reported(log_dir, 0):
+        name = signal_name(sigval)
+        print(f"error: stopped by {name} before the workers reported; continue from the last "
+              f"committed checkpoint, if any, with 'exactstep resume {run_dir_of(argv)} "
+              f"--nproc {nproc}'", file=sys.stderr, flush=True)
+    return Interrupted.exit_code
+
+
+def signal_name(sigval: Any) -> str:
+    """``SIGTERM`` for 15 (or for ``signal.SIGTERM``); ``signal N`` when unknown."""
+    try:
+        return signal.Signals(int(sigval)).name
+    except (TypeError, ValueError):
+        return f"signal {sigval}"
+
+
+def rank_reported(log_dir: Path, rank: int) -> bool:
+    """Whether worker ``rank`` wrote its error file (``report_failure``) under
+    torchrun's log layout ``<log_dir>/<run>/attempt_<n>/<rank>/error.json``."""
+    return any(log_dir.glob(f"*/attempt_*/{rank}/error.json"))
+
+
+def report_child_failure(exc: Any, argv: Sequence[str], nproc: int) -> int:
+    """One line for a failed worker (unless rank 0 printed its own) and its exit code."""
+    rank, failure = root_cause(exc.failures)
+    message = failure_text(failure)
+    died = failure.exitcode is not None and failure.exitcode < 0
+    if died and not isinstance(failure.message, dict):  # a signal, no error of its own
+        print(f"error: rank {rank} of {nproc} died ({message or 'killed by a signal'}); "
+              "the other ranks were stopped; continue from the last committed "
+              f"checkpoint with 'exactstep resume {run_dir_of(argv)} --nproc {nproc}'",
+              file=sys.stderr, flush=True)
+    elif rank != 0 or not message or PEER_FAILURE_TEXT in message:
+        # rank 0 printed its own (non-peer) error already; every other case is ours
+        text = one_line(message) or f"rank {rank} exited with code {failure.exitcode}"
+        print(f"error: {text}", file=sys.stderr, flush=True)
+    return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
 
 
 def run_dir_of(argv: Sequence[str]) -> str:

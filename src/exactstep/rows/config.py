@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from exactstep.errors import ConfigError
+from exactstep.ranges import at_least, check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,9 +28,6 @@ class BatchConfig:
     check_invariants: bool = True
 
     def __post_init__(self) -> None:
-        if self.seq_len < 2:
-            raise ConfigError(f"batch.seq_len must be >= 2; got {self.seq_len}")
-        if self.rows < 1:
-            raise ConfigError(f"batch.rows must be >= 1; got {self.rows}")
-        if self.buffer < 1:
-            raise ConfigError(f"batch.buffer must be >= 1; got {self.buffer}")
+        check("batch.seq_len", self.seq_len, at_least(2))
+        check("batch.rows", self.rows, at_least(1))
+        check("batch.buffer", self.buffer, at_least(1))

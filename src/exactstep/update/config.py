@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from exactstep.errors import ConfigError
+from exactstep.ranges import POSITIVE_FLOAT32, UNIT, above, at_least, between, check
+
+BETA = between(0, 1, high_open=True)  # [0, 1): a moving average that forgets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,28 +56,23 @@ class UpdateConfig:
     fail_window: int = -1
 
     def __post_init__(self) -> None:
-        if self.accum < 1:
-            raise ConfigError(f"update.accum must be >= 1; got {self.accum}")
-        if not self.lr > 0:
-            raise ConfigError(f"update.lr must be > 0; got {self.lr}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError("update.min_lr_ratio must be in [0, 1]")
-        if self.warmup < 0 or self.decay_steps < 0:
-            raise ConfigError("update.warmup and update.decay_steps must be >= 0")
+        """Every value finite and in range; ``eps`` is added in float32, so it must be
+        a positive normal float32 (a smaller one rounds to 0 and 0/0 is NaN)."""
+        check("update.accum", self.accum, at_least(1))
+        check("update.lr", self.lr, above(0))
+        check("update.min_lr_ratio", self.min_lr_ratio, UNIT)
+        check("update.warmup", self.warmup, at_least(0))
+        check("update.decay_steps", self.decay_steps, at_least(0))  # 0 = train.steps
         if self.needs_token_horizon():
             raise ConfigError(token_horizon_message(self.schedule))
-        if self.clip < 0:
-            raise ConfigError(f"update.clip must be >= 0 (0 = no clipping); got {self.clip}")
-        if self.weight_decay < 0:
-            raise ConfigError("update.weight_decay must be >= 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ConfigError("update.beta1 and update.beta2 must be in [0, 1)")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ConfigError(f"update.decay_fraction must be in [0, 1]; got {self.decay_fraction}")
-        if not self.eps > 0:
-            raise ConfigError(f"update.eps must be > 0; got {self.eps}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"update.momentum must be in [0, 1); got {self.momentum}")
+        check("update.decay_fraction", self.decay_fraction, UNIT)
+        check("update.clip", self.clip, at_least(0))  # 0 = no clipping
+        check("update.weight_decay", self.weight_decay, at_least(0))
+        check("update.beta1", self.beta1, BETA)
+        check("update.beta2", self.beta2, BETA)
+        check("update.eps", self.eps, POSITIVE_FLOAT32)
+        check("update.momentum", self.momentum, BETA)
+        check("update.fail_window", self.fail_window, at_least(-1))  # -1 = off
 
     def needs_token_horizon(self) -> bool:
         """A decaying family on the tokens clock without a horizon in tokens (U5)."""
@@ -107,5 +105,4 @@ class NumericsConfig:
     init_scale: float = 65536.0
 
     def __post_init__(self) -> None:
-        if not self.init_scale > 0:
-            raise ConfigError("numerics.init_scale must be > 0")
+        check("numerics.init_scale", self.init_scale, POSITIVE_FLOAT32)  # a float32 scale

@@ -1,0 +1,520 @@
+"""A bad-input campaign through the real command line (X4).
+
+Every bad input ends in one ``error: ...`` line on stderr and a non-zero exit status
+(2 for a user error), never a traceback; a refused command leaves an existing run
+directory byte for byte as it was ("nothing already committed is lost").
+
+``CASES`` is a plain list of ``Case`` entries; to add a bad input, append one. A case
+gives the command line after ``exactstep`` with placeholders filled per case:
+
+    {tmp}     the case's own empty directory (``setup(tmp)`` may write files there)
+    {corpus}  a good 48-document text corpus in {tmp}
+    {run}     a copy, in {tmp}, of a tiny finished run built once per module with
+              the real CLI; every file of the copy must be byte-identical afterwards
+
+Cases run in-process through ``exactstep.cli.main(argv)`` (it returns the exit
+status) under ``capfd``, so anything written to the process's file descriptors, by
+exactstep or by a library, is seen. The signal case runs as a real subprocess, since
+the launcher must be a process of its own to receive SIGTERM.
+
+Negative controls at the end show that the checker fails on a traceback, on a
+multi-line error, on a command that succeeds, and that the snapshot comparison sees
+a changed byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from text_corpus import write_corpus
+
+from exactstep.cli import main
+
+pytestmark = pytest.mark.timeout(240)
+
+TINY = (
+    "--set", "batch.seq_len=32", "--set", "batch.rows=2", "--set", "model.d_model=16",
+    "--set", "model.n_layers=1", "--set", "model.n_heads=2", "--set", "model.d_ff=32",
+    "--set", "train.steps=2", "--set", "train.eval_tokens=64", "--set", "update.warmup=1",
+    "--set", "train.threads=1",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: ``exactstep <argv>`` must fail with one ``error:`` line.
+
+    ``needle``: a fragment the line must contain (the key, file:line or field the
+    user must change). ``setup(tmp)`` writes the case's files. ``exit_code``: the
+    expected status. ``xfail``: a reason, for a known defect whose fix lies outside
+    this test's reach (the case then runs as ``xfail(strict=True)``).
+    """
+
+    id: str
+    argv: tuple[str, ...]
+    needle: str = ""
+    setup: Callable[[Path], object] | None = None
+    exit_code: int = 2
+    xfail: str = ""
+
+    @property
+    def uses_run(self) -> bool:
+        return any("{run}" in arg for arg in self.argv)
+
+
+# --------------------------------------------------------------------------- checker
+
+
+def refusal_problems(code: int, stdout: str, stderr: str, *, exit_code: int = 2,
+                     notices: tuple[str, ...] = ()) -> list[str]:
+    """What is wrong with a command's refusal; empty when it is one clean line.
+
+    ``notices``: prefixes of status lines a run prints on stderr before it fails
+    (e.g. ``"exactstep: "``), left out of the one-line count.
+    """
+    problems = []
+    if code != exit_code:
+        problems.append(f"exit status {code}, expected {exit_code}")
+    lines = [line for line in stderr.splitlines() if not (notices and line.startswith(notices))]
+    if len(lines) != 1:
+        problems.append(f"{len(lines)} lines on stderr, expected exactly 1")
+    elif not lines[0].startswith("error: "):
+        problems.append(f"the stderr line does not start with 'error: ': {lines[0]!r}")
+    if "Traceback" in stdout or "Traceback" in stderr:
+        problems.append("a traceback in the output")
+    return problems
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (relative path -> bytes)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def changed_files(before: dict[str, bytes], after: dict[str, bytes]) -> list[str]:
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def train(*extra: str) -> tuple[str, ...]:
+    return ("train", "--out", "{tmp}/out", "--no-progress", "--set", "data.source={corpus}",
+            *TINY, *extra)
+
+
+def with_config(*extra: str, corpus: bool = True) -> tuple[str, ...]:
+    """``train`` with ``--config {tmp}/run.toml`` (which the case's setup writes)."""
+    source = ("--set", "data.source={corpus}") if corpus else ()
+    return ("train", "--config", "{tmp}/run.toml", "--out", "{tmp}/out", "--no-progress",
+            *source, *TINY, *extra)
+
+
+def chat(*extra: str) -> tuple[str, ...]:
+    return train("--set", "data.kind=chat", "--set", "data.source={tmp}/chat.jsonl",
+                 "--set", "batch.seq_len=64", *extra)
+
+
+def inspect(*extra: str) -> tuple[str, ...]:
+    return ("inspect", "--set", "data.source={corpus}", *TINY, *extra)
+
+
+def resume(*extra: str) -> tuple[str, ...]:
+    return ("resume", "{run}", "--no-progress", *extra)
+
+
+def writes(name: str, content: str | bytes) -> Callable[[Path], None]:
+    """A setup writing ``content`` to ``{tmp}/name``."""
+    def setup(tmp: Path) -> None:
+        data = content.encode("utf-8") if isinstance(content, str) else content
+        (tmp / name).write_bytes(data)
+
+    return setup
+
+
+def lines(*items: object) -> str:
+    """JSONL text: dicts and lists are dumped, strings are taken as they are."""
+    return "".join((json.dumps(x) if not isinstance(x, str) else x) + "\n" for x in items)
+
+
+def conversation(*messages: dict) -> dict:
+    return {"messages": list(messages)}
+
+
+USER = {"role": "user", "content": "What is 2+2?"}
+ANSWER = {"role": "assistant", "content": "4"}
+GOOD_CHAT = [conversation(USER, ANSWER)] * 3
+
+
+def chat_file(*bad: object) -> Callable[[Path], None]:
+    """Good conversations, then the bad line(s), then a good one."""
+    return writes("chat.jsonl", lines(*GOOD_CHAT, *bad, GOOD_CHAT[0]))
+
+
+def other_corpus(tmp: Path) -> None:
+    with (tmp / "other.jsonl").open("w") as fh:
+        for i in range(40):
+            fh.write(json.dumps({"text": f"another document {i} " * 4}) + "\n")
+
+
+def a_directory_with_a_file(tmp: Path) -> None:
+    (tmp / "notes.txt").write_text("not a run\n")
+
+
+SECTIONS = ("data", "batch", "model", "objective", "update", "numerics", "train",
+            "checkpoint", "parallel", "chat", "arith")
+TEXT = '{"text": "a document"}'
+
+# --------------------------------------------------------------------------- cases
+
+CASES: list[Case] = [
+    # --- configuration: unknown keys, at the top and in every section
+    Case("config-unknown-top-level-key", train("--set", "sede=1"), "'sede'"),
+    *[Case(f"config-unknown-key-in-{s}", train("--set", f"{s}.nosuch=1"), f"{s}.nosuch")
+      for s in SECTIONS],
+    # --- configuration: wrong types and malformed overrides
+    Case("config-int-given-a-word", train("--set", "batch.rows=two"), "batch.rows"),
+    Case("config-int-given-a-fraction", train("--set", "update.accum=1.5"), "update.accum"),
+    Case("config-float-given-a-word", train("--set", "update.lr=fast"), "update.lr"),
+    Case("config-bool-given-a-word", train("--set", "model.tie_embeddings=maybe"),
+         "model.tie_embeddings"),
+    Case("config-choice-not-offered", train("--set", "data.kind=video"), "data.kind"),
+    Case("config-section-given-a-value", train("--set", "update=3"), "'update'"),
+    Case("config-value-given-a-subkey", train("--set", "update.lr.peak=1"), "update.lr"),
+    Case("config-override-without-equals", train("--set", "update.lr"), "KEY=VALUE"),
+    Case("config-int-beyond-64-bits", train("--set", "train.steps=1e30"), "train.steps"),
+    # --- configuration: out-of-range values, every section
+    Case("range-seed-negative", train("--set", "seed=-1"), "seed must be in [0"),
+    Case("range-data-val-fraction-one", train("--set", "data.val_fraction=1"),
+         "data.val_fraction must be in (0, 1)"),
+    Case("range-data-max-docs-negative", train("--set", "data.max_docs=-1"), "data.max_docs"),
+    Case("range-batch-seq-len-one", train("--set", "batch.seq_len=1"), "batch.seq_len must be >= 2"),
+    Case("range-batch-buffer-zero", train("--set", "batch.buffer=0"), "batch.buffer must be >= 1"),
+    Case("range-model-norm-eps-negative", train("--set", "model.norm_eps=-1"), "model.norm_eps"),
+    Case("range-model-rope-theta-zero", train("--set", "model.rope_theta=0"), "model.rope_theta"),
+    Case("range-model-init-std-negative", train("--set", "model.init_std=-1"), "model.init_std"),
+    Case("range-model-heads-do-not-divide", train("--set", "model.n_heads=3"), "model.n_heads"),
+    Case("range-objective-smoothing-above-one", train("--set", "objective.label_smoothing=2"),
+         "objective.label_smoothing must be in [0, 1]"),
+    Case("range-objective-chunk-rows-negative", train("--set", "objective.chunk_rows=-1"),
+         "objective.chunk_rows"),
+    Case("range-update-beta2-one", train("--set", "update.beta2=1"), "update.beta2 must be in [0, 1)"),
+    Case("range-update-eps-zero", train("--set", "update.eps=0"), "update.eps"),
+    Case("range-update-fail-window-below-off", train("--set", "update.fail_window=-2"),
+         "update.fail_window must be >= -1"),
+    Case("range-numerics-init-scale-zero", train("--set", "numerics.init_scale=0"),
+         "numerics.init_scale"),
+    Case("range-train-steps-zero", train("--set", "train.steps=0"), "train.steps must be >= 1"),
+    Case("range-train-threads-negative", train("--set", "train.threads=-1"), "train.threads"),
+    Case("range-checkpoint-keep-zero", train("--set", "checkpoint.keep=0"), "checkpoint.keep"),
+    Case("range-checkpoint-every-negative", train("--set", "checkpoint.every=-1"),
+         "checkpoint.every"),
+    Case("range-parallel-timeout-zero", train("--set", "parallel.timeout_s=0"),
+         "parallel.timeout_s"),
+    Case("range-parallel-bucket-zero", train("--set", "parallel.bucket_mb=0"), "parallel.bucket_mb"),
+    Case("range-chat-turns-not-offered", train("--set", "chat.turns=first"), "chat.turns"),
+    Case("range-arith-multiplier-one", train("--set", "arith.max_multiplier=1"),
+         "arith.max_multiplier must be >= 2"),
+    Case("range-arith-follow-ups-inverted",
+         train("--set", "arith.min_follow_ups=2", "--set", "arith.max_follow_ups=1"),
+         "arith.max_follow_ups"),
+    # --- configuration: non-finite floats (no key gives them a meaning)
+    Case("nonfinite-weight-decay-nan", train("--set", "update.weight_decay=nan"),
+         "update.weight_decay must be a finite number"),
+    Case("nonfinite-lr-inf", train("--set", "update.lr=inf"), "update.lr must be a finite number"),
+    Case("nonfinite-rope-theta-minus-inf", train("--set", "model.rope_theta=-inf"),
+         "model.rope_theta"),
+    Case("nonfinite-timeout-nan", train("--set", "parallel.timeout_s=NaN"), "parallel.timeout_s"),
+    Case("nonfinite-float-overflow", train("--set", "update.clip=1e999"), "update.clip"),
+    Case("nonfinite-toml-nan-literal", with_config(),
+         "update.weight_decay", writes("run.toml", "[update]\nweight_decay = nan\n")),
+    # --- configuration files
+    Case("toml-syntax-error", with_config(),
+         "not valid TOML", writes("run.toml", "[update\nlr = 1\n")),
+    Case("toml-missing-file", with_config("--config", "{tmp}/nope.toml"),
+         "nope.toml does not exist"),
+    Case("toml-is-a-directory", with_config("--config", "{tmp}"), "is a directory"),
+    Case("toml-not-utf8", with_config(),
+         "not UTF-8", writes("run.toml", b'[data]\nsource = "caf\xe9"\n')),
+    Case("toml-number-for-a-string", with_config(corpus=False),
+         "data.source must be a string", writes("run.toml", "[data]\nsource = 5\n")),
+    Case("toml-array-for-a-number", with_config(),
+         "update.lr must be a number", writes("run.toml", "[update]\nlr = [1]\n")),
+    Case("toml-value-for-a-section", with_config(),
+         "'checkpoint' is a section", writes("run.toml", "checkpoint = 5\n")),
+    # --- text data
+    Case("text-missing-file", train("--set", "data.source={tmp}/nope.jsonl"),
+         "nope.jsonl does not exist"),
+    Case("text-source-is-a-directory", train("--set", "data.source={tmp}"), "is a directory"),
+    Case("text-empty-file", train("--set", "data.source={tmp}/d.jsonl"), "no non-empty document",
+         writes("d.jsonl", "")),
+    Case("text-only-blank-lines", train("--set", "data.source={tmp}/d.jsonl"),
+         "no non-empty document", writes("d.jsonl", "\n  \n\n")),
+    Case("text-malformed-json", train("--set", "data.source={tmp}/d.jsonl"),
+         "d.jsonl:2: not valid JSON", writes("d.jsonl", lines(TEXT, '{"text": '))),
+    Case("text-line-not-an-object", train("--set", "data.source={tmp}/d.jsonl"),
+         "d.jsonl:2: no \"text\" field", writes("d.jsonl", lines(TEXT, '["a", "b"]'))),
+    Case("text-missing-text", train("--set", "data.source={tmp}/d.jsonl"),
+         'd.jsonl:3: no "text" field', writes("d.jsonl", lines(TEXT, TEXT, {"body": "x"}))),
+    Case("text-text-not-a-string", train("--set", "data.source={tmp}/d.jsonl"),
+         'd.jsonl:1: "text" must be a string', writes("d.jsonl", lines({"text": 5}, TEXT))),
+    Case("text-invalid-utf8", train("--set", "data.source={tmp}/d.jsonl"),
+         "d.jsonl:2: not valid UTF-8",
+         writes("d.jsonl", TEXT.encode() + b'\n{"text": "caf\xe9"}\n')),
+    Case("text-unpaired-surrogate", train("--set", "data.source={tmp}/d.jsonl"),
+         "d.jsonl:2: \"text\" holds an unpaired surrogate",
+         writes("d.jsonl", lines(TEXT, '{"text": "a\\ud800b"}'))),
+    Case("text-nested-too-deeply", train("--set", "data.source={tmp}/d.jsonl"),
+         "d.jsonl:1: JSON nested too deeply",
+         writes("d.jsonl", '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")),
+    Case("text-path-with-a-line-break", train("--set", "data.source={tmp}/a\nb.jsonl"),
+         "does not exist"),
+    # --- chat data
+    Case("chat-invalid-utf8", chat(), "chat.jsonl:4: not valid UTF-8",
+         writes("chat.jsonl", lines(*GOOD_CHAT).encode()
+                + b'{"messages": [{"role": "user", "content": "\xff"}]}\n')),
+    Case("chat-unknown-role", chat(), "chat.jsonl:4: message 1 has unknown role 'bot'",
+         chat_file(conversation(USER, {"role": "bot", "content": "4"}))),
+    Case("chat-missing-role", chat(), 'chat.jsonl:4: message 0: "role" is missing',
+         chat_file(conversation({"content": "hi"}, ANSWER))),
+    Case("chat-empty-messages", chat(), "chat.jsonl:4: \"messages\" must be a non-empty list",
+         chat_file({"messages": []})),
+    Case("chat-no-messages-key", chat(), 'chat.jsonl:4: expected an object with a "messages"',
+         chat_file({"text": "not chat"})),
+    Case("chat-content-not-a-string", chat(), "chat.jsonl:4: message 1 (assistant): \"content\"",
+         chat_file(conversation(USER, {"role": "assistant", "content": {"text": "4"}}))),
+    Case("chat-tool-calls-hold-non-objects", chat(),
+         'chat.jsonl:4: message 1: "tool_calls" item 0 must be a JSON object',
+         chat_file(conversation(USER, {"role": "assistant", "content": None,
+                                       "tool_calls": [5, None]}))),
+    Case("chat-tool-calls-not-a-list", chat(), '"tool_calls" must be a list of JSON objects',
+         chat_file(conversation(USER, {"role": "assistant", "content": "",
+                                       "tool_calls": "f(x)"}))),
+    Case("chat-tool-calls-on-a-user-message", chat(), "only assistant messages",
+         chat_file(conversation({**USER, "tool_calls": [{"name": "f"}]}, ANSWER))),
+    Case("chat-unknown-message-key", chat(), "chat.jsonl:4: message 1 has unknown key 'weight'",
+         chat_file(conversation(USER, {**ANSWER, "weight": 0.5}))),
+    Case("chat-nan-in-a-tool-call", chat(),
+         'chat.jsonl:4: message 0: "tool_calls" item 0 holds NaN or Infinity',
+         chat_file('{"messages": [{"role": "assistant", "content": "", '
+                   '"tool_calls": [{"x": NaN}]}]}')),
+    Case("chat-nan-weight", chat(), 'chat.jsonl:4: "weight" must be a finite number >= 0',
+         chat_file('{"messages": [{"role": "user", "content": "q"}, '
+                   '{"role": "assistant", "content": "a"}], "weight": NaN}')),
+    Case("chat-repeated-key", chat(), "key 'content' appears twice",
+         chat_file('{"messages": [{"role": "user", "content": "a", "content": "b"}]}')),
+    Case("chat-no-supervised-token-under-empty-error", chat("--set", "chat.empty=error"),
+         "no supervised token", chat_file(conversation(USER))),
+    Case("chat-missing-file", chat(), "chat.jsonl does not exist"),
+    Case("chat-empty-validation-split", chat("--set", "data.val_fraction=1e-9"),
+         "data.val_fraction",
+         writes("chat.jsonl", lines(*[conversation({"role": "user", "content": f"q{i}"},
+                                                   {"role": "assistant", "content": f"a{i}"})
+                                      for i in range(5)])),
+         xfail="rows.sources.split_conversations accepts a chat corpus whose validation "
+               "split is empty: the run writes its directory, trains, and fails only at "
+               "evaluation ('there are no examples to pack'), two lines in all; it needs the "
+               "check data.corpus.check_split makes for text, naming data.val_fraction"),
+    # --- settings this machine cannot hold: 16 x 2**44 float32 weights need 2**50
+    # bytes, beyond any 64-bit address space, so the allocation fails at once
+    Case("resource-model-beyond-memory", train("--set", "model.d_ff=17592186044416"),
+         "out of memory"),
+    Case("resource-rows-beyond-memory", train("--set", "batch.seq_len=10000000000000"),
+         "out of memory",
+         xfail="runner.train_new writes manifest.json, ledger.jsonl and metrics.jsonl "
+               "(start_journals) and prints its status line ('exactstep: N parameters ...') "
+               "before the first microbatch is allocated, so this refusal is two lines and "
+               "leaves a run directory behind; the runner must build (or size) the first "
+               "microbatch before it writes or announces anything"),
+    # --- command-line arguments
+    Case("cli-rows-not-a-range", inspect("--rows", "x"), "--rows expects A:B"),
+    Case("cli-rows-reversed", inspect("--rows", "3:1"), "--rows expects 0 <= A < B"),
+    Case("cli-rows-negative", inspect("--rows=-1:2"), "--rows expects 0 <= A < B"),
+    Case("cli-rows-outside-the-microbatch", inspect("--rows", "0:99"), "outside the microbatch"),
+    Case("cli-nproc-zero", train("--nproc", "0"), "--nproc expects a positive number"),
+    Case("cli-nproc-negative", train("--nproc", "-1"), "--nproc expects a positive number"),
+    Case("cli-nproc-not-a-number", train("--nproc", "two"), "--nproc"),
+    Case("cli-unknown-bench", ("bench", "nosuch"), "nosuch"),
+    Case("cli-unknown-command", ("trian",), "invalid choice: 'trian'"),
+    Case("cli-unknown-option", train("--learning-rate", "1"), "--learning-rate"),
+    Case("cli-resume-without-a-run-dir", ("resume",), "run_dir"),
+    Case("cli-checkpoint-without-a-subcommand", ("checkpoint",), "checkpoint_command"),
+    Case("cli-resume-a-directory-that-is-not-a-run", ("resume", "{tmp}", "--no-progress"),
+         "manifest.json does not exist", a_directory_with_a_file),
+    Case("cli-resume-a-missing-directory", ("resume", "{tmp}/nope", "--no-progress"),
+         "does not exist"),
+    Case("cli-eval-a-directory-that-is-not-a-run", ("eval", "{tmp}"),
+         "manifest.json does not exist", a_directory_with_a_file),
+    # --- resume refusals: a manifest field differs (the run must stay as it was)
+    Case("resume-other-lr", resume("--set", "update.lr=1e-3"), "update.lr"),
+    Case("resume-other-seed", resume("--set", "seed=3"), "seed"),
+    Case("resume-other-rows", resume("--set", "batch.rows=3"), "batch.rows"),
+    Case("resume-other-width", resume("--set", "model.d_model=32"), "model.d_model"),
+    Case("resume-other-reduction", resume("--set", "objective.reduction=sequence_mean"),
+         "objective.reduction"),
+    Case("resume-other-precision", resume("--set", "numerics.precision=bf16"),
+         "numerics.precision"),
+    Case("resume-other-accum", resume("--set", "update.accum=2"), "update.accum"),
+    Case("resume-other-steps", resume("--set", "train.steps=5"), "train.steps"),
+    Case("resume-other-data", resume("--set", "data.source={tmp}/other.jsonl"), "data.source",
+         other_corpus),
+    Case("resume-invalid-value", resume("--set", "update.lr=nan"), "update.lr"),
+    Case("resume-unknown-key", resume("--set", "update.lrr=1"), "update.lrr"),
+    Case("resume-from-a-missing-checkpoint", resume("--from", "{tmp}/nope"), "nope"),
+    Case("resume-warm-start-into-the-run-itself", resume("--warm-start", "{run}"),
+         "already holds a run"),
+    Case("train-into-an-existing-run", ("train", "--out", "{run}", "--no-progress", "--set",
+                                        "data.source={corpus}", *TINY), "already holds a run"),
+]
+
+
+# --------------------------------------------------------------------------- running
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A tiny finished run, built once with the real CLI (2 windows, 1 checkpoint)."""
+    root = tmp_path_factory.mktemp("finished")
+    write_corpus(root / "corpus.jsonl")
+    run = root / "run"
+    code = main(["train", "--out", str(run), "--no-progress",
+                 "--set", f"data.source={root / 'corpus.jsonl'}", *TINY])
+    assert code == 0
+    assert (run / "checkpoints" / "LATEST").is_file()
+    return run
+
+
+def fill(argv: Sequence[str], tmp: Path, corpus: Path, run: Path | None) -> list[str]:
+    out = []
+    for arg in argv:
+        arg = arg.replace("{tmp}", str(tmp)).replace("{corpus}", str(corpus))
+        out.append(arg.replace("{run}", str(run)) if run is not None else arg)
+    return out
+
+
+def params() -> list:
+    return [pytest.param(case, id=case.id,
+                         marks=[pytest.mark.xfail(strict=True, reason=case.xfail)]
+                         if case.xfail else [])
+            for case in CASES]
+
+
+@pytest.mark.parametrize("case", params())
+def test_bad_input_is_refused_with_one_line(case: Case, tmp_path: Path, capfd,
+                                            request) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    run = None
+    if case.uses_run:
+        run = tmp_path / "run"
+        shutil.copytree(request.getfixturevalue("finished_run"), run)
+    if case.setup is not None:
+        case.setup(tmp_path)
+    before = snapshot(run) if run is not None else {}
+    capfd.readouterr()
+    code = main(fill(case.argv, tmp_path, corpus, run))
+    out, err = capfd.readouterr()
+    assert refusal_problems(code, out, err, exit_code=case.exit_code) == [], err
+    assert case.needle in err, err
+    if run is not None:
+        assert changed_files(before, snapshot(run)) == []
+
+
+def test_the_campaign_is_large_and_its_ids_are_distinct() -> None:
+    ids = [case.id for case in CASES]
+    assert len(ids) == len(set(ids))
+    assert len(ids) >= 50
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without a launcher's variables (the CLI must start its own)."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in launcher}
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_nproc_launcher_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """D1, X4: SIGTERM to ``exactstep train --nproc 2`` reaches the workers through
+    torchrun's agent; rank 0 prints the one line, the launcher adds nothing (no
+    traceback, no log line) and exits 130, as one process does."""
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    out = tmp_path / "run"
+    argv = [a.replace("train.steps=2", "train.steps=400") for a in TINY]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exactstep", "train", "--nproc", "2", "--no-progress",
+         "--out", str(out), "--set", f"data.source={corpus}", "--set", "checkpoint.every=0",
+         *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    ledger = out / "ledger.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ledger.exists() and ledger.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    # the run's own status line ("exactstep: N parameters ...") is not an error
+    assert refusal_problems(proc.returncode, stdout, stderr, exit_code=130,
+                            notices=("exactstep: ",)) == [], stderr
+    assert "stopped by SIGTERM" in stderr
+
+
+# --------------------------------------------------------------------------- controls
+
+
+def test_negative_control_the_checker_fails_on_a_traceback() -> None:
+    """A command that raises a non-exactstep exception (a bug keeps its traceback)
+    fails the checker: wrong status, several lines, a traceback."""
+    crash = ("import sys\nfrom exactstep import cli\n"
+             "cli.dispatch = lambda args: {}['no such key']\nsys.exit(cli.main(['config']))\n")
+    proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True,
+                          timeout=120, env=clean_env())
+    assert "KeyError" in proc.stderr  # it really crashed
+    problems = refusal_problems(proc.returncode, proc.stdout, proc.stderr)
+    assert "a traceback in the output" in problems
+    assert any(p.startswith("exit status") for p in problems)
+    assert any(p.endswith("expected exactly 1") for p in problems)
+
+
+def test_negative_control_the_checker_fails_on_a_usage_block() -> None:
+    """argparse's own output (usage, then the error) is two lines, not one."""
+    stderr = ("usage: exactstep train [-h] [--config CONFIG]\n"
+              "exactstep train: error: argument --nproc: invalid int value: 'two'\n")
+    assert refusal_problems(2, "", stderr) == ["2 lines on stderr, expected exactly 1"]
+    assert refusal_problems(2, "", "exactstep: error: x\n") == [
+        "the stderr line does not start with 'error: ': 'exactstep: error: x'"]
+
+
+def test_negative_control_a_command_that_succeeds_fails_the_checker(capfd) -> None:
+    code = main(["config"])
+    out, err = capfd.readouterr()
+    assert code == 0 and "update.lr" in out
+    assert refusal_problems(code, out, err) == ["exit status 0, expected 2",
+                                                "0 lines on stderr, expected exactly 1"]
+
+
+def test_negative_control_the_snapshot_sees_one_changed_byte(finished_run, tmp_path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = snapshot(run)
+    ledger = run / "ledger.jsonl"
+    data = bytearray(ledger.read_bytes())
+    data[0] ^= 1
+    ledger.write_bytes(bytes(data))
+    (run / "extra").write_text("")
+    assert changed_files(before, snapshot(run)) == ["extra", "ledger.jsonl"]
