@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -169,6 +170,37 @@ def other_corpus(tmp: Path) -> None:
 
 def a_directory_with_a_file(tmp: Path) -> None:
     (tmp / "notes.txt").write_text("not a run\n")
+
+
+def in_run(edit: Callable[[Path], None]) -> Callable[[Path], None]:
+    """A setup that damages the case's copy of the finished run ({tmp}/run)."""
+    return lambda tmp: edit(tmp / "run")
+
+
+FINAL = "checkpoints/window-00000002"
+
+
+def flip(relative: str) -> Callable[[Path], None]:
+    def edit(run: Path) -> None:
+        data = bytearray((run / relative).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (run / relative).write_bytes(bytes(data))
+
+    return edit
+
+
+def garbage_line(relative: str, at: int = 0) -> Callable[[Path], None]:
+    def edit(run: Path) -> None:
+        lines_ = (run / relative).read_bytes().splitlines(keepends=True)
+        lines_.insert(at, b"not json\n")
+        (run / relative).write_bytes(b"".join(lines_))
+
+    return edit
+
+
+def only_checkpoint_damaged_and_no_latest(run: Path) -> None:
+    flip(f"{FINAL}/optimizer.pt")(run)
+    (run / "checkpoints" / "LATEST").unlink()
 
 
 SECTIONS = ("data", "batch", "model", "objective", "update", "numerics", "train",
@@ -320,22 +352,13 @@ CASES: list[Case] = [
          "data.val_fraction",
          writes("chat.jsonl", lines(*[conversation({"role": "user", "content": f"q{i}"},
                                                    {"role": "assistant", "content": f"a{i}"})
-                                      for i in range(5)])),
-         xfail="rows.sources.split_conversations accepts a chat corpus whose validation "
-               "split is empty: the run writes its directory, trains, and fails only at "
-               "evaluation ('there are no examples to pack'), two lines in all; it needs the "
-               "check data.corpus.check_split makes for text, naming data.val_fraction"),
+                                      for i in range(5)]))),
     # --- settings this machine cannot hold: 16 x 2**44 float32 weights need 2**50
     # bytes, beyond any 64-bit address space, so the allocation fails at once
     Case("resource-model-beyond-memory", train("--set", "model.d_ff=17592186044416"),
          "out of memory"),
     Case("resource-rows-beyond-memory", train("--set", "batch.seq_len=10000000000000"),
-         "out of memory",
-         xfail="runner.train_new writes manifest.json, ledger.jsonl and metrics.jsonl "
-               "(start_journals) and prints its status line ('exactstep: N parameters ...') "
-               "before the first microbatch is allocated, so this refusal is two lines and "
-               "leaves a run directory behind; the runner must build (or size) the first "
-               "microbatch before it writes or announces anything"),
+         "out of memory"),
     # --- command-line arguments
     Case("cli-rows-not-a-range", inspect("--rows", "x"), "--rows expects A:B"),
     Case("cli-rows-reversed", inspect("--rows", "3:1"), "--rows expects 0 <= A < B"),
@@ -375,6 +398,35 @@ CASES: list[Case] = [
          "already holds a run"),
     Case("train-into-an-existing-run", ("train", "--out", "{run}", "--no-progress", "--set",
                                         "data.source={corpus}", *TINY), "already holds a run"),
+    # --- run directories: where a run may be written, and damage a resume must refuse
+    # without changing a byte (S8); recoverable damage is in tests/state
+    Case("out-is-a-file", train("--out", "{tmp}/notes.txt"), "is a file, not a directory",
+         a_directory_with_a_file),
+    Case("out-below-a-file", train("--out", "{tmp}/notes.txt/run"), "lies below",
+         a_directory_with_a_file),
+    Case("warm-start-into-a-file", resume("--warm-start", "{tmp}/notes.txt"), "is a file",
+         a_directory_with_a_file),
+    Case("resume-damaged-final-checkpoint", resume(), "model.safetensors is corrupted",
+         in_run(flip(f"{FINAL}/model.safetensors"))),
+    Case("resume-from-a-damaged-checkpoint", resume("--from", "{run}/" + FINAL),
+         "optimizer.pt is corrupted", in_run(flip(f"{FINAL}/optimizer.pt"))),
+    Case("resume-edited-checkpoint-manifest", resume(), "does not match its digest",
+         in_run(lambda run: (run / FINAL / "manifest.json").write_text(
+             (run / FINAL / "manifest.json").read_text().replace('"sequence": 0',
+                                                                 '"sequence": 5')))),
+    Case("resume-no-checkpoint-verifies", resume(), "no checkpoint in",
+         in_run(only_checkpoint_damaged_and_no_latest)),
+    Case("resume-damaged-run-manifest", resume(), "manifest.json",
+         in_run(flip("manifest.json"))),
+    Case("resume-ledger-garbage-line", resume(), "ledger.jsonl does not match",
+         in_run(garbage_line("ledger.jsonl"))),
+    Case("resume-ledger-lost-a-line", resume(), "ledger.jsonl does not match",
+         in_run(lambda run: (run / "ledger.jsonl").write_bytes(
+             b"".join((run / "ledger.jsonl").read_bytes().splitlines(keepends=True)[1:])))),
+    Case("resume-metrics-garbage-line", resume(), "metrics.jsonl does not match",
+         in_run(garbage_line("metrics.jsonl"))),
+    Case("eval-damaged-final-checkpoint", ("eval", "{run}"), "rng.pt is corrupted",
+         in_run(flip(f"{FINAL}/rng.pt"))),
 ]
 
 
@@ -518,3 +570,71 @@ def test_negative_control_the_snapshot_sees_one_changed_byte(finished_run, tmp_p
     ledger.write_bytes(bytes(data))
     (run / "extra").write_text("")
     assert changed_files(before, snapshot(run)) == ["extra", "ledger.jsonl"]
+
+
+# --------------------------------------------------------------------------- filesystems
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path):
+    """A directory on a filesystem of its own: ``make(read_only, size)`` returns it.
+
+    As root, a tmpfs is mounted (the only way root meets EROFS or a real ENOSPC); as
+    another user, a read-only directory is one without write permission. Skipped
+    where neither is possible.
+    """
+    mounted: list[Path] = []
+
+    def make(*, read_only: bool, size: str = "4m") -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        if os.geteuid() != 0:
+            if not read_only:
+                pytest.skip("a full filesystem needs a tmpfs mount (root)")
+            where.chmod(0o555)
+            return where
+        options = f"size={size}" + (",ro" if read_only else "")
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_out_in_a_read_only_directory_is_one_line(small_filesystem, tmp_path, capfd) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    read_only = small_filesystem(read_only=True)
+    capfd.readouterr()
+    code = main(fill(train("--out", f"{read_only}/run"), tmp_path, corpus, None))
+    out, err = capfd.readouterr()
+    assert refusal_problems(code, out, err) == [], err
+    assert f"--out {read_only}/run cannot be created" in err
+
+
+def test_a_full_filesystem_is_one_line_and_the_last_checkpoint_survives(
+        small_filesystem, tmp_path, capfd) -> None:
+    """S8 with a real ENOSPC: a 1 MiB filesystem holds the first checkpoints of a tiny
+    run but not all of them; the failing write is one line naming the intact one."""
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    disk = small_filesystem(read_only=False, size="1m")
+    run = disk / "run"
+    argv = [a.replace("train.steps=2", "train.steps=400") for a in
+            train("--out", str(run), "--set", "checkpoint.every=1", "--set",
+                  "checkpoint.keep=400")]
+    capfd.readouterr()
+    code = main(fill(argv, tmp_path, corpus, None))
+    out, err = capfd.readouterr()
+    assert refusal_problems(code, out, err, notices=("exactstep: ",)) == [], err
+    assert "No space left on device" in err and "is intact" in err
+    intact = re.search(r"checkpoint (window-\d+) is intact", err).group(1)
+    from exactstep.state import verify_checkpoint
+
+    assert verify_checkpoint(run / "checkpoints" / intact).ok
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]

@@ -55,3 +55,18 @@ def test_every_stage_package_exports_what_it_lists(package: str) -> None:
     assert module.__all__, package
     for name in module.__all__:
         assert getattr(module, name) is not None, f"exactstep.{package}.{name}"
+
+
+@pytest.mark.parametrize("package", ["data", "rows", "model", "objective", "update",
+                                     "parallel", "state"])
+def test_no_exported_name_is_shadowed_by_a_submodule(package: str) -> None:
+    """Importing every submodule first (as a long-running process will) must not turn an
+    exported function into the module of the same name."""
+    import pkgutil
+    import types
+
+    module = importlib.import_module(f"exactstep.{package}")
+    for info in pkgutil.iter_modules(module.__path__):
+        importlib.import_module(f"exactstep.{package}.{info.name}")
+    for name in module.__all__:
+        assert not isinstance(getattr(module, name), types.ModuleType), f"{package}.{name}"

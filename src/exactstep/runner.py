@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.window import agreed_window, distribute_engine
 from exactstep.parallel.wrap import shard_model
 from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
+from exactstep.rows.batch import Batch
 from exactstep.rows.example import DataBundle
 from exactstep.rows.sources import arith_spec_of, load_bundle
 from exactstep.rows.stream import RowStream
@@ -129,21 +130,22 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
 # --------------------------------------------------------------------------- windows
 
 
-def run_windows(run: Run, start: int, ledger: Ledger | None, reporter: Reporter) -> None:
-    """Drive windows ``start .. train.steps-1``; checkpoint on cadence, on signals, at the end."""
+def run_windows(run: Run, start: int, progress: bool,
+                open_journals: Callable[[], tuple[Ledger | None, Journal | None]]) -> None:
+    """Drive windows ``start .. train.steps-1``; checkpoint on cadence, on signals, at the end.
+
+    The first window is built before ``open_journals`` writes or announces anything,
+    so a setting this machine cannot hold fails with the run directory untouched.
+    """
     cfg = run.cfg
     steps, every = cfg.train.steps, cfg.checkpoint.every
-    it = iter(run.stream)
-    reducer = run.engine.reducer if run.ctx.distributed else None
-    window = start
+    windows = agreed_windows(run)
     with StopRequest() as stop, collective_guard(run.ctx), run.checkpointer.guard_writes():
-        while window < steps:
-            # Up to K microbatches; fewer only at the end of the data (U1 remainder);
-            # every rank runs the same count (D1).
-            batches = agreed_window(it, cfg.update.accum, reducer, rows=cfg.batch.rows,
-                                    seq_len=cfg.batch.seq_len, pad_id=run.tokenizer.pad_id)
-            if not batches:
-                break
+        batches = next(windows, None) if start < steps else None
+        ledger, metrics = open_journals()
+        reporter = reporter_for(run, start, metrics, progress)
+        window = start
+        while batches is not None:
             disp = run.engine.run_window(batches, window)
             window += 1
             if ledger is not None:
@@ -160,8 +162,20 @@ def run_windows(run: Run, start: int, ledger: Ledger | None, reporter: Reporter)
                     f"stopped by {stop.signal_name} after window {window}; a checkpoint was "
                     f"published; continue with: exactstep resume {run.out_dir}"
                 )
+            batches = next(windows, None) if window < steps else None
         reporter.close()
         run.checkpointer.save(window)
+
+
+def agreed_windows(run: Run) -> Iterator[list[Batch]]:
+    """Windows of up to K microbatches; fewer only at the end of the data (U1
+    remainder); every rank runs the same count (D1)."""
+    it = iter(run.stream)
+    reducer = run.engine.reducer if run.ctx.distributed else None
+    cfg = run.cfg
+    while batches := agreed_window(it, cfg.update.accum, reducer, rows=cfg.batch.rows,
+                                   seq_len=cfg.batch.seq_len, pad_id=run.tokenizer.pad_id):
+        yield batches
 
 
 def finish(run: Run, started: float) -> dict[str, Any]:
@@ -211,19 +225,16 @@ def train(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict[str, 
 
 def train_new(run: Run, started: float, progress: bool) -> dict[str, Any]:
     """Manifest, empty journals, every window from 0, finish."""
-    ledger, metrics = start_journals(run)
-    if run.ctx.is_main:
-        print(f"exactstep: {run.model.num_parameters():,} parameters on {run.ctx.device} "
-              f"x {run.ctx.world_size}, {len(run.data.train)} train / {len(run.data.val)} "
-              f"val documents, manifest {run.manifest.digest[:12]}, run dir {run.out_dir}",
-              file=sys.stderr)
-    run_windows(run, 0, ledger, reporter_for(run, 0, metrics, progress))
+    notes = [f"{run.model.num_parameters():,} parameters on {run.ctx.device} x "
+             f"{run.ctx.world_size}, {len(run.data.train)} train / {len(run.data.val)} val "
+             f"documents, manifest {run.manifest.digest[:12]}, run dir {run.out_dir}"]
+    run_windows(run, 0, progress, lambda: start_journals(run, notes))
     return finish(run, started)
 
 
-def start_journals(run: Run, *, fresh_manifest: bool = True) -> tuple[Ledger | None,
-                                                                      Journal | None]:
-    """Rank 0: write the immutable manifest (S1) and start empty journals."""
+def start_journals(run: Run, notes: Sequence[str | None] = (), *, fresh_manifest: bool = True
+                   ) -> tuple[Ledger | None, Journal | None]:
+    """Rank 0: write the immutable manifest (S1), start empty journals, print ``notes``."""
     if not run.ctx.is_main:
         return None, None
     ledger_path = run.out_dir / LEDGER_FILE
@@ -231,8 +242,15 @@ def start_journals(run: Run, *, fresh_manifest: bool = True) -> tuple[Ledger | N
         raise ResumeError(f"{run.out_dir} already holds a run; use 'exactstep resume "
                           f"{run.out_dir}' or choose a new --out")
     write_manifest(run.out_dir, run.manifest)
-    return attach(run, Ledger.create(ledger_path), Journal.create(run.out_dir / METRICS_FILE,
-                                                                 exact=False))
+    ledger = Ledger.create(ledger_path)
+    metrics = Journal.create(run.out_dir / METRICS_FILE, exact=False)
+    announce(notes)
+    return attach(run, ledger, metrics)
+
+
+def announce(notes: Sequence[str | None]) -> None:
+    for line in filter(None, notes):
+        print(f"exactstep: {line}", file=sys.stderr)
 
 
 def attach(run: Run, ledger: Ledger, metrics: Journal) -> tuple[Ledger, Journal]:
@@ -276,30 +294,29 @@ def resume(
             check_journals(run_dir, restored.journals, point.path,
                            marks_of=run.checkpointer.journal_marks)
             next_window, events, marks = restored.next_window, restored.events, restored.journals
-        ledger, metrics = reopen_journals(run, marks, events)
-        if run.ctx.is_main:
-            for line in filter(None, [point.note, f"resuming {run_dir} at window {next_window}"
-                                      + (f" from {point.path.name}" if point.path else "")]):
-                print(f"exactstep: {line}", file=sys.stderr)
-        run_windows(run, next_window, ledger, reporter_for(run, next_window, metrics, progress))
+        notes = [point.note, f"resuming {run_dir} at window {next_window}"
+                 + (f" from {point.path.name}" if point.path else "")]
+        run_windows(run, next_window, progress,
+                    lambda: reopen_journals(run, marks, events, notes))
         return finish(run, started)
     finally:
         shutdown(run.ctx)
 
 
-def reopen_journals(run: Run, marks: dict[str, dict], events: list[dict]
-                    ) -> tuple[Ledger | None, Journal | None]:
+def reopen_journals(run: Run, marks: dict[str, dict], events: list[dict],
+                    notes: Sequence[str | None]) -> tuple[Ledger | None, Journal | None]:
     """Rank 0, once every check passed: drop unpublished leftovers and the journal
-    tails written after the checkpoint, then record migration events."""
+    tails written after the checkpoint, record migration events, print ``notes``."""
     if not run.ctx.is_main:
         return None, None
     clean_uncommitted(run.checkpoints)
     if not marks:
-        return start_journals(run, fresh_manifest=False)
+        return start_journals(run, notes, fresh_manifest=False)
     ledger = Ledger.open_at(run.out_dir / LEDGER_FILE, marks[LEDGER_FILE])
     metrics = Journal.open_at(run.out_dir / METRICS_FILE, marks[METRICS_FILE])
     for event in events:
         ledger.append(event)
+    announce(notes)
     return attach(run, ledger, metrics)
 
 

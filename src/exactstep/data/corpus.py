@@ -26,7 +26,7 @@ import hashlib
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,7 +195,8 @@ def split_by_name(
     return tuple(train), tuple(val)
 
 
-def check_split(train: tuple[Document, ...], val: tuple[Document, ...], cfg: DataConfig) -> None:
+def check_split(train: Sequence[object], val: Sequence[object], cfg: DataConfig) -> None:
+    """Refuse an empty training or validation split, naming ``data.val_fraction``."""
     total = len(train) + len(val)
     if not val:
         raise DataError(

@@ -11,6 +11,10 @@
 
 from exactstep.lazy import lazy_exports
 
+# ``perplexity`` is also the name of its module: bound eagerly (the module is light),
+# since importing the submodule would otherwise shadow a lazily exported function.
+from exactstep.objective.perplexity import perplexity as perplexity
+
 _EXPORTS = {
     "NoObjective": "exactstep.objective.types",
     "NoObjectiveCause": "exactstep.objective.types",
@@ -25,9 +29,13 @@ _EXPORTS = {
     "mean_loss": "exactstep.objective.perplexity",
     "microbatch_terms": "exactstep.objective.terms",
     "no_objective": "exactstep.objective.plan",
-    "perplexity": "exactstep.objective.perplexity",
     "plan_window": "exactstep.objective.plan",
     "target_distribution": "exactstep.objective.smoothing",
 }
 
-__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+_NAMES, __getattr__, _dir = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted([*_NAMES, "perplexity"])
+
+
+def __dir__() -> list[str]:
+    return __all__

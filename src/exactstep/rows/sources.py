@@ -26,7 +26,7 @@ from exactstep.data.chat import (
     Conversation,
     load_chat_jsonl,
 )
-from exactstep.data.corpus import load_corpus
+from exactstep.data.corpus import check_split, load_corpus
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.rows.chat import ChatPolicy, chat_examples
 from exactstep.rows.example import DataBundle, encode_documents
@@ -77,6 +77,7 @@ def split_conversations(
         conversations = conversations[: data.max_docs]
     train = [c for c in conversations if not is_val(c, data.val_fraction)]
     val = [c for c in conversations if is_val(c, data.val_fraction)]
+    check_split(train, val, data)
     rule = f"sha256(conversation json) / 2^64 < {data.val_fraction} is val"
     return train, val, rule, None
 
