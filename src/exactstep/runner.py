@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,9 @@ from exactstep.parallel.checkpoint import DcpFormat
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
 from exactstep.parallel.reducer import build_reducer
-from exactstep.parallel.window import agreed_window, distribute_engine
+from exactstep.parallel.window import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.wrap import shard_model
 from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
-from exactstep.rows.batch import Batch
 from exactstep.rows.example import DataBundle
 from exactstep.rows.sources import arith_spec_of, load_bundle
 from exactstep.rows.stream import RowStream
@@ -139,7 +138,9 @@ def run_windows(run: Run, start: int, progress: bool,
     """
     cfg = run.cfg
     steps, every = cfg.train.steps, cfg.checkpoint.every
-    windows = agreed_windows(run)
+    reducer = run.engine.reducer if run.ctx.distributed else None
+    windows = agreed_windows(iter(run.stream), cfg.update.accum, reducer, rows=cfg.batch.rows,
+                             seq_len=cfg.batch.seq_len, pad_id=run.tokenizer.pad_id)
     with StopRequest() as stop, collective_guard(run.ctx), run.checkpointer.guard_writes():
         batches = next(windows, None) if start < steps else None
         ledger, metrics = open_journals()
@@ -154,28 +155,23 @@ def run_windows(run: Run, start: int, progress: bool,
                             run.engine.schedule.lr())
             if cfg.train.eval_every and window % cfg.train.eval_every == 0 and window < steps:
                 reporter.evaluation(window, run.validator.record())
-            if (every and window % every == 0 and window < steps) or stop.requested:
+            stopping = agreed_stop(stop.requested, reducer)
+            if (every and window % every == 0 and window < steps) or stopping:
                 run.checkpointer.save(window)
-            if stop.requested:
+            if stopping:
                 reporter.close()
                 raise Interrupted(
-                    f"stopped by {stop.signal_name} after window {window}; a checkpoint was "
-                    f"published; continue with: exactstep resume {run.out_dir}"
+                    f"stopped by {stop.signal_name or 'a signal to another rank'} after window "
+                    f"{window}; a checkpoint was published; continue with: {resume_command(run)}"
                 )
             batches = next(windows, None) if window < steps else None
         reporter.close()
         run.checkpointer.save(window)
 
 
-def agreed_windows(run: Run) -> Iterator[list[Batch]]:
-    """Windows of up to K microbatches; fewer only at the end of the data (U1
-    remainder); every rank runs the same count (D1)."""
-    it = iter(run.stream)
-    reducer = run.engine.reducer if run.ctx.distributed else None
-    cfg = run.cfg
-    while batches := agreed_window(it, cfg.update.accum, reducer, rows=cfg.batch.rows,
-                                   seq_len=cfg.batch.seq_len, pad_id=run.tokenizer.pad_id):
-        yield batches
+def resume_command(run: Run) -> str:
+    world = run.ctx.world_size
+    return f"exactstep resume {run.out_dir}" + (f" --nproc {world}" if world > 1 else "")
 
 
 def finish(run: Run, started: float) -> dict[str, Any]:

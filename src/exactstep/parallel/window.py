@@ -80,3 +80,25 @@ def agreed_window(
     while len(batches) < count:
         batches.append(empty_microbatch(rows, seq_len, pad_id))
     return batches
+
+
+def agreed_windows(it: Iterator[Batch], k: int, reducer: DDPReducer | None, *, rows: int,
+                   seq_len: int, pad_id: int) -> Iterator[list[Batch]]:
+    """``agreed_window`` after ``agreed_window`` until every rank's stream has ended:
+    up to ``k`` microbatches each, fewer only at the end of the data (U1 remainder),
+    the same count on every rank (D1)."""
+    while batches := agreed_window(it, k, reducer, rows=rows, seq_len=seq_len, pad_id=pad_id):
+        yield batches
+
+
+def agreed_stop(requested: bool, reducer: DDPReducer | None) -> bool:
+    """True when any rank was asked to stop (SIGTERM / SIGINT), decided by all ranks.
+
+    A signal reaches ranks at different moments; stopping on the local flag would let
+    one rank publish a checkpoint at window ``w`` while another runs window ``w + 1``,
+    and their checkpoint collectives would not line up. One tiny host all-reduce
+    (max) per window; without a reducer the local flag is the decision.
+    """
+    if reducer is None:
+        return requested
+    return bool(reducer.max(torch.tensor([int(requested)], dtype=torch.int64)).item())
