@@ -345,8 +345,11 @@ CASES: list[Case] = [
                    '{"role": "assistant", "content": "a"}], "weight": NaN}')),
     Case("chat-repeated-key", chat(), "key 'content' appears twice",
          chat_file('{"messages": [{"role": "user", "content": "a", "content": "b"}]}')),
-    Case("chat-no-supervised-token-under-empty-error", chat("--set", "chat.empty=error"),
-         "no supervised token", chat_file(conversation(USER))),
+    Case("chat-no-supervised-token-under-empty-error",
+         chat("--set", "chat.empty=error", "--set", "data.val_fraction=0.3"),
+         "no supervised token",
+         writes("chat.jsonl", lines(*[conversation({"role": "user", "content": f"q{i}"})
+                                      for i in range(20)]))),
     Case("chat-missing-file", chat(), "chat.jsonl does not exist"),
     Case("chat-empty-validation-split", chat("--set", "data.val_fraction=1e-9"),
          "data.val_fraction",

@@ -75,7 +75,9 @@ def test_jsonl_errors_and_empty_policy_surface_as_data_errors(tmp_path):
     with pytest.raises(DataError, match="bad.jsonl:1"):
         load_bundle(run_config(str(bad)), TOK)
     no_answer = tmp_path / "q.jsonl"
-    no_answer.write_text('{"messages": [{"role": "user", "content": "x"}]}\n' * 40)
-    cfg = SimpleNamespace(**{**vars(run_config(str(no_answer))), "chat": ChatPolicy(empty="error")})
+    no_answer.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"x{i}"}]})
+                                 + "\n" for i in range(40)))
+    cfg = SimpleNamespace(**{**vars(run_config(str(no_answer), val_fraction=0.3)),
+                             "chat": ChatPolicy(empty="error")})
     with pytest.raises(DataError, match="no supervised token"):
         load_bundle(cfg, TOK)
