@@ -1,10 +1,11 @@
 """Per-window cost of the distributed transaction against plain DDP (D1, D2, U7).
 
 Two ranks on this host (gloo, CPU), the same small decoder and the same sharded
-rows. Candidate: exactstep's window (``UpdateEngine`` + ``DDPReducer``): one
+rows. Candidate: what the runner does per window: the agreed microbatch count (one
+max all-reduce), exactstep's window (``UpdateEngine`` + ``DDPReducer``: one
 all-reduce of ``[D, tokens]`` before the forward, ``no_sync`` for the first K-1
 microbatches, one all-reduce of ``[finite flag, S, gold NLL]`` at the close, one host
-read. Baseline: a plain DDP accumulation loop over the same microbatches (local
+read), and the agreed stop flag (one max all-reduce). Baseline: a plain DDP accumulation loop over the same microbatches (local
 token mean per microbatch, ``no_sync``, clip, step; no extra collective, no agreed
 decision). The two alternate window by window in the same processes, so machine
 noise hits both alike. Figures: ``time_ratio`` (candidate / baseline, median
@@ -109,7 +110,7 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
     from exactstep.objective.config import ObjectiveConfig
     from exactstep.parallel.config import ParallelConfig
     from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
-    from exactstep.parallel.window import distribute_engine
+    from exactstep.parallel.window import agreed_stop, agreed_window, distribute_engine
 
     torch.set_num_threads(1)
     cfg = ParallelConfig(timeout_s=60.0)
@@ -129,8 +130,11 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
             for name in order:
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
-                if name == "exact":
+                if name == "exact":  # what the runner does per window, agreements included
+                    agreed_window(iter(batches), k, exact.reducer, rows=_batch_cfg().rows,
+                                  seq_len=_batch_cfg().seq_len, pad_id=PAD_ID)
                     exact.run_window(batches, w)
+                    agreed_stop(False, exact.reducer)
                 else:
                     _plain_window(plain_module, plain_opt, batches, plan_window,
                                   ObjectiveConfig(), 1.0)
