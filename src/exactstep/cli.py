@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run_dir", help="a run directory (uses its LATEST checkpoint)")
     evaluate.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
 
+    export = sub.add_parser("export", help="write a Hugging Face model directory, checked (H3)")
+    export.add_argument("run_dir", help="a run directory (uses the checkpoint a resume would)")
+    export.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
+    export.add_argument("--out", required=True, help="the new export directory")
+
     inspect = sub.add_parser("inspect", help="print rows: input -> target, segment, position, masks")
     add_config_args(inspect)
     inspect.add_argument("--rows", default="0:1", help="row range A:B of the first microbatch")
@@ -216,6 +221,15 @@ def dispatch(args: argparse.Namespace) -> int:
 
         report = evaluate_run(
             Path(args.run_dir),
+            from_checkpoint=Path(args.from_checkpoint) if args.from_checkpoint else None,
+        )
+        print(report.format())
+        return 0
+    if args.command == "export":
+        from exactstep.export import export_run
+
+        report = export_run(
+            Path(args.run_dir), Path(args.out),
             from_checkpoint=Path(args.from_checkpoint) if args.from_checkpoint else None,
         )
         print(report.format())

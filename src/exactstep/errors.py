@@ -54,3 +54,7 @@ class Interrupted(ExactstepError):
 
 class StorageError(ExactstepError):
     """A file could not be written (disk full, quota, read-only); nothing committed was lost."""
+
+
+class ExportError(ExactstepError):
+    """An export could not be written or failed its handoff check (H3); nothing was published."""

@@ -1,0 +1,293 @@
+"""Export a run's checkpoint as a Hugging Face model directory, with the handoff check (H3).
+
+``export_run(run_dir, out)`` writes a directory that ``AutoModelForCausalLM`` and
+``AutoTokenizer.from_pretrained`` load with no extra code: ``config.json``,
+``model.safetensors``, the tokenizer files (with a chat template for chat runs),
+``generation_config.json``, and ``passport.json``. It is accepted only after the
+*written* artifact, loaded back with plain ``transformers``, reproduces the training
+model's logits on held-out documents (fp32, max abs difference <= ``LOGIT_TOLERANCE``)
+and its tokenizer reproduces the training tokenizer's ids on them. The directory is
+written under a temporary sibling name and renamed into place only after the check
+passes, so a failed or interrupted export publishes nothing.
+
+The built-in decoder maps onto ``LlamaConfig`` exactly: the fused ``qkv`` projection
+splits into ``q/k/v_proj`` (heads in order), ``gate_up`` into ``gate_proj`` then
+``up_proj``, RoPE rotates the pairs ``(i, i + Dh/2)`` (``rotate_half``) with the same
+inverse frequencies, RMSNorm in fp32 with the same epsilon, no biases, and a tied
+head stays tied. The byte tokenizer becomes a byte-level BPE with no merges: byte
+``b`` is id ``b`` and BOS / EOS / PAD keep ids 256 / 257 / 258.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exactstep import __version__
+from exactstep.durable import fsync_path, json_bytes, write_durably
+from exactstep.errors import ConfigError, ExportError
+
+LOGIT_TOLERANCE = 1e-5
+PASSPORT = "passport.json"
+CHECK_DOCUMENTS = 8
+CHECK_TOKENS = 256
+
+# The byte chat template (data/chat.py's exactstep-bytes-chat-v1) in Jinja, with
+# generation markers around what an assistant turn owns (content, tool calls, EOS).
+BYTES_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<|tool_call|>{{ c | tojson }}\n{% endfor %}"
+    "{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    out: Path
+    passport: dict[str, Any]
+
+    def format(self) -> str:
+        check = self.passport["check"]
+        return (f"exported {self.passport['checkpoint']} to {self.out}\n"
+                f"  handoff check: max |logit difference| {check['max_abs_logit_diff']:.3g} "
+                f"over {check['tokens']} tokens of {check['documents']} held-out documents "
+                f"(tolerance {check['tolerance']:g}); tokenizer ids identical")
+
+
+# --------------------------------------------------------------------------- mapping
+
+
+def llama_config(cfg: Any, vocab_size: int, special: dict[str, int], max_positions: int):
+    """The ``LlamaConfig`` the built-in decoder's weights mean."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads,
+        hidden_act="silu", max_position_embeddings=max_positions, rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False, mlp_bias=False, bos_token_id=special["bos"],
+        eos_token_id=special["eos"], pad_token_id=special["pad"],
+        architectures=["LlamaForCausalLM"], dtype="float32",
+    )
+
+
+def llama_state(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+    """The built-in decoder's state dict under ``LlamaForCausalLM``'s names."""
+    d, f = cfg.d_model, cfg.d_ff
+    out = {"model.embed_tokens.weight": state["embed.weight"],
+           "model.norm.weight": state["final_norm.weight"]}
+    for i in range(cfg.n_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = state[src + "attn.qkv.weight"].split(d, dim=0)
+        gate, up = state[src + "mlp.gate_up.weight"].split(f, dim=0)
+        out.update({
+            dst + "input_layernorm.weight": state[src + "attn_norm.weight"],
+            dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+            dst + "self_attn.v_proj.weight": v,
+            dst + "self_attn.o_proj.weight": state[src + "attn.out.weight"],
+            dst + "post_attention_layernorm.weight": state[src + "mlp_norm.weight"],
+            dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+            dst + "mlp.down_proj.weight": state[src + "mlp.down.weight"],
+        })
+    out["lm_head.weight"] = state["embed.weight"] if cfg.tie_embeddings else state["head.weight"]
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def byte_tokenizer_hf(tokenizer: Any, chat_template: str | None = None):
+    """The byte tokenizer as a ``PreTrainedTokenizerFast``: byte b -> id b, specials above."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins of the bytes
+    byte_char = _bytes_to_unicode()
+    vocab = {byte_char[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    core.add_special_tokens(list(specials.values()))
+    ids = [core.token_to_id(t) for t in specials.values()]
+    if ids != [tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id]:
+        raise ExportError(f"byte tokenizer special ids {ids} do not match the run's "
+                          f"{[tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id]}")
+    return PreTrainedTokenizerFast(tokenizer_object=core, chat_template=chat_template,
+                                   model_max_length=1 << 30, **specials)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (what ByteLevel uses)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None) -> ExportReport:
+    """Export ``run_dir``'s checkpoint (``--from`` or the one a resume would choose) to ``out``.
+
+    Raises ``ConfigError`` when ``out`` exists and is not empty or cannot be written,
+    ``ExportError`` when the handoff check fails (nothing is published then).
+    """
+    from transformers.utils import logging as hf_logging
+
+    from exactstep.config import config_from_manifest
+    from exactstep.data.tokenizer import ByteTokenizer
+    from exactstep.errors import ResumeError
+    from exactstep.manifest import read_manifest
+    from exactstep.model.decoder import build_model
+    from exactstep.parallel.checkpoint import DcpFormat
+    from exactstep.parallel.process_group import single_process
+    from exactstep.rows.sources import load_bundle
+    from exactstep.state.checkpointer import load_weights
+    from exactstep.state.resume import choose_resume_point
+    from exactstep.state.store import CHECKPOINT_MANIFEST
+
+    hf_logging.disable_progress_bar()  # one summary line, not transformers' bars
+    hf_logging.set_verbosity_error()
+    run_dir, out = Path(run_dir), Path(out)
+    check_out(out)
+    manifest = read_manifest(run_dir)
+    cfg = config_from_manifest(manifest)
+    point = choose_resume_point(run_dir / "checkpoints", from_checkpoint)
+    if point.path is None:
+        raise ResumeError(f"{run_dir} has no checkpoint to export yet; train or resume it first")
+    tokenizer = ByteTokenizer()
+    data = load_bundle(cfg, tokenizer)
+    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
+    load_weights(point.path, model, DcpFormat(single_process(torch.device("cpu"))))
+    model.eval()
+    template = BYTES_CHAT_TEMPLATE if cfg.data.kind == "chat" else None
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_artifact(tmp, model, cfg, tokenizer, template)
+        figures = handoff_check(tmp, model, tokenizer, data.val)
+        passport = {
+            "format": "exactstep-export/1",
+            "exactstep": __version__,
+            "run_manifest_digest": manifest.digest,
+            "checkpoint": point.path.name,
+            "checkpoint_manifest_sha256": _sha256(point.path / CHECKPOINT_MANIFEST),
+            "tokenizer_hash": tokenizer.fingerprint(),
+            "template_hash": data.representation.get("template_hash"),
+            "dtype": "float32",
+            "architecture": "LlamaForCausalLM",
+            "check": figures,
+            "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()},
+        }
+        write_durably(tmp / PASSPORT, json_bytes(passport))
+        publish_directory(tmp, out)
+    except OSError as exc:
+        raise ExportError(f"writing the export to {out} failed ({exc.strerror or exc}); "
+                          "nothing was published") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportReport(out, passport)
+
+
+def check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} already exists and is not an empty directory; "
+                          "choose a new export directory")
+    if not out.parent.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: str | None) -> None:
+    """``save_pretrained`` of the mapped model, its tokenizer and generation config."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    special = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
+    hf_config = llama_config(cfg.model, tokenizer.vocab_size, special,
+                             max_positions=max(cfg.batch.seq_len, 2048))
+    with torch.device("meta"):
+        hf_model = LlamaForCausalLM(hf_config)
+    state = llama_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, cfg.model)
+    hf_model.load_state_dict(state, strict=True, assign=True)
+    if cfg.model.tie_embeddings:
+        hf_model.tie_weights()
+    hf_model.generation_config = GenerationConfig(
+        bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"])
+    hf_model.save_pretrained(tmp, safe_serialization=True)
+    byte_tokenizer_hf(tokenizer, template).save_pretrained(tmp)
+
+
+def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any) -> dict[str, Any]:
+    """Load the written artifact with plain ``transformers`` and compare (H3).
+
+    For up to ``CHECK_DOCUMENTS`` held-out documents (each alone, at most
+    ``CHECK_TOKENS`` tokens), the exported model's logits must equal the training
+    model's within ``LOGIT_TOLERANCE`` and the exported tokenizer must give the same
+    ids for the document's text. Raises ``ExportError`` otherwise.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exactstep.eval import single_segment_batch
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    loaded.eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp)
+    worst, tokens, used = 0.0, 0, 0
+    with torch.no_grad():
+        for example in list(documents)[:CHECK_DOCUMENTS]:
+            ids = torch.as_tensor(example.tokens[:CHECK_TOKENS], dtype=torch.int64)[None]
+            expected = model.logits(model(single_segment_batch(ids)))  # [1, T, V]
+            got = loaded(input_ids=ids).logits.float()  # [1, T, V]
+            worst = max(worst, float((got - expected).abs().max()))
+            text_ids = [int(t) for t in ids[0] if int(t) < 256]
+            text = bytes(text_ids).decode("utf-8", errors="ignore")
+            if hf_tokenizer.encode(text, add_special_tokens=False) != tokenizer.encode(text):
+                raise ExportError("the exported tokenizer encodes a held-out document "
+                                  "differently from the run's tokenizer; nothing was published")
+            tokens += ids.shape[1]
+            used += 1
+    if used == 0:
+        raise ExportError("the run has no held-out documents to check the export on")
+    if not worst <= LOGIT_TOLERANCE:
+        raise ExportError(f"the exported model's logits differ from the trained model's by "
+                          f"{worst:.3g} (tolerance {LOGIT_TOLERANCE:g}); nothing was published")
+    return {"max_abs_logit_diff": worst, "tolerance": LOGIT_TOLERANCE, "documents": used,
+            "tokens": tokens}
+
+
+def publish_directory(tmp: Path, out: Path) -> None:
+    """fsync every file and the directory, rename it to ``out``, fsync the parent."""
+    for path in tmp.iterdir():
+        fsync_path(path)
+    fsync_path(tmp)
+    if out.exists():
+        out.rmdir()  # empty (checked before anything was written)
+    os.rename(tmp, out)
+    fsync_path(out.parent)
+
+
+def _sha256(path: Path) -> str:
+    from exactstep.durable import sha256_file
+
+    return sha256_file(path)
+
+
+def read_passport(out: Path) -> dict[str, Any]:
+    return json.loads((Path(out) / PASSPORT).read_text(encoding="utf-8"))

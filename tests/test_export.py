@@ -1,0 +1,175 @@
+"""H3 export of a built-in decoder run: plain ``transformers`` loads the directory, its
+logits match the checkpoint's model, its tokenizer is the byte tokenizer, its chat
+template renders what exactstep rendered (and owns what exactstep owned), and the
+handoff check refuses a wrong artifact before anything is published.
+
+Expectations are independent of the export code: the checkpoint's weights are loaded
+into the built-in decoder by the test, the byte ids are the text's UTF-8 bytes, and
+the rendered chat tokens come from exactstep's own template.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from text_corpus import write_corpus
+
+from exactstep import export as export_module
+from exactstep.cli import main
+from exactstep.data.arith import arith_conversations
+from exactstep.data.chat import DEFAULT_TEMPLATE
+from exactstep.data.tokenizer import ByteTokenizer
+from exactstep.errors import ExportError
+from exactstep.eval import single_segment_batch
+from exactstep.manifest import read_manifest
+from exactstep.model.config import ModelConfig
+from exactstep.model.decoder import build_model
+from exactstep.rows.chat import ChatPolicy, chat_examples
+from exactstep.state import latest_checkpoint, load_checkpoint
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+TOK = ByteTokenizer()
+SHAPES = ["batch.seq_len=32", "batch.rows=2", "model.d_model=16", "model.n_layers=2",
+          "model.n_heads=2", "model.d_ff=24", "train.steps=3", "train.eval_tokens=64",
+          "update.warmup=1", "train.threads=1", "model.rope_theta=500.0", "model.norm_eps=1e-6"]
+
+
+def train(tmp_path: Path, name: str, *extra: str) -> Path:
+    corpus = tmp_path / "corpus.jsonl"
+    if not corpus.exists():
+        write_corpus(corpus)
+    run = tmp_path / name
+    assert main(["train", "--no-progress", "--out", str(run), "--set",
+                 f"data.source={corpus}", *SHAPES, *extra]) == 0
+    return run
+
+
+def checkpoint_model(run: Path, **model_keys) -> torch.nn.Module:
+    cfg = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=24, rope_theta=500.0,
+                      norm_eps=1e-6, **model_keys)
+    model = build_model(cfg, TOK.vocab_size, seed=12345)  # weights replaced below
+    model.load_state_dict(load_checkpoint(latest_checkpoint(run / "checkpoints"))[0])
+    return model.eval()
+
+
+TEXTS = ["def f(x):\n    return x + 1\n", "héllo, wörld — ünïcode ✓", "a" * 40]
+
+
+@pytest.fixture(scope="module")
+def text_export(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("export")
+    run = train(root, "run")
+    out = root / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    return run, out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_plain_transformers_reproduces_the_trained_logits(tmp_path, tied) -> None:
+    run = train(tmp_path, "run", f"model.tie_embeddings={str(tied).lower()}")
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    reference = checkpoint_model(run, tie_embeddings=tied)
+    for text in TEXTS:
+        ids = torch.tensor([[TOK.bos_id, *text.encode("utf-8")]])
+        with torch.no_grad():
+            expected = reference.logits(reference(single_segment_batch(ids)))
+            got = hf(input_ids=ids).logits
+        assert (got - expected).abs().max().item() <= 1e-5
+    assert hf.config.tie_word_embeddings is tied
+
+
+def test_the_tokenizer_is_the_byte_tokenizer(text_export) -> None:
+    _, out = text_export
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == list(text.encode("utf-8"))
+        assert tokenizer.decode(ids) == text
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+        256, 257, 258)
+
+
+def test_greedy_generation_matches_exactstep(text_export) -> None:
+    run, out = text_export
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    reference = checkpoint_model(run)
+    ids = torch.tensor([[TOK.bos_id, *b"def "]])
+    generated = hf.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=258)[0, ids.shape[1]:].tolist()
+    tokens = ids
+    with torch.no_grad():
+        for _ in range(8):
+            logits = reference.logits(reference(single_segment_batch(tokens)))
+            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert generated == tokens[0, ids.shape[1]:].tolist()
+
+
+def test_passport_names_what_was_exported(text_export) -> None:
+    run, out = text_export
+    passport = json.loads((out / "passport.json").read_text())
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    assert passport["run_manifest_digest"] == read_manifest(run).digest
+    assert passport["checkpoint"] == checkpoint.name
+    recorded = hashlib.sha256((checkpoint / "manifest.json").read_bytes()).hexdigest()
+    assert passport["checkpoint_manifest_sha256"] == recorded
+    assert passport["tokenizer_hash"] == TOK.fingerprint()
+    assert passport["dtype"] == "float32"
+    assert passport["check"]["max_abs_logit_diff"] <= 1e-5 and passport["check"]["tokens"] > 0
+    for name, digest in passport["files"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+
+
+def test_a_wrong_artifact_is_refused_and_nothing_is_published(text_export, tmp_path,
+                                                              monkeypatch) -> None:
+    """Negative control for the handoff check: q and k swapped in the written weights."""
+    run, _ = text_export
+    mapping = export_module.llama_state
+
+    def swapped(state, cfg):
+        out = mapping(state, cfg)
+        q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+        out[q], out[k] = out[k], out[q]
+        return out
+
+    monkeypatch.setattr(export_module, "llama_state", swapped)
+    out = tmp_path / "bad"
+    with pytest.raises(ExportError, match="logits differ"):
+        export_module.export_run(run, out)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
+
+
+def test_export_into_an_existing_directory_is_one_line(text_export, capsys) -> None:
+    run, out = text_export
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "not an empty directory" in err[0]
+
+
+def test_chat_export_renders_and_owns_what_exactstep_did(tmp_path) -> None:
+    """The exported Jinja template gives exactstep's tokens, and its generation
+    markers give exactly the targets exactstep supervises (R5 through the handoff)."""
+    run = train(tmp_path, "chat", "data.kind=chat", "data.source=arith", "arith.n_train=40",
+                "arith.n_heldout=10", "batch.seq_len=64")
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    conversations = arith_conversations(0, 5, split="train")
+    examples, _ = chat_examples(conversations, TOK, ChatPolicy(), max_len=10_000)
+    for conversation, example in zip(conversations, examples, strict=True):
+        messages = [{"role": m.role, "content": m.content} for m in conversation.messages]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)
+        assert rendered["input_ids"] == DEFAULT_TEMPLATE.render(conversation.messages,
+                                                                TOK).tokens.tolist()
+        assert rendered["assistant_masks"] == example.owned.astype(int).tolist()
