@@ -234,15 +234,16 @@ def canonical_tool_call(call: Any) -> str:
     return json.dumps(call, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def parse_conversation(obj: Any, where: str) -> Conversation:
-    """Validate one decoded JSON object; ``where`` (e.g. ``file.jsonl:3``) names it in errors."""
-    if not isinstance(obj, dict) or "messages" not in obj:
+def parse_conversation(obj: Any, where: str, field: str = "messages") -> Conversation:
+    """Validate one decoded JSON object whose ``field`` holds the messages; ``where``
+    (e.g. ``file.jsonl:3``) names it in errors."""
+    if not isinstance(obj, dict) or field not in obj:
         got = "an object without it" if isinstance(obj, dict) else f"a JSON {json_type(obj)}"
-        raise DataError(f'{where}: expected an object with a "messages" list, got {got}')
-    raw = obj["messages"]
+        raise DataError(f'{where}: expected an object with a "{field}" list, got {got}')
+    raw = obj[field]
     if not isinstance(raw, list) or not raw:
         got = "an empty array" if isinstance(raw, list) else f"a JSON {json_type(raw)}"
-        raise DataError(f'{where}: "messages" must be a non-empty list of messages, got {got}')
+        raise DataError(f'{where}: "{field}" must be a non-empty list of messages, got {got}')
     messages = tuple(_parse_message(m, f"{where}: message {k}") for k, m in enumerate(raw))
     return Conversation(messages=messages, name=where, weight=parse_weight(obj, where))
 
@@ -298,18 +299,24 @@ def _parse_tool_calls(raw: Any, role: str, where: str) -> tuple[str, ...]:
     )
 
 
-def load_chat_jsonl(path: str | Path) -> list[Conversation]:
-    """Read ``{"messages": [...]}`` lines; blank lines are skipped.
+def load_chat_jsonl(path: str | Path, messages_field: str = "messages") -> list[Conversation]:
+    """Read ``{"messages": [...]}`` lines (the key is ``messages_field``); blank lines
+    are skipped. A Parquet or Arrow file or a directory of shards is read by
+    ``data.datasets_source`` into the same conversations, validated alike.
 
     Raises ``DataError`` naming the file and 1-based line for any malformed line (see
     the module docstring for the shape), and when the file is missing or holds no
     conversation.
     """
+    from exactstep.data import datasets_source  # it builds on this module
+
     path = Path(path)
+    if datasets_source.is_dataset_source(path):
+        return datasets_source.read_chat_source(path, messages_field)
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise DataError(f"chat data file {path} {what}; point data.source at a .jsonl file")
-    conversations = [parse_conversation(line.value, line.where)
+    conversations = [parse_conversation(line.value, line.where, messages_field)
                      for line in records(path, strict=True)]
     if not conversations:
         raise DataError(f"chat data file {path} holds no conversation")

@@ -13,6 +13,11 @@ from exactstep.ranges import at_least, between, check
 class DataConfig:
     """Where examples come from.
 
+    ``source`` may also be a ``.parquet`` or ``.arrow`` file, or a directory of shards
+    of one format (``.jsonl``, ``.parquet`` or ``.arrow``; ``data.datasets_source``).
+    ``text_field`` names the field (column) holding a text example, and
+    ``messages_field`` the one holding a conversation's messages (``kind = "chat"``).
+
     ``source``: ``"stdlib"`` (the Python standard library's own source files, one
     document per file) or a path to a JSONL file of ``{"text": ...}`` lines (or
     ``{"messages": [...]}`` lines when ``kind = "chat"``). ``val_fraction`` of the
@@ -22,6 +27,8 @@ class DataConfig:
 
     source: str = "stdlib"
     kind: Literal["text", "chat"] = "text"
+    text_field: str = "text"
+    messages_field: str = "messages"
     val_fraction: float = 0.05
     max_docs: int = 0
     tokenizer: Literal["bytes"] = "bytes"
@@ -29,5 +36,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.source:
             raise ConfigError("data.source must be 'stdlib' or a path to a .jsonl file")
+        for key, name in (("data.text_field", self.text_field),
+                          ("data.messages_field", self.messages_field)):
+            if not name:
+                raise ConfigError(f"{key} must name a field of the data; it is empty")
         check("data.val_fraction", self.val_fraction, between(0, 1, low_open=True, high_open=True))
         check("data.max_docs", self.max_docs, at_least(0))  # 0 = all documents

@@ -18,6 +18,11 @@ setting to change): a missing or unreadable file, a line that is not UTF-8 (refu
 never repaired), not JSON, not an object, or without a string ``"text"``, a ``"text"``
 holding an unpaired surrogate, a ``"weight"`` that is not a finite number >= 0, a
 corpus with no non-empty document, and an empty train or validation split.
+
+The text of a line is its ``data.text_field`` (default ``"text"``). Parquet and Arrow
+files and directories of shards are read by ``exactstep.data.datasets_source`` into
+the same ``Document`` values (named ``<shard>#<row>``, or ``<shard>:<line>`` for JSONL
+shards), so the split and the fingerprint treat them alike.
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
 
     ``"stdlib"`` reads the standard library's own ``.py`` files (documents named by
     path relative to the stdlib root; test directories and site-packages skipped);
-    anything else is a path to a JSONL file of ``{"text": ...}`` lines.
+    anything else is a path to a JSONL file of ``{"text": ...}`` lines (the key is
+    ``cfg.text_field``), or a Parquet/Arrow file or shard directory (``read_source``).
     Raises ``DataError`` (see module docstring) or ``ConfigError`` for a chat source.
     """
     if cfg.kind != "text":
@@ -89,8 +95,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         version = ".".join(map(str, sys.version_info[:3]))
         source = f"stdlib:python{version}"
     else:
-        named = read_jsonl(Path(cfg.source))
-        source = f"jsonl:{cfg.source}"
+        fmt, named = read_source(Path(cfg.source), cfg.text_field)
+        source = f"{fmt}:{cfg.source}"
     documents, skipped = keep_non_empty(named, cfg.max_docs)
     if not documents:
         raise DataError(
@@ -135,9 +141,19 @@ def read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def read_jsonl(path: Path) -> list[Document]:
-    """Documents from ``{"text": str}`` lines (optional ``"weight"``, L3), named
-    ``<file>:<line>``; blank lines skipped.
+def read_source(path: Path, text_field: str = "text") -> tuple[str, list[Document]]:
+    """(format, documents) of a data path: a JSONL file here, anything else (Parquet,
+    Arrow, a directory of shards) through ``data.datasets_source``."""
+    from exactstep.data import datasets_source  # it builds on this module
+
+    if datasets_source.is_dataset_source(path):
+        return datasets_source.read_text_source(path, text_field)
+    return "jsonl", read_jsonl(path, text_field)
+
+
+def read_jsonl(path: Path, field: str = "text", label: str | None = None) -> list[Document]:
+    """Documents from ``{field: str}`` lines (optional ``"weight"``, L3), named
+    ``<label>:<line>`` (``label`` defaults to the file name); blank lines skipped.
 
     Lines are strict UTF-8 (``data.jsonl``); other keys of a line are ignored.
     """
@@ -146,25 +162,26 @@ def read_jsonl(path: Path) -> list[Document]:
         raise DataError(
             f"data file {path} {what}; set data.source to 'stdlib' or an existing .jsonl file"
         )
+    label = path.name if label is None else label
     documents = []
     for line in records(path):
-        text, weight = text_of(line.value, line.where)
-        documents.append(Document(name=f"{path.name}:{line.number}", text=text, weight=weight))
+        text, weight = text_of(line.value, line.where, field)
+        documents.append(Document(name=f"{label}:{line.number}", text=text, weight=weight))
     return documents
 
 
-def text_of(record: object, where: str) -> tuple[str, float | None]:
-    """The ``"text"`` string of one decoded line and its optional ``"weight"``
+def text_of(record: object, where: str, field: str = "text") -> tuple[str, float | None]:
+    """The ``field`` string of one decoded line and its optional ``"weight"``
     (validated, L3); ``where`` is ``<file>:<line>``."""
-    if not isinstance(record, dict) or "text" not in record:
+    if not isinstance(record, dict) or field not in record:
         got = "an object" if isinstance(record, dict) else f"a JSON {json_type(record)}"
         raise DataError(
-            f'{where}: no "text" field (the line is {got}); each line must be {{"text": "..."}}'
+            f'{where}: no "{field}" field (the line is {got}); each line must be {{"{field}": "..."}}'
         )
-    text = record["text"]
+    text = record[field]
     if not isinstance(text, str):
-        raise DataError(f'{where}: "text" must be a string, got a JSON {json_type(text)}')
-    return unicode_text(text, where, '"text"'), parse_weight(record, where)
+        raise DataError(f'{where}: "{field}" must be a string, got a JSON {json_type(text)}')
+    return unicode_text(text, where, f'"{field}"'), parse_weight(record, where)
 
 
 def keep_non_empty(documents: list[Document], max_docs: int) -> tuple[list[Document], int]:

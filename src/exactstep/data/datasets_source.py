@@ -1,0 +1,391 @@
+"""Parquet, Arrow and sharded data sources, read through the ``datasets`` library (S1).
+
+``data.source`` may name, besides a JSONL file (``data.corpus``, ``data.chat``):
+
+- a ``.parquet`` or ``.arrow`` file, read with
+  ``datasets.load_dataset("parquet" | "arrow", data_files=[file], split="train")``;
+- a directory of shards of one format (``.jsonl``, ``.parquet`` or ``.arrow``), searched
+  recursively. Hidden entries and those starting with ``_`` (``.git``, ``_SUCCESS``),
+  ``*.md`` files (a dataset card) and the metadata ``datasets.Dataset.save_to_disk``
+  writes beside its shards (``dataset_info.json``, ``state.json``) are passed over;
+  any other file must be a shard of the one format. Links to directories are not
+  followed.
+
+The text of a row is the ``data.text_field`` column, the messages of a conversation
+the ``data.messages_field`` column; an optional numeric ``weight`` column gives the
+row's L3 weight (null = no weight, as an absent key in JSONL). The values produced
+are the ``Document`` and ``Conversation`` values the JSONL readers produce, so
+everything downstream (split, fingerprint, encoding, packing) is unchanged.
+
+Invariants:
+
+- Deterministic order and names (S1, S5): shards are taken in the order of their
+  path relative to the directory (Python string order, not the filesystem's or the
+  locale's), rows in file order. A row of a Parquet or Arrow shard is the document
+  ``<relative path>#<row>`` (row counted from 0; a single file is named by its file
+  name, as a JSONL line is ``<file name>:<line>``); a line of a JSONL shard keeps the
+  JSONL name ``<relative path>:<line>``. Names alone decide the text split, and the
+  fingerprint covers every row's name, text and weight, so both are the same on
+  every run and machine with the same files.
+- JSONL shards are read by the strict line reader of ``data.jsonl`` (strict UTF-8,
+  ``<file>:<line>`` in every error), exactly as a single JSONL file: a directory of
+  JSONL shards gives the documents of the same lines as one file would.
+- Nothing is fetched and nothing outlives the load: every ``load_dataset`` call runs
+  with the library's offline switch on (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``)
+  and download counting off, ``keep_in_memory=True`` and a cache directory of its
+  own that is removed when the load ends; progress bars, log lines and warnings of
+  the library are silenced for the call (one ``error:`` line, X4). The library's
+  settings are restored afterwards (they are process-wide: a load is not meant to run
+  beside another thread using ``datasets``). ``datasets`` is imported only here, on use.
+- Arrow stores every field of a struct on every row, so a field a message or a tool
+  call lacks reads back as null. Null fields of messages and of tool-call objects are
+  dropped before validation, so a row reads back as the JSON it was written from;
+  the conversation is then validated by ``data.chat.parse_conversation``, with the
+  same shape rules (and messages) as chat JSONL.
+
+Failure modes (``DataError`` naming the file, the row where there is one, and what to
+change): a missing path; a file of an unsupported format; a directory with no shard,
+with shards of two formats, or with a file that is no shard; a file the library
+cannot read; a missing column (the columns present are listed); a column of the
+wrong type; a null text; a malformed conversation; a bad weight; a source with no
+row at all. Without the ``datasets`` library installed a Parquet or Arrow source is a
+``ConfigError`` naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from exactstep.data.chat import Conversation, parse_conversation
+from exactstep.data.corpus import Document, read_jsonl
+from exactstep.data.jsonl import records, unicode_text
+from exactstep.data.weights import WEIGHT_FIELD, parse_weight
+from exactstep.errors import ConfigError, DataError
+
+SHARD_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+COLUMNAR = ("parquet", "arrow")
+# data files of formats exactstep does not read: refused, rather than read as JSONL
+UNSUPPORTED_SUFFIXES = frozenset({
+    ".csv", ".tsv", ".txt", ".feather", ".orc", ".avro", ".xlsx", ".gz", ".bz2", ".xz",
+    ".zst", ".zip", ".tar",
+})
+PASSED_OVER_NAMES = frozenset({"dataset_info.json", "state.json"})
+SUPPORTED = ".jsonl, .parquet or .arrow"
+COLUMNAR_SUFFIXES = tuple(s for s, fmt in SHARD_FORMATS.items() if fmt in COLUMNAR)
+
+Table = Any  # a pyarrow.Table (pyarrow is imported with datasets, on use)
+Reader = Callable[[Path, str], Table | None]
+
+
+def is_dataset_source(path: Path) -> bool:
+    """Whether ``path`` is read here: a directory, a ``.parquet``/``.arrow`` path, or a
+    file of a format exactstep refuses. Any other path is a JSONL file, read as before."""
+    suffix = path.suffix.lower()
+    return path.is_dir() or suffix in COLUMNAR_SUFFIXES or suffix in UNSUPPORTED_SUFFIXES
+
+
+# --------------------------------------------------------------------------- files
+
+
+def shard_files(path: Path) -> tuple[str, list[Path]]:
+    """(format, files) of a source: a file alone, or a directory's shards in order."""
+    if path.is_dir():
+        return directory_shards(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; set data.source to an existing "
+                        f"{SUPPORTED} file or a directory of them")
+    fmt = SHARD_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(f"data file {path} is a {path.suffix} file, which exactstep does not "
+                        f"read; convert it to {SUPPORTED} (or set data.source to 'stdlib')")
+    return fmt, [path]
+
+
+def directory_shards(root: Path) -> tuple[str, list[Path]]:
+    """The shards under ``root`` (one format, sorted by relative POSIX path)."""
+    files = sorted(walk_files(root), key=lambda p: p.relative_to(root).as_posix())
+    by_format: dict[str, list[Path]] = {}
+    for file in files:
+        fmt = SHARD_FORMATS.get(file.suffix.lower())
+        if fmt is None:
+            raise DataError(
+                f"data.source {root} holds {file.relative_to(root).as_posix()}, which is not a "
+                f"{SUPPORTED} shard; remove it or point data.source at the shards' directory"
+            )
+        by_format.setdefault(fmt, []).append(file)
+    if not by_format:
+        raise DataError(f"data.source {root} is a directory with no {SUPPORTED} file; point "
+                        "data.source at a directory of shards or at a data file")
+    if len(by_format) > 1:
+        found = ", ".join(f"{len(v)} .{k} ({v[0].relative_to(root).as_posix()})"
+                          for k, v in sorted(by_format.items()))
+        raise DataError(f"data.source {root} mixes shard formats ({found}); "
+                        "keep the shards of one format in a directory")
+    ((fmt, shards),) = by_format.items()
+    return fmt, shards
+
+
+def walk_files(root: Path) -> Iterator[Path]:
+    """Every file under ``root`` that is not passed over (see the module docstring)."""
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if not passed_over(d)]
+        for name in names:
+            if not passed_over(name) and name not in PASSED_OVER_NAMES:
+                yield Path(directory) / name
+
+
+def passed_over(name: str) -> bool:
+    return name.startswith((".", "_")) or name.lower().endswith(".md")
+
+
+def label_of(file: Path, source: Path) -> str:
+    """A shard's name in document names: its path relative to the source directory,
+    or its file name when the source is the file itself (machine-independent)."""
+    return file.relative_to(source).as_posix() if source.is_dir() else file.name
+
+
+# --------------------------------------------------------------------------- text
+
+
+def read_text_source(path: Path, text_field: str = "text") -> tuple[str, list[Document]]:
+    """(format, documents) of a Parquet/Arrow file or a shard directory (S1)."""
+    fmt, files = shard_files(path)
+    documents: list[Document] = []
+    if fmt == "jsonl":
+        for file in files:
+            documents += read_jsonl(file, text_field, label=label_of(file, path))
+    else:
+        with columnar_reader() as read:
+            for file in files:
+                table = read(file, fmt)
+                if table is not None:
+                    documents += table_documents(table, file, label_of(file, path), text_field)
+    require_rows(path, fmt, files, len(documents))
+    return fmt, documents
+
+
+def table_documents(table: Table, file: Path, label: str, field: str) -> list[Document]:
+    """One ``Document`` per row, named ``<label>#<row>``."""
+    texts = string_column(table, file, field)
+    weights = weight_column(table, file)
+    documents = []
+    for row, text in enumerate(texts):
+        where = f"{file} row {row}"
+        if text is None:
+            raise DataError(f"{where}: data.text_field {field!r} is null; give the row a "
+                            "string or remove the row")
+        documents.append(Document(name=f"{label}#{row}",
+                                  text=unicode_text(text, where, f'"{field}"'),
+                                  weight=row_weight(weights[row], where)))
+    return documents
+
+
+def string_column(table: Table, file: Path, field: str) -> list[Any]:
+    import pyarrow as pa
+
+    kind = column_type(table, file, field, "data.text_field")
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or pa.types.is_string_view(kind)):
+        raise DataError(f"data.text_field {field!r} of {file} is a column of {kind}, not of "
+                        "strings; point data.text_field at the text column")
+    return column_values(table, file, field)
+
+
+# --------------------------------------------------------------------------- chat
+
+
+def read_chat_source(path: Path, messages_field: str = "messages") -> list[Conversation]:
+    """Conversations of a Parquet/Arrow file or a shard directory, validated as chat
+    JSONL is (``data.chat.parse_conversation``)."""
+    fmt, files = shard_files(path)
+    conversations: list[Conversation] = []
+    if fmt == "jsonl":
+        for file in files:
+            conversations += [parse_conversation(line.value, line.where, messages_field)
+                              for line in records(file, strict=True)]
+    else:
+        with columnar_reader() as read:
+            for file in files:
+                table = read(file, fmt)
+                if table is not None:
+                    conversations += table_conversations(table, file, messages_field)
+    require_rows(path, fmt, files, len(conversations))
+    return conversations
+
+
+def table_conversations(table: Table, file: Path, field: str) -> list[Conversation]:
+    """One ``Conversation`` per row, named ``<file> row <row>`` (the chat split and
+    fingerprint use the content only)."""
+    import pyarrow as pa
+
+    kind = column_type(table, file, field, "data.messages_field")
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)
+            or pa.types.is_fixed_size_list(kind) or pa.types.is_list_view(kind)):
+        raise DataError(f"data.messages_field {field!r} of {file} is a column of {kind}, not "
+                        "of lists of messages; point data.messages_field at the messages column")
+    weights = weight_column(table, file)
+    conversations = []
+    for row, messages in enumerate(column_values(table, file, field)):
+        record: dict[str, Any] = {field: without_nulls(messages)}
+        if weights[row] is not None:
+            record[WEIGHT_FIELD] = weights[row]
+        conversations.append(parse_conversation(record, f"{file} row {row}", field))
+    return conversations
+
+
+def without_nulls(messages: Any) -> Any:
+    """``messages`` with the null fields of every message and tool call dropped."""
+    if not isinstance(messages, list):
+        return messages
+    return [drop_null_fields(m) if isinstance(m, dict) else m for m in messages]
+
+
+def drop_null_fields(value: Any) -> Any:
+    """Objects lose their null fields, recursively; everything else is kept as it is."""
+    if isinstance(value, dict):
+        return {k: drop_null_fields(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_null_fields(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------- columns
+
+
+def column_type(table: Table, file: Path, field: str, key: str) -> Any:
+    """The Arrow type of column ``field``; ``DataError`` listing the columns if absent."""
+    if field not in table.column_names:
+        columns = ", ".join(table.column_names) or "none"
+        raise DataError(f"{key} {field!r} is not a column of {file}; columns: {columns}")
+    return table.schema.field(field).type
+
+
+def column_values(table: Table, file: Path, field: str) -> list[Any]:
+    """Column ``field`` as Python values; a string that is not UTF-8 (Parquet does not
+    check) is refused naming its row, never repaired."""
+    column = table.column(field)
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        row = next(r for r in range(len(column)) if not decodes(column, r))
+        raise DataError(f"{file} row {row}: column {field!r} holds text that is not valid "
+                        "UTF-8; re-encode the data as UTF-8 or remove the row") from None
+
+
+def decodes(column: Any, row: int) -> bool:
+    try:
+        column[row].as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def weight_column(table: Table, file: Path) -> list[Any]:
+    """The ``weight`` column's values (None per row when there is no such column)."""
+    if WEIGHT_FIELD not in table.column_names:
+        return [None] * table.num_rows
+    return column_values(table, file, WEIGHT_FIELD)
+
+
+def row_weight(value: Any, where: str) -> float | None:
+    """A row's weight (L3): null means none; anything else is checked as in JSONL."""
+    return None if value is None else parse_weight({WEIGHT_FIELD: value}, where)
+
+
+def require_rows(path: Path, fmt: str, files: list[Path], rows: int) -> None:
+    if not rows:
+        raise DataError(f"data.source {path} holds no rows ({len(files)} .{fmt} file"
+                        f"{'s' if len(files) != 1 else ''}); point data.source at data "
+                        "with examples")
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+@contextmanager
+def columnar_reader() -> Iterator[Reader]:
+    """A ``read(file, format)`` that loads one Parquet/Arrow file through ``datasets``
+    (a ``pyarrow.Table``, or None for a file with no rows), offline and quiet, into
+    memory, with a cache directory removed when the ``with`` block ends."""
+    datasets = import_datasets()
+    with tempfile.TemporaryDirectory(prefix="exactstep-datasets-") as cache:
+        with offline_and_quiet(datasets):
+            yield lambda file, fmt: load_file(datasets, file, fmt, cache)
+
+
+def import_datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("reading Parquet or Arrow data needs the datasets library; install "
+                          "exactstep[hf] or point data.source at a .jsonl file") from None
+    return datasets
+
+
+@contextmanager
+def offline_and_quiet(datasets: Any) -> Iterator[None]:
+    """The library offline, without download counting, progress bars, log lines or
+    warnings, for the ``with`` block; its previous settings come back afterwards."""
+    config = datasets.config
+    switches = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_UPDATE_DOWNLOAD_COUNTS")
+    saved = {name: getattr(config, name) for name in switches if hasattr(config, name)}
+    bars_were_off = datasets.are_progress_bars_disabled()
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config.HF_HUB_OFFLINE = config.HF_DATASETS_OFFLINE = True
+        config.HF_UPDATE_DOWNLOAD_COUNTS = False
+        logger.setLevel(logging.CRITICAL + 1)
+        datasets.disable_progress_bars()
+        try:
+            yield
+        finally:
+            if not bars_were_off:
+                datasets.enable_progress_bars()
+            logger.setLevel(level)
+            for name, value in saved.items():
+                setattr(config, name, value)
+
+
+def load_file(datasets: Any, file: Path, fmt: str, cache: str) -> Table | None:
+    """One file as a ``pyarrow.Table`` in file order; None when it holds no rows."""
+    import pyarrow as pa
+    from datasets.exceptions import DatasetsError
+
+    try:
+        dataset = datasets.load_dataset(fmt, data_files=[glob.escape(str(file))],
+                                        split="train", cache_dir=cache, keep_in_memory=True)
+    except (DatasetsError, pa.ArrowException, ValueError, OSError) as exc:
+        if count_rows(file, fmt) == 0:
+            return None  # the library refuses an empty file; it holds no example
+        reason = str(exc.__cause__ or exc).strip().splitlines()[0]
+        raise DataError(f"{file} cannot be read as .{fmt} ({reason}); check or replace "
+                        "the file") from None
+    return dataset.with_format("arrow")[:] if dataset.num_rows else None
+
+
+def count_rows(file: Path, fmt: str) -> int | None:
+    """Rows of a Parquet/Arrow file read with pyarrow itself; None when unreadable."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if fmt == "parquet":
+            return pq.read_metadata(file).num_rows
+        with pa.memory_map(str(file)) as source:
+            try:
+                return pa.ipc.open_stream(source).read_all().num_rows
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pa.ipc.open_file(source).read_all().num_rows
+    except (pa.ArrowException, OSError):
+        return None
