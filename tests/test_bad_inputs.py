@@ -287,7 +287,8 @@ CASES: list[Case] = [
     # --- text data
     Case("text-missing-file", train("--set", "data.source={tmp}/nope.jsonl"),
          "nope.jsonl does not exist"),
-    Case("text-source-is-a-directory", train("--set", "data.source={tmp}"), "is a directory"),
+    Case("text-source-is-a-directory", train("--set", "data.source={tmp}/docs"), "is a directory",
+         lambda tmp: (tmp / "docs").mkdir()),
     Case("text-empty-file", train("--set", "data.source={tmp}/d.jsonl"), "no non-empty document",
          writes("d.jsonl", "")),
     Case("text-only-blank-lines", train("--set", "data.source={tmp}/d.jsonl"),
@@ -430,6 +431,88 @@ CASES: list[Case] = [
          in_run(garbage_line("metrics.jsonl"))),
     Case("eval-damaged-final-checkpoint", ("eval", "{run}"), "rng.pt is corrupted",
          in_run(flip(f"{FINAL}/rng.pt"))),
+]
+
+
+# --- Parquet, Arrow and directories of shards (exactstep.data.datasets_source)
+
+
+def table_file(name: str, rows: list[dict]) -> Callable[[Path], None]:
+    """A setup writing ``rows`` as the Parquet (or Arrow stream) file ``{tmp}/name``."""
+    def setup(tmp: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist(rows)
+        if path.suffix == ".arrow":
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+                w.write_table(table)
+        else:
+            pq.write_table(table, path)
+
+    return setup
+
+
+def all_of(*setups: Callable[[Path], object]) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / "d").mkdir(exist_ok=True)
+        for each in setups:
+            each(tmp)
+
+    return setup
+
+
+def shards_run(source: str, *extra: str) -> tuple[str, ...]:
+    return train("--set", f"data.source={{tmp}}/{source}", *extra)
+
+
+def shards_chat(source: str, *extra: str) -> tuple[str, ...]:
+    return shards_run(source, "--set", "data.kind=chat", "--set", "batch.seq_len=64", *extra)
+
+
+SHARD_TEXTS = [{"text": f"document {i}"} for i in range(4)]
+SHARD_CHATS = [conversation(USER, ANSWER)] * 3
+
+CASES += [
+    Case("datasets-text-field-not-a-column", shards_run("d.parquet", "--set", "data.text_field=body"),
+         "data.text_field 'body' is not a column of", table_file("d.parquet", SHARD_TEXTS)),
+    Case("datasets-default-text-field-missing", shards_run("d.arrow"), "d.arrow; columns: body, n",
+         table_file("d.arrow", [{"body": "x", "n": 1}])),
+    Case("datasets-text-column-of-numbers", shards_run("d.parquet"), "is a column of int64, not of strings",
+         table_file("d.parquet", [{"text": 5}, {"text": 6}])),
+    Case("datasets-null-text", shards_run("d.parquet"), "d.parquet row 2: data.text_field 'text' is null",
+         table_file("d.parquet", [*SHARD_TEXTS[:2], {"text": None}])),
+    Case("datasets-bad-weight", shards_run("d.parquet"), 'd.parquet row 1: "weight" must be a finite',
+         table_file("d.parquet", [{"text": "a", "weight": 1.0}, {"text": "b", "weight": -2.0}])),
+    Case("datasets-empty-shard-dir", shards_run("d"), "is a directory with no .jsonl, .parquet or .arrow",
+         all_of(writes("d/README.md", "# card\n"), writes("d/_SUCCESS", ""))),
+    Case("datasets-no-rows", shards_run("d"), "holds no rows (2 .parquet files)",
+         all_of(table_file("d/a.parquet", []), table_file("d/b.parquet", []))),
+    Case("datasets-unsupported-file", shards_run("d.csv"), "d.csv is a .csv file, which exactstep does not",
+         writes("d.csv", "text\nhello\n")),
+    Case("datasets-unsupported-file-in-shard-dir", shards_run("d"), "holds notes.csv, which is not a",
+         all_of(table_file("d/a.parquet", SHARD_TEXTS), writes("d/notes.csv", "a,b\n"))),
+    Case("datasets-mixed-shard-formats", shards_run("d"), "mixes shard formats",
+         all_of(table_file("d/a.parquet", SHARD_TEXTS), writes("d/b.jsonl", lines(*SHARD_TEXTS)))),
+    Case("datasets-corrupt-parquet", shards_run("d.parquet"), "d.parquet cannot be read as .parquet",
+         writes("d.parquet", b"PAR1 not really")),
+    Case("datasets-missing-parquet", shards_run("nope.parquet"), "nope.parquet does not exist"),
+    Case("datasets-jsonl-shard-bad-line", shards_run("d"), "b.jsonl:2: not valid JSON",
+         all_of(writes("d/a.jsonl", lines(*SHARD_TEXTS)), writes("d/b.jsonl", lines(TEXT, "{")))),
+    Case("datasets-chat-messages-field-not-a-column", shards_chat("c.parquet"),
+         "data.messages_field 'messages' is not a column of",
+         table_file("c.parquet", [{"conversation": c["messages"]} for c in SHARD_CHATS])),
+    Case("datasets-chat-messages-of-wrong-type", shards_chat("c.parquet"),
+         "is a column of string, not of lists of messages",
+         table_file("c.parquet", [{"messages": "user: hi"}])),
+    Case("datasets-chat-unknown-role", shards_chat("c.parquet"),
+         "c.parquet row 3: message 1 has unknown role 'bot'",
+         table_file("c.parquet", [*SHARD_CHATS, conversation(USER, {"role": "bot", "content": "4"})])),
+    Case("datasets-chat-empty-messages", shards_chat("c.arrow"),
+         'c.arrow row 0: "messages" must be a non-empty list',
+         table_file("c.arrow", [{"messages": []}, *SHARD_CHATS])),
 ]
 
 
