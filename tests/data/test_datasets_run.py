@@ -92,8 +92,6 @@ def test_a_chat_run_on_a_parquet_file(tmp_path: Path) -> None:
     assert section["chat_train"]["kept"] + section["chat_val"]["kept"] == 40
 
 
-@pytest.mark.xfail(strict=True, reason="rows/sources.py reads chat data with "
-                   "load_chat_jsonl(data.source) and does not yet pass data.messages_field")
 def test_a_chat_run_reads_the_messages_field_it_is_given(tmp_path: Path) -> None:
     renamed = [{"conversation": c["messages"]} for c in conversations(40)]
     pq.write_table(pa.Table.from_pylist(renamed), tmp_path / "chat.parquet")

@@ -72,7 +72,7 @@ def split_conversations(
         heldout = arith_conversations(cfg.seed, spec.n_heldout, split="heldout", spec=spec)
         rule = "arith: problem hash bucket 0 of 10 is held out; val = held-out conversations"
         return train, heldout, rule, heldout
-    conversations = load_chat_jsonl(data.source)
+    conversations = load_chat_jsonl(data.source, messages_field=data.messages_field)
     if data.max_docs:
         conversations = conversations[: data.max_docs]
     train = [c for c in conversations if not is_val(c, data.val_fraction)]
