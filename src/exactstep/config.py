@@ -7,13 +7,17 @@ to the declared field types, and rejects unknown keys and invalid values with a
 ``ConfigError`` naming the key. Section dataclasses validate their own values in
 ``__post_init__`` (each numeric key against its range, ``exactstep.ranges``); on top
 of that ``coerce`` refuses NaN and the infinities for every float key and any integer
-that does not fit in 64 bits.
+that does not fit in 64 bits. A ``dict[str, Any]`` key (e.g. ``model.hf_config``) takes
+a TOML table, or from ``--set`` a JSON object string; its contents must be plain data
+(string keys; strings, finite numbers, booleans, lists and tables), so the manifest
+records it as given (X2, S1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import decimal
+import json
 import tomllib
 import types
 import typing
@@ -204,6 +208,8 @@ def coerce(hint: Any, value: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
             return False
         raise ConfigError(f"{key} must be true or false; got {value!r}")
+    if hint is dict or origin is dict:
+        return coerce_table(value, key)
     if hint is int:
         return coerce_int(value, key)
     if hint is float:
@@ -213,6 +219,48 @@ def coerce(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be a string; got {value!r}")
         return value
     raise ConfigError(f"{key}: unsupported config type {hint!r}")
+
+
+def coerce_table(value: Any, key: str) -> dict[str, Any]:
+    """A table from TOML, or from ``--set`` a JSON object string (``'{"a": 1}'``).
+
+    Returns a deep copy made of plain data only; anything else (a TOML date, NaN, a
+    non-string key) is refused naming the dotted key inside the table.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{key} must be a table: a TOML table, or from --set a JSON object such as "
+                f"'{{\"model_type\": \"llama\"}}' ({exc.msg} at character {exc.pos})"
+            ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a table (a TOML table or a JSON object); got {value!r}")
+    return plain_value(value, key)
+
+
+def plain_value(value: Any, key: str) -> Any:
+    """``value`` copied as plain data (X2): str, finite float, int, bool, None, list, table."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        check_int(key, value)
+        return value
+    if isinstance(value, float):
+        check_finite(key, value)
+        return value
+    if isinstance(value, list | tuple):
+        return [plain_value(v, f"{key}.{i}") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        for name in value:
+            if not isinstance(name, str):
+                raise ConfigError(f"{key} has a key {name!r} that is not a string")
+        return {name: plain_value(v, f"{key}.{name}") for name, v in value.items()}
+    raise ConfigError(
+        f"{key} must hold plain values (strings, numbers, booleans, lists, tables); "
+        f"got a {type(value).__name__}: {value!r}"
+    )
 
 
 def coerce_int(value: Any, key: str) -> int:

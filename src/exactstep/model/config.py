@@ -1,9 +1,9 @@
-"""Configuration of the built-in decoder."""
+"""Configuration of the model: the built-in decoder or a Hugging Face causal LM."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from exactstep.errors import ConfigError
 from exactstep.ranges import POSITIVE_FLOAT32, at_least, check
@@ -11,11 +11,20 @@ from exactstep.ranges import POSITIVE_FLOAT32, at_least, check
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, optional tied embedding/head.
+    """Which model a run trains (``source``) and how it is built.
 
-    ``attention`` chooses how segment visibility is realised: ``auto`` (FlexAttention
-    on CUDA, per-document SDPA on CPU), ``segments`` (per-document SDPA), ``dense``
-    (one boolean mask, the reference) or ``flex`` (CUDA only).
+    ``source = "builtin"`` (the default): a Llama-style decoder, RMSNorm, RoPE,
+    SwiGLU, optional tied embedding/head, sized by ``d_model`` .. ``init_std``.
+    ``attention`` chooses how segment visibility is realised: ``auto``
+    (FlexAttention on CUDA, per-document SDPA on CPU), ``segments`` (per-document
+    SDPA), ``dense`` (one boolean mask, the reference) or ``flex`` (CUDA only).
+
+    ``source = "hf"``: a Hugging Face causal LM (``exactstep.model.hf``, H1), from
+    exactly one of ``path`` (a directory with ``config.json`` and safetensors weights)
+    or ``hf_config`` (an HF config as a table with a ``model_type``, random init from
+    the run's seed). ``attn_implementation`` is the HF attention backend; which
+    backends can isolate packed documents is decided when the model is built (R3).
+    The built-in keys are then unused (but still recorded and validated).
     """
 
     d_model: int = 128
@@ -27,6 +36,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     attention: Literal["auto", "segments", "dense", "flex"] = "auto"
+    source: Literal["builtin", "hf"] = "builtin"
+    path: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    attn_implementation: str = "sdpa"
 
     def __post_init__(self) -> None:
         """Sizes >= 1; ``rope_theta``, ``norm_eps`` and ``init_std`` are realised in
@@ -42,3 +55,26 @@ class ModelConfig:
             )
         if (self.d_model // self.n_heads) % 2:
             raise ConfigError("model.d_model / model.n_heads must be even (RoPE rotates pairs)")
+        self._check_source()
+
+    def _check_source(self) -> None:
+        """``path`` and ``hf_config`` belong to ``source = "hf"``, which needs exactly one."""
+        given = [name for name in ("path", "hf_config") if getattr(self, name)]
+        if self.source == "builtin":
+            if given:
+                raise ConfigError(
+                    f"model.{given[0]} is set but model.source = 'builtin'; set "
+                    "model.source = 'hf' to train a Hugging Face model"
+                )
+            return
+        if len(given) != 1:
+            what = "both" if given else "neither"
+            raise ConfigError(
+                f"model.source = 'hf' needs exactly one of model.path (a directory with "
+                f"config.json and safetensors weights) or model.hf_config (a table with a "
+                f"model_type); {what} given"
+            )
+        if self.hf_config and not isinstance(self.hf_config.get("model_type"), str):
+            raise ConfigError(
+                "model.hf_config needs a string model_type (e.g. 'llama', 'qwen2', 'gpt2')"
+            )
