@@ -1,12 +1,15 @@
-"""The built-in decoder and the attention that realises Batch visibility (R2, R3)."""
+"""The built-in decoder, the attention that realises Batch visibility (R2, R3), and the
+Hugging Face causal-LM adapter (H1)."""
 
 from exactstep.lazy import lazy_exports
 
 _EXPORTS = {
     "Decoder": "exactstep.model.decoder",
+    "HFCausalLM": "exactstep.model.hf",
     "ModelConfig": "exactstep.model.config",
     "Visibility": "exactstep.model.attention",
     "attend": "exactstep.model.attention",
+    "build_hf_model": "exactstep.model.hf",
     "build_model": "exactstep.model.decoder",
     "prepare_visibility": "exactstep.model.attention",
 }

@@ -182,10 +182,17 @@ class Decoder(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> Decoder:
-    """A decoder whose weights depend only on ``(cfg, vocab_size, seed)``.
+def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> nn.Module:
+    """The model ``cfg`` declares, whose weights depend only on ``(cfg, vocab_size, seed)``.
 
-    Uses a private ``torch.Generator``; the global RNG state is left untouched (S5).
+    ``model.source = "builtin"``: the built-in ``Decoder``, initialised from a private
+    ``torch.Generator``. ``"hf"``: a Hugging Face causal LM behind the same interface
+    (``exactstep.model.hf.build_hf_model``: loaded from ``model.path`` or random-init
+    from ``model.hf_config``). Either way the global RNG state is left untouched (S5).
     """
+    if cfg.source == "hf":
+        from exactstep.model.hf import build_hf_model
+
+        return build_hf_model(cfg, vocab_size, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     return Decoder(cfg, vocab_size, generator=generator)

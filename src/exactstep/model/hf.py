@@ -1,0 +1,504 @@
+"""Hugging Face causal LMs as exactstep models (H1, R1, R3, U6, L1).
+
+``HFCausalLM`` wraps an ``AutoModelForCausalLM`` and exposes exactly what the
+engine uses from the built-in ``Decoder``: ``forward(batch)`` returns the final
+hidden states ``[B, T, H]`` of the base model (after its final norm), never
+logits, and the HF model never receives ``labels=`` (R1: the collator owns the
+shift and exactstep owns the loss, fused with ``head_weight`` ``[V, H]``, L1);
+``logits(hidden)`` and ``num_parameters()`` as on the built-in decoder. A tied
+embedding/head is one Parameter, so the optimizer groups and the clip norm see it
+once (U6).
+
+Segment isolation (R3). A packed row reaches the model as ``batch.position_ids``
+(reset per document) plus a block-diagonal causal visibility built from
+``batch.segment_ids`` by the built-in decoder's own rule
+(``model.attention.dense_visibility_mask``: same real segment and ``j <= i``; a
+padding query sees only itself), handed over as a 4D ``attention_mask``
+``[B, 1, T, T]`` in the form the backend honours: boolean for ``sdpa``, additive
+float (0 or the float32 minimum) for ``eager``, whose kernel *adds* the mask (a
+boolean mask there would be added as 0/1 and leak). Those two are the only
+backends accepted; ``flash_attention_2``, ``flex_attention`` and any other name
+are refused with a ``ModelError`` naming the model type and the backend.
+
+The rules are not trusted blindly: ``build_hf_model`` runs a one-time probe
+(two short documents packed in one padded row through the real model, in eval
+mode, without gradients, inside ``isolated_rng``; see ``probe``) that compares
+each document's logits with HF's own unmasked forward of that document alone,
+checks that the second document's logits do not move when the first one's
+tokens change, and compares HF's own logits with ``hidden @ head_weight.T``. A
+model that lets the documents see each
+other (an architecture that ignores the mask or the positions, a recurrent
+state) or whose head is not a plain linear map is refused before anything is
+written. Known head features are refused by name without building the model:
+final logit soft-capping (``final_logit_softcapping``), a final logit scale
+(``logit_scale``, ``logits_scaling``), an ``lm_head`` bias; so are RoPE variants
+whose frequencies depend on the longest position in the batch (``dynamic``,
+``longrope``), which would couple the documents of a row.
+
+Other refusals: rows longer than the model's ``max_position_embeddings`` or
+than a sliding attention window (the 4D mask replaces the model's own mask, so a
+window shorter than a row would not be applied); ``prefix_len`` and
+bidirectional batches (a causal LM trains causal objectives only).
+
+Vocabulary rule: the model's vocabulary (embedding and head rows, ``V_model``)
+must be at least the tokenizer's (``vocab_size``). ``V_model > vocab_size`` (an
+embedding padded for speed) is allowed: the extra rows are never inputs and
+never targets (the rows compiler refuses label ids outside the tokenizer's
+vocabulary, R7); they stay classes of the model's softmax, as in HF's own loss,
+so the objective and its smoothing run over the model's ``V_model`` classes. A
+smaller model vocabulary is a ``ModelError`` naming both sizes. A random-init
+``hf_config`` without ``vocab_size`` gets the tokenizer's.
+
+Random init is deterministic in the seed (S5): the model is created inside
+``isolated_rng`` with torch's CPU generator seeded from ``seed``, so every
+global stream is as it was afterwards. Weights from ``path`` are loaded in
+float32 (fp32 master weights; ``numerics.precision`` autocasts); a missing or
+mismatched weight is refused rather than silently initialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exactstep.errors import ConfigError, ModelError
+from exactstep.model.attention import dense_visibility_mask
+from exactstep.model.config import ModelConfig
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+from exactstep.state.rng import isolated_rng
+
+#: attention backends whose isolation of packed documents exactstep realises (R3)
+ISOLATING_BACKENDS = ("sdpa", "eager")
+
+#: config attributes that make the head more than ``hidden @ W.T``, with their names;
+#: a value in the tuple is neutral (the feature is off)
+HEAD_FEATURES: tuple[tuple[str, str, tuple], ...] = (
+    ("final_logit_softcapping", "final logit soft-capping", (None, 0, 0.0)),
+    ("logit_scale", "a final logit scale", (None, 1, 1.0)),
+    ("logits_scaling", "a final logit scale", (None, 1, 1.0)),
+)
+
+#: RoPE types whose frequencies follow the longest position of the batch (R3)
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+PROBE_LENGTHS = (3, 4)  # two documents packed in one row, then one padding column
+PROBE_TOLERANCE = 1e-4  # relative to the logits' magnitude; fp32 kernels agree to ~1e-6
+LEAK_TOLERANCE = 1e-6  # the same kernels on the same row: an isolated document moves by 0
+
+
+class HFCausalLM(nn.Module):
+    """An HF causal LM seen as an exactstep model (H1). Build it with ``build_hf_model``.
+
+    ``forward(batch) -> [B, T, H]`` final hidden states; ``head_weight`` ``[V, H]``;
+    ``logits(hidden)``; ``num_parameters()`` (unique, a tied head counted once).
+    """
+
+    def __init__(self, model: nn.Module, *, attn_implementation: str) -> None:
+        super().__init__()
+        if attn_implementation not in ISOLATING_BACKENDS:
+            raise ModelError(backend_message(model.config.model_type, attn_implementation))
+        self.hf = model
+        self.attn_implementation = attn_implementation
+        self.model_type: str = model.config.model_type
+        self.vocab_size = int(self.head_weight.shape[0])
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.sliding_window: int | None = sliding_window_of(model.config)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """``[V, H]``; the input embedding Parameter itself when tied (U6 counts it once)."""
+        return self.hf.get_output_embeddings().weight
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Final hidden states ``[B, T, H]`` of the base model (no logits, no labels: R1).
+
+        Visibility: ``batch.position_ids`` and the block-diagonal causal mask of
+        ``batch.segment_ids`` (R3). Refuses, without reading any device value,
+        a batch with ``prefix_len``, a bidirectional batch, and rows longer than
+        the model's positions or sliding window.
+        """
+        self.check_rows(batch.shape[1])
+        if batch.prefix_len is not None or not batch.causal:
+            raise ModelError(
+                f"an HF causal LM ({self.model_type}) trains causal objectives only; this "
+                "batch is bidirectional or carries prefix_len"
+            )
+        device = self.head_weight.device
+        out = self.hf.base_model(
+            input_ids=batch.input_ids.to(device),
+            position_ids=batch.position_ids.to(device),
+            attention_mask=self.attention_mask(batch.segment_ids.to(device)),
+            use_cache=False,
+            return_dict=True,
+        )
+        return out.last_hidden_state  # [B, T, H]
+
+    def attention_mask(self, segment_ids: torch.Tensor) -> torch.Tensor:
+        """The 4D mask ``[B, 1, T, T]`` in the form this backend honours (R3)."""
+        visible = dense_visibility_mask(segment_ids, causal=True)  # [B, 1, T, T] bool
+        if self.attn_implementation == "eager":  # eager adds the mask to the scores
+            blocked = torch.finfo(torch.float32).min
+            return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, blocked)
+        return visible
+
+    def check_rows(self, seq_len: int) -> None:
+        """Refuse rows of ``seq_len`` tokens that the model cannot take exactly.
+
+        Positions reach ``seq_len - 1`` at most; the 4D mask replaces the model's
+        own, so a sliding window shorter than a row would not be applied.
+        """
+        if self.max_positions is not None and seq_len > self.max_positions:
+            raise ModelError(
+                f"batch.seq_len = {seq_len} exceeds the {self.model_type} model's "
+                f"max_position_embeddings = {self.max_positions}; lower batch.seq_len"
+            )
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            raise ModelError(
+                f"batch.seq_len = {seq_len} exceeds the {self.model_type} model's sliding "
+                f"window ({self.sliding_window}), which exactstep's block mask does not "
+                "realise; lower batch.seq_len to at most the window"
+            )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
+        return F.linear(hidden, self.head_weight)
+
+    def num_parameters(self) -> int:
+        """Unique parameters; a tied embedding/head is counted once (U6)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalLM:
+    """The HF causal LM ``cfg`` declares, checked to keep every contract (H1).
+
+    From ``cfg.path`` (weights loaded, float32) or ``cfg.hf_config`` (random init,
+    deterministic in ``seed``, global RNG streams untouched: S5). Raises
+    ``ModelError`` for missing files, a backend or architecture that cannot isolate
+    packed documents (R3), a head that is not a plain linear map, or a model
+    vocabulary smaller than ``vocab_size``; ``ConfigError`` for an unknown
+    ``hf_config`` key.
+    """
+    transformers = import_transformers()
+    with quiet(transformers):
+        config = load_config(transformers, cfg, vocab_size)
+        model_type = config.model_type
+        if cfg.attn_implementation not in ISOLATING_BACKENDS:
+            raise ModelError(backend_message(model_type, cfg.attn_implementation))
+        refuse_head_features(config)
+        refuse_batch_dependent_rope(config)
+        model = instantiate(transformers, cfg, config, seed)
+        actual = getattr(model.config, "_attn_implementation", None)
+        if actual != cfg.attn_implementation:
+            raise ModelError(
+                f"model type {model_type} runs attention with {actual!r}, not the requested "
+                f"attn_implementation {cfg.attn_implementation!r}; exactstep isolates packed "
+                "documents (R3) only where it knows the backend"
+            )
+        model.config.use_cache = False
+        adapter = HFCausalLM(model, attn_implementation=cfg.attn_implementation)
+        check_head(adapter)
+        check_vocab(adapter, vocab_size)
+        probe(adapter, vocab_size)
+    return adapter
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError(
+            "model.source = 'hf' needs the Hugging Face extra: pip install 'exactstep[hf]'"
+        ) from None
+    return transformers
+
+
+@contextlib.contextmanager
+def quiet(transformers: Any) -> Iterator[None]:
+    """HF's log lines, progress bars and warnings silenced while the model is built
+    (a refusal is one line, X4); the previous settings are restored."""
+    logging = transformers.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def load_config(transformers: Any, cfg: ModelConfig, vocab_size: int) -> Any:
+    """The HF config of ``model.path`` or ``model.hf_config``."""
+    if cfg.path is not None:
+        directory = model_directory(Path(cfg.path))
+        try:
+            return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelError(
+                f"model.path {directory}: config.json cannot be read as a Hugging Face config "
+                f"({first_line(exc)})"
+            ) from None
+    table = dict(cfg.hf_config)
+    model_type = table.pop("model_type")
+    try:
+        config_class = transformers.AutoConfig.for_model(model_type).__class__
+    except (ValueError, KeyError):
+        raise ModelError(
+            f"model.hf_config.model_type {model_type!r} is not a model type this transformers "
+            f"({transformers.__version__}) knows"
+        ) from None
+    unknown = sorted(set(table) - known_config_keys(config_class))
+    if unknown:
+        raise ConfigError(
+            f"model.hf_config.{unknown[0]} is not a key of {config_class.__name__}; check its "
+            "spelling against the model's configuration"
+        )
+    table.setdefault("vocab_size", vocab_size)
+    try:
+        return transformers.AutoConfig.for_model(model_type, **table)
+    except Exception as exc:  # HF validators raise their own types
+        raise ModelError(f"model.hf_config is not a valid {model_type} config ({first_line(exc)})"
+                         ) from None
+
+
+def model_directory(directory: Path) -> Path:
+    """``directory`` if it holds ``config.json`` and safetensors weights; else one
+    ``ModelError`` naming the path and what is missing."""
+    if not directory.is_dir():
+        what = "is a file, not a directory" if directory.exists() else "does not exist"
+        raise ModelError(f"model.path {directory} {what}; give a directory with config.json "
+                         "and safetensors weights (as written by save_pretrained)")
+    missing = [] if (directory / "config.json").is_file() else ["config.json"]
+    if not any(directory.glob("*.safetensors")):
+        missing.append("safetensors weights (*.safetensors)")
+    if missing:
+        raise ModelError(f"model.path {directory} has no {' and no '.join(missing)}; give a "
+                         "directory written by save_pretrained")
+    return directory
+
+
+def known_config_keys(config_class: type) -> set[str]:
+    """Every key ``config_class`` declares: its fields, defaults and attribute aliases."""
+    keys = set(config_class().to_dict())
+    if dataclasses.is_dataclass(config_class):
+        keys |= {f.name for f in dataclasses.fields(config_class)}
+    keys |= set(getattr(config_class, "attribute_map", {}))
+    return keys | {"rope_scaling"}  # the older spelling of rope_parameters
+
+
+def refuse_head_features(config: Any) -> None:
+    """A head that is not ``hidden @ W.T`` cannot be fused into exactstep's loss (L1)."""
+    for attribute, feature, neutral in HEAD_FEATURES:
+        value = getattr(config, attribute, None)
+        if value not in neutral:
+            raise ModelError(
+                f"model type {config.model_type} applies {feature} ({attribute} = {value}) to its "
+                "logits; exactstep fuses a plain linear head into its loss (L1) and cannot train "
+                "it exactly; use a model without it"
+            )
+
+
+def refuse_batch_dependent_rope(config: Any) -> None:
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    layers = parameters.values() if isinstance(parameters, dict) else ()
+    # rope_parameters is one dict, or one dict per attention type
+    tables = [parameters] + [p for p in layers if isinstance(p, dict)]
+    for table in tables:
+        rope_type = table.get("rope_type", table.get("type")) if isinstance(table, dict) else None
+        if rope_type in BATCH_DEPENDENT_ROPE:
+            raise ModelError(
+                f"model type {config.model_type} uses rope_type {rope_type!r}, whose "
+                "frequencies depend on the longest position in the batch, so packed documents "
+                "would change each other (R3); use a fixed RoPE type"
+            )
+
+
+def sliding_window_of(config: Any) -> int | None:
+    """The sliding attention window a config applies to some layer, or None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def instantiate(transformers: Any, cfg: ModelConfig, config: Any, seed: int) -> nn.Module:
+    """Load or create the model in float32; random init from ``seed`` only (S5)."""
+    auto = transformers.AutoModelForCausalLM
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and not 0 <= pad < config.vocab_size:
+        raise ModelError(f"the {config.model_type} config's pad_token_id ({pad}) lies outside its "
+                         f"vocabulary of {config.vocab_size}; set pad_token_id in the model config")
+    try:
+        with isolated_rng():
+            torch.default_generator.manual_seed(seed)
+            if cfg.path is None:
+                return auto.from_config(config, attn_implementation=cfg.attn_implementation,
+                                        dtype=torch.float32)
+            model, info = auto.from_pretrained(
+                cfg.path, config=config, attn_implementation=cfg.attn_implementation,
+                dtype=torch.float32, local_files_only=True, output_loading_info=True)
+    except Exception as exc:  # any failure of HF constructors: one line
+        raise ModelError(f"building the {config.model_type} model with attn_implementation "
+                         f"{cfg.attn_implementation!r} failed: {first_line(exc)}") from None
+    lacking = sorted(info.get("missing_keys", ())) + sorted(info.get("mismatched_keys", ()))
+    if lacking:
+        raise ModelError(f"model.path {cfg.path}: the weights lack or mis-shape {len(lacking)} "
+                         f"tensor(s), e.g. {lacking[0]}; exactstep never initialises them silently")
+    return model
+
+
+def check_head(adapter: HFCausalLM) -> None:
+    head = adapter.hf.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None or head.weight.ndim != 2:
+        raise ModelError(f"model type {adapter.model_type} has no linear output head")
+    if getattr(head, "bias", None) is not None:
+        raise ModelError(
+            f"model type {adapter.model_type} has an lm_head bias; exactstep fuses a bias-free "
+            "linear head into its loss (L1) and cannot train it exactly; use another model"
+        )
+
+
+def check_vocab(adapter: HFCausalLM, vocab_size: int) -> None:
+    """``V_model >= vocab_size`` (see the module docstring for the rule)."""
+    rows = adapter.vocab_size
+    embedding = adapter.hf.get_input_embeddings().weight.shape[0]
+    if rows < vocab_size or embedding < vocab_size:
+        raise ModelError(
+            f"vocabulary mismatch: the tokenizer has {vocab_size} tokens but the "
+            f"{adapter.model_type} model's vocabulary has {min(rows, embedding)}; the model "
+            "must cover every tokenizer id (set vocab_size in the model config)"
+        )
+
+
+# ------------------------------------------------------------------------------ probe
+
+
+def probe_batch(vocab_size: int, seed: int = 0) -> Batch:
+    """Two documents packed in one row and one padding column (segment ids 1, 2, 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = PROBE_LENGTHS
+    T = sum(lengths) + 1
+    ids = torch.randint(0, vocab_size, (1, T), generator=generator)
+    positions = torch.zeros(1, T, dtype=torch.long)
+    segment_ids = torch.zeros(1, T, dtype=torch.int32)
+    segments, start = [], 0
+    for k, n in enumerate(lengths):
+        positions[0, start : start + n] = torch.arange(n)
+        segment_ids[0, start : start + n] = k + 1
+        segments.append(Segment(example_id=k, piece=0, offset=0, start=start, length=n))
+        start += n
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    return Batch(ids, labels, positions, segment_ids, (tuple(segments),))
+
+
+def perturbed_first_document(batch: Batch, vocab_size: int) -> Batch:
+    """``batch`` with every token of its first document replaced by another id."""
+    first = batch.segments[0][0]
+    ids = batch.input_ids.clone()
+    ids[0, first.start : first.stop] = (ids[0, first.start : first.stop] + 1) % vocab_size
+    return dataclasses.replace(batch, input_ids=ids)
+
+
+@contextlib.contextmanager
+def frozen(model: nn.Module) -> Iterator[None]:
+    """Eval mode, no gradients, every RNG stream restored; each module's mode after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), isolated_rng():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def probe(adapter: HFCausalLM, vocab_size: int) -> None:
+    """Refuse a model whose head is not linear or whose packed documents interact.
+
+    Three comparisons on ``probe_batch`` (two documents, then padding): HF's own
+    logits against ``hidden @ W.T`` (the head is linear); each packed document's
+    logits against HF's own forward of that document alone, with no mask and
+    default positions (positions and visibility mean what the model means); and
+    the second document's logits when every token of the first changes, which
+    under true isolation stay equal to rounding (a leak too small at random init
+    to show against the first reference, e.g. a recurrent state, shows here).
+    """
+    batch = probe_batch(vocab_size)
+    adapter.check_rows(batch.shape[1])
+    second = batch.segments[0][1]
+    with frozen(adapter):
+        try:
+            packed = adapter.logits(adapter(batch))[0]  # [T, V]
+            moved = adapter.logits(adapter(perturbed_first_document(batch, vocab_size)))[0]
+            head_error = isolation_error = 0.0
+            scale = 1.0 + float(packed.abs().max())
+            for segment in batch.segments[0]:
+                doc = batch.input_ids[:, segment.start : segment.stop]  # [1, n]
+                native = adapter.hf(input_ids=doc, use_cache=False).logits[0]  # [n, V]
+                hidden = adapter.hf.base_model(input_ids=doc, use_cache=False).last_hidden_state
+                head_error = max(head_error, max_error(adapter.logits(hidden)[0], native))
+                isolation_error = max(
+                    isolation_error, max_error(packed[segment.start : segment.stop], native)
+                )
+            leak = max_error(moved[second.start :], packed[second.start :])
+        except (TypeError, ValueError, RuntimeError, IndexError) as exc:
+            raise ModelError(
+                f"model type {adapter.model_type} with attn_implementation "
+                f"{adapter.attn_implementation!r} cannot take packed rows (position_ids and a 4D "
+                f"attention mask): {first_line(exc)}"
+            ) from None
+    if head_error / scale > PROBE_TOLERANCE:
+        raise ModelError(
+            f"the output head of model type {adapter.model_type} is not a plain linear map of "
+            f"its final hidden states (its logits differ from hidden @ W.T by "
+            f"{head_error / scale:.1e} relative); exactstep fuses a linear head into its loss "
+            "(L1) and cannot train it"
+        )
+    if isolation_error / scale > PROBE_TOLERANCE or leak / scale > LEAK_TOLERANCE:
+        raise ModelError(
+            f"model type {adapter.model_type} with attn_implementation "
+            f"{adapter.attn_implementation!r} does not isolate packed documents: a document's "
+            f"logits move by {max(isolation_error, leak) / scale:.1e} (relative) when another "
+            "shares its row (R3); use an architecture that honours a 4D attention mask and "
+            "position_ids"
+        )
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def backend_message(model_type: str, backend: str) -> str:
+    return (
+        f"model type {model_type} with attn_implementation {backend!r} cannot isolate packed "
+        f"documents here (R3): exactstep realises segment visibility for HF models as a 4D mask, "
+        f"which only {' and '.join(map(repr, ISOLATING_BACKENDS))} honour; set "
+        "model.attn_implementation = 'sdpa'"
+    )
+
+
+def first_line(exc: BaseException) -> str:
+    """The first sentence of ``exc``'s message, on one line."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0]
+    sentence, dot, rest = line.partition(". ")
+    return sentence + "." if dot and rest else line
