@@ -207,6 +207,15 @@ SECTIONS = ("data", "batch", "model", "objective", "update", "numerics", "train"
             "checkpoint", "parallel", "chat", "arith")
 TEXT = '{"text": "a document"}'
 
+def hf(table: dict | None = None, *extra: str) -> tuple[str, ...]:
+    """``train`` with ``model.source = hf`` and, if given, ``model.hf_config = table``
+    (a tiny Llama unless the table says otherwise)."""
+    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = () if table is None else ("--set", f"model.hf_config={json.dumps({**llama, **table})}")
+    return train("--set", "model.source=hf", *config, *extra)
+
+
 # --------------------------------------------------------------------------- cases
 
 CASES: list[Case] = [
@@ -431,6 +440,33 @@ CASES: list[Case] = [
          in_run(garbage_line("metrics.jsonl"))),
     Case("eval-damaged-final-checkpoint", ("eval", "{run}"), "rng.pt is corrupted",
          in_run(flip(f"{FINAL}/rng.pt"))),
+    # --- Hugging Face models (H1): refused before the first step
+    Case("hf-model-path-missing", hf(None, "--set", "model.path={tmp}/nope"),
+         "nope does not exist"),
+    Case("hf-model-path-without-weights", hf(None, "--set", "model.path={tmp}"),
+         "has no safetensors weights", writes("config.json", '{"model_type": "llama"}')),
+    Case("hf-model-path-without-config", hf(None, "--set", "model.path={tmp}"),
+         "has no config.json", writes("model.safetensors", b"")),
+    Case("hf-source-without-a-model", hf(), "needs exactly one of model.path"),
+    Case("hf-backend-cannot-isolate", hf({}, "--set", "model.attn_implementation=flash_attention_2"),
+         "model type llama with attn_implementation 'flash_attention_2' cannot isolate"),
+    Case("hf-architecture-cannot-isolate",
+         hf({"model_type": "jamba", "attn_layer_period": 2, "attn_layer_offset": 1,
+             "num_experts": 1}), "jamba with attn_implementation 'sdpa' does not isolate"),
+    Case("hf-vocabulary-mismatch", hf({"vocab_size": 100}),
+         "tokenizer has 259 tokens but the llama model's vocabulary has 100"),
+    Case("hf-head-soft-capping", hf({"model_type": "gemma2", "head_dim": 8}),
+         "final logit soft-capping"),
+    Case("hf-head-logit-scale", hf({"model_type": "cohere"}), "a final logit scale"),
+    Case("hf-head-bias", hf({"model_type": "phi"}), "lm_head bias"),
+    Case("hf-config-not-a-table", hf(None, "--set", "model.hf_config=[1]"),
+         "model.hf_config must be a table"),
+    Case("hf-config-unknown-key", hf({"hiden_size": 3}), "model.hf_config.hiden_size"),
+    Case("hf-config-unknown-model-type", hf({"model_type": "nosuch"}), "'nosuch' is not a model"),
+    Case("hf-rows-beyond-positions", hf({"max_position_embeddings": 16}),
+         "batch.seq_len = 32 exceeds the llama model's max_position_embeddings = 16",
+         xfail="refused at the first forward, after the run is announced, until the runner "
+               "calls the model's check_rows(batch.seq_len) when it builds the model"),
 ]
 
 

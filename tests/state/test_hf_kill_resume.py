@@ -1,0 +1,166 @@
+"""S5 with a Hugging Face Llama, through the real command line (H1).
+
+``exactstep train --set model.source=hf --set model.hf_config=<JSON>`` (random init,
+the byte tokenizer, vocabulary 259) run straight, against the same run SIGKILLed
+inside a window (after its update, before its ledger line) and again from outside
+while a later window runs, resumed with ``exactstep resume`` each time: the final
+checkpoint files are byte-identical, the ledgers and manifests are identical, and
+the manifest records the ``hf_config`` table as given. Negative control: a resume
+that drops the data cursor ends with different weights.
+
+Every process runs through a small launcher (written into ``tmp_path``) that can
+SIGKILL its own process at a named moment or apply the deliberate defect.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from text_corpus import write_corpus
+
+from exactstep.state.checkpoint import load_checkpoint
+from exactstep.state.compare import state_differences
+from exactstep.state.store import latest_checkpoint, verify_checkpoint
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+WINDOWS = 8
+TABLE = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 64, "tie_word_embeddings": True}
+
+LAUNCHER = r"""
+import os, signal, sys
+from exactstep.update.window import UpdateEngine
+
+kill_at, defect, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+run_window = UpdateEngine.run_window
+
+def probed(self, batches, window, *args, **kwargs):
+    result = run_window(self, batches, window, *args, **kwargs)
+    if kill_at == f"window_end:{window}":   # update applied in memory, not logged
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+UpdateEngine.run_window = probed
+if defect == "no_cursor":
+    from exactstep.rows.stream import RowStream
+    RowStream.load_state_dict = lambda self, state: None
+
+from exactstep.cli import main
+sys.exit(main(argv))
+"""
+
+
+class Harness:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.launcher = root / "launch.py"
+        self.launcher.write_text(LAUNCHER)
+        self.corpus = root / "corpus.jsonl"
+        write_corpus(self.corpus)
+
+    def settings(self) -> list[str]:
+        pairs = {"seed": 3, "data.source": self.corpus, "data.val_fraction": 0.2,
+                 "batch.seq_len": 32, "batch.rows": 2, "model.source": "hf",
+                 "model.hf_config": json.dumps(TABLE), "update.accum": 2,
+                 "update.warmup": 2, "train.steps": WINDOWS, "train.eval_tokens": 64,
+                 "train.threads": 1, "train.device": "cpu", "checkpoint.every": 2,
+                 "checkpoint.keep": 2}
+        return [arg for key, value in pairs.items() for arg in ("--set", f"{key}={value}")]
+
+    def launch(self, command: list[str], run_dir: Path, *, kill_at: str = "none",
+               defect: str = "none", kill_after_lines: int = 0) -> int:
+        proc = subprocess.Popen([sys.executable, str(self.launcher), kill_at, defect, *command],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.root)
+        if kill_after_lines:
+            ledger, deadline = run_dir / "ledger.jsonl", time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < deadline:
+                if ledger.exists() and ledger.read_bytes().count(b"\n") >= kill_after_lines:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.002)
+        output, _ = proc.communicate(timeout=300)
+        self.last_output = output.decode(errors="replace")
+        return proc.returncode
+
+    def train(self, run_dir: Path, **kw) -> int:
+        return self.launch(["train", "--no-progress", "--out", str(run_dir), *self.settings()],
+                           run_dir, **kw)
+
+    def resume(self, run_dir: Path, **kw) -> int:
+        return self.launch(["resume", "--no-progress", str(run_dir)], run_dir, **kw)
+
+
+def lines(run_dir: Path) -> int:
+    return (run_dir / "ledger.jsonl").read_bytes().count(b"\n")
+
+
+def straight_run(h: Harness) -> Path:
+    run_dir = h.root / "straight"
+    assert h.train(run_dir) == 0, h.last_output
+    return run_dir
+
+
+def killed_lineage(h: Harness) -> tuple[Path, Path]:
+    run_dir = h.root / "killed"
+    assert h.train(run_dir, kill_at="window_end:3") == -signal.SIGKILL, h.last_output
+    defective = h.root / "no_cursor"
+    shutil.copytree(run_dir, defective)
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    assert latest is not None and verify_checkpoint(latest).ok
+    status = h.resume(run_dir, kill_after_lines=lines(run_dir) + 2)
+    assert status == -signal.SIGKILL, h.last_output
+    assert h.resume(run_dir) == 0, h.last_output
+    assert h.resume(defective, defect="no_cursor") == 0, h.last_output
+    return run_dir, defective
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    h = Harness(tmp_path_factory.mktemp("hf_s5"))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        straight = pool.submit(straight_run, copy.copy(h))  # same files, own last_output
+        lineage = pool.submit(killed_lineage, copy.copy(h))
+        return straight.result(), *lineage.result()
+
+
+def final_state(run_dir: Path) -> tuple[str, dict, dict]:
+    path = latest_checkpoint(run_dir / "checkpoints")
+    model, parts = load_checkpoint(path)
+    files = json.loads((path / "manifest.json").read_bytes())["files"]
+    return path.name, {"model": model, **parts}, files
+
+
+def test_hf_killed_and_resumed_run_is_bitwise_identical_s5(runs):
+    straight, killed, _ = runs
+    name_a, state_a, files_a = final_state(straight)
+    name_b, state_b, files_b = final_state(killed)
+    assert name_a == name_b == f"window-{WINDOWS:08d}"
+    assert any(k.startswith("hf.model.layers.") for k in state_a["model"])  # the HF model
+    assert state_differences(state_a, state_b) == []
+    assert files_a == files_b  # every checkpoint file hashes the same
+    assert (straight / "ledger.jsonl").read_bytes() == (killed / "ledger.jsonl").read_bytes()
+    assert lines(straight) == WINDOWS
+    assert (straight / "manifest.json").read_bytes() == (killed / "manifest.json").read_bytes()
+    manifest = json.loads((straight / "manifest.json").read_bytes())["manifest"]
+    assert manifest["config"]["model"]["source"] == "hf"
+    assert manifest["config"]["model"]["hf_config"] == TABLE
+
+
+def test_hf_resume_without_cursor_fails_the_comparison_s5(runs):
+    straight, _, defective = runs
+    differences = state_differences(final_state(straight)[1], final_state(defective)[1])
+    assert any(d.startswith("model.hf.") for d in differences)
+    assert any(d.startswith("data.") for d in differences)
