@@ -464,9 +464,7 @@ CASES: list[Case] = [
     Case("hf-config-unknown-key", hf({"hiden_size": 3}), "model.hf_config.hiden_size"),
     Case("hf-config-unknown-model-type", hf({"model_type": "nosuch"}), "'nosuch' is not a model"),
     Case("hf-rows-beyond-positions", hf({"max_position_embeddings": 16}),
-         "batch.seq_len = 32 exceeds the llama model's max_position_embeddings = 16",
-         xfail="refused at the first forward, after the run is announced, until the runner "
-               "calls the model's check_rows(batch.seq_len) when it builds the model"),
+         "batch.seq_len = 32 exceeds the llama model's max_position_embeddings = 16"),
 ]
 
 

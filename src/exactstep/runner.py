@@ -107,8 +107,9 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     data = load_bundle(cfg, tokenizer)
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
                        vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size)
-    model = shard_model(build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
-                        .to(ctx.device), ctx, cfg.parallel)
+    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
+    model.check_rows(cfg.batch.seq_len)  # refused before anything is written
+    model = shard_model(model.to(ctx.device), ctx, cfg.parallel)
     optimizer, groups = build_optimizer(model, cfg.update)
     schedule = build_schedule(cfg.update, total_windows=cfg.train.steps)
     precision = Precision(cfg.numerics, ctx.device)

@@ -181,6 +181,9 @@ class Decoder(nn.Module):
         """Unique parameters; a tied embedding/head is counted once."""
         return sum(p.numel() for p in self.parameters())
 
+    def check_rows(self, seq_len: int) -> None:
+        """Rows of any length are exact here (RoPE is computed for any position)."""
+
 
 def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> nn.Module:
     """The model ``cfg`` declares, whose weights depend only on ``(cfg, vocab_size, seed)``.
