@@ -173,3 +173,25 @@ def test_chat_export_renders_and_owns_what_exactstep_did(tmp_path) -> None:
         assert rendered["input_ids"] == DEFAULT_TEMPLATE.render(conversation.messages,
                                                                 TOK).tokens.tolist()
         assert rendered["assistant_masks"] == example.owned.astype(int).tolist()
+
+
+def test_an_hf_model_run_exports_as_itself(tmp_path) -> None:
+    """A run that trained an HF model (here Qwen2 from a config) exports that model;
+    plain transformers reproduces the checkpoint's logits (H1 + H3)."""
+    config = json.dumps({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+                         "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "max_position_embeddings": 64})
+    run = train(tmp_path, "hf", "model.source=hf", f"model.hf_config={config}")
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    weights = load_checkpoint(latest_checkpoint(run / "checkpoints"))[0]
+    fresh = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**{**json.loads(config), "vocab_size": TOK.vocab_size}))
+    fresh.load_state_dict({k.removeprefix("hf."): v for k, v in weights.items()}, strict=False)
+    fresh.eval()
+    ids = torch.tensor([[TOK.bos_id, *TEXTS[0].encode("utf-8")]])
+    with torch.no_grad():
+        assert (hf(input_ids=ids).logits - fresh(input_ids=ids).logits).abs().max() <= 1e-5
+    assert json.loads((out / "passport.json").read_text())["architecture"] == "Qwen2ForCausalLM"

@@ -183,7 +183,8 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_artifact(tmp, model, cfg, tokenizer, template)
-        figures = handoff_check(tmp, model, tokenizer, data.val)
+        figures = handoff_check(tmp, model, tokenizer, data.val,
+                                max_tokens=min(CHECK_TOKENS, cfg.batch.seq_len))
         passport = {
             "format": "exactstep-export/1",
             "exactstep": __version__,
@@ -193,7 +194,8 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
             "tokenizer_hash": tokenizer.fingerprint(),
             "template_hash": data.representation.get("template_hash"),
             "dtype": "float32",
-            "architecture": "LlamaForCausalLM",
+            "architecture": (model.hf.config.architectures or [type(model.hf).__name__])[0]
+                            if cfg.model.source == "hf" else "LlamaForCausalLM",
             "check": figures,
             "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()},
         }
@@ -216,10 +218,23 @@ def check_out(out: Path) -> None:
 
 
 def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: str | None) -> None:
-    """``save_pretrained`` of the mapped model, its tokenizer and generation config."""
-    from transformers import GenerationConfig, LlamaForCausalLM
+    """``save_pretrained`` of the model (the built-in one mapped onto Llama, an HF one
+    as it is), the tokenizer and the generation config."""
+    from transformers import GenerationConfig
 
     special = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
+    hf_model = model.hf if cfg.model.source == "hf" else llama_model(model, cfg, tokenizer,
+                                                                     special)
+    hf_model.generation_config = GenerationConfig(
+        bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"])
+    hf_model.save_pretrained(tmp, safe_serialization=True)
+    byte_tokenizer_hf(tokenizer, template).save_pretrained(tmp)
+
+
+def llama_model(model: Any, cfg: Any, tokenizer: Any, special: dict[str, int]) -> Any:
+    """The built-in decoder's weights in a ``LlamaForCausalLM`` (no copy of the init)."""
+    from transformers import LlamaForCausalLM
+
     hf_config = llama_config(cfg.model, tokenizer.vocab_size, special,
                              max_positions=max(cfg.batch.seq_len, 2048))
     with torch.device("meta"):
@@ -228,17 +243,15 @@ def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: st
     hf_model.load_state_dict(state, strict=True, assign=True)
     if cfg.model.tie_embeddings:
         hf_model.tie_weights()
-    hf_model.generation_config = GenerationConfig(
-        bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"])
-    hf_model.save_pretrained(tmp, safe_serialization=True)
-    byte_tokenizer_hf(tokenizer, template).save_pretrained(tmp)
+    return hf_model
 
 
-def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any) -> dict[str, Any]:
+def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
+                  max_tokens: int) -> dict[str, Any]:
     """Load the written artifact with plain ``transformers`` and compare (H3).
 
     For up to ``CHECK_DOCUMENTS`` held-out documents (each alone, at most
-    ``CHECK_TOKENS`` tokens), the exported model's logits must equal the training
+    ``max_tokens`` tokens: a row length the run trained on), the exported model's logits must equal the training
     model's within ``LOGIT_TOLERANCE`` and the exported tokenizer must give the same
     ids for the document's text. Raises ``ExportError`` otherwise.
     """
@@ -252,7 +265,7 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any) -> dict
     worst, tokens, used = 0.0, 0, 0
     with torch.no_grad():
         for example in list(documents)[:CHECK_DOCUMENTS]:
-            ids = torch.as_tensor(example.tokens[:CHECK_TOKENS], dtype=torch.int64)[None]
+            ids = torch.as_tensor(example.tokens[:max_tokens], dtype=torch.int64)[None]
             expected = model.logits(model(single_segment_batch(ids)))  # [1, T, V]
             got = loaded(input_ids=ids).logits.float()  # [1, T, V]
             worst = max(worst, float((got - expected).abs().max()))
