@@ -1,5 +1,6 @@
-"""Data sources: the stdlib corpus, JSONL text and chat, the byte tokenizer, chat
-templates with ownership, and the built-in arithmetic demo (R5, S1)."""
+"""Data sources: the stdlib corpus, JSONL text and chat, the byte tokenizer and Hugging
+Face tokenizers, chat templates with ownership (built-in and Jinja), and the built-in
+arithmetic demo (R5, S1, H2)."""
 
 from exactstep.lazy import lazy_exports
 
@@ -10,10 +11,15 @@ _EXPORTS = {
     "DEFAULT_TEMPLATE": "exactstep.data.chat",
     "DataConfig": "exactstep.data.config",
     "Document": "exactstep.data.corpus",
+    "HFChatTemplate": "exactstep.data.hf_chat",
+    "HFTokenizer": "exactstep.data.hf_tokenizer",
     "Message": "exactstep.data.chat",
     "arith_conversations": "exactstep.data.arith",
+    "build_tokenizer": "exactstep.data.tokenizer",
     "load_chat_jsonl": "exactstep.data.chat",
     "load_corpus": "exactstep.data.corpus",
+    "load_hf_tokenizer": "exactstep.data.hf_tokenizer",
+    "template_for": "exactstep.data.chat",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

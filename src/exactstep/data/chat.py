@@ -1,9 +1,12 @@
 """Chat conversations: JSONL loading and the built-in byte-level chat template (R5, S1).
 
-A conversation is rendered exactly once, by ``ChatTemplate.render``, which emits the
-token ids together with each token's role and span (message index and part). Target
-ownership (``exactstep.rows.chat``) is decided from those parallel arrays only; no
-code path ever searches decoded text for role markers.
+A conversation is rendered exactly once, by a ``ChatRenderer``'s ``render``, which
+emits the token ids together with each token's role and span (message index and
+part). Target ownership (``exactstep.rows.chat``) is decided from those parallel
+arrays only; no code path ever searches decoded text for role markers. Two renderers
+exist: ``ChatTemplate`` (the built-in one, below) and ``HFChatTemplate`` (a Hugging
+Face Jinja template, ``exactstep.data.hf_chat``, H2); ``template_for(tokenizer)``
+picks the one a run uses.
 
 The built-in template (``exactstep-bytes-chat-v1``), for the byte tokenizer::
 
@@ -78,13 +81,22 @@ class Role(IntEnum):
 
 
 class Part(IntEnum):
-    """Which part of its message a rendered token belongs to."""
+    """Which part of its message a rendered token belongs to.
+
+    ``SEPARATOR``: tokens a template renders inside an assistant turn after what the
+    model generates (e.g. the newline after ``<|im_end|>``); never a target.
+    """
 
     BEGIN = 0
     HEADER = 1
     CONTENT = 2
     TOOL_CALL = 3
     END_OF_TURN = 4
+    SEPARATOR = 5
+
+
+# The parts of an assistant turn that the model generates (R5, H2).
+GENERATED_PARTS = (Part.CONTENT, Part.TOOL_CALL, Part.END_OF_TURN)
 
 
 class ChatTokenizer(Protocol):
@@ -146,6 +158,25 @@ class RenderedChat:
         return int(self.tokens.shape[0])
 
 
+class ChatRenderer(Protocol):
+    """A chat template: renders messages to tokens with each token's role and span.
+
+    ``render`` gives a whole conversation; ``render_prompt`` the earlier messages
+    plus the assistant header (what a model answers); ``fingerprint`` is recorded as
+    ``representation.template_hash`` (S1). ``render`` raises ``DataError`` (naming
+    the template, not the conversation: the caller adds that) when the template
+    cannot give the conversation an exact ownership.
+    """
+
+    name: str
+
+    def render(self, messages: Sequence[Message], tokenizer: Any) -> RenderedChat: ...
+
+    def render_prompt(self, messages: Sequence[Message], tokenizer: Any) -> RenderedChat: ...
+
+    def fingerprint(self, tokenizer: Any) -> str: ...
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """The built-in chat template for the byte tokenizer (see the module docstring).
@@ -204,6 +235,16 @@ class ChatTemplate:
 
 
 DEFAULT_TEMPLATE = ChatTemplate()
+
+
+def template_for(tokenizer: Any) -> ChatRenderer:
+    """The chat template a run renders with: a Hugging Face tokenizer's own (or
+    ``data.chat_template``'s, H2), else the built-in ``DEFAULT_TEMPLATE``.
+
+    Raises ``ConfigError`` for a Hugging Face tokenizer without any chat template.
+    """
+    own = getattr(tokenizer, "chat_renderer", None)
+    return own() if own is not None else DEFAULT_TEMPLATE
 
 
 @dataclass

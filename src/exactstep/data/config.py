@@ -8,6 +8,9 @@ from typing import Literal
 from exactstep.errors import ConfigError
 from exactstep.ranges import at_least, between, check
 
+# Keys that only mean something for a Hugging Face tokenizer (H2).
+HF_TOKENIZER_KEYS = ("tokenizer_path", "bos_token", "eos_token", "pad_token", "chat_template")
+
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
@@ -23,6 +26,14 @@ class DataConfig:
     ``{"messages": [...]}`` lines when ``kind = "chat"``). ``val_fraction`` of the
     documents, chosen by a hash of each document's name, form the validation split.
     ``max_docs`` (0 = all) caps the number of documents read, for quick runs.
+
+    ``tokenizer``: ``"bytes"`` (the built-in byte tokenizer) or ``"hf"`` (a Hugging
+    Face tokenizer directory, H2). For ``"hf"`` only: ``tokenizer_path`` (defaults to
+    ``model.path`` when the configuration has one); ``bos_token`` / ``eos_token`` /
+    ``pad_token`` name tokens of its vocabulary to use as BOS, EOS and PAD (they
+    override the tokenizer's own, and are required where it has none);
+    ``chat_template`` is a Jinja file that replaces the tokenizer's own chat template.
+    Setting any of these with ``tokenizer = "bytes"`` is refused rather than ignored.
     """
 
     source: str = "stdlib"
@@ -31,7 +42,12 @@ class DataConfig:
     messages_field: str = "messages"
     val_fraction: float = 0.05
     max_docs: int = 0
-    tokenizer: Literal["bytes"] = "bytes"
+    tokenizer: Literal["bytes", "hf"] = "bytes"
+    tokenizer_path: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -42,3 +58,10 @@ class DataConfig:
                 raise ConfigError(f"{key} must name a field of the data; it is empty")
         check("data.val_fraction", self.val_fraction, between(0, 1, low_open=True, high_open=True))
         check("data.max_docs", self.max_docs, at_least(0))  # 0 = all documents
+        if self.tokenizer == "bytes":
+            for key in HF_TOKENIZER_KEYS:
+                if getattr(self, key) is not None:
+                    raise ConfigError(
+                        f"data.{key} applies only to a Hugging Face tokenizer; set "
+                        f"data.tokenizer = 'hf' or remove data.{key}"
+                    )

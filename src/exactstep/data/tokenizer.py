@@ -9,6 +9,10 @@ Invariants:
 - ``fingerprint()`` is a sha256 over a canonical description of the tokenizer, so a
   manifest can tell two representations apart (S1). It changes whenever the mapping
   would change (vocabulary size, special ids, byte encoding, version).
+
+``build_tokenizer(cfg)`` is the one place a run's tokenizer is made: this one for
+``data.tokenizer = "bytes"``, a Hugging Face tokenizer (``exactstep.data.hf_tokenizer``,
+H2) for ``"hf"``. Both satisfy ``Tokenizer``.
 """
 
 from __future__ import annotations
@@ -16,15 +20,42 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from typing import Any, Protocol
 
 import numpy as np
 
-from exactstep.errors import DataError
+from exactstep.errors import ConfigError, DataError
+
+
+class Tokenizer(Protocol):
+    """What the stages use of a tokenizer (``ByteTokenizer``, ``HFTokenizer``).
+
+    Ids lie in ``[0, vocab_size)``; ``encode`` never adds a special id.
+    """
+
+    kind: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_array(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def token_text(self, token: int) -> str: ...
+
+    def special_ids(self) -> dict[str, int]: ...
+
+    def fingerprint(self) -> str: ...
 
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids, with three special ids above the byte range."""
 
+    kind: str = "bytes"
     vocab_size: int = 259
     bos_id: int = 256
     eos_id: int = 257
@@ -104,3 +135,28 @@ class ByteTokenizer:
         """sha256 (hex) of the canonical JSON of ``describe()`` (S1)."""
         canonical = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def build_tokenizer(cfg: Any) -> Tokenizer:
+    """The run's tokenizer, from its ``data`` section (S1, H2).
+
+    ``data.tokenizer = "bytes"``: a ``ByteTokenizer``. ``"hf"``: the Hugging Face
+    tokenizer in ``data.tokenizer_path``, which defaults to ``model.path`` when the
+    configuration has that key; ``ConfigError`` when neither is set, and whatever
+    ``load_hf_tokenizer`` refuses (a missing directory, a missing BOS/EOS/PAD, ...).
+    """
+    data = cfg.data
+    if data.tokenizer == "bytes":
+        return ByteTokenizer()
+    from exactstep.data.hf_tokenizer import load_hf_tokenizer
+
+    path, key = data.tokenizer_path, "data.tokenizer_path"
+    if path is None:
+        path = getattr(getattr(cfg, "model", None), "path", None)
+        key = "data.tokenizer_path (defaulting to model.path)"
+    if not path:
+        raise ConfigError("data.tokenizer = 'hf' needs a tokenizer directory: set "
+                          "data.tokenizer_path (or model.path)")
+    return load_hf_tokenizer(path, path_key=key, bos_token=data.bos_token,
+                             eos_token=data.eos_token, pad_token=data.pad_token,
+                             chat_template=data.chat_template)

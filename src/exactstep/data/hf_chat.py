@@ -1,0 +1,305 @@
+"""Hugging Face chat templates as exactstep chat renderers (H2, R5).
+
+``HFChatTemplate`` renders a conversation with ``transformers``'
+``apply_chat_template`` and derives, for every token, the message it belongs to and
+its part (``data.chat.Part``), so that ownership goes through the same compiler as
+the built-in template (``rows.chat``: ``a_j`` from role and part, ``l_i = a_(i+1)``)
+and ``chat.turns``, ``chat.supervise_eot`` and ``chat.supervise_tool_calls`` keep
+their meaning. Everything is decided on tokens; decoded text is never searched.
+
+Derivation, for a conversation of messages ``0..n-1``:
+
+1. **Message spans, from growing prefixes.** ``R_k`` is the tokenization of the
+   rendering of the first ``k`` messages; ``R_0`` is empty (a Hugging Face template
+   renders no empty conversation, so a template's preamble, e.g. its BOS, belongs
+   to message 0). Every ``R_k`` must be a token prefix of ``R_(k+1)`` (prefix
+   stability); message ``k`` owns the tokens ``[len R_k, len R_(k+1))``.
+2. **The generation of an assistant message** (the tokens the model emits):
+
+   - with ``{% generation %}`` markers in the template, the tokens that
+     ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks (its
+     tokenization must equal ``R_n``);
+   - without markers, the tokens after the header up to and including the
+     end-of-turn marker (3). The header is what the generation prompt adds:
+     ``G_k``, the rendering of the first ``k`` messages with
+     ``add_generation_prompt=True``, must satisfy ``R_k < G_k <= R_(k+1)`` as token
+     prefixes, and the header is ``G_k`` after ``R_k``. A template whose generation
+     prompt adds nothing, and an assistant message that opens the conversation
+     (no ``G_0`` exists), cannot be split this way and are refused: add generation
+     markers to the template.
+
+3. **Parts of an assistant message.** Its end-of-turn marker is its last special
+   token (an added token flagged special, or EOS) at or after the first generated
+   token. A generated token is ``END_OF_TURN`` if it is that marker, ``TOOL_CALL``
+   if it lies at or after the tool-call start and before the marker (the tool-call
+   start is where the turn first differs from a rendering of the same message
+   without its tool calls; only for messages with tool calls), ``CONTENT``
+   otherwise. Tokens before the first generated one are ``HEADER``; tokens after it
+   that are not generated are ``SEPARATOR`` (never targets). So for ChatML,
+   ``<|im_start|>assistant\\n`` is the header, ``4<|im_end|>`` the generation with
+   ``<|im_end|>`` its end-of-turn marker, and the ``\\n`` after it a separator,
+   whether the template carries markers around ``4<|im_end|>`` or not. Without
+   markers, a turn with no special token after its header is all generation and has
+   no end-of-turn marker.
+4. **Other messages.** Their tokens are ``CONTENT`` of their role, never targets; a
+   generation marker on them is refused.
+
+Checks, each a ``DataError`` naming the template (``rows.chat`` prefixes the
+conversation): prefix stability of every ``R_k`` and ``G_k``, the marked
+tokenization equal to ``R_n``, no marker outside assistant messages, and a render
+the template itself refuses (``raise_exception``, a Jinja error). ``rows.chat`` then
+checks that every selected assistant turn has a non-empty generation and, under
+``chat.supervise_eot``, its end-of-turn marker inside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from exactstep.data.chat import Message, Part, RenderedChat, Role
+from exactstep.errors import DataError
+
+# The test transformers itself applies before it computes an assistant mask.
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+DERIVATION_VERSION = 1
+
+
+@dataclass(frozen=True, eq=False)
+class HFChatTemplate:
+    """A Jinja chat template (``source``) from ``label`` (a file, or a tokenizer's own).
+
+    Used with an ``HFTokenizer`` (``exactstep.data.hf_tokenizer``).
+    """
+
+    source: str
+    label: str
+
+    @property
+    def name(self) -> str:
+        """How errors and the manifest name the template: where it came from."""
+        return self.label
+
+    @property
+    def marked(self) -> bool:
+        """The template declares its assistant generation with ``{% generation %}``."""
+        return GENERATION_TAG.search(self.source) is not None
+
+    @property
+    def ownership(self) -> str:
+        return "generation-markers" if self.marked else "growing-prefixes"
+
+    def definition(self, tokenizer: Any) -> dict[str, Any]:
+        """What ``fingerprint`` hashes: the template text, how ownership is derived,
+        and the ids it depends on."""
+        return {
+            "kind": "hf-jinja",
+            "version": DERIVATION_VERSION,
+            "ownership": self.ownership,
+            "source_sha256": hashlib.sha256(self.source.encode("utf-8")).hexdigest(),
+            "special_ids": tokenizer.special_ids(),
+            "end_of_turn_ids": sorted(tokenizer.special_token_ids()),
+        }
+
+    def fingerprint(self, tokenizer: Any) -> str:
+        canonical = json.dumps(self.definition(tokenizer), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+    def render(self, messages: Sequence[Message], tokenizer: Any) -> RenderedChat:
+        """Render a whole conversation with each token's role, message and part."""
+        return _Rendering(self, tokenizer, messages).rendered()
+
+    def render_prompt(self, messages: Sequence[Message], tokenizer: Any) -> RenderedChat:
+        """Render ``messages`` then the generation prompt (the assistant header)."""
+        rendering = _Rendering(self, tokenizer, messages)
+        done = rendering.rendered() if messages else _empty_chat()
+        prompt = rendering.tokens(len(messages), prompt=True)
+        rendering.require_prefix(done.tokens.tolist(), prompt, _first(len(messages)),
+                                 _prompted(len(messages)))
+        header = prompt[len(done):]
+        if not header:
+            raise rendering.no_header()
+        n = len(header)
+        return RenderedChat(
+            tokens=np.concatenate([done.tokens, np.asarray(header, dtype=np.int64)]),
+            role=np.concatenate([done.role, np.full(n, int(Role.ASSISTANT), dtype=np.int8)]),
+            message=np.concatenate([done.message, np.full(n, len(messages), dtype=np.int32)]),
+            part=np.concatenate([done.part, np.full(n, int(Part.HEADER), dtype=np.int8)]),
+        )
+
+
+class _Rendering:
+    """One conversation under one template: renders prefixes and labels tokens."""
+
+    def __init__(self, template: HFChatTemplate, tokenizer: Any,
+                 messages: Sequence[Message]) -> None:
+        self.template = template
+        self.tokenizer = tokenizer
+        self.messages = list(messages)
+        self.dicts = [m.to_json() for m in self.messages]
+        self.special = tokenizer.special_token_ids()
+
+    # ------------------------------------------------------------------ rendering
+
+    def tokens(self, k: int, *, prompt: bool = False, last: dict | None = None) -> list[int]:
+        """Tokens of the first ``k`` messages (``last`` replacing message ``k-1``),
+        with the generation prompt when ``prompt``."""
+        conversation = self.dicts[:k] if last is None else [*self.dicts[: k - 1], last]
+        try:
+            text = self.tokenizer.hf.apply_chat_template(
+                conversation, chat_template=self.template.source, tokenize=False,
+                add_generation_prompt=prompt)
+        except Exception as exc:  # a user's template may raise anything
+            raise self.failed(k, exc) from None
+        return self.tokenizer.encode(text)
+
+    def marked_mask(self, tokens: list[int]) -> np.ndarray:
+        """The template's assistant mask over the whole conversation (bool [n])."""
+        try:
+            out = self.tokenizer.hf.apply_chat_template(
+                self.dicts, chat_template=self.template.source, tokenize=True,
+                return_dict=True, return_assistant_tokens_mask=True)
+        except Exception as exc:  # a user's template may raise anything
+            raise self.failed(len(self.dicts), exc) from None
+        if list(out["input_ids"]) != tokens:
+            raise DataError(f"template {self.template.label}: the rendering with its "
+                            "generation markers tokenizes differently from the plain one; "
+                            "check the tokenizer and the template")
+        return np.asarray(out["assistant_masks"], dtype=bool)
+
+    # ------------------------------------------------------------------ labelling
+
+    def rendered(self) -> RenderedChat:
+        if not self.messages:
+            return _empty_chat()
+        prefixes = [self.tokens(k) for k in range(1, len(self.messages) + 1)]
+        for k in range(1, len(prefixes)):
+            self.require_prefix(prefixes[k - 1], prefixes[k], _first(k), _first(k + 1))
+        tokens = prefixes[-1]
+        mask = self.marked_mask(tokens) if self.template.marked else None
+        n = len(tokens)
+        role = np.zeros(n, dtype=np.int8)
+        message = np.zeros(n, dtype=np.int32)
+        part = np.full(n, int(Part.CONTENT), dtype=np.int8)
+        for k, msg in enumerate(self.messages):
+            lo, hi = (len(prefixes[k - 1]) if k else 0), len(prefixes[k])
+            role[lo:hi] = int(Role.of(msg.role))
+            message[lo:hi] = k
+            if msg.role == "assistant":
+                part[lo:hi] = self.assistant_parts(k, lo, hi, tokens, prefixes, mask)
+            elif mask is not None and mask[lo:hi].any():
+                raise DataError(f"template {self.template.label} marks tokens of the {msg.role} "
+                                f"message {k} as assistant generation; only assistant turns "
+                                "may sit inside {% generation %}")
+        return RenderedChat(tokens=np.asarray(tokens, dtype=np.int64), role=role,
+                            message=message, part=part)
+
+    def assistant_parts(self, k: int, lo: int, hi: int, tokens: list[int],
+                        prefixes: list[list[int]], mask: np.ndarray | None) -> np.ndarray:
+        """Parts of assistant message ``k``'s tokens ``[lo, hi)`` (module docstring, 2-3)."""
+        parts = np.full(hi - lo, int(Part.HEADER), dtype=np.int8)
+        if hi == lo:
+            return parts
+        if mask is not None:
+            generated = mask[lo:hi].copy()
+        else:
+            generated = np.zeros(hi - lo, dtype=bool)
+            generated[self.header_end(k, lo, hi, tokens) - lo:] = True
+        if not generated.any():
+            return parts  # rows.chat refuses an empty generation, naming the conversation
+        first = lo + int(np.argmax(generated))
+        eot = self.end_of_turn(tokens, first, hi)
+        if mask is None and eot is not None:
+            generated[eot - lo + 1:] = False
+        tool_start = self.tool_call_start(k, lo, hi, tokens) if self.messages[k].tool_calls else None
+        for i in range(lo, hi):
+            if not generated[i - lo]:
+                parts[i - lo] = int(Part.HEADER if i < first else Part.SEPARATOR)
+            elif i == eot:
+                parts[i - lo] = int(Part.END_OF_TURN)
+            elif tool_start is not None and i >= tool_start and (eot is None or i < eot):
+                parts[i - lo] = int(Part.TOOL_CALL)
+            else:
+                parts[i - lo] = int(Part.CONTENT)
+        return parts
+
+    def header_end(self, k: int, lo: int, hi: int, tokens: list[int]) -> int:
+        """Where assistant message ``k``'s header ends: the end of ``G_k``."""
+        if k == 0:
+            raise DataError(
+                f"template {self.template.label} has no generation markers and the "
+                "conversation opens with an assistant message, whose header cannot be told "
+                "from its answer (a template renders no empty prompt); add {% generation %} "
+                "markers to the template or start the conversation with another message")
+        prompt = self.tokens(k, prompt=True)
+        self.require_prefix(tokens[:lo], prompt, _first(k), _prompted(k))
+        if len(prompt) == lo:
+            raise self.no_header()
+        self.require_prefix(prompt, tokens[:hi], _prompted(k), _first(k + 1))
+        return len(prompt)
+
+    def end_of_turn(self, tokens: list[int], first: int, hi: int) -> int | None:
+        """The last special token in ``[first, hi)``, or ``None``."""
+        for i in range(hi - 1, first - 1, -1):
+            if tokens[i] in self.special:
+                return i
+        return None
+
+    def tool_call_start(self, k: int, lo: int, hi: int, tokens: list[int]) -> int:
+        """The first token of message ``k``'s turn that a rendering without its tool
+        calls does not share."""
+        without = {"role": "assistant", "content": self.messages[k].content}
+        probe = self.tokens(k + 1, last=without)
+        self.require_prefix(tokens[:lo], probe, _first(k),
+                            f"{_first(k + 1)} with message {k}'s tool calls left out")
+        i = lo
+        while i < hi and i < len(probe) and probe[i] == tokens[i]:
+            i += 1
+        return i
+
+    # ------------------------------------------------------------------ errors
+
+    def require_prefix(self, shorter: list[int], longer: list[int], shorter_what: str,
+                       longer_what: str) -> None:
+        """``shorter`` must be a token prefix of ``longer`` (prefix stability, H2)."""
+        if longer[: len(shorter)] == shorter:
+            return
+        at = next((j for j, (a, b) in enumerate(zip(shorter, longer, strict=False)) if a != b),
+                  len(longer))
+        got = self.tokenizer.token_text(shorter[at])
+        other = self.tokenizer.token_text(longer[at]) if at < len(longer) else "(end)"
+        raise DataError(
+            f"template {self.template.label} is not prefix-stable: the rendering of "
+            f"{shorter_what} ({len(shorter)} tokens) is not a token prefix of the rendering of "
+            f"{longer_what} (token {at}: '{got}' vs '{other}'); ownership needs every prefix "
+            "of a conversation to render as a token prefix of it")
+
+    def no_header(self) -> DataError:
+        return DataError(
+            f"template {self.template.label} renders nothing for add_generation_prompt, so "
+            "an assistant turn's header cannot be told from its answer; make the template "
+            "honour add_generation_prompt or add {% generation %} markers")
+
+    def failed(self, k: int, exc: BaseException) -> DataError:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        return DataError(f"template {self.template.label} cannot render {_first(k)} "
+                         f"({type(exc).__name__}: {message})")
+
+
+def _first(k: int) -> str:
+    return f"the first {k} message" + ("s" if k != 1 else "")
+
+
+def _prompted(k: int) -> str:
+    return f"{_first(k)} with the generation prompt"
+
+
+def _empty_chat() -> RenderedChat:
+    return RenderedChat(tokens=np.zeros(0, dtype=np.int64), role=np.zeros(0, dtype=np.int8),
+                        message=np.zeros(0, dtype=np.int32), part=np.zeros(0, dtype=np.int8))
