@@ -314,7 +314,7 @@ def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalR
     checkpoint a resume would choose (``LATEST``, or the newest that verifies).
     """
     from exactstep.config import config_from_manifest
-    from exactstep.data.tokenizer import ByteTokenizer
+    from exactstep.data.tokenizer import build_tokenizer
     from exactstep.errors import ResumeError
     from exactstep.manifest import read_manifest
     from exactstep.model.decoder import build_model
@@ -330,7 +330,7 @@ def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalR
     if point.path is None:
         raise ResumeError(f"{run_dir} has no checkpoint to evaluate yet; train or resume it first")
     device = resolve_rank_device(cfg.train.device, 0)
-    tokenizer = ByteTokenizer()
+    tokenizer = build_tokenizer(cfg)
     data = load_bundle(cfg, tokenizer)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed).to(device)
     load_weights(point.path, model, DcpFormat(single_process(device)))

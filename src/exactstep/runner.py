@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
-from exactstep.data.tokenizer import ByteTokenizer
+from exactstep.data.tokenizer import ByteTokenizer, build_tokenizer
 from exactstep.durable import Journal, ensure_writable_dir
 from exactstep.errors import DistributedError, Interrupted, ResumeError
 from exactstep.eval import Validator, greedy_answer_accuracy
@@ -103,7 +103,7 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
         torch.set_num_threads(cfg.train.threads)
     seed_rng(cfg.seed)  # every stream starts from the seed; a resume restores them later
     ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
-    tokenizer = ByteTokenizer()
+    tokenizer = build_tokenizer(cfg)
     data = load_bundle(cfg, tokenizer)
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
                        vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size)

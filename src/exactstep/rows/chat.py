@@ -12,7 +12,15 @@ same segment), they are only not targets (R2).
 Policy (``ChatPolicy``): which assistant turns (``all | last``), whether the
 end-of-turn marker and tool calls are supervised (default yes), and what happens to
 a conversation left with no supervised target after truncation (``drop`` and count,
-or ``error``). Headers, system, user and tool-result tokens are never targets.
+or ``error``). Headers, separators, system, user and tool-result tokens are never
+targets.
+
+Every rendered conversation is checked before truncation (H2): each selected
+assistant turn has a non-empty generation (content, tool-call or end-of-turn
+tokens), and under ``supervise_eot`` an end-of-turn token among them. A failure is a
+template defect, not an empty example: a ``DataError`` naming the conversation and
+the template, whatever ``empty`` says. A conversation with no assistant message at
+all is the ``empty`` policy's to decide.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import numpy as np
 
 from exactstep.data.chat import (
     DEFAULT_TEMPLATE,
-    ChatTemplate,
+    GENERATED_PARTS,
+    ChatRenderer,
     ChatTokenizer,
     Conversation,
     Part,
@@ -83,6 +92,37 @@ def target_ownership(rendered: RenderedChat, policy: ChatPolicy) -> np.ndarray:
     return owned
 
 
+def selected_turns(conversation: Conversation, policy: ChatPolicy) -> list[int]:
+    """Message indices of the assistant turns the policy supervises (``chat.turns``)."""
+    turns = [k for k, m in enumerate(conversation.messages) if m.role == "assistant"]
+    return turns if policy.turns == "all" else turns[-1:]
+
+
+def check_rendered(rendered: RenderedChat, conversation: Conversation, policy: ChatPolicy,
+                   *, where: str, template: str) -> None:
+    """Refuse a rendering whose ownership cannot be what the policy declares (H2).
+
+    Each assistant message the policy selects must have a generated token in the
+    rendering (content, tool call or end-of-turn), and under ``supervise_eot`` an
+    end-of-turn token. Raises ``DataError`` naming ``where`` and ``template``.
+    """
+    generated = np.isin(rendered.part, [int(p) for p in GENERATED_PARTS])
+    for k in selected_turns(conversation, policy):
+        turn = (rendered.message == k) & (rendered.role == Role.ASSISTANT)
+        if not (turn & generated).any():
+            raise DataError(
+                f"{where}: template {template} renders no assistant tokens for message {k} "
+                "(nothing the model would generate: no content, tool call or end-of-turn "
+                "token); fix the template (its {% generation %} block, or the assistant "
+                "turn it renders)")
+        if policy.supervise_eot and not (turn & (rendered.part == Part.END_OF_TURN)).any():
+            raise DataError(
+                f"{where}: template {template} renders no end-of-turn token in the generation "
+                f"of assistant message {k} (a special token ending the turn, inside its "
+                "{% generation %} block if it has one); end the assistant turn with one, or "
+                "set chat.supervise_eot = false")
+
+
 def row_ownership(target_owned: np.ndarray) -> np.ndarray:
     """``l_i = a_(i+1)``: bool [n]; the last row has no next token and owns nothing."""
     rows = np.zeros_like(target_owned, dtype=bool)
@@ -121,22 +161,29 @@ def chat_example(
     policy: ChatPolicy,
     *,
     max_len: int,
-    template: ChatTemplate = DEFAULT_TEMPLATE,
+    template: ChatRenderer = DEFAULT_TEMPLATE,
     report: ChatReport | None = None,
 ) -> Example | None:
-    """Render, own and truncate one conversation.
+    """Render, check, own and truncate one conversation.
 
-    Keeps the first ``max_len`` tokens (a row of ``max_len`` columns then holds the
-    whole example, every kept target with its predecessor row). The conversation's
-    ``weight`` (L3) becomes the example's. Returns ``None`` when
-    no supervised target remains and ``policy.empty == "drop"``; raises ``DataError``
-    naming the conversation when ``policy.empty == "error"``.
+    A rendering the template refuses, or that ``check_rendered`` refuses, is a
+    ``DataError`` naming the conversation and the template (H2). Keeps the first
+    ``max_len`` tokens (a row of ``max_len`` columns then holds the whole example,
+    every kept target with its predecessor row). The conversation's ``weight`` (L3)
+    becomes the example's. Returns ``None`` when no supervised target remains and
+    ``policy.empty == "drop"``; raises ``DataError`` naming the conversation when
+    ``policy.empty == "error"``.
     """
     if max_len < 2:
         raise ConfigError(f"chat max_len must be >= 2 (a target needs a row before it); got {max_len}")
     report = report if report is not None else ChatReport()
     report.conversations += 1
-    rendered = template.render(conversation.messages, tokenizer)
+    where = conversation.name or f"conversation {example_id}"
+    try:
+        rendered = template.render(conversation.messages, tokenizer)
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}") from None
+    check_rendered(rendered, conversation, policy, where=where, template=template.name)
     owned = target_ownership(rendered, policy)
     owned[0] = False  # no row precedes token 0, so it can never be a target
     tokens = rendered.tokens
@@ -181,7 +228,7 @@ def chat_examples(
     policy: ChatPolicy,
     *,
     max_len: int,
-    template: ChatTemplate = DEFAULT_TEMPLATE,
+    template: ChatRenderer = DEFAULT_TEMPLATE,
 ) -> tuple[list[Example], ChatReport]:
     """Compile conversations to ``Example``s; ``example_id`` is the index in ``conversations``.
 

@@ -5,7 +5,12 @@ position, the input token, the target token (``·`` when the row owns no loss), 
 ownership bit and the visible span -- the columns that row may attend to (same
 segment; causal, or bidirectional inside a declared prefix). The shift is visible
 as "each row's target is the next row's input"; a mask error is visible as a target
-that crosses a segment or a span that reaches into another one.
+that crosses a segment or a span that reaches into another one. For a chat run the
+ownership column is the assistant-mask trace after the shift (R5, H2): a row owns
+its target exactly when that target token belongs to a supervised assistant span,
+so the row holding the header's last token owns the answer's first. Tokens are
+shown by the run's tokenizer (``token_text``: bytes, or a Hugging Face tokenizer's
+pieces and special tokens), and the columns widen to the longest one.
 """
 
 from __future__ import annotations
@@ -69,10 +74,13 @@ def render_row(batch: Batch, tokenizer: TokenizerLike, b: int) -> str:
             f"  segment {s}: example {seg.example_id} piece {seg.piece} "
             f"tokens {seg.offset}..{seg.offset + seg.length - 1} at cols {seg.start}..{seg.stop - 1}"
         )
-    lines.append(f"  {'col':>4} {'seg':>3} {'pos':>4}  {'input':<8}   {'target':<8} own  visible")
+    shown_inputs = [token_label(tokenizer, token) for token in inputs]
+    shown_targets = [NO_TARGET if label == IGNORE_INDEX else token_label(tokenizer, label)
+                     for label in labels]
+    w = max(8, *map(len, shown_inputs), *map(len, shown_targets))
+    lines.append(f"  {'col':>4} {'seg':>3} {'pos':>4}  {'input':<{w}}   {'target':<{w}} own  visible")
     owner = {col: (k, seg) for k, seg in enumerate(segments) for col in range(seg.start, seg.stop)}
-    for col, (token, label) in enumerate(zip(inputs, labels, strict=True)):
-        target = NO_TARGET if label == IGNORE_INDEX else token_label(tokenizer, label)
+    for col, label in enumerate(labels):
         if col in owner:
             k, seg = owner[col]
             first, last = visible_span(batch, b, k, seg, col)
@@ -81,7 +89,8 @@ def render_row(batch: Batch, tokenizer: TokenizerLike, b: int) -> str:
             visible = "none (padding)"
         lines.append(
             f"  {col:>4} {segment_ids[col]:>3} {positions[col]:>4}  "
-            f"{token_label(tokenizer, token):<8} → {target:<8} {int(label != IGNORE_INDEX):>3}  {visible}"
+            f"{shown_inputs[col]:<{w}} → {shown_targets[col]:<{w}} "
+            f"{int(label != IGNORE_INDEX):>3}  {visible}"
         )
     return "\n".join(lines)
 
@@ -101,11 +110,11 @@ def inspect_rows(cfg: Any, rows: range, *, split: str = "train") -> str:
 
     Raises ``ConfigError`` when ``rows`` reaches past the microbatch.
     """
-    from exactstep.data.tokenizer import ByteTokenizer
+    from exactstep.data.tokenizer import build_tokenizer
     from exactstep.rows.sources import load_bundle
     from exactstep.rows.stream import RowStream, eval_batches
 
-    tokenizer = ByteTokenizer()
+    tokenizer = build_tokenizer(cfg)
     data = load_bundle(cfg, tokenizer)
     if split == "train":
         batch = next(iter(RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id,

@@ -1,15 +1,20 @@
 """Where a run's examples come from: ``load_bundle(cfg, tokenizer) -> DataBundle`` (R5, S1).
 
 Text sources (the stdlib corpus, a JSONL of ``{"text": ...}``) are encoded as
-``BOS + bytes + EOS`` examples that own every target. Chat sources (``"arith"`` for
-the built-in demo, otherwise a chat JSONL path) are rendered once and owned on
-targets by the chat policy (R5), truncated to ``batch.seq_len`` with ``chat.empty``
-deciding empty conversations; for the demo, the held-out conversations that the
-end of a run scores come with the bundle.
+``BOS + ids + EOS`` examples that own every target (the tokenizer adds no special
+token of its own). Chat sources (``"arith"`` for the built-in demo, otherwise a chat
+JSONL path) are rendered once, by the tokenizer's template (``data.chat.template_for``:
+the built-in one, or a Hugging Face Jinja template, H2), and owned on targets by the
+chat policy (R5), truncated to ``batch.seq_len`` with ``chat.empty`` deciding empty
+conversations; for the demo, the held-out conversations that the end of a run
+scores come with the bundle.
 
-Both return the manifest's ``data`` and ``representation`` sections (S1). The
-policy comes from the configuration's ``chat`` section and the demo's family from
-its ``arith`` section; a configuration without them gets the documented defaults.
+Both return the manifest's ``data`` and ``representation`` sections (S1); the
+representation records the tokenizer's kind, hash and special ids and, for chat,
+the template's name and hash (for a Hugging Face tokenizer also its vocabulary size
+and how the template's ownership was derived). The policy comes from the
+configuration's ``chat`` section and the demo's family from its ``arith`` section;
+a configuration without them gets the documented defaults.
 """
 
 from __future__ import annotations
@@ -21,13 +26,9 @@ from dataclasses import asdict
 from typing import Any
 
 from exactstep.data.arith import ArithSpec, arith_conversations
-from exactstep.data.chat import (
-    DEFAULT_TEMPLATE,
-    Conversation,
-    load_chat_jsonl,
-)
+from exactstep.data.chat import ChatRenderer, Conversation, load_chat_jsonl, template_for
 from exactstep.data.corpus import check_split, load_corpus
-from exactstep.data.tokenizer import ByteTokenizer
+from exactstep.data.tokenizer import Tokenizer
 from exactstep.rows.chat import ChatPolicy, chat_examples
 from exactstep.rows.example import DataBundle, encode_documents
 
@@ -82,7 +83,7 @@ def split_conversations(
     return train, val, rule, None
 
 
-def load_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
+def load_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
     """Load and encode both splits of the run's data (text or chat, by ``data.kind``).
 
     Raises ``DataError`` for a missing, malformed or empty source (file and line
@@ -95,8 +96,8 @@ def load_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
     return bundle
 
 
-def load_text_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
-    """Text examples: ``BOS + bytes + EOS`` per document, every target owned."""
+def load_text_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
+    """Text examples: ``BOS + ids + EOS`` per document, every target owned."""
     corpus = load_corpus(cfg.data)
     section = {
         "source": corpus.source,
@@ -106,21 +107,15 @@ def load_text_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
         "train_documents": len(corpus.train),
         "val_documents": len(corpus.val),
     }
-    representation = {
-        "tokenizer": "bytes",
-        "tokenizer_hash": tokenizer.fingerprint(),
-        "special_ids": tokenizer.special_ids(),
-        "template_hash": None,
-    }
     return DataBundle(
         train=encode_documents(corpus.train, tokenizer),
         val=encode_documents(corpus.val, tokenizer),
         section=section,
-        representation=representation,
+        representation=representation_of(tokenizer),
     )
 
 
-def load_chat_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
+def load_chat_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
     """Compile the run's chat data (R5): rendered once, owned on targets, truncated to
     ``batch.seq_len`` with ``chat.empty`` deciding empty conversations.
 
@@ -128,10 +123,13 @@ def load_chat_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
     ``chat.empty = 'error'``, for a conversation with no supervised token.
     """
     policy = chat_policy_of(cfg)
+    template = template_for(tokenizer)
     train_conv, val_conv, rule, heldout = split_conversations(cfg)
     max_len = cfg.batch.seq_len
-    train, train_report = chat_examples(train_conv, tokenizer, policy, max_len=max_len)
-    val, val_report = chat_examples(val_conv, tokenizer, policy, max_len=max_len)
+    train, train_report = chat_examples(train_conv, tokenizer, policy, max_len=max_len,
+                                        template=template)
+    val, val_report = chat_examples(val_conv, tokenizer, policy, max_len=max_len,
+                                    template=template)
     section = {
         "source": cfg.data.source,
         "kind": "chat",
@@ -145,11 +143,28 @@ def load_chat_bundle(cfg: Any, tokenizer: ByteTokenizer) -> DataBundle:
     }
     if cfg.data.source == ARITH_SOURCE:
         section["arith"] = asdict(arith_spec_of(cfg))
-    representation = {
-        "tokenizer": "bytes",
+    return DataBundle(train, val, section, representation_of(tokenizer, template), heldout)
+
+
+def representation_of(tokenizer: Tokenizer, template: ChatRenderer | None = None) -> dict[str, Any]:
+    """The manifest's ``representation`` section (S1): tokenizer kind, hash and special
+    ids, and the chat template's name and hash (``template_hash`` is ``None`` for text).
+
+    For the byte tokenizer these are exactly the keys runs have always recorded; a
+    Hugging Face tokenizer adds ``vocab_size`` and, for chat, ``template_ownership``
+    (``generation-markers`` or ``growing-prefixes``, H2).
+    """
+    representation: dict[str, Any] = {
+        "tokenizer": tokenizer.kind,
         "tokenizer_hash": tokenizer.fingerprint(),
         "special_ids": tokenizer.special_ids(),
-        "template": DEFAULT_TEMPLATE.name,
-        "template_hash": DEFAULT_TEMPLATE.fingerprint(tokenizer),
     }
-    return DataBundle(train, val, section, representation, heldout)
+    if template is not None:
+        representation["template"] = template.name
+    representation["template_hash"] = (template.fingerprint(tokenizer)
+                                       if template is not None else None)
+    if tokenizer.kind != "bytes":
+        representation["vocab_size"] = tokenizer.vocab_size
+        if template is not None:
+            representation["template_ownership"] = getattr(template, "ownership", None)
+    return representation
