@@ -216,6 +216,28 @@ def hf(table: dict | None = None, *extra: str) -> tuple[str, ...]:
     return train("--set", "model.source=hf", *config, *extra)
 
 
+def hf_chat(*extra: str) -> tuple[str, ...]:
+    """``chat`` through the Hugging Face tokenizer that ``hf_files`` writes to {tmp}/tok."""
+    return chat("--set", "data.tokenizer=hf", "--set", "data.tokenizer_path={tmp}/tok",
+                "--set", "data.val_fraction=0.3", *extra)
+
+
+def hf_files(template: str | None = None, pad: str | None = "<pad>") -> Callable[[Path], None]:
+    """A BPE tokenizer trained in-process (ChatML template, PAD unless ``pad=None``),
+    20 good conversations, and ``template`` (a hf_support name) as {tmp}/t.jinja."""
+    def setup(tmp: Path) -> None:
+        import hf_support
+
+        hf_support.save_tokenizer(tmp / "tok", pad=pad, chat_template=hf_support.CHATML)
+        if template is not None:
+            (tmp / "t.jinja").write_text(getattr(hf_support, template))
+        (tmp / "chat.jsonl").write_text(lines(*[
+            conversation({"role": "user", "content": f"q{i}"},
+                         {"role": "assistant", "content": f"a{i}"}) for i in range(20)]))
+
+    return setup
+
+
 # --------------------------------------------------------------------------- cases
 
 CASES: list[Case] = [
@@ -547,6 +569,25 @@ CASES += [
     Case("datasets-chat-empty-messages", shards_chat("c.arrow"),
          'c.arrow row 0: "messages" must be a non-empty list',
          table_file("c.arrow", [{"messages": []}, *SHARD_CHATS])),
+]
+
+# --- Hugging Face tokenizers and chat templates (H2)
+
+CASES += [
+    Case("hf-template-without-assistant-tokens",
+         hf_chat("--set", "data.chat_template={tmp}/t.jinja"), "renders no assistant tokens",
+         hf_files("NO_ASSISTANT")),
+    Case("hf-template-not-prefix-stable", hf_chat("--set", "data.chat_template={tmp}/t.jinja"),
+         "is not prefix-stable", hf_files("UNSTABLE")),
+    Case("hf-tokenizer-without-pad-token", hf_chat(), "has no PAD token; set data.pad_token",
+         hf_files(pad=None)),
+    Case("hf-tokenizer-directory-missing",
+         hf_chat("--set", "data.tokenizer_path={tmp}/nope"), "data.tokenizer_path"),
+    Case("hf-chat-template-file-missing",
+         hf_chat("--set", "data.chat_template={tmp}/nope.jinja"), "data.chat_template",
+         hf_files()),
+    Case("hf-key-with-the-byte-tokenizer", train("--set", "data.pad_token=<pad>"),
+         "data.pad_token applies only to a Hugging Face tokenizer"),
 ]
 
 
