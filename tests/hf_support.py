@@ -74,6 +74,38 @@ def save_tokenizer(directory: Path, *, bos: str | None = "<s>", eos: str | None 
     return directory
 
 
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (what byte-level BPE vocabularies hold)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def save_byte_tokenizer(directory: Path, chat_template: str) -> Path:
+    """exactstep's byte tokenizer as a Hugging Face one: byte b -> id b (no merges),
+    ``<bos>``, ``<eos>``, ``<pad>`` = 256, 257, 258."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: b for b, char in bytes_to_unicode().items()}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<bos>", "<eos>", "<pad>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", chat_template=chat_template)
+    directory.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(directory))
+    return directory
+
+
 def raw_tokenizer(directory: Path):
     """The saved ``tokenizer.json`` read back by ``tokenizers`` alone (no exactstep,
     no transformers): the independent side of the tests."""
@@ -119,6 +151,16 @@ GEMMA_MARKED = jinja(
     "{% else %}<start_of_turn>{{ m.role }}⏎{{ (prefix if loop.first else '') + m.content | trim }}"
     "<end_of_turn>⏎{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model⏎{% endif %}")
+
+# exactstep's built-in byte chat template (exactstep-bytes-chat-v1), rewritten in Jinja
+# from its specification in data/chat.py; tool calls as compact sorted-key JSON.
+BYTES_MARKED = jinja(
+    "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>⏎{% if m.role == 'assistant' %}"
+    "{% generation %}{{ m.content }}{% for c in m.tool_calls or [] %}<|tool_call|>"
+    "{{ c | tojson(separators=(',', ':'), sort_keys=True) }}⏎{% endfor %}{{ eos_token }}"
+    "{% endgeneration %}{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>⏎{% endif %}")
+BYTES = BYTES_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 TEMPLATES = {
     ("chatml", False): CHATML, ("chatml", True): CHATML_MARKED,

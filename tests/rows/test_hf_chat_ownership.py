@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hf_support import (
+    BYTES,
+    BYTES_MARKED,
     EOT_OUTSIDE_MARKED,
     NO_ASSISTANT,
     NO_ASSISTANT_MARKED,
@@ -30,14 +32,17 @@ from hf_support import (
     UNSTABLE_MARKED,
     expected_tokens,
     jinja,
+    save_byte_tokenizer,
     save_tokenizer,
 )
 
-from exactstep.data.chat import Conversation, Message, Part, Role, template_for
+from exactstep.data.arith import arith_conversations
+from exactstep.data.chat import DEFAULT_TEMPLATE, Conversation, Message, Part, Role, template_for
 from exactstep.data.hf_chat import HFChatTemplate
 from exactstep.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
+from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import DataError
-from exactstep.rows.chat import ChatPolicy, ChatReport, chat_example
+from exactstep.rows.chat import ChatPolicy, ChatReport, chat_example, target_ownership
 
 CONV = Conversation((
     Message("system", "Be brief."),
@@ -151,6 +156,35 @@ def test_tool_calls_follow_the_policy_and_tool_results_are_never_owned(tokenizer
     tokens, got = owned(tok, TOOLS, POLICIES[policy][0])
     assert tokens.tolist() == want_ids
     np.testing.assert_array_equal(got, expected_mask(kinds, policy))
+
+
+@pytest.mark.parametrize("source", [BYTES, BYTES_MARKED], ids=["prefixes", "markers"])
+def test_the_built_in_template_in_jinja_owns_what_the_built_in_template_owns(tmp_path,
+                                                                            source) -> None:
+    """Two implementations of one template: the built-in renderer, and its Jinja
+    rewriting through a Hugging Face byte tokenizer and this derivation. Same tokens
+    and the same target ownership under every policy, tool calls and results included."""
+    tok = load_hf_tokenizer(save_byte_tokenizer(tmp_path / "tok", source))
+    assert (tok.vocab_size, tok.special_ids()) == (259, {"bos": 256, "eos": 257, "pad": 258})
+    template = template_for(tok)
+    conversations = [*arith_conversations(0, 30, split="train"), TOOLS]
+    for conversation in conversations:
+        built_in = DEFAULT_TEMPLATE.render(conversation.messages, ByteTokenizer())
+        derived = template.render(conversation.messages, tok)
+        np.testing.assert_array_equal(derived.tokens, built_in.tokens)
+        for policy, _, _ in POLICIES.values():
+            np.testing.assert_array_equal(target_ownership(derived, policy),
+                                          target_ownership(built_in, policy))
+
+
+def test_negative_control_a_jinja_rewriting_that_differs_in_one_detail_is_seen(tmp_path) -> None:
+    """Tool calls as ``tojson``'s default (spaced) JSON: the comparison above fails."""
+    spaced = BYTES_MARKED.replace("tojson(separators=(',', ':'), sort_keys=True)", "tojson")
+    assert spaced != BYTES_MARKED
+    tok = load_hf_tokenizer(save_byte_tokenizer(tmp_path / "tok", spaced))
+    derived = template_for(tok).render(TOOLS.messages, tok)
+    built_in = DEFAULT_TEMPLATE.render(TOOLS.messages, ByteTokenizer())
+    assert len(derived) != len(built_in)
 
 
 def test_roles_messages_and_parts_of_a_rendering(tokenizers) -> None:
