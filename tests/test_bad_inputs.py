@@ -224,13 +224,13 @@ def hf_chat(*extra: str) -> tuple[str, ...]:
 
 def hf_files(template: str | None = None, pad: str | None = "<pad>") -> Callable[[Path], None]:
     """A BPE tokenizer trained in-process (ChatML template, PAD unless ``pad=None``),
-    20 good conversations, and ``template`` (a hf_support name) as {tmp}/t.jinja."""
+    20 good conversations, and ``template`` (a tokenizer_support name) as {tmp}/t.jinja."""
     def setup(tmp: Path) -> None:
-        import hf_support
+        import tokenizer_support
 
-        hf_support.save_tokenizer(tmp / "tok", pad=pad, chat_template=hf_support.CHATML)
+        tokenizer_support.save_tokenizer(tmp / "tok", pad=pad, chat_template=tokenizer_support.CHATML)
         if template is not None:
-            (tmp / "t.jinja").write_text(getattr(hf_support, template))
+            (tmp / "t.jinja").write_text(getattr(tokenizer_support, template))
         (tmp / "chat.jsonl").write_text(lines(*[
             conversation({"role": "user", "content": f"q{i}"},
                          {"role": "assistant", "content": f"a{i}"}) for i in range(20)]))

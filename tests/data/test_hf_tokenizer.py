@@ -2,7 +2,7 @@
 
 The independent side is the saved ``tokenizer.json`` read back by the ``tokenizers``
 library alone (``raw_tokenizer``); tokenizers are trained in-process on stdlib text
-(``hf_support``), nothing is downloaded.
+(``tokenizer_support``), nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hf_support import CHATML, GEMMA, LLAMA3, raw_tokenizer, save_tokenizer
+from tokenizer_support import CHATML, GEMMA, LLAMA3, raw_tokenizer, save_tokenizer
 
 from exactstep.config import load_config
 from exactstep.data.config import DataConfig

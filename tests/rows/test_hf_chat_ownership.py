@@ -1,6 +1,6 @@
 """Hugging Face chat templates -> ownership, through the one chat compiler (R5, H2).
 
-Three template styles written as Jinja in ``hf_support`` (ChatML-like, Llama-3-like,
+Three template styles written as Jinja in ``tokenizer_support`` (ChatML-like, Llama-3-like,
 Gemma-like), each with and without ``{% generation %}`` markers. The expectation is
 written by hand: the exact text each template must render, cut into pieces, each
 labelled with what it is (``P`` never a target: system, user, tool and header
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hf_support import (
+from tokenizer_support import (
     BYTES,
     BYTES_MARKED,
     EOT_OUTSIDE_MARKED,

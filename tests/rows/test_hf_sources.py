@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hf_support import CHATML, LLAMA3, raw_tokenizer, save_tokenizer
 from run_support import TINY, set_args
+from tokenizer_support import CHATML, LLAMA3, raw_tokenizer, save_tokenizer
 
 from exactstep.cli import main
 from exactstep.config import load_config
