@@ -195,3 +195,24 @@ def test_an_hf_model_run_exports_as_itself(tmp_path) -> None:
     with torch.no_grad():
         assert (hf(input_ids=ids).logits - fresh(input_ids=ids).logits).abs().max() <= 1e-5
     assert json.loads((out / "passport.json").read_text())["architecture"] == "Qwen2ForCausalLM"
+
+
+def test_an_hf_tokenizer_run_exports_its_tokenizer_and_template(tmp_path) -> None:
+    """H2 + H3: the exported tokenizer is the run's (same ids, same chat template), and
+    the model's logits still match on rows of that tokenizer's ids."""
+    from tokenizer_support import CHATML_MARKED, save_tokenizer
+
+    from exactstep.data.hf_tokenizer import load_hf_tokenizer
+
+    tok_dir = save_tokenizer(tmp_path / "tok", chat_template=CHATML_MARKED)
+    run = train(tmp_path, "bpe", "data.tokenizer=hf", f"data.tokenizer_path={tok_dir}")
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    ours = load_hf_tokenizer(tok_dir)
+    for text in TEXTS:
+        assert exported.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert exported.chat_template == CHATML_MARKED
+    passport = json.loads((out / "passport.json").read_text())
+    assert passport["tokenizer_hash"] == ours.fingerprint()
+    assert passport["check"]["max_abs_logit_diff"] <= 1e-5

@@ -3,7 +3,9 @@
 ``export_run(run_dir, out)`` writes a directory that ``AutoModelForCausalLM`` and
 ``AutoTokenizer.from_pretrained`` load with no extra code: ``config.json``,
 ``model.safetensors``, the tokenizer files (with a chat template for chat runs),
-``generation_config.json``, and ``passport.json``. It is accepted only after the
+``generation_config.json``, and ``passport.json``. A run with a Hugging Face
+tokenizer exports that tokenizer (and its chat template); a byte-tokenizer run the
+byte tokenizer described below. It is accepted only after the
 *written* artifact, loaded back with plain ``transformers``, reproduces the training
 model's logits on held-out documents (fp32, max abs difference <= ``LOGIT_TOLERANCE``)
 and its tokenizer reproduces the training tokenizer's ids on them. The directory is
@@ -43,7 +45,8 @@ CHECK_TOKENS = 256
 BYTES_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
-    "{% for c in m.get('tool_calls', []) %}<|tool_call|>{{ c | tojson }}\n{% endfor %}"
+    "{% for c in m.get('tool_calls', []) %}<|tool_call|>"
+    "{{ c | tojson(separators=(',', ':'), sort_keys=True) }}\n{% endfor %}"
     "{{ eos_token }}{% endgeneration %}"
     "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -153,7 +156,7 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     from transformers.utils import logging as hf_logging
 
     from exactstep.config import config_from_manifest
-    from exactstep.data.tokenizer import ByteTokenizer
+    from exactstep.data.tokenizer import build_tokenizer
     from exactstep.errors import ResumeError
     from exactstep.manifest import read_manifest
     from exactstep.model.decoder import build_model
@@ -173,12 +176,14 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     point = choose_resume_point(run_dir / "checkpoints", from_checkpoint)
     if point.path is None:
         raise ResumeError(f"{run_dir} has no checkpoint to export yet; train or resume it first")
-    tokenizer = ByteTokenizer()
+    tokenizer = build_tokenizer(cfg)
     data = load_bundle(cfg, tokenizer)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
     load_weights(point.path, model, DcpFormat(single_process(torch.device("cpu"))))
     model.eval()
-    template = BYTES_CHAT_TEMPLATE if cfg.data.kind == "chat" else None
+    template = None
+    if cfg.data.kind == "chat":
+        template = getattr(tokenizer, "chat_template", None) or BYTES_CHAT_TEMPLATE
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -228,7 +233,12 @@ def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: st
     hf_model.generation_config = GenerationConfig(
         bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"])
     hf_model.save_pretrained(tmp, safe_serialization=True)
-    byte_tokenizer_hf(tokenizer, template).save_pretrained(tmp)
+    hf_tokenizer = getattr(tokenizer, "hf", None)  # a Hugging Face tokenizer run (H2)
+    if hf_tokenizer is None:
+        hf_tokenizer = byte_tokenizer_hf(tokenizer, template)
+    elif template is not None:
+        hf_tokenizer.chat_template = template
+    hf_tokenizer.save_pretrained(tmp)
 
 
 def llama_model(model: Any, cfg: Any, tokenizer: Any, special: dict[str, int]) -> Any:
@@ -269,8 +279,8 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
             expected = model.logits(model(single_segment_batch(ids)))  # [1, T, V]
             got = loaded(input_ids=ids).logits.float()  # [1, T, V]
             worst = max(worst, float((got - expected).abs().max()))
-            text_ids = [int(t) for t in ids[0] if int(t) < 256]
-            text = bytes(text_ids).decode("utf-8", errors="ignore")
+            special = {tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id}
+            text = tokenizer.decode([int(t) for t in example.tokens if int(t) not in special])
             if hf_tokenizer.encode(text, add_special_tokens=False) != tokenizer.encode(text):
                 raise ExportError("the exported tokenizer encodes a held-out document "
                                   "differently from the run's tokenizer; nothing was published")

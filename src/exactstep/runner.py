@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
+from exactstep.data.chat import template_for
 from exactstep.data.tokenizer import ByteTokenizer, build_tokenizer
 from exactstep.durable import Journal, ensure_writable_dir
 from exactstep.errors import DistributedError, Interrupted, ResumeError
@@ -191,7 +192,8 @@ def finish(run: Run, started: float) -> dict[str, Any]:
     if conversations is not None:
         summary["exact_match"] = greedy_answer_accuracy(
             run.model, run.tokenizer, conversations, device=run.ctx.device,
-            max_new_tokens=arith_spec_of(run.cfg).max_new_tokens)
+            max_new_tokens=arith_spec_of(run.cfg).max_new_tokens,
+            template=template_for(run.tokenizer))
         summary["exact_match_n"] = len(conversations)
     if run.ctx.is_main:
         write_outputs(run.out_dir, summary, run.stream.report())
