@@ -86,6 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a smaller, faster measurement")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
 
+    tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    bpe = tokenizer_sub.add_parser(
+        "train", help="train a byte-level BPE on a corpus' training split (H2)")
+    bpe.add_argument("--source", default="stdlib",
+                     help="stdlib (default) or a text data file (.jsonl, .parquet, .arrow, "
+                          "or a directory of shards), read as data.source is")
+    bpe.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                     help="vocabulary size, the 3 special tokens and 256 bytes included")
+    bpe.add_argument("--out", required=True, help="the new tokenizer directory")
+    bpe.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
+                     help="the data.val_fraction of the runs that will use it (default 0.05): "
+                          "its validation documents are never seen")
+    bpe.add_argument("--text-field", default="text", help="the field holding the text")
+
     sub.add_parser("config", help="print every configuration key with its default")
     return parser
 
@@ -245,6 +260,8 @@ def dispatch(args: argparse.Namespace) -> int:
         return verify_command(Path(args.path))
     if args.command == "bench":
         return bench_command(args.name, quick=args.quick, as_json=args.json)
+    if args.command == "tokenizer":
+        return tokenizer_train_command(args)
     if args.command == "config":
         from exactstep.config import config_keys
 
@@ -252,6 +269,19 @@ def dispatch(args: argparse.Namespace) -> int:
             print(f"{key} = {default!r}  # {kind}")
         return 0
     raise AssertionError(args.command)
+
+
+def tokenizer_train_command(args: argparse.Namespace) -> int:
+    """``exactstep tokenizer train``: a BPE on the training split, published at ``--out``."""
+    from exactstep.data.bpe import train_bpe_tokenizer
+
+    record = train_bpe_tokenizer(args.source, args.vocab_size, Path(args.out),
+                                 val_fraction=args.val_fraction, text_field=args.text_field)
+    print(f"tokenizer {args.out}: byte-level BPE, {record['vocab_size']} tokens, trained on "
+          f"{record['train_documents']} training documents of {record['source']} "
+          f"(corpus {record['corpus_fingerprint'][:12]}); use it with --set "
+          f"data.tokenizer=hf data.tokenizer_path={args.out}")
+    return 0
 
 
 def parse_range(text: str) -> range:

@@ -182,7 +182,7 @@ class Validator:
         }
 
     def baseline_bits(self) -> float | None:
-        """Unigram (byte-frequency) bits per byte on the same validation targets."""
+        """Unigram (token-frequency) bits per target on the same validation targets."""
         val = eval_batches(self.val, self.batch, pad_id=self.pad_id)
         return unigram_bits(self.train, val, self.vocab_size, self.max_tokens)
 
@@ -199,6 +199,16 @@ class Validator:
             "unigram_bits_per_byte": unigram,
             "bpb_ratio_to_unigram": (bpb / unigram) if (bpb and unigram) else None,
         }
+
+
+def bits_unit(tokenizer_kind: str) -> str:
+    """What one held-out target is, for the labels of bits per target: ``"byte"`` for
+    the byte tokenizer (``kind = "bytes"``: a target is one byte, or the EOS),
+    ``"token"`` for any other (a BPE target spans several bytes, so its bits are bits
+    per token, not per byte). The figures keep their ``*_bits_per_byte`` keys either
+    way; the summary's ``bits_unit`` says which they are.
+    """
+    return "byte" if tokenizer_kind == "bytes" else "token"
 
 
 # --------------------------------------------------------------------------- greedy decoding
@@ -295,6 +305,7 @@ class EvalReport:
     checkpoint: str
     result: EvalResult
     unigram: float | None
+    unit: str = "byte"  # ``bits_unit`` of the run's tokenizer
 
     def format(self) -> str:
         r = self.result
@@ -304,7 +315,7 @@ class EvalReport:
         bpb = f"{r.bits_per_token:.4f}" if r.bits_per_token is not None else "N/A"
         uni = f"{self.unigram:.4f}" if self.unigram is not None else "N/A"
         return (f"checkpoint {self.checkpoint}\n  held-out loss {loss_s} over {r.tokens} targets\n"
-                f"  perplexity {ppl_s}\n  bits per byte {bpb} (unigram baseline {uni})")
+                f"  perplexity {ppl_s}\n  bits per {self.unit} {bpb} (unigram baseline {uni})")
 
 
 def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalReport:
@@ -336,4 +347,5 @@ def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalR
     load_weights(point.path, model, DcpFormat(single_process(device)))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, device, cfg.train.eval_tokens)
-    return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits())
+    return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits(),
+                      unit=bits_unit(tokenizer.kind))
