@@ -14,7 +14,8 @@ from exactstep.cli import main
 from exactstep.manifest import read_manifest
 from exactstep.state import latest_checkpoint, verify_checkpoint
 
-TINY = [
+TINY = [  # on the CPU: a GPU host would otherwise train on CUDA (train.device = auto)
+    "--set", "train.device=cpu",
     "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
     "--set", "model.d_ff=64", "--set", "batch.rows=2", "--set", "batch.seq_len=64",
     "--set", "train.eval_tokens=2000", "--set", "update.warmup=2",

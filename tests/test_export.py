@@ -37,7 +37,8 @@ pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()
 SHAPES = ["batch.seq_len=32", "batch.rows=2", "model.d_model=16", "model.n_layers=2",
           "model.n_heads=2", "model.d_ff=24", "train.steps=3", "train.eval_tokens=64",
-          "update.warmup=1", "train.threads=1", "model.rope_theta=500.0", "model.norm_eps=1e-6"]
+          "update.warmup=1", "train.threads=1", "model.rope_theta=500.0", "model.norm_eps=1e-6",
+          "train.device=cpu"]
 
 
 def train(tmp_path: Path, name: str, *extra: str) -> Path:

@@ -110,6 +110,7 @@ def settings(corpus: Path) -> list[str]:
         "train.steps": WINDOWS,
         "train.eval_tokens": 64,
         "train.threads": 1,
+        "train.device": "cpu",  # bitwise resume is a CPU promise (S5)
         "checkpoint.every": EVERY,
         "checkpoint.keep": 2,
     }
