@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from text_corpus import write_corpus
+from text_corpus import write_corpus, write_whole
 
 from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
@@ -124,7 +124,7 @@ class Harness:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.launcher = root / "launch.py"
-        self.launcher.write_text(LAUNCHER)
+        write_whole(self.launcher, LAUNCHER)  # other threads may be launching it now
         self.corpus = root / "corpus.jsonl"
         write_corpus(self.corpus)
 
