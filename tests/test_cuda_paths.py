@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -19,17 +18,6 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CUDA = torch.device("cuda")
-
-
-def syncs_in(fn) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("impl", ["segments", "auto"])
@@ -43,14 +31,14 @@ def test_a_window_makes_exactly_one_synchronising_call(impl) -> None:
     for w in range(2):  # warm-up: compilation, optimizer state, pinned-memory pool
         engine.run_window([batches[w]], w)
     torch.cuda.synchronize()
-    assert syncs_in(lambda: engine.run_window([batches[2]], 2)) == 1
+    assert count_syncs(lambda: engine.run_window([batches[2]], 2)) == 1
 
 
 def test_negative_control_a_blocking_copy_is_counted() -> None:
-    assert syncs_in(lambda: torch.arange(8).to(CUDA)) >= 1
+    assert count_syncs(lambda: torch.arange(8).to(CUDA)) >= 1
     from exactstep.transfer import host_to_device
 
-    assert syncs_in(lambda: host_to_device(torch.arange(8), CUDA)) == 0
+    assert count_syncs(lambda: host_to_device(torch.arange(8), CUDA)) == 0
 
 
 def test_batches_are_pinned_before_the_copy() -> None:
