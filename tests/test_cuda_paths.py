@@ -15,6 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from exactstep.bench.gpu import count_syncs
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 CUDA = torch.device("cuda")
