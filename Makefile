@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= runs/default
 
-.PHONY: train test lint bench clean
+.PHONY: train test lint bench clean gpu-smoke gpu-smoke-dry-run
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --timeout 900 tests
+
+# The GPU smoke test (one CUDA device, a few minutes; install a CUDA build of PyTorch
+# with TORCH_SPEC). gpu-smoke-dry-run runs the same checks, tiny, on the CPU.
+gpu-smoke: $(STAMP)
+	$(BIN)/exactstep bench gpu --json
+
+gpu-smoke-dry-run: $(STAMP)
+	$(BIN)/exactstep bench gpu --dry-run --json
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

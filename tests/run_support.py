@@ -31,8 +31,11 @@ from exactstep.model.config import ModelConfig
 
 BOS, EOS, VOCAB = 256, 257, 259  # the byte tokenizer, written out (its own test pins them)
 
-# Tiny shapes shared by every test that trains through the command line.
+# Tiny shapes shared by every test that trains through the command line, on the CPU:
+# these tests check CPU semantics (bitwise resume, exact figures), and a GPU host would
+# otherwise pick CUDA through train.device = "auto".
 TINY = {
+    "train.device": "cpu",
     "batch.seq_len": 32,
     "batch.rows": 2,
     "model.d_model": 16,

@@ -47,7 +47,7 @@ TINY = (
     "--set", "batch.seq_len=32", "--set", "batch.rows=2", "--set", "model.d_model=16",
     "--set", "model.n_layers=1", "--set", "model.n_heads=2", "--set", "model.d_ff=32",
     "--set", "train.steps=2", "--set", "train.eval_tokens=64", "--set", "update.warmup=1",
-    "--set", "train.threads=1",
+    "--set", "train.threads=1", "--set", "train.device=cpu",
 )
 
 

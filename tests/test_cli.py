@@ -14,7 +14,8 @@ from exactstep.cli import main
 from exactstep.manifest import read_manifest
 from exactstep.state import latest_checkpoint, verify_checkpoint
 
-TINY = [
+TINY = [  # on the CPU: a GPU host would otherwise train on CUDA (train.device = auto)
+    "--set", "train.device=cpu",
     "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
     "--set", "model.d_ff=64", "--set", "batch.rows=2", "--set", "batch.seq_len=64",
     "--set", "train.eval_tokens=2000", "--set", "update.warmup=2",
@@ -133,14 +134,14 @@ def test_bench_list_is_exactly_the_shipped_benchmarks(capsys) -> None:
     # the helper module is not a benchmark; names written out, not taken from the code
     code, out, _ = run_cli(["bench", "list"], capsys)
     assert code == 0
-    assert out.split() == ["attention", "checkpoint", "ddp", "hf", "loss", "packing", "step"]
+    assert out.split() == ["attention", "checkpoint", "ddp", "gpu", "hf", "loss", "packing", "step"]
 
 
 def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
     code, _, err = run_cli(["bench", "nosuch"], capsys)
     assert code == 2
     assert err.strip() == ("error: unknown benchmark 'nosuch'; available: "
-                           "attention, checkpoint, ddp, loss, packing, step")
+                           "attention, checkpoint, ddp, gpu, loss, packing, step")
 
 
 # ---------------------------------------------------------------- start-up cost (X4)

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()
 SHAPES = ["batch.seq_len=32", "batch.rows=2", "model.d_model=16", "model.n_layers=2",
           "model.n_heads=2", "model.d_ff=24", "train.steps=3", "train.eval_tokens=64",
-          "update.warmup=1", "train.threads=1", "model.rope_theta=500.0", "model.norm_eps=1e-6"]
+          "update.warmup=1", "train.threads=1", "model.rope_theta=500.0", "model.norm_eps=1e-6",
+          "train.device=cpu"]
 
 
 def train(tmp_path: Path, name: str, *extra: str) -> Path:
@@ -216,3 +217,19 @@ def test_an_hf_tokenizer_run_exports_its_tokenizer_and_template(tmp_path) -> Non
     passport = json.loads((out / "passport.json").read_text())
     assert passport["tokenizer_hash"] == ours.fingerprint()
     assert passport["check"]["max_abs_logit_diff"] <= 1e-5
+
+
+def test_an_export_fine_tunes_as_an_hf_model_with_the_same_ownership(text_export,
+                                                                      tmp_path) -> None:
+    """Demo (a): the exported text run is fine-tuned on chat as an HF model with the
+    exported tokenizer and template. Every window supervises exactly the targets the
+    built-in template and byte tokenizer supervise on the same data (R5 through H2)."""
+    _, out = text_export
+    chat = ["data.kind=chat", "data.source=arith", "arith.n_train=40", "arith.n_heldout=10",
+            "batch.seq_len=64", "train.steps=3"]
+    hf = train(tmp_path, "hf-chat", *chat, "model.source=hf", f"model.path={out}",
+               "data.tokenizer=hf")
+    builtin = train(tmp_path, "builtin-chat", *chat)
+    denominators = [[r["D"] for r in map(json.loads, (run / "ledger.jsonl").read_text()
+                                         .splitlines())] for run in (hf, builtin)]
+    assert denominators[0] == denominators[1] and all(d > 0 for d in denominators[0])

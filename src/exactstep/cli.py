@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="benchmark name (a module of exactstep.bench); 'list' lists them")
     bench.add_argument("--quick", action="store_true", help="a smaller, faster measurement")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--dry-run", action="store_true",
+                       help="benchmarks that need a GPU: the same checks, tiny, on the CPU")
 
     tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
@@ -259,7 +261,8 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "checkpoint":
         return verify_command(Path(args.path))
     if args.command == "bench":
-        return bench_command(args.name, quick=args.quick, as_json=args.json)
+        return bench_command(args.name, quick=args.quick, as_json=args.json,
+                             dry_run=args.dry_run)
     if args.command == "tokenizer":
         return tokenizer_train_command(args)
     if args.command == "config":
@@ -324,7 +327,12 @@ def bench_names() -> list[str]:
     )
 
 
-def bench_command(name: str, *, quick: bool, as_json: bool) -> int:
+def bench_command(name: str, *, quick: bool, as_json: bool, dry_run: bool = False) -> int:
+    """Run one benchmark and print its figures; exit 1 when it reports ``ok: false``
+    (a smoke test whose check failed). ``--dry-run`` goes only to a benchmark whose
+    ``run`` accepts it."""
+    import inspect
+
     from exactstep.errors import ConfigError
 
     names = bench_names()
@@ -335,11 +343,16 @@ def bench_command(name: str, *, quick: bool, as_json: bool) -> int:
     if name not in names:
         raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(names)}")
     module = importlib.import_module(f"{BENCH_PACKAGE}.{name}")
-    figures = module.run(quick=quick)
+    options = {"quick": quick}
+    if dry_run:
+        if "dry_run" not in inspect.signature(module.run).parameters:
+            raise ConfigError(f"benchmark {name!r} has no --dry-run; run it without")
+        options["dry_run"] = True
+    figures = module.run(**options)
     if as_json:
-        print(json.dumps({"bench": name, "quick": quick, **figures}, sort_keys=True))
+        print(json.dumps({"bench": name, **options, **figures}, sort_keys=True, default=str))
     else:
         from exactstep.bench.common import format_figures
 
         print(format_figures(name, figures))
-    return 0
+    return 0 if figures.get("ok", True) else 1

@@ -237,7 +237,12 @@ def single_segment_batch(prompts: torch.Tensor) -> Batch:
 def _greedy_continue(
     model: DecoderLike, prompts: torch.Tensor, eos_id: int, max_new_tokens: int
 ) -> list[list[int]]:
-    """Greedy decoding without a KV cache; each list stops before its first EOS."""
+    """Greedy decoding without a KV cache; each list stops before its first EOS.
+
+    Every step's batch is whole rows (one document per row), so attention runs as one
+    plain causal SDPA under ``auto`` and ``flex`` alike: a length that grows by one per
+    step never reaches (and never recompiles) FlexAttention.
+    """
     tokens = prompts  # [G, L]
     finished = torch.zeros(prompts.shape[0], dtype=torch.bool, device=prompts.device)
     for _ in range(max_new_tokens):

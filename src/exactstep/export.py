@@ -181,9 +181,11 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
     load_weights(point.path, model, DcpFormat(single_process(torch.device("cpu"))))
     model.eval()
-    template = None
-    if cfg.data.kind == "chat":
-        template = getattr(tokenizer, "chat_template", None) or BYTES_CHAT_TEMPLATE
+    # The byte tokenizer's chat template is the built-in one, whatever the run trained
+    # on, so an export of a text run can be fine-tuned on chat; an HF tokenizer keeps
+    # its own template (or the run's data.chat_template).
+    template = (getattr(tokenizer, "chat_template", None) if hasattr(tokenizer, "hf")
+                else BYTES_CHAT_TEMPLATE)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -237,7 +239,7 @@ def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: st
     if hf_tokenizer is None:
         hf_tokenizer = byte_tokenizer_hf(tokenizer, template)
     elif template is not None:
-        hf_tokenizer.chat_template = template
+        hf_tokenizer.chat_template = template  # data.chat_template, when the run set one
     hf_tokenizer.save_pretrained(tmp)
 
 

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ from exactstep.state.rng import seed_rng
 from exactstep.state.store import clean_uncommitted
 from exactstep.update.groups import build_optimizer
 from exactstep.update.ledger import Ledger
-from exactstep.update.precision import Precision
+from exactstep.update.precision import Precision, apply_fp32_matmul, resolve_device_numerics
 from exactstep.update.schedule import build_schedule
 from exactstep.update.window import UpdateEngine
 
@@ -104,13 +104,17 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
         torch.set_num_threads(cfg.train.threads)
     seed_rng(cfg.seed)  # every stream starts from the seed; a resume restores them later
     ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
+    # "auto" numerics become what this device runs, before the manifest records them (S1)
+    cfg = replace(cfg, numerics=resolve_device_numerics(cfg.numerics, ctx.device))
+    apply_fp32_matmul(cfg.numerics, ctx.device)
     tokenizer = build_tokenizer(cfg)
     data = load_bundle(cfg, tokenizer)
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
                        vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size)
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
     model.check_rows(cfg.batch.seq_len)  # refused before anything is written
-    model = shard_model(model.to(ctx.device), ctx, cfg.parallel)
+    model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
+                        precision=cfg.numerics.precision)
     optimizer, groups = build_optimizer(model, cfg.update)
     schedule = build_schedule(cfg.update, total_windows=cfg.train.steps)
     precision = Precision(cfg.numerics, ctx.device)

@@ -65,6 +65,7 @@ def overrides(corpus: Path) -> list[str]:
         "batch.seq_len": 32, "batch.rows": 2, "model.d_model": 16, "model.n_layers": 1,
         "model.n_heads": 2, "model.d_ff": 32, "update.accum": 2, "update.warmup": 2,
         "train.steps": WINDOWS, "train.eval_tokens": 64, "train.threads": 1,
+        "train.device": "cpu",  # gloo on CPU: a GPU host has one device (or NCCL) otherwise
         "checkpoint.every": EVERY, "checkpoint.keep": 3,
     }
     return [arg for k, v in pairs.items() for arg in ("--set", f"{k}={v}")]

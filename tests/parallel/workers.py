@@ -129,14 +129,21 @@ def rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     ctx = None
     results: list[dict] = []
     try:
+        if job.get("host_group_without_timeout"):  # negative control: the 30-minute default
+            import torch.distributed as dist
+
+            from exactstep.parallel import process_group
+
+            process_group.new_host_group = lambda timeout: dist.new_group(backend="gloo")
         cfg = ParallelConfig(timeout_s=job.get("timeout_s", 30.0))
         ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
         with collective_guard(ctx):
             for phase in job["phases"]:
                 results.append(run_phase(rank, ctx, cfg, phase))
-        torch.save({"phases": results}, path)
+        torch.save({"phases": results, "ended": time.time()}, path)
     except ExactstepError as exc:
-        torch.save({"phases": results, "error": str(exc), "kind": type(exc).__name__}, path)
+        torch.save({"phases": results, "error": str(exc), "kind": type(exc).__name__,
+                    "ended": time.time()}, path)
     except BaseException as exc:  # noqa: BLE001 - the test reads what failed
         torch.save({"phases": results, "kind": type(exc).__name__,
                     "error": "".join(traceback.format_exception_only(exc)).strip(),
@@ -162,9 +169,27 @@ def run_phase(rank: int, ctx, cfg: ParallelConfig, phase: dict) -> dict:
     for w, batches in enumerate(phase["windows"][rank]):
         if phase.get("kill_at") == (rank, w):
             os.kill(os.getpid(), signal.SIGKILL)
+        if "out" in phase:
+            (Path(phase["out"]) / f"started{rank}-{w}").write_text(str(time.time()))
+        if phase.get("stall_at") == (rank, w):
+            stall(Path(phase["out"]), w, phase["stall_s"])
         records.append(engine.run_window(list(batches), w).ledger_record())
     return {"params": params_of(engine), "ledger": records,
             "collectives": engine.reducer.collectives}
+
+
+def stall(out: Path, window: int, seconds: float) -> None:
+    """Alive but silent in ``window`` (a peer that stalls, not one that dies): wait
+    until rank 0 has started the window, then until rank 0 has reported (its result
+    file exists) or ``seconds`` have passed since it started; then go on. Measured
+    from rank 0's start, the stall cannot end early on a loaded machine."""
+    deadline = time.time() + 60
+    started = out / f"started0-{window}"
+    while not started.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    until = float(started.read_text() or time.time()) + seconds
+    while not (out / "rank0.pt").exists() and time.time() < until:
+        time.sleep(0.02)
 
 
 def spawn_ranks(target: Callable, world: int, out: Path, job: dict, *,
@@ -325,16 +350,16 @@ class LocalShardNormEngine(UpdateEngine):
 
 
 def build_rank_engine(ctx, cfg: ParallelConfig, update: UpdateConfig,
-                      engine_cls=UpdateEngine) -> UpdateEngine:
+                      engine_cls=UpdateEngine, precision: str = "fp32") -> UpdateEngine:
     """``build_engine`` for one rank: FSDP2 shards the model before the optimizer is
     built (``parallel.strategy = "fsdp"``), DDP wraps the train module (``"ddp"``)."""
     from exactstep.parallel.wrap import shard_model
     from exactstep.update.groups import build_optimizer
 
-    model = shard_model(build_model(MODEL, VOCAB, seed=0), ctx, cfg)
+    model = shard_model(build_model(MODEL, VOCAB, seed=0), ctx, cfg, precision=precision)
     optimizer, _ = build_optimizer(model, update)
     schedule = build_schedule(update, total_windows=100)
-    precision = Precision(NumericsConfig(), "cpu")
+    precision = Precision(NumericsConfig(precision=precision), "cpu")
     engine = engine_cls(model, optimizer, schedule, precision, update, OBJECTIVE,
                         device=torch.device("cpu"), pad_id=PAD_ID)
     return distribute_engine(engine, ctx, cfg)
@@ -362,10 +387,16 @@ def fsdp_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
         ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
         update = replace(UPDATE, clip=job["clip"])
         with collective_guard(ctx):
-            for name, cls in (("right", UpdateEngine), ("local_norm", LocalShardNormEngine)):
-                engine = build_rank_engine(ctx, cfg, update, cls)
+            runs = [("right", UpdateEngine, "fp32"), ("local_norm", LocalShardNormEngine, "fp32"),
+                    ("bf16", UpdateEngine, "bf16")]
+            for name, cls, precision in runs:
+                engine = build_rank_engine(ctx, cfg, update, cls, precision)
+                dtypes: set[str] = set()  # what a block's weight is while it runs
+                engine.model.layers[0].attn.qkv.register_forward_pre_hook(
+                    lambda module, args, seen=dtypes: seen.add(str(module.weight.dtype)))
                 ledger = run_windows(engine, job["windows"][rank])
-                result[name] = {"params": full_params(engine), "ledger": ledger}
+                result[name] = {"params": full_params(engine), "ledger": ledger,
+                                "forward_dtypes": sorted(dtypes)}
         torch.save(result, path)
     except BaseException as exc:  # noqa: BLE001 - the test reads what failed
         torch.save({**result, "kind": type(exc).__name__, "error": str(exc),

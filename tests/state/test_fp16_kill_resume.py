@@ -47,7 +47,7 @@ def settings(corpus: Path) -> list[str]:
         "seed": 3, "data.source": corpus, "data.val_fraction": 0.2, **TINY,
         "update.accum": 2, "update.warmup": 2, "update.fail_window": FAIL_WINDOW,
         "numerics.precision": "fp16", "numerics.init_scale": INIT_SCALE,
-        "train.steps": STEPS, "train.eval_tokens": 64, "train.threads": 1,
+        "train.steps": STEPS, "train.eval_tokens": 64, "train.threads": 1, "train.device": "cpu",
         "checkpoint.every": EVERY, "checkpoint.keep": 2,
     })
 

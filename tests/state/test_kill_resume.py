@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from text_corpus import write_corpus
+from text_corpus import write_corpus, write_whole
 
 from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
@@ -110,6 +110,7 @@ def settings(corpus: Path) -> list[str]:
         "train.steps": WINDOWS,
         "train.eval_tokens": 64,
         "train.threads": 1,
+        "train.device": "cpu",  # bitwise resume is a CPU promise (S5)
         "checkpoint.every": EVERY,
         "checkpoint.keep": 2,
     }
@@ -123,7 +124,7 @@ class Harness:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.launcher = root / "launch.py"
-        self.launcher.write_text(LAUNCHER)
+        write_whole(self.launcher, LAUNCHER)  # other threads may be launching it now
         self.corpus = root / "corpus.jsonl"
         write_corpus(self.corpus)
 

@@ -23,7 +23,7 @@ def args(data: Path) -> list[str]:
         "--no-progress", "--set", f"data.source={data}", "--set", f"train.steps={STEPS}",
         "--set", "checkpoint.every=1000", "--set", "model.d_model=32", "--set", "model.n_layers=1",
         "--set", "model.n_heads=2", "--set", "model.d_ff=64", "--set", "batch.rows=2",
-        "--set", "batch.seq_len=64", "--set", "train.eval_tokens=500",
+        "--set", "batch.seq_len=64", "--set", "train.eval_tokens=500", "--set", "train.device=cpu",
     ]
 
 

@@ -22,16 +22,27 @@ Implementations (``impl``):
   long documents produces, i.e. the default training data) it is a single plain
   causal SDPA over the batch. Equal to ``"dense"`` to 1e-5 in fp32, forward and
   backward (issue 3 item 6).
-- ``"flex"``: FlexAttention with a block mask built from ``segment_ids``. CUDA only
-  for training (no FlexAttention backward on CPU); on CPU it is allowed only with
-  gradients disabled.
-- ``"auto"``: ``"flex"`` on CUDA, ``"segments"`` on CPU. Measured with
+- ``"flex"``: FlexAttention with a block mask built on the host from ``batch.segments``
+  (``segment_block_mask``: block-level work only, never a dense ``[B, 1, T, T]``
+  mask, no device sync) and a ``mask_mod`` over ``segment_ids`` for the partial
+  blocks. CUDA only for training (no FlexAttention backward on CPU); on CPU it is
+  allowed only with gradients disabled. Compiled FlexAttention on CUDA needs a head
+  dimension of at least 16 (Triton's ``tl.dot``); ``"flex"`` below that is refused.
+- Whole rows (every row one document filling it, e.g. greedy decoding or split long
+  documents) run as one plain causal SDPA under ``"segments"``, ``"flex"`` and
+  ``"auto"`` alike: the visibility is exactly causal, so no mask and no compiled
+  kernel are needed (and a growing decoding length never recompiles FlexAttention).
+- ``"auto"``: ``"flex"`` on CUDA when the head dimension is at least 16, otherwise
+  (and on CPU) ``"segments"``; ``resolve_impl`` is the decision. Measured with
   ``exactstep bench attention`` (forward + backward, same run): on whole rows at
   the training shape it is plain causal SDPA, faster than the masked dense call;
   on rows of several documents it does a fraction of the dense work (about 2.2 to
   2.7x faster on one thread when two thirds of the causal pairs cross documents).
   On an oversubscribed machine its extra small operators can make packed rows
   slower than ``"dense"`` with two threads; ``"dense"`` stays selectable.
+
+Host data reaches the device without a hidden sync (U7): index tensors built on the
+host are pinned and copied with ``non_blocking=True`` when the target is CUDA.
 
 ``prefix_len`` (prefix LM, R8) is reserved: a batch carrying it is refused with a
 ``ModelError`` until the bidirectional-prefix rule is implemented.
@@ -48,8 +59,14 @@ import torch.nn.functional as F
 
 from exactstep.errors import ModelError
 from exactstep.rows.batch import Batch
+from exactstep.transfer import host_to_device
 
 IMPLEMENTATIONS = ("auto", "segments", "dense", "flex")
+
+# Compiled FlexAttention (Triton's tl.dot) needs every head dimension >= 16 on CUDA.
+FLEX_MIN_HEAD_DIM = 16
+# FlexAttention's default tile: the block mask describes (128 x 128) query/key blocks.
+FLEX_BLOCK_SIZE = 128
 
 # Cost model used to choose length buckets for the "segments" path. A bucket of
 # length L holding n segments costs about n * L * (L + _LINEAR_COST) units (the
@@ -97,27 +114,48 @@ class Visibility:
     block_mask: object | None = None  # flex BlockMask
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """Map ``"auto"`` to the implementation used on ``device``; validate the name."""
+def resolve_impl(impl: str, device: torch.device, head_dim: int | None = None) -> str:
+    """The implementation ``impl`` runs as on ``device``; validates the name.
+
+    ``"auto"`` is ``"flex"`` on CUDA unless ``head_dim`` (when given) is below
+    ``FLEX_MIN_HEAD_DIM``, where compiled FlexAttention cannot run; then, and on every
+    other device, it is ``"segments"``. An explicit ``"flex"`` below that head
+    dimension on CUDA is refused with a ``ModelError`` naming the fix.
+    """
     if impl not in IMPLEMENTATIONS:
         raise ModelError(
             f"model.attention must be one of {', '.join(IMPLEMENTATIONS)}; got {impl!r}"
         )
+    device = torch.device(device)
+    small_head = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     if impl == "auto":
-        return "flex" if device.type == "cuda" else "segments"
+        return "flex" if device.type == "cuda" and not small_head else "segments"
+    if impl == "flex" and device.type == "cuda" and small_head:
+        raise ModelError(
+            f"model.attention = 'flex' needs a head dimension (model.d_model / model.n_heads) "
+            f"of at least {FLEX_MIN_HEAD_DIM} on CUDA; got {head_dim}. Use model.attention = "
+            "'auto' or 'segments', or fewer, wider heads"
+        )
     return impl
 
 
-def prepare_visibility(batch: Batch, impl: str, device: torch.device) -> Visibility:
+def prepare_visibility(
+    batch: Batch, impl: str, device: torch.device, *, head_dim: int | None = None
+) -> Visibility:
     """Build the visibility of ``batch`` for ``impl`` on ``device`` (once per forward).
 
+    ``head_dim`` (the model's ``d_model / n_heads``) lets ``"auto"`` avoid FlexAttention
+    where it cannot run (``resolve_impl``). Whole rows take the plain causal SDPA
+    path under every implementation but ``"dense"`` (the reference).
+
     Failure modes: unknown ``impl``; ``"flex"`` on CPU with gradients enabled (no
-    FlexAttention backward there); a batch with ``prefix_len`` (not yet supported);
-    for ``"segments"``, ``batch.segments`` disagreeing with ``segment_ids`` (checked
-    only when ``segment_ids`` is on the CPU, where the check costs no sync).
+    FlexAttention backward there) or on CUDA below the minimum head dimension; a
+    batch with ``prefix_len`` (not yet supported); for every path but ``"dense"``,
+    ``batch.segments`` disagreeing with ``segment_ids`` (checked only when
+    ``segment_ids`` is on the CPU, where the check costs no sync).
     """
     device = torch.device(device)
-    chosen = resolve_impl(impl, device)
+    chosen = resolve_impl(impl, device, head_dim)
     if batch.prefix_len is not None:
         raise ModelError(
             "batch.prefix_len (prefix LM) is not supported by the built-in attention yet; "
@@ -130,9 +168,22 @@ def prepare_visibility(batch: Batch, impl: str, device: torch.device) -> Visibil
         )
     if chosen == "dense":
         return _prepare_dense(batch, device)
+    if batch.segment_ids.device.type == "cpu":
+        _check_segments_match_ids(batch)  # the other paths read batch.segments (R3)
+    if _whole_rows(batch):
+        # every row is one document filling it: exactly causal (or full) visibility
+        return Visibility(impl="segments", batch_shape=batch.shape, causal=batch.causal,
+                          whole_rows=True)
     if chosen == "flex":
         return _prepare_flex(batch, device)
     return _prepare_segments(batch, device)
+
+
+def _whole_rows(batch: Batch) -> bool:
+    """Every row holds one segment covering all ``T`` columns (host data, no sync)."""
+    T = batch.shape[1]
+    return all(len(row) == 1 and row[0].start == 0 and row[0].length == T
+               for row in batch.segments)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility) -> torch.Tensor:
@@ -191,7 +242,7 @@ def dense_visibility_mask(segment_ids: torch.Tensor, causal: bool) -> torch.Tens
 
 
 def _prepare_dense(batch: Batch, device: torch.device) -> Visibility:
-    seg = batch.segment_ids.to(device)
+    seg = host_to_device(batch.segment_ids, device)
     return Visibility(
         impl="dense",
         batch_shape=tuple(seg.shape),
@@ -208,15 +259,71 @@ def _flex_attention():  # pragma: no cover - exercised on CUDA only
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.cuda.is_available():
-        return torch.compile(flex_attention, dynamic=False)
+        # automatic dynamic shapes: the first shape compiles static kernels; a shape
+        # that changes once (an evaluation batch of fewer rows, another length) is
+        # recompiled once with that dimension symbolic instead of once per value
+        return torch.compile(flex_attention, dynamic=None)
     return flex_attention
 
 
-def _prepare_flex(batch: Batch, device: torch.device) -> Visibility:
-    from torch.nn.attention.flex_attention import create_block_mask
+def segment_block_mask(
+    segments: tuple[tuple, ...], T: int, causal: bool, block: int = FLEX_BLOCK_SIZE
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which ``block x block`` tiles of each row's ``[T, T]`` visibility are needed.
 
-    seg = batch.segment_ids.to(device)  # [B, T]
-    B, T = seg.shape
+    Returns ``(partial, full)``, int32 ``[B, 1, nq, nk]`` with ``nq = nk = ceil(T /
+    block)``: ``full`` where every pair of the tile is visible (the kernel skips the
+    ``mask_mod`` there), ``partial`` where some but not all pairs are (the ``mask_mod``
+    decides each pair). Computed from the segments' column ranges (host data) in
+    ``O(tiles)``; no ``[T, T]`` mask exists. Tiles reaching past ``T`` are never full
+    (the columns past ``T`` count as invisible), as ``create_block_mask`` has it.
+
+    Visibility (the module rule): ``i`` sees ``j`` iff both are in one segment (and
+    ``j <= i`` when causal), or ``i == j``.
+    """
+    B, n = len(segments), -(-T // block)
+    start = np.arange(n) * block  # [n] first column of each tile
+    stop = start + block  # [n] one past its last column (may pass T)
+    partial = np.zeros((B, 1, n, n), dtype=bool)
+    full = np.zeros((B, 1, n, n), dtype=bool)
+    diagonal = np.arange(n)
+    partial[:, 0, diagonal, diagonal] = True  # i == j: every query sees itself
+    for b, row in enumerate(segments):
+        for seg in row:
+            if not seg.length:
+                continue
+            s0, s1 = seg.start, seg.start + seg.length
+            tiles = np.arange(s0 // block, (s1 - 1) // block + 1)  # tiles touching it
+            q0, q1 = start[tiles], stop[tiles]
+            if causal:  # some j <= i: the segment's first key <= its last query
+                seen = np.maximum(s0, q0)[None, :] <= np.minimum(s1, q1)[:, None] - 1
+            else:
+                seen = np.ones((tiles.size, tiles.size), dtype=bool)
+            inside = (q0 >= s0) & (q1 <= s1)  # the whole tile lies in the segment
+            whole = inside[:, None] & inside[None, :]
+            if causal:  # every key <= every query
+                whole &= (q1 - 1)[None, :] <= q0[:, None]
+            grid = np.ix_(tiles, tiles)
+            partial[b, 0][grid] |= seen
+            full[b, 0][grid] |= whole
+    partial &= ~full
+    return partial.astype(np.int32), full.astype(np.int32)
+
+
+def ordered_blocks(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A ``[..., rows, cols]`` 0/1 tile matrix as FlexAttention's (count, indices):
+    the number of tiles per row, and the column indices with the needed tiles first
+    (ascending), then the others (ascending)."""
+    return dense.sum(-1).astype(np.int32), np.argsort(-dense, axis=-1, kind="stable").astype(
+        np.int32
+    )
+
+
+def _prepare_flex(batch: Batch, device: torch.device) -> Visibility:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    seg = host_to_device(batch.segment_ids, device)  # [B, T]
+    B, T = batch.shape
     causal = batch.causal
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -225,7 +332,13 @@ def _prepare_flex(batch: Batch, device: torch.device) -> Visibility:
             same = same & (kv_idx <= q_idx)
         return same | (q_idx == kv_idx)
 
-    block_mask = create_block_mask(mask_mod, B, None, T, T, device=str(device))
+    partial, full = segment_block_mask(batch.segments, T, causal)
+    parts = [*ordered_blocks(partial), *ordered_blocks(full),
+             *ordered_blocks(partial.swapaxes(-1, -2)), *ordered_blocks(full.swapaxes(-1, -2))]
+    tensors = [host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for a in parts]
+    block_mask = BlockMask(
+        (T, T), *tensors, BLOCK_SIZE=(FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE), mask_mod=mask_mod
+    )
     return Visibility(impl="flex", batch_shape=(B, T), causal=causal, block_mask=block_mask)
 
 
@@ -279,13 +392,7 @@ def _choose_buckets(lengths: list[int]) -> list[int]:
 
 
 def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
-    if batch.segment_ids.device.type == "cpu":
-        _check_segments_match_ids(batch)
     B, T = batch.shape
-    if all(len(row) == 1 and row[0].start == 0 and row[0].length == T for row in batch.segments):
-        # The common case when long documents are split into full rows: one plain
-        # causal (or bidirectional) SDPA over the batch, no relayout.
-        return Visibility(impl="segments", batch_shape=(B, T), causal=batch.causal, whole_rows=True)
     starts = [b * T + s.start for b, row in enumerate(batch.segments) for s in row if s.length]
     lengths = [s.length for row in batch.segments for s in row if s.length]
 
@@ -313,7 +420,7 @@ def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
             position_or_none.append(np.where(real, reads, none).reshape(-1))
             key_mask = None
             if not batch.causal:
-                key_mask = torch.from_numpy(real[:, None, None, :]).to(device)
+                key_mask = host_to_device(torch.from_numpy(real[:, None, None, :]), device)
             buckets.append(_Bucket(length=int(L), count=int(members.size), key_mask=key_mask))
             sizes.append(int(members.size * L))
             offset += members.size * L
@@ -324,7 +431,7 @@ def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
     sizes.append(int(padding.size))
 
     def to_device(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+        return host_to_device(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)), device)
 
     return Visibility(
         impl="segments",

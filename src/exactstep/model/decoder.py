@@ -162,11 +162,13 @@ class Decoder(nn.Module):
         otherwise it is prepared here once and shared by all layers.
         """
         x = self.embed(batch.input_ids)  # [B, T, H]
+        head_dim = self.cfg.d_model // self.cfg.n_heads
         if visibility is None:
-            visibility = prepare_visibility(batch, self.cfg.attention, x.device)
+            visibility = prepare_visibility(batch, self.cfg.attention, x.device,
+                                            head_dim=head_dim)
         cos, sin = rope_tables(
             batch.position_ids.to(x.device),
-            self.cfg.d_model // self.cfg.n_heads,
+            head_dim,
             self.cfg.rope_theta,
         )  # [B, T, 1, Dh]
         for block in self.layers:

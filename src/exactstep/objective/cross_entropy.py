@@ -13,6 +13,13 @@ Three entry points share one chunk kernel:
 - ``logits_row_losses(logits, labels)``: for models that only return logits; still
   chunked, so no full fp32 copy (nor fp32 gradient copy) of bf16 logits is made.
 
+Head products in bf16/fp16 (L1): the operands are rounded to the compute dtype, but the
+product is accumulated *and returned* in fp32 (``head_mm``: ``torch.mm(...,
+out_dtype=torch.float32)`` on CUDA; on other devices the rounded operands are held in
+fp32, which gives the same exact products), so the log-sum-exp sees unrounded logits
+and the gradients are not rounded to bf16 before they are summed. In fp32 the products
+are plain fp32 matmuls, exactly as before.
+
 Invariants: the log-sum-exp is taken in fp32 whatever the input dtype; rows whose label
 is ``IGNORE_INDEX`` give 0 loss and exactly 0 gradient; no function here reads a device
 value on the host (no ``.item()``, no data-dependent shapes) unless the labels are
@@ -34,6 +41,7 @@ from exactstep.errors import ObjectiveError
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.smoothing import Smoothing
 from exactstep.rows.batch import IGNORE_INDEX
+from exactstep.transfer import host_to_device
 
 Tensor = torch.Tensor
 
@@ -70,7 +78,7 @@ def supervised_index(labels_N: Tensor, rows_index: Tensor | None) -> Tensor | No
     if rows_index is not None:
         if rows_index.numel() == labels_N.numel():  # shape metadata: no sync
             return None
-        return rows_index.to(labels_N.device, non_blocking=True)
+        return host_to_device(rows_index, labels_N.device)  # pinned, async (U7)
     if labels_N.device.type != "cpu":
         return None
     index = (labels_N != IGNORE_INDEX).nonzero().squeeze(1)
@@ -184,16 +192,42 @@ class RowSelection:
             grad_NH.index_copy_(0, self.index[start:stop], rows_nH)
 
 
-def head_logits(h_nH: Tensor, weight_cd_VH: Tensor, dtype: torch.dtype) -> Tensor:
-    """Logits [n, V] of one chunk in ``loss_dtype``; the matmul runs in ``dtype``."""
-    z_nV = torch.mm(h_nH.to(dtype), weight_cd_VH.t())
-    return z_nV if z_nV.dtype == loss_dtype(dtype) else z_nV.to(loss_dtype(dtype))
+def mm_operand(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` rounded to the compute ``dtype``, as a head matmul takes it.
+
+    On CUDA it stays in ``dtype`` (``head_mm`` asks the kernel for an fp32 result).
+    Elsewhere a bf16/fp16 operand is held in ``loss_dtype(dtype)``: the values are the
+    rounded ones, and an fp32 matmul of them forms the same exact products and an
+    fp32 sum (the CPU has no ``out_dtype`` matmul kernel).
+    """
+    rounded = t.to(dtype)
+    if rounded.device.type == "cuda":
+        return rounded
+    return rounded.to(loss_dtype(dtype))
+
+
+def head_mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of two ``mm_operand``s, in ``loss_dtype``: never rounded to bf16/fp16.
+
+    A low-precision pair (only on CUDA, see ``mm_operand``) runs as ``torch.mm(a, b,
+    out_dtype=torch.float32)``: bf16/fp16 inputs, fp32 accumulation and fp32 result.
+    """
+    acc = loss_dtype(a.dtype)
+    if a.dtype == acc:
+        return torch.mm(a, b)
+    return torch.mm(a, b, out_dtype=acc)
+
+
+def head_logits(h_nH: Tensor, weight_op_VH: Tensor, dtype: torch.dtype) -> Tensor:
+    """Logits ``[n, V]`` of one chunk in ``loss_dtype``; operands rounded to ``dtype``
+    (``weight_op_VH`` is ``mm_operand(weight, dtype)``), result never rounded (L1)."""
+    return head_mm(mm_operand(h_nH, dtype), weight_op_VH.t())
 
 
 def accumulate_head_grads(
     dz_nV: Tensor,
     h_nH: Tensor,
-    weight_cd_VH: Tensor,
+    weight_op_VH: Tensor,
     grad_h: Tensor | None,
     grad_w_acc_VH: Tensor | None,
     rows: RowSelection,
@@ -201,16 +235,17 @@ def accumulate_head_grads(
     stop: int,
     dtype: torch.dtype,
 ) -> None:
-    """``grad_h[rows] = dz @ W`` and ``grad_w += dz^T @ h`` (accumulated in fp32+)."""
-    dz_cd = dz_nV.to(dtype)
+    """``grad_h[rows] = dz @ W`` and ``grad_w += dz^T @ h``: operands rounded to
+    ``dtype``, products accumulated and returned in fp32+ (``head_mm``)."""
+    dz_op = mm_operand(dz_nV, dtype)
     if grad_h is not None:
-        rows.write(grad_h, start, stop, torch.mm(dz_cd, weight_cd_VH).to(grad_h.dtype))
+        rows.write(grad_h, start, stop, head_mm(dz_op, weight_op_VH).to(grad_h.dtype))
     if grad_w_acc_VH is not None:
-        h_cd = h_nH.to(dtype)
-        if dtype == grad_w_acc_VH.dtype:
-            grad_w_acc_VH.addmm_(dz_cd.t(), h_cd)
+        h_op = mm_operand(h_nH, dtype)
+        if dz_op.dtype == grad_w_acc_VH.dtype:
+            grad_w_acc_VH.addmm_(dz_op.t(), h_op)
         else:
-            grad_w_acc_VH.add_(torch.mm(dz_cd.t(), h_cd).to(grad_w_acc_VH.dtype))
+            grad_w_acc_VH.add_(head_mm(dz_op.t(), h_op).to(grad_w_acc_VH.dtype))
 
 
 class _FusedRowLosses(torch.autograd.Function):
@@ -221,7 +256,7 @@ class _FusedRowLosses(torch.autograd.Function):
         rows = RowSelection(hidden_NH.shape[0], index)
         acc = loss_dtype(dtype)
         with torch.autocast(hidden_NH.device.type, enabled=False):
-            weight_cd = weight_VH.to(dtype)
+            weight_cd = mm_operand(weight_VH, dtype)
             labels_M = rows.take(labels_N)
             ce_M = hidden_NH.new_zeros(rows.count, dtype=acc)
             nll_M = torch.zeros_like(ce_M)
@@ -246,7 +281,7 @@ class _FusedRowLosses(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype, acc = ctx.dtype, loss_dtype(ctx.dtype)
         with torch.autocast(hidden_NH.device.type, enabled=False):
-            weight_cd = weight_VH.to(dtype)
+            weight_cd = mm_operand(weight_VH, dtype)
             grad_h = rows.new_grad(hidden_NH) if need_h else None
             grad_w = (
                 torch.zeros(weight_VH.shape, dtype=acc, device=weight_VH.device) if need_w else None
@@ -273,7 +308,7 @@ class _FusedWeightedSum(torch.autograd.Function):
         rows = RowSelection(hidden_NH.shape[0], index)
         acc = loss_dtype(dtype)
         with torch.autocast(device.type, enabled=False):
-            weight_cd = weight_VH.to(dtype)
+            weight_cd = mm_operand(weight_VH, dtype)
             labels_M, coeff_M = rows.take(labels_N), rows.take(coeff_N).to(acc)
             numerator = torch.zeros((), dtype=acc, device=device)
             nll_sum = torch.zeros((), dtype=acc, device=device)
@@ -412,7 +447,7 @@ def fused_weighted_sum(
         )
     sm = resolve_smoothing(cfg, head_weight_VH.shape[0], pad_id)
     dtype = compute_dtype(hidden_NH, head_weight_VH)
-    coeff_N = coeff_N.to(hidden_NH.device, non_blocking=True)
+    coeff_N = host_to_device(coeff_N, hidden_NH.device)  # pinned, async (U7)
     index = supervised_index(labels_N, rows_index)
     grad_on = torch.is_grad_enabled()
     need_h = grad_on and hidden_NH.requires_grad

@@ -12,7 +12,10 @@ Publication (S3) with many writers: every rank writes into the same temporary
 directory ``root/.tmp-<name>-dist``; a barrier; rank 0 commits the store's
 ``Publication`` (digests, ``manifest.json`` last, rename, ``LATEST``, prune, S3/S8);
 a second barrier, so no rank runs on before the checkpoint is committed. A crash at any moment leaves ``LATEST`` naming a complete
-checkpoint.
+checkpoint. The barriers and torch.distributed.checkpoint's own coordination run on
+the host (gloo) group, bounded by ``parallel.timeout_s``: while rank 0 hashes a large
+checkpoint the other ranks wait on the host, with no collective pending on a device
+(an NCCL watchdog would take the job down instead).
 
 Resuming on another world size is a declared migration (S7): ``load`` refuses it
 unless ``reshard=True``. The rule, recorded by ``reshard_record``: the weights and
@@ -37,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from exactstep.errors import CheckpointError, DistributedError
-from exactstep.parallel.process_group import DistContext
+from exactstep.parallel.process_group import DistContext, host_group
 from exactstep.state.store import (
     Publication,
     check_files,
@@ -92,7 +95,8 @@ def save_distributed_checkpoint(
     with owner as publication:
         _barrier(ctx)  # the directory exists before any rank writes into it
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
+                 process_group=_group(ctx))
         torch.save(rank_state, tmp / rank_file(ctx.rank))  # rank 0's commit seals every file
         if publication is not None:
             torch.save(common, tmp / COMMON_FILE)
@@ -105,8 +109,14 @@ def save_distributed_checkpoint(
 
 
 def _barrier(ctx: DistContext) -> None:
+    """Every rank waits here, on the host group (bounded by ``parallel.timeout_s``)."""
     if ctx.distributed:
-        dist.barrier()
+        dist.barrier(group=host_group(ctx))
+
+
+def _group(ctx: DistContext):
+    """The group torch.distributed.checkpoint coordinates over (None: no job)."""
+    return host_group(ctx) if ctx.distributed else None
 
 
 # ------------------------------------------------------------------------ load
@@ -168,7 +178,7 @@ def load_distributed_checkpoint(
         check_files(path, manifest, dcp_files if ctx.is_main else [])
         _barrier(ctx)
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
         set_model_state_dict(model, state["model"])
         return None
     if saved_world != ctx.world_size and not reshard:
@@ -183,7 +193,7 @@ def load_distributed_checkpoint(
     _barrier(ctx)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+    dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     common = torch.load(path / COMMON_FILE, weights_only=True)

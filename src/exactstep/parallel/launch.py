@@ -13,7 +13,12 @@ Failures: ``collective_guard`` turns a collective that failed because a peer die
 stalled (gloo "connection closed", a timeout, an NCCL error) into a
 ``DistributedError``; ``report_failure`` prints a user error on rank 0 only and
 records every rank's error in torchrun's per-worker error file, from which torchrun
-(and ``relaunch``) name the root cause: the earliest failure.
+(and ``relaunch``) name the root cause: the earliest failure. A worker that ends by a
+signal without reporting is described by ``failure_line`` from what is known: its
+rank record (backend, timeout; ``process_group.write_rank_record``) and the other
+ranks' reports. SIGABRT on an NCCL rank is the NCCL watchdog (a collective timed out
+after ``parallel.timeout_s`` or NCCL failed); a rank the launcher had to stop after
+another rank timed out waiting for it had stalled; anything else died.
 
 Signals: a SIGTERM or SIGINT sent to the ``relaunch`` process is forwarded by
 torchrun's agent to every worker, which finishes its window, publishes a checkpoint
@@ -38,7 +43,10 @@ from typing import Any
 
 from exactstep.errors import DistributedError, ExactstepError, Interrupted
 from exactstep.parallel.process_group import (
+    ERROR_FILE_VAR,
     PEER_FAILURE_TEXT,
+    PEER_TIMEOUT_TEXT,
+    RANK_RECORD_FILE,
     DistContext,
     PeerFailure,
     peer_failure,
@@ -54,7 +62,8 @@ PEER_FAILURE_MARKERS = (
     "nccl",
     "broken pipe",
 )
-ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
+# Signals with which the launcher stops the workers that are left after one failed.
+LAUNCHER_STOP_SIGNALS = (signal.SIGTERM, signal.SIGKILL)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -171,7 +180,7 @@ def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0) -> in
         try:
             elastic_launch(config, sys.executable)("-m", "exactstep", *argv)
         except ChildFailedError as exc:
-            return report_child_failure(exc, argv, nproc)
+            return report_child_failure(exc, argv, nproc, Path(log_dir))
         except SignalException as exc:
             return report_signal(exc.sigval, Path(log_dir), argv, nproc)
     return 0
@@ -211,21 +220,94 @@ def rank_reported(log_dir: Path, rank: int) -> bool:
     return any(log_dir.glob(f"*/attempt_*/{rank}/error.json"))
 
 
-def report_child_failure(exc: Any, argv: Sequence[str], nproc: int) -> int:
+def report_child_failure(exc: Any, argv: Sequence[str], nproc: int,
+                         log_dir: Path | None = None) -> int:
     """One line for a failed worker (unless rank 0 printed its own) and its exit code."""
-    rank, failure = root_cause(exc.failures)
+    failures = exc.failures
+    rank, failure = root_cause(failures)
+    record = rank_record(log_dir, rank) if log_dir is not None else None
+    line = failure_line(rank, failure, failures, record, argv, nproc)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+
+
+def failure_line(rank: int, failure: Any, failures: Mapping[int, Any],
+                 record: Mapping[str, Any] | None, argv: Sequence[str],
+                 nproc: int) -> str | None:
+    """The one ``error:`` line for the root-cause ``failure`` of ``rank`` (X4, D1), or
+    None when rank 0 already printed its own error.
+
+    ``failure`` has torchrun's fields (``exitcode``, ``message``, ``timestamp``);
+    ``failures`` holds every rank's; ``record`` is the rank's record (or None).
+    """
     message = failure_text(failure)
-    died = failure.exitcode is not None and failure.exitcode < 0
-    if died and not isinstance(failure.message, dict):  # a signal, no error of its own
-        print(f"error: rank {rank} of {nproc} died ({message or 'killed by a signal'}); "
-              "the other ranks were stopped; continue from the last committed "
-              f"checkpoint with 'exactstep resume {run_dir_of(argv)} --nproc {nproc}'",
-              file=sys.stderr, flush=True)
-    elif rank != 0 or not message or PEER_FAILURE_TEXT in message:
+    resume = (f"continue from the last committed checkpoint with "
+              f"'exactstep resume {run_dir_of(argv)} --nproc {nproc}'")
+    if killed_without_report(failure):
+        sig = signal_name(-failure.exitcode)
+        if record and record.get("backend") == "nccl" and sig == "SIGABRT":
+            bound = record.get("timeout_s")
+            within = f" within {bound:g} s (parallel.timeout_s)" if bound is not None else ""
+            stopped = stopped_by_launcher(failures, rank)
+            suspects = (f"rank {', '.join(map(str, stopped))} was still running when the "
+                        "launcher stopped it (it probably stalled)" if stopped
+                        else "another rank probably stalled or died")
+            return (f"error: rank {rank} of {nproc} was taken down by the NCCL watchdog "
+                    f"(SIGABRT): an NCCL collective did not complete{within} or NCCL "
+                    f"failed; the NCCL lines above name the collective; {suspects}; {resume}")
+        waiter = timed_out_waiting(failures, rank)
+        if waiter is not None and sig in {s.name for s in LAUNCHER_STOP_SIGNALS}:
+            return (f"error: rank {rank} of {nproc} stalled: rank {waiter} waited "
+                    f"{timeout_of(failures[waiter])} for it in a collective and gave up, "
+                    f"then the launcher stopped rank {rank} ({sig}); {resume}")
+        return (f"error: rank {rank} of {nproc} died ({message or 'killed by a signal'}); "
+                f"the other ranks were stopped; {resume}")
+    if rank != 0 or not message or PEER_FAILURE_TEXT in message:
         # rank 0 printed its own (non-peer) error already; every other case is ours
         text = one_line(message) or f"rank {rank} exited with code {failure.exitcode}"
-        print(f"error: {text}", file=sys.stderr, flush=True)
-    return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        return f"error: {text}"
+    return None
+
+
+def killed_without_report(failure: Any) -> bool:
+    """Ended by a signal before it could write an error of its own."""
+    return (failure.exitcode is not None and failure.exitcode < 0
+            and not isinstance(failure.message, dict))
+
+
+def stopped_by_launcher(failures: Mapping[int, Any], rank: int) -> list[int]:
+    """Ranks other than ``rank`` that ended by the launcher's stop signals without a
+    report: they were still running after the first failure."""
+    names = {s.name for s in LAUNCHER_STOP_SIGNALS}
+    return sorted(r for r, f in failures.items()
+                  if r != rank and killed_without_report(f)
+                  and signal_name(-f.exitcode) in names)
+
+
+def timed_out_waiting(failures: Mapping[int, Any], rank: int) -> int | None:
+    """The lowest rank (other than ``rank``) whose collective timed out, or None."""
+    waiting = [r for r, f in failures.items()
+               if r != rank and PEER_TIMEOUT_TEXT in failure_text(f)]
+    return min(waiting) if waiting else None
+
+
+def timeout_of(failure: Any) -> str:
+    """The bound a peer failure names ("3 s (parallel.timeout_s)"), from its text."""
+    text = failure_text(failure)
+    _, _, after = text.partition(PEER_TIMEOUT_TEXT + " ")
+    return after.split(";")[0].strip() or "parallel.timeout_s"
+
+
+def rank_record(log_dir: Path, rank: int) -> dict[str, Any] | None:
+    """Worker ``rank``'s record (``process_group.write_rank_record``) under torchrun's
+    log layout, or None when it wrote none (or it cannot be read)."""
+    for path in Path(log_dir).glob(f"*/attempt_*/{rank}/{RANK_RECORD_FILE}"):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def run_dir_of(argv: Sequence[str]) -> str:

@@ -5,19 +5,33 @@ The launcher's contract (torchrun) is read from the process environment:
 them (or with ``WORLD_SIZE=1``) the run is a single process and no process group is
 created, so every caller can use the same code path.
 
-Every collective is bounded by ``ParallelConfig.timeout_s``: a dead or stalled peer
-makes the surviving ranks raise (``DistributedError`` once translated) within that
-time instead of hanging. ``gloo`` honours the timeout for all its collectives;
-``nccl`` honours it through its watchdog.
+Two process groups, both bounded by ``ParallelConfig.timeout_s`` (D1): the default
+group (``nccl`` on CUDA, ``gloo`` on CPU) carries the gradient collectives; the *host
+group*, a ``gloo`` group over the same ranks created right after it, carries every
+collective of host values (the window's agreements on D, the microbatch count and
+the stop flag) and the checkpoint barriers. A dead or stalled peer makes the
+surviving ranks raise (``DistributedError`` once translated) within that time instead
+of hanging: ``gloo`` raises in the waiting call; ``nccl`` honours it through its
+watchdog, which takes the process down (the launcher names it, ``parallel.launch``).
+The host group is a separate ``gloo`` group under every backend, so the path a CPU
+job tests is the path a CUDA job runs, and a rank that is busy on the host (rank 0
+hashing a large checkpoint) never leaves a collective pending on the device.
+
+Under torchrun each rank also leaves a small *rank record* (``RANK_RECORD_FILE``:
+backend, device, timeout) next to its error file, so the launcher can say what a
+worker was doing when it was killed without reporting (an NCCL watchdog abort).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,17 +40,26 @@ from exactstep.errors import DistributedError
 from exactstep.parallel.config import ParallelConfig
 
 LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
+RANK_RECORD_FILE = "exactstep-rank.json"  # written beside the error file
 
 
 @dataclass(frozen=True)
 class DistContext:
-    """This process's place in the job. ``backend`` is ``None`` for a single process."""
+    """This process's place in the job. ``backend`` is ``None`` for a single process.
+
+    ``host_group`` is the ``gloo`` group for host values and barriers (None for a
+    single process, or for a context made by hand: ``host_group()`` then falls back
+    to the default group under ``gloo``); ``timeout_s`` bounds both groups.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     backend: str | None
+    host_group: Any = field(default=None, compare=False, repr=False)
+    timeout_s: float | None = None
 
     @property
     def is_main(self) -> bool:
@@ -124,23 +147,59 @@ def init_distributed(
     addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT")
     if port is None:
         raise DistributedError("MASTER_PORT is not set; launch with torchrun (it sets it)")
+    timeout = timedelta(seconds=cfg.timeout_s)
     try:
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{addr}:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=cfg.timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
+        host = new_host_group(timeout)
     except (RuntimeError, ValueError) as exc:
         raise DistributedError(
             f"rank {rank} of {world} could not join the process group at {addr}:{port} "
             f"with backend {backend} within {cfg.timeout_s:g} s ({_first_line(exc)}); check "
             "that every rank was started and that the address is reachable"
         ) from None
-    return DistContext(rank=rank, world_size=world, local_rank=local, device=device,
-                       backend=backend)
+    ctx = DistContext(rank=rank, world_size=world, local_rank=local, device=device,
+                      backend=backend, host_group=host, timeout_s=cfg.timeout_s)
+    write_rank_record(ctx, env)
+    return ctx
+
+
+def new_host_group(timeout: timedelta):
+    """A ``gloo`` group over every rank with the job's ``timeout`` (collective: every
+    rank calls it once, right after the default group formed). Without an explicit
+    timeout ``new_group`` would wait 30 minutes for a stalled peer."""
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def host_group(ctx: DistContext):
+    """The group that reduces host tensors and runs barriers for ``ctx`` (see module)."""
+    if ctx.host_group is not None:
+        return ctx.host_group
+    if ctx.backend == "gloo":
+        return dist.group.WORLD
+    raise DistributedError(
+        f"rank {ctx.rank}: no host (gloo) process group; join the job with init_distributed"
+    )
+
+
+def write_rank_record(ctx: DistContext, env: Mapping[str, str]) -> None:
+    """Under torchrun: what this rank runs on, beside its error file (read by the
+    launcher only when the worker dies without reporting)."""
+    path = env.get(ERROR_FILE_VAR)
+    if not path:
+        return
+    record = {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
+              "device": str(ctx.device), "timeout_s": ctx.timeout_s}
+    try:
+        (Path(path).parent / RANK_RECORD_FILE).write_text(json.dumps(record))
+    except OSError:
+        pass  # a missing record only makes the launcher's message less specific
 
 
 def _first_line(exc: BaseException) -> str:
@@ -162,10 +221,23 @@ class PeerFailure(DistributedError):
 PEER_FAILURE_TEXT = "a collective failed"
 
 
+PEER_TIMEOUT_TEXT = "no answer within"
+TIMEOUT_MARKERS = ("timed out", "timeout")
+
+
 def peer_failure(ctx: DistContext, exc: BaseException) -> DistributedError:
-    """Translate a failed collective into the one message a user sees (D1)."""
+    """Translate a failed collective into the one message a user sees (D1).
+
+    A timeout (the peer is alive but silent: it stalled) says so and names the bound
+    (``parallel.timeout_s``); a closed connection (the peer died) does not.
+    """
+    cause = _first_line(exc)
+    waited = ""
+    if any(marker in cause.lower() for marker in TIMEOUT_MARKERS):
+        bound = f"{ctx.timeout_s:g} s" if ctx.timeout_s is not None else "the timeout"
+        waited = f"; {PEER_TIMEOUT_TEXT} {bound} (parallel.timeout_s)"
     return PeerFailure(
-        f"rank {ctx.rank} of {ctx.world_size}: {PEER_FAILURE_TEXT} ({_first_line(exc)}); "
+        f"rank {ctx.rank} of {ctx.world_size}: {PEER_FAILURE_TEXT} ({cause}){waited}; "
         "another rank probably died or stalled — see the first failing rank's message, "
         "then resume from the last committed checkpoint"
     )

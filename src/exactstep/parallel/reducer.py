@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from exactstep.errors import DistributedError
-from exactstep.parallel.process_group import DistContext, peer_failure
+from exactstep.parallel.process_group import DistContext, host_group, peer_failure
 
 
 class DDPReducer:
@@ -54,9 +54,10 @@ class DDPReducer:
             raise DistributedError("DDPReducer needs an initialised process group (world > 1)")
         self.ctx = ctx
         self.world_size = ctx.world_size
-        # nccl reduces device tensors only; gloo reduces host tensors.
+        # nccl reduces device tensors only; host tensors go over the host (gloo) group,
+        # which carries the same parallel.timeout_s bound (process_group)
         self.comm_device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-        self._host_group: object | None = None if ctx.backend == "nccl" else dist.group.WORLD
+        self._host_group = host_group(ctx)
         self.collectives = 0  # how many sums this reducer issued (for tests and bench)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
@@ -78,19 +79,11 @@ class DDPReducer:
         device = torch.device("cpu") if host else self.comm_device
         buffer = values.detach().to(device, copy=True)
         try:
-            dist.all_reduce(buffer, op=op, group=self._host() if host else None)
+            dist.all_reduce(buffer, op=op, group=self._host_group if host else None)
         except (RuntimeError, dist.DistBackendError) as exc:
             raise peer_failure(self.ctx, exc) from None
         self.collectives += 1
         return buffer.to(values.device)
-
-    def _host(self):
-        """A process group that reduces host tensors: the default one under gloo; under
-        nccl a gloo group over the same ranks, created on first use (every rank makes
-        the same calls in the same order, so creation is aligned)."""
-        if self._host_group is None:
-            self._host_group = dist.new_group(backend="gloo")
-        return self._host_group
 
     def no_sync(self, module: nn.Module, is_last: bool) -> AbstractContextManager:
         """Skip gradient synchronisation for this microbatch unless it is the last (D1).

@@ -7,7 +7,12 @@ parameters at construction, so every replica starts from the same weights.
 
 ``shard_model`` applies FSDP2 ``fully_shard`` to each decoder block and then to the
 model as the root (D4). It must run *before* the optimizer is built, because it
-replaces the parameters with sharded ``DTensor``s. Gradient clipping over sharded
+replaces the parameters with sharded ``DTensor``s. Its mesh is the default process
+group itself (``DeviceMesh.from_group``), so FSDP2 creates no group of its own and
+every collective keeps the ``parallel.timeout_s`` bound. Under bf16 it gathers
+parameters in bf16 and reduce-scatters gradients in fp32
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
+``fsdp_mixed_precision``): half the all-gather traffic, gradients summed unrounded. Gradient clipping over sharded
 parameters counts each logical parameter once when the norm is computed by
 ``torch.nn.utils.get_total_norm`` over the ``DTensor`` gradients and reduced to a
 full value (``DTensor.full_tensor``). It is offered for CUDA; on CPU it runs only
@@ -17,6 +22,7 @@ when the ``gloo`` backend can carry FSDP2's collectives, otherwise it raises
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -46,13 +52,30 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> nn.Module:
+def fsdp_mixed_precision(precision: str):
+    """FSDP2's ``MixedPrecisionPolicy`` for a resolved ``numerics.precision`` (U2, D4).
+
+    ``bf16``: parameters all-gathered and used in bf16, gradients reduce-scattered in
+    fp32 (the sharded fp32 master weights and optimizer state are unchanged). Every
+    other precision keeps FSDP2's default (no cast: fp32 parameters, autocast does
+    the per-op casting, as without sharding).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
+                precision: str = "fp32") -> nn.Module:
     """FSDP2: ``fully_shard`` every block of ``model.layers``, then ``model`` (D4).
 
-    Raises ``DistributedError`` for a single process, or when the device/backend pair
-    cannot run FSDP2. The root keeps its parameters (embedding, tied head, final
-    norm) gathered between forward and backward, so the objective can use the head
-    weight after the model's forward.
+    ``precision`` is the run's resolved ``numerics.precision``
+    (``fsdp_mixed_precision``). Raises ``DistributedError`` for a single process, or
+    when the device/backend pair cannot run FSDP2. The root keeps its parameters
+    (embedding, tied head, final norm) gathered between forward and backward, so the
+    objective can use the head weight after the model's forward.
     """
     if cfg.strategy != "fsdp":
         return model
@@ -64,13 +87,17 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> nn.M
     if ctx.device.type != "cuda" and ctx.backend != "gloo":
         raise DistributedError("FSDP2 on CPU needs the gloo backend; set parallel.backend = 'gloo'")
     try:
-        from torch.distributed.device_mesh import init_device_mesh
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        # the default group as the mesh: init_device_mesh would create a group without
+        # the job's timeout when CUDA is visible but the job runs on gloo
+        mesh = DeviceMesh.from_group(dist.group.WORLD, ctx.device.type)
+        policy = fsdp_mixed_precision(precision)
         for block in getattr(model, "layers", ()):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
     except (RuntimeError, NotImplementedError, AssertionError) as exc:
         raise DistributedError(
             f"FSDP2 (fully_shard) is not available on {ctx.device.type} with backend "

@@ -67,6 +67,22 @@ class Batch:
         """Supervised rows. Host-side count: call before moving the batch to a device."""
         return int((self.labels != IGNORE_INDEX).sum())
 
+    def pin_memory(self) -> Batch:
+        """The same batch in page-locked host memory (needs CUDA), so that a following
+        ``to(cuda, non_blocking=True)`` does not make the host wait (U7)."""
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None or t.device.type != "cpu" else t.pin_memory()
+
+        return replace(
+            self,
+            input_ids=pin(self.input_ids),
+            labels=pin(self.labels),
+            position_ids=pin(self.position_ids),
+            segment_ids=pin(self.segment_ids),
+            prefix_len=pin(self.prefix_len),
+            weights=pin(self.weights),
+        )
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)

@@ -1,9 +1,19 @@
 """Capture and restore every random stream a run draws from (S2).
 
-Streams: Python ``random``, NumPy's legacy global generator, torch CPU, and every
-CUDA device when CUDA is initialised. The captured state holds only values that
+Streams: Python ``random``, NumPy's legacy global generator, torch CPU, and the CUDA
+generator of the device this process uses. The captured state holds only values that
 ``torch.load(..., weights_only=True)`` accepts (tensors, ints, floats, bools,
 strings, lists, dicts): the NumPy key array is stored as an int64 tensor.
+
+CUDA rule (S2, S7): a rank draws only from the generator of its own device
+(``cuda:LOCAL_RANK``, the current device), so that is the CUDA state it captures:
+``cuda`` holds one state (none when CUDA is not initialised) and ``cuda_devices``
+the index it came from, for the record. Restoring puts that state on the device the
+restoring process uses now, whatever its index and however many devices are visible:
+a checkpoint written on a host with 8 GPUs resumes on a host with 1. A CUDA state
+restored where no CUDA device is visible is refused (``CheckpointError``): the run
+would continue on other hardware. States of format 1 held every visible device;
+their entry for the current device index is the one restored.
 
 Invariant: ``restore_rng(capture_rng())`` followed by any draw gives the same number
 as that draw right after the capture, for every stream. ``isolated_rng()`` applies
@@ -23,7 +33,8 @@ import torch
 
 from exactstep.errors import CheckpointError
 
-RNG_FORMAT = 1
+RNG_FORMAT = 2
+LEGACY_FORMATS = (1,)  # format 1: "cuda" listed every visible device, by index
 
 
 def seed_rng(seed: int) -> None:
@@ -54,24 +65,32 @@ def capture_rng() -> dict[str, Any]:
             "gauss": float(np_state["gauss"]),
         },
         "torch": torch.get_rng_state().clone(),  # uint8 [5056]
-        "cuda": [],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.clone() for s in torch.cuda.get_rng_state_all()]
+    devices = cuda_devices_in_use()
+    state["cuda"] = [torch.cuda.get_rng_state(i).clone() for i in devices]  # uint8 each
+    state["cuda_devices"] = devices
     return state
+
+
+def cuda_devices_in_use() -> list[int]:
+    """The CUDA devices whose generator this process draws from: its current device
+    when CUDA is initialised (a rank trains on ``cuda:LOCAL_RANK`` only), else none."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.cuda.current_device()]
+    return []
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     """Put every stream back where ``capture_rng`` found it.
 
-    Raises ``CheckpointError`` when the state is malformed or records CUDA streams
-    for more devices than are visible now (resuming on fewer devices is a migration,
-    S7, not a silent partial restore).
+    Raises ``CheckpointError`` when the state is malformed, or holds a CUDA state and
+    no CUDA device is visible (see the module's CUDA rule).
     """
     try:
-        if state.get("format") != RNG_FORMAT:
+        fmt = state.get("format")
+        if fmt != RNG_FORMAT and fmt not in LEGACY_FORMATS:
             raise CheckpointError(
-                f"rng state has format {state.get('format')!r}, expected {RNG_FORMAT}; "
+                f"rng state has format {fmt!r}, expected {RNG_FORMAT}; "
                 "the checkpoint was written by an incompatible version"
             )
         py = state["python"]
@@ -86,19 +105,42 @@ def restore_rng(state: dict[str, Any]) -> None:
             },
         )
         torch.set_rng_state(state["torch"].cpu())
-        cuda = state["cuda"]
+        cuda = list(state["cuda"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(
             f"rng state is malformed ({exc!r}); the checkpoint's rng part is damaged"
         ) from None
-    if cuda:
-        if not torch.cuda.is_available() or torch.cuda.device_count() < len(cuda):
-            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    restore_cuda_rng(cuda, legacy=fmt in LEGACY_FORMATS)
+
+
+def restore_cuda_rng(cuda: list[torch.Tensor], *, legacy: bool = False) -> None:
+    """Put a captured CUDA state on the device this process uses (the module's rule).
+
+    ``legacy`` (format 1): ``cuda`` lists every device visible at capture time, by
+    index; the entry of the current device index is restored.
+    """
+    if not cuda:
+        return
+    if not torch.cuda.is_available():
+        raise CheckpointError(
+            "the checkpoint holds the CUDA rng state of the device its rank trained on, "
+            "but no CUDA device is visible; resume on a CUDA device (train.device = "
+            "'cuda' or 'auto')"
+        )
+    device = torch.cuda.current_device()
+    if legacy:
+        if device >= len(cuda):
             raise CheckpointError(
-                f"the checkpoint holds CUDA rng state for {len(cuda)} device(s) but {visible} "
-                "are visible; resume on the same devices"
+                f"the checkpoint (rng format 1) holds CUDA rng states for devices 0..{len(cuda) - 1} "
+                f"but this process uses cuda:{device}; resume with the same local ranks"
             )
-        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+        cuda = [cuda[device]]
+    if len(cuda) != 1:
+        raise CheckpointError(
+            f"rng state holds {len(cuda)} CUDA states; a rank captures exactly one (its "
+            "device's); the checkpoint's rng part is damaged"
+        )
+    torch.cuda.set_rng_state(cuda[0].cpu(), device)
 
 
 @contextlib.contextmanager

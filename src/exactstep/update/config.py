@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from exactstep.errors import ConfigError
@@ -96,13 +96,41 @@ def token_horizon_message(schedule: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class NumericsConfig:
-    """``precision``: fp32, bf16 (autocast, no scaler) or fp16 (autocast + GradScaler).
+    """``precision``: fp32, bf16 (autocast, no scaler), fp16 (autocast + GradScaler), or
+    ``auto``: bf16 on a CUDA device with native bf16, fp32 everywhere else (the CPU).
 
-    ``init_scale`` is the fp16 loss scale at the start (GradScaler's default 65536).
+    ``fp32_matmul``: how fp32 matmuls run on CUDA: ``tf32`` (TensorFloat-32 inputs,
+    fp32 accumulation), ``ieee`` (full fp32), or ``auto`` (``tf32`` on CUDA; the CPU
+    always computes fp32 matmuls in fp32). ``init_scale`` is the fp16 loss scale at
+    the start (GradScaler's default 65536).
+
+    ``auto`` is a default, not a mode: a run resolves it for its device before the
+    manifest is written (``resolve_numerics``), so the manifest records what ran and a
+    resume keeps it whatever device it resumes on (S1, S4).
     """
 
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    fp32_matmul: Literal["auto", "ieee", "tf32"] = "auto"
     init_scale: float = 65536.0
 
     def __post_init__(self) -> None:
         check("numerics.init_scale", self.init_scale, POSITIVE_FLOAT32)  # a float32 scale
+
+
+def resolve_numerics(cfg: NumericsConfig, device_type: str, *,
+                     bf16_native: bool = True) -> NumericsConfig:
+    """``cfg`` with every ``auto`` replaced by its value on ``device_type`` (U2).
+
+    ``precision = auto``: ``bf16`` on ``cuda`` when ``bf16_native`` (the device has
+    bf16 tensor cores), otherwise ``fp32``. ``fp32_matmul = auto``: ``tf32`` on
+    ``cuda``, ``ieee`` elsewhere. Explicit values pass through unchanged, so resolving
+    twice (a resume) is the identity.
+    """
+    cuda = device_type == "cuda"
+    precision = cfg.precision
+    if precision == "auto":
+        precision = "bf16" if cuda and bf16_native else "fp32"
+    matmul = cfg.fp32_matmul
+    if matmul == "auto":
+        matmul = "tf32" if cuda else "ieee"
+    return replace(cfg, precision=precision, fp32_matmul=matmul)

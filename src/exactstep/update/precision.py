@@ -4,6 +4,14 @@
 - ``bf16``: autocast around the forward and the loss only; no scaler.
 - ``fp16``: autocast around the forward and the loss; one ``GradScaler`` scale for
   the whole window, ``unscale_`` exactly once at the window's close.
+- ``auto``: resolved for the device (``resolve_device_numerics``: bf16 on CUDA with
+  native bf16, fp32 elsewhere). A run resolves it before its manifest is written, so
+  the manifest names the precision that ran; ``Precision`` resolves it the same way
+  when handed an unresolved setting.
+
+``apply_fp32_matmul`` sets how fp32 matmuls run on CUDA (``numerics.fp32_matmul``:
+TF32 by default there). It is a process-wide PyTorch setting, so the runner applies
+it once per run rather than ``Precision`` on construction.
 
 The parameters stay fp32 (autocast casts per op), so the gradients and the clip
 norm are fp32. The window's own finite decision is the source of truth for the
@@ -19,16 +27,46 @@ from collections.abc import Iterator
 
 import torch
 
-from exactstep.update.config import NumericsConfig
+from exactstep.update.config import NumericsConfig, resolve_numerics
 
 _AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# torch's names for the two fp32 matmul modes (its one consistent, global setting)
+_FP32_MATMUL = {"tf32": "high", "ieee": "highest"}
+
+
+def bf16_native(device_type: str) -> bool:
+    """Whether ``device_type`` has native bf16 matmuls (CUDA: compute capability 8+)."""
+    if device_type != "cuda":
+        return False
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def resolve_device_numerics(cfg: NumericsConfig, device: torch.device | str) -> NumericsConfig:
+    """``resolve_numerics`` for ``device``, asking the device whether bf16 is native."""
+    device_type = torch.device(device).type
+    return resolve_numerics(cfg, device_type, bf16_native=bf16_native(device_type))
+
+
+def apply_fp32_matmul(cfg: NumericsConfig, device: torch.device | str) -> None:
+    """Make fp32 matmuls on CUDA run as ``cfg.fp32_matmul`` says (process-wide).
+
+    No-op off CUDA (CPU matmuls stay full fp32). Uses
+    ``torch.set_float32_matmul_precision`` (``high`` = TF32, ``highest`` = IEEE fp32):
+    the one setting that compiled kernels (FlexAttention, autotuning) read
+    consistently; mixing it with the per-backend flags makes their reads fail.
+    """
+    if torch.device(device).type != "cuda":
+        return
+    mode = resolve_device_numerics(cfg, device).fp32_matmul
+    torch.set_float32_matmul_precision(_FP32_MATMUL[mode])
 
 
 class Precision:
-    """Autocast context and loss scaler for one device and one ``numerics`` setting."""
+    """Autocast context and loss scaler for one device and one ``numerics`` setting
+    (``auto`` is resolved for ``device``; ``name`` is the resolved precision)."""
 
     def __init__(self, cfg: NumericsConfig, device: torch.device | str) -> None:
-        self.name = cfg.precision
+        self.name = resolve_device_numerics(cfg, device).precision
         self.device_type = torch.device(device).type
         self.scaler = torch.amp.GradScaler(
             self.device_type, init_scale=cfg.init_scale, enabled=self.uses_scaler

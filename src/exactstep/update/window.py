@@ -39,6 +39,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.types import NoObjective, NoObjectiveCause
 from exactstep.rows.batch import Batch
+from exactstep.transfer import batch_to_device, host_to_device
 from exactstep.update.config import UpdateConfig
 from exactstep.update.disposition import Disposition, Outcome
 from exactstep.update.precision import Precision
@@ -284,10 +285,11 @@ class UpdateEngine:
     def _forward(
         self, batch: Batch, coeff: torch.Tensor, rows_index: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = batch.to(self.device, non_blocking=True)
-        coeff = coeff.to(self.device, non_blocking=True)  # [B, T] fp32
+        # pinned and asynchronous on CUDA: no host wait per microbatch (U7)
+        batch = batch_to_device(batch, self.device)
+        coeff = host_to_device(coeff, self.device)  # [B, T] fp32
         if rows_index is not None:
-            rows_index = rows_index.to(self.device, non_blocking=True)  # [N_supervised]
+            rows_index = host_to_device(rows_index, self.device)  # [N_supervised]
         with self.precision.autocast():
             return self.train_module(batch, coeff, rows_index)
 

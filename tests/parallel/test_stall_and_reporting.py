@@ -1,0 +1,236 @@
+"""A stalled peer is bounded by parallel.timeout_s; a worker killed without a report is
+described in one line (D1, X4; issue 16 items 3 and 4).
+
+Spawned ranks over gloo: rank 1 stops answering (it sleeps inside a window, alive)
+while rank 0 waits in the window's host agreement. Rank 0 must fail with one
+``DistributedError`` within the bound. Negative control: the same job with the host
+group created without a timeout (PyTorch's 30-minute default) keeps rank 0 waiting
+for as long as the stall lasts. Through the command line (``--nproc 2``) the job ends
+with one ``error:`` line naming the stalled rank.
+
+The launcher's line for a worker killed by a signal is built from fabricated failure
+records (torchrun's fields) and rank records: an NCCL watchdog abort (SIGABRT on an
+NCCL rank) is named as such, with its rank and bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from run_support import TINY, set_args, short_texts, write_texts
+from workers import rank_main, shards, spawn_ranks
+
+from exactstep.parallel import launch
+from exactstep.parallel.process_group import (
+    DistContext,
+    launcher_env,
+    peer_failure,
+    write_rank_record,
+)
+
+TIMEOUT_S = 2.0
+SLACK_S = 2.0  # scheduling on a shared 2-core machine
+STALL_S = 4.5  # past the bound plus the slack (rank 1 wakes earlier once rank 0 reported)
+ARGV = ["train", "--out", "runs/x"]
+
+
+# ------------------------------------------------------------- spawned ranks (gloo)
+
+
+def stall_job(out: Path, **extra) -> tuple[list, list]:
+    windows = shards([[[4, 4]] * 3, [[4, 4]] * 3])
+    phase = {"windows": windows, "stall_at": (1, 1), "stall_s": STALL_S, "out": str(out)}
+    job = {"phases": [phase], "timeout_s": TIMEOUT_S, **extra}
+    results, codes, _ = spawn_ranks(rank_main, 2, out, job, deadline_s=60)
+    return results, codes
+
+
+def waited(out: Path, rank0: dict) -> float:
+    """Seconds from rank 0 starting the stalled window to rank 0 ending."""
+    return rank0["ended"] - float((out / "started0-1").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stalled_peer_fails_the_waiting_rank_within_the_bound(tmp_path) -> None:
+    results, codes = stall_job(tmp_path)
+    rank0 = results[0]
+    assert codes[0] is not None and rank0 is not None, "rank 0 hung"
+    assert rank0.get("kind") == "PeerFailure", rank0
+    assert "no answer within 2 s (parallel.timeout_s)" in rank0["error"]
+    assert "\n" not in rank0["error"]  # one line
+    assert waited(tmp_path, rank0) <= TIMEOUT_S + SLACK_S
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_negative_control_a_host_group_without_the_timeout_waits_out_the_stall(tmp_path):
+    results, _ = stall_job(tmp_path, host_group_without_timeout=True)
+    rank0 = results[0]
+    assert rank0 is not None and "error" not in rank0, rank0  # the stall simply ended
+    assert waited(tmp_path, rank0) >= STALL_S > TIMEOUT_S + SLACK_S
+
+
+# ------------------------------------------------------------- the command line
+
+STALL_HOOK = r"""
+import os
+_stall = os.environ.get("EXACTSTEP_TEST_STALL_AT")
+if _stall:
+    import signal, time
+    from exactstep.update.window import UpdateEngine
+    _rank, _window = (int(x) for x in _stall.split(":"))
+    _run_window = UpdateEngine.run_window
+    def _stalled(self, batches, window, *args, **kwargs):
+        if window == _window and int(os.environ.get("RANK", "-1")) == _rank:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stuck: a stop request cannot help
+            time.sleep(120)
+        return _run_window(self, batches, window, *args, **kwargs)
+    UpdateEngine.run_window = _stalled
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_cli_job_with_a_stalled_rank_stops_with_one_error_line(tmp_path) -> None:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALL_HOOK)
+    corpus = write_texts(tmp_path / "c.jsonl", short_texts())
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), env.get("PYTHONPATH", "")])
+    env["EXACTSTEP_TEST_STALL_AT"] = "1:1"
+    settings = {**TINY, "data.source": corpus, "train.steps": 3, "train.eval_tokens": 64,
+                "train.threads": 1, "update.warmup": 1, "checkpoint.every": 0,
+                "parallel.timeout_s": TIMEOUT_S}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "exactstep", "train", "--nproc", "2",
+                           "--no-progress", "--out", str(tmp_path / "run"),
+                           *set_args(settings)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    seconds = time.monotonic() - start
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: rank 1 of 2 stalled: rank 0 waited 2 s "
+                               "(parallel.timeout_s)"), lines
+    assert "Traceback" not in proc.stderr
+    assert seconds < 90  # start-up of two workers + the 2 s bound, not the 120 s stall
+
+
+# ------------------------------------------------------------- the launcher's line
+
+
+def failure(exitcode: int, message, timestamp: int = 100) -> SimpleNamespace:
+    """A torchrun ``ProcessFailure`` as the launcher sees it."""
+    return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp)
+
+
+def reported(rank: int, text: str, timestamp: int = 100) -> SimpleNamespace:
+    """A failure whose worker wrote its error file (``report_failure``)."""
+    return failure(2, {"message": f"rank {rank}: {text}", "extraInfo": {}}, timestamp)
+
+
+def peer_echo(rank: int, cause: str, timestamp: int = 100) -> SimpleNamespace:
+    """What a rank whose collective failed with ``cause`` records (the real message)."""
+    import torch
+
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo", timeout_s=TIMEOUT_S)
+    return reported(rank, str(peer_failure(ctx, RuntimeError(cause))), timestamp)
+
+
+SIGNALLED = {6: "Signal 6 (SIGABRT) received by PID 4242",
+             9: "Signal 9 (SIGKILL) received by PID 4242",
+             15: "Signal 15 (SIGTERM) received by PID 4242"}
+NCCL = {"rank": 1, "world_size": 2, "backend": "nccl", "device": "cuda:1", "timeout_s": 300.0}
+
+
+def test_an_nccl_watchdog_abort_names_the_rank_nccl_and_the_bound() -> None:
+    failures = {1: failure(-6, SIGNALLED[6])}
+    line = launch.failure_line(1, failures[1], failures, NCCL, ARGV, 2)
+    assert line.startswith("error: rank 1 of 2 was taken down by the NCCL watchdog (SIGABRT)")
+    assert "within 300 s (parallel.timeout_s)" in line and "exactstep resume runs/x" in line
+    assert "\n" not in line
+
+
+def test_the_nccl_line_names_the_rank_that_was_still_running() -> None:
+    """Ranks 0 and 1 aborted by their watchdogs; rank 2 never joined the collective and
+    was stopped by the launcher: it is the one that stalled."""
+    failures = {0: failure(-6, SIGNALLED[6], 100), 1: failure(-6, SIGNALLED[6], 100),
+                2: failure(-15, SIGNALLED[15], 101)}
+    rank, root = launch.root_cause(failures)
+    line = launch.failure_line(rank, root, failures, {**NCCL, "rank": 0}, ARGV, 3)
+    assert rank == 0 and "NCCL watchdog" in line
+    assert "rank 2 was still running when the launcher stopped it" in line
+
+
+@pytest.mark.parametrize("record,signum", [({**NCCL, "backend": "gloo"}, 6), (NCCL, 9), (None, 6)])
+def test_negative_controls_other_deaths_are_not_called_nccl(record, signum) -> None:
+    failures = {1: failure(-signum, SIGNALLED[signum])}
+    line = launch.failure_line(1, failures[1], failures, record, ARGV, 2)
+    assert "NCCL" not in line and line.startswith("error: rank 1 of 2 died (Signal")
+
+
+def test_a_rank_stopped_after_its_peer_timed_out_is_named_stalled() -> None:
+    echo = peer_echo(0, "[unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation")
+    failures = {0: echo, 1: failure(-15, SIGNALLED[15], timestamp=104)}
+    rank, root = launch.root_cause(failures)
+    assert rank == 1
+    line = launch.failure_line(rank, root, failures, {**NCCL, "backend": "gloo"}, ARGV, 2)
+    assert line.startswith("error: rank 1 of 2 stalled: rank 0 waited 2 s (parallel.timeout_s) "
+                           "for it in a collective and gave up, then the launcher stopped "
+                           "rank 1 (SIGTERM)")
+
+
+def test_negative_control_a_peer_that_died_is_not_called_stalled() -> None:
+    failures = {0: peer_echo(0, "Connection closed by peer"), 1: failure(-9, SIGNALLED[9])}
+    rank, root = launch.root_cause(failures)
+    line = launch.failure_line(rank, root, failures, None, ARGV, 2)
+    assert rank == 1 and line.startswith("error: rank 1 of 2 died (Signal 9 (SIGKILL)")
+
+
+def test_rank_record_is_written_beside_the_error_file_and_read_back(tmp_path) -> None:
+    folder = tmp_path / "exactstep-1_abc" / "attempt_0" / "1"
+    folder.mkdir(parents=True)
+    import torch
+
+    ctx = DistContext(1, 2, 1, torch.device("cpu"), "gloo", timeout_s=5.0)
+    write_rank_record(ctx, {**launcher_env(1, 2, 1),
+                            "TORCHELASTIC_ERROR_FILE": str(folder / "error.json")})
+    assert launch.rank_record(tmp_path, 1) == {"rank": 1, "world_size": 2, "backend": "gloo",
+                                              "device": "cpu", "timeout_s": 5.0}
+    assert launch.rank_record(tmp_path, 0) is None
+    write_rank_record(ctx, {})  # outside torchrun: nothing is written
+    assert sorted(p.name for p in folder.iterdir()) == ["exactstep-rank.json"]
+
+
+def test_report_child_failure_prints_the_nccl_line_once(tmp_path, capsys) -> None:
+    folder = tmp_path / "run_1" / "attempt_0" / "1"
+    folder.mkdir(parents=True)
+    (folder / "exactstep-rank.json").write_text(json.dumps(NCCL))
+    exc = SimpleNamespace(failures={1: failure(-6, SIGNALLED[6])})
+    assert launch.report_child_failure(exc, ARGV, 2, tmp_path) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "NCCL watchdog" in err[0]
+
+
+def test_checkpoint_barriers_and_dcp_run_on_the_host_group(monkeypatch) -> None:
+    import torch
+
+    from exactstep.parallel import checkpoint
+
+    host = object()
+    calls = []
+    monkeypatch.setattr(checkpoint.dist, "barrier", lambda group=None: calls.append(group))
+    ctx = DistContext(0, 2, 0, torch.device("cuda", 0), "nccl", host_group=host)
+    checkpoint._barrier(ctx)
+    assert calls == [host]
+    assert checkpoint._group(ctx) is host
