@@ -141,7 +141,7 @@ def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
     code, _, err = run_cli(["bench", "nosuch"], capsys)
     assert code == 2
     assert err.strip() == ("error: unknown benchmark 'nosuch'; available: "
-                           "attention, checkpoint, ddp, gpu, loss, packing, step")
+                           "attention, checkpoint, ddp, gpu, hf, loss, packing, step")
 
 
 # ---------------------------------------------------------------- start-up cost (X4)
