@@ -3,10 +3,11 @@
 ``exactstep tokenizer train`` writes a tiny BPE, then the bundled
 ``configs/hf_llama_bpe.toml`` (read from the installed package, as a user's copy
 would be) trains its HF Llama with it for 3 windows with small overrides. The run
-records the Hugging Face tokenizer in its manifest, and its summary (printed,
-``summary.json``) and ``exactstep eval`` label the held-out figures bits per
-*token*; a byte-tokenizer run keeps bits per *byte* (the negative control: the
-label follows the tokenizer, it is not simply renamed).
+records the Hugging Face tokenizer in its manifest. Its summary (printed,
+``summary.json``) and ``exactstep eval`` report bits per *byte* over the UTF-8
+bytes of the held-out documents (counted here from the documents' text, plus one
+per EOS) and bits per *token*; the two differ by exactly the bytes-per-target
+ratio, and a byte-tokenizer summary prints no separate per-token line.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from exactstep.manifest import read_manifest  # noqa: E402
 from exactstep.report import format_summary  # noqa: E402
 
 VAL_FRACTION = "0.2"
-TINY = ["batch.rows=2", "batch.seq_len=64", "train.steps=3", "train.eval_tokens=2000",
+TINY = ["batch.rows=2", "batch.seq_len=256", "train.steps=3", "train.eval_tokens=1000000",
         "update.warmup=1", f"data.val_fraction={VAL_FRACTION}"]
 
 
@@ -42,7 +43,10 @@ def demo_config() -> Path:
 
 
 @pytest.mark.slow
-def test_the_bpe_demo_trains_and_reports_bits_per_token(tmp_path, capsys) -> None:
+def test_the_bpe_demo_trains_and_reports_bits_per_byte_and_per_token(tmp_path, capsys) -> None:
+    from exactstep.data.config import DataConfig
+    from exactstep.data.corpus import load_corpus
+
     data = write_jsonl(tmp_path / "docs.jsonl")
     tok = tmp_path / "tok"
     assert main(["tokenizer", "train", "--source", str(data), "--vocab-size", "300",
@@ -54,28 +58,40 @@ def test_the_bpe_demo_trains_and_reports_bits_per_token(tmp_path, capsys) -> Non
     assert code == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["windows"] == {"committed": 3, "skipped_nonfinite": 0, "no_objective": 0}
-    assert summary["bits_unit"] == "token"
     loss = summary["heldout_loss"]
     assert math.isfinite(loss) and summary["heldout_tokens"] > 0
-    assert summary["heldout_bits_per_byte"] == pytest.approx(loss / math.log(2), rel=1e-9)
-    assert "bits per token" in stdout and "bits per byte" not in stdout
+    # every held-out document fits one row (no split), so its targets spell its bytes
+    val = load_corpus(DataConfig(source=str(data), val_fraction=float(VAL_FRACTION))).val
+    val_bytes = sum(len(d.text.encode("utf-8")) + 1 for d in val)  # + its EOS
+    assert summary["heldout_bytes"] == val_bytes > summary["heldout_tokens"]
+    nats = loss * summary["heldout_tokens"]
+    assert summary["heldout_bits_per_byte"] == pytest.approx(nats / math.log(2) / val_bytes,
+                                                             rel=1e-9)
+    assert summary["heldout_bits_per_token"] == pytest.approx(loss / math.log(2), rel=1e-9)
+    assert summary["unigram_bits_per_byte"] == pytest.approx(
+        summary["unigram_bits_per_token"] * summary["heldout_tokens"] / val_bytes, rel=1e-9)
+    assert "bits per byte" in stdout and "bits per token" in stdout
     representation = read_manifest(run).section("representation")
     assert representation["tokenizer"] == "hf" and representation["vocab_size"] == 300
     assert read_manifest(run).section("config")["model"]["source"] == "hf"
 
     assert main(["eval", str(run)]) == 0
     evaluated = capsys.readouterr().out
-    assert "bits per token" in evaluated and "bits per byte" not in evaluated
+    assert f"bits per byte {summary['heldout_bits_per_byte']:.4f}" in evaluated
+    assert f"bits per token {summary['heldout_bits_per_token']:.4f}" in evaluated
 
 
-def test_the_summary_label_follows_the_unit() -> None:
+def test_a_byte_summary_prints_bits_per_byte_only() -> None:
     summary = {"windows": {"committed": 1, "skipped_nonfinite": 0, "no_objective": 0},
                "supervised_tokens": 10, "wall_s": 1.0, "heldout_loss": 1.0,
-               "heldout_tokens": 5, "heldout_perplexity": math.e,
-               "heldout_bits_per_byte": 1 / math.log(2), "unigram_bits_per_byte": 2.0,
+               "heldout_tokens": 5, "heldout_bytes": 5, "heldout_perplexity": math.e,
+               "heldout_bits_per_byte": 1 / math.log(2), "heldout_bits_per_token": 1 / math.log(2),
+               "unigram_bits_per_byte": 2.0, "unigram_bits_per_token": 2.0,
                "bpb_ratio_to_unigram": 0.72, "data": {"efficiency": 1.0}}
-    as_bytes = format_summary(summary)  # a summary without a unit: the byte tokenizer's
-    as_tokens = format_summary({**summary, "bits_unit": "token"})
+    as_bytes = format_summary(summary)
+    as_tokens = format_summary({**summary, "heldout_bytes": 15, "heldout_bits_per_byte": 0.48,
+                                "unigram_bits_per_byte": 0.6667})
     assert "bits per byte" in as_bytes and "bits per token" not in as_bytes
-    assert "bits per token" in as_tokens and "bits per byte" not in as_tokens
-    assert "2.0000 bits per token" in as_tokens
+    assert "bits per byte       0.4800" in as_tokens
+    assert "0.6667 bits per byte" in as_tokens
+    assert "bits per token      1.4427 (unigram 2.0000)" in as_tokens

@@ -42,10 +42,13 @@ LN2 = math.log(2.0)
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Gold (unsmoothed) NLL summed over ``tokens`` held-out targets (L5)."""
+    """Gold (unsmoothed) NLL summed over ``tokens`` held-out targets (L5), and the
+    UTF-8 bytes those targets spell (``target_bytes``; ``None`` when the tokenizer
+    cannot say, see ``byte_lengths`` of the tokenizers)."""
 
     gold_nll_sum: float
     tokens: int
+    target_bytes: int | None = None
 
     @property
     def loss(self) -> float | None:
@@ -59,6 +62,16 @@ class EvalResult:
     def bits_per_token(self) -> float | None:
         return self.gold_nll_sum / LN2 / self.tokens if self.tokens else None
 
+    @property
+    def bits_per_byte(self) -> float | None:
+        """Bits per byte of held-out text: the same nats over the bytes the targets
+        spell. With the byte tokenizer a target is one byte (the EOS counts as one),
+        so this equals ``bits_per_token``; with a BPE it is comparable across
+        tokenizers, which bits per token is not."""
+        if not self.target_bytes:
+            return None
+        return self.gold_nll_sum / LN2 / self.target_bytes
+
 
 def evaluate(
     model: torch.nn.Module,
@@ -68,8 +81,12 @@ def evaluate(
     max_tokens: int,
     pad_id: int | None,
     autocast: Callable[[], AbstractContextManager] | None = None,
+    byte_lengths: np.ndarray | None = None,
 ) -> EvalResult:
     """Sum gold NLL over held-out batches until ``max_tokens`` targets are seen.
+
+    ``byte_lengths`` (one entry per id: the UTF-8 bytes the id spells as a target)
+    also sums the bytes of the same targets, for bits per byte.
 
     Isolation (E1): the forward runs in eval mode under ``torch.no_grad`` inside
     ``isolated_rng``; on return (or on an error) every RNG stream and every module's
@@ -81,6 +98,9 @@ def evaluate(
     cfg = ObjectiveConfig(label_smoothing=0.0)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
+    lengths = torch.from_numpy(np.asarray(byte_lengths, dtype=np.int64)) \
+        if byte_lengths is not None else None
+    target_bytes = 0
     with _eval_mode(model):
         with isolated_rng(), torch.no_grad():
             for batch in batches:
@@ -101,7 +121,10 @@ def evaluate(
                 )
                 nll_sum += gold.double().sum()
                 tokens += n
-    return EvalResult(gold_nll_sum=float(nll_sum), tokens=tokens)
+                if lengths is not None:
+                    target_bytes += int(lengths[batch.labels[batch.labels != IGNORE_INDEX]].sum())
+    return EvalResult(gold_nll_sum=float(nll_sum), tokens=tokens,
+                      target_bytes=target_bytes if lengths is not None else None)
 
 
 @contextlib.contextmanager
@@ -164,12 +187,14 @@ class Validator:
     device: torch.device
     max_tokens: int
     autocast: Callable[[], AbstractContextManager] | None = None
+    byte_lengths: np.ndarray | None = None  # the tokenizer's ``byte_lengths()``
 
     def evaluate(self) -> EvalResult:
         batches = eval_batches(self.val, self.batch, pad_id=self.pad_id,
                                vocab_size=self.vocab_size)
         return evaluate(self.model, batches, device=self.device, max_tokens=self.max_tokens,
-                        pad_id=self.pad_id, autocast=self.autocast)
+                        pad_id=self.pad_id, autocast=self.autocast,
+                        byte_lengths=self.byte_lengths)
 
     def record(self) -> dict[str, Any]:
         """One ``metrics.jsonl`` evaluation record."""
@@ -177,7 +202,8 @@ class Validator:
         return {
             "eval_loss": result.loss,
             "eval_tokens": result.tokens,
-            "eval_bits_per_byte": result.bits_per_token,
+            "eval_bits_per_byte": result.bits_per_byte,
+            "eval_bits_per_token": result.bits_per_token,
             "eval_perplexity": display_perplexity(result),
         }
 
@@ -187,28 +213,30 @@ class Validator:
         return unigram_bits(self.train, val, self.vocab_size, self.max_tokens)
 
     def summary(self) -> dict[str, Any]:
-        """The held-out figures of the end-of-run summary."""
+        """The held-out figures of the end-of-run summary: bits per token and, where
+        the tokenizer says what its ids spell, bits per byte; the unigram baseline in
+        both units on the same targets (so the ratio is one number either way)."""
         result = self.evaluate()
         unigram = self.baseline_bits()
-        bpb = result.bits_per_token
+        bpt = result.bits_per_token
         return {
             "heldout_loss": result.loss,
             "heldout_tokens": result.tokens,
+            "heldout_bytes": result.target_bytes,
             "heldout_perplexity": display_perplexity(result),
-            "heldout_bits_per_byte": bpb,
-            "unigram_bits_per_byte": unigram,
-            "bpb_ratio_to_unigram": (bpb / unigram) if (bpb and unigram) else None,
+            "heldout_bits_per_token": bpt,
+            "heldout_bits_per_byte": result.bits_per_byte,
+            "unigram_bits_per_token": unigram,
+            "unigram_bits_per_byte": per_byte(unigram, result),
+            "bpb_ratio_to_unigram": (bpt / unigram) if (bpt and unigram) else None,
         }
 
 
-def bits_unit(tokenizer_kind: str) -> str:
-    """What one held-out target is, for the labels of bits per target: ``"byte"`` for
-    the byte tokenizer (``kind = "bytes"``: a target is one byte, or the EOS),
-    ``"token"`` for any other (a BPE target spans several bytes, so its bits are bits
-    per token, not per byte). The figures keep their ``*_bits_per_byte`` keys either
-    way; the summary's ``bits_unit`` says which they are.
-    """
-    return "byte" if tokenizer_kind == "bytes" else "token"
+def per_byte(bits_per_target: float | None, result: EvalResult) -> float | None:
+    """Bits per target of ``result``'s targets restated per byte they spell."""
+    if bits_per_target is None or not result.target_bytes:
+        return None
+    return bits_per_target * result.tokens / result.target_bytes
 
 
 # --------------------------------------------------------------------------- greedy decoding
@@ -309,18 +337,25 @@ def greedy_answer_accuracy(
 class EvalReport:
     checkpoint: str
     result: EvalResult
-    unigram: float | None
-    unit: str = "byte"  # ``bits_unit`` of the run's tokenizer
+    unigram: float | None  # bits per target
 
     def format(self) -> str:
         r = self.result
         ppl = r.perplexity
         ppl_s = f"N/A ({ppl.cause})" if isinstance(ppl, NotAvailable) else f"{ppl:.3f}"
         loss_s = f"{r.loss:.4f}" if r.loss is not None else "N/A (no targets)"
-        bpb = f"{r.bits_per_token:.4f}" if r.bits_per_token is not None else "N/A"
-        uni = f"{self.unigram:.4f}" if self.unigram is not None else "N/A"
-        return (f"checkpoint {self.checkpoint}\n  held-out loss {loss_s} over {r.tokens} targets\n"
-                f"  perplexity {ppl_s}\n  bits per {self.unit} {bpb} (unigram baseline {uni})")
+        lines = [f"checkpoint {self.checkpoint}", f"  held-out loss {loss_s} over {r.tokens} targets",
+                 f"  perplexity {ppl_s}"]
+        per_target = [("byte", r.bits_per_byte, per_byte(self.unigram, r))]
+        if r.target_bytes != r.tokens:  # a target is not always one byte: say both
+            per_target.append(("token", r.bits_per_token, self.unigram))
+        for unit, bits, unigram in per_target:
+            lines.append(f"  bits per {unit} {fmt(bits)} (unigram baseline {fmt(unigram)})")
+        return "\n".join(lines)
+
+
+def fmt(x: float | None) -> str:
+    return f"{x:.4f}" if x is not None else "N/A"
 
 
 def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalReport:
@@ -351,6 +386,6 @@ def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalR
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed).to(device)
     load_weights(point.path, model, DcpFormat(single_process(device)))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
-                          tokenizer.vocab_size, device, cfg.train.eval_tokens)
-    return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits(),
-                      unit=bits_unit(tokenizer.kind))
+                          tokenizer.vocab_size, device, cfg.train.eval_tokens,
+                          byte_lengths=tokenizer.byte_lengths())
+    return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits())

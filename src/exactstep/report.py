@@ -127,26 +127,11 @@ def outcome_counts(committed: int, skipped: int, no_objective: int) -> dict[str,
 
 
 def write_outputs(run_dir: Path, summary: dict[str, Any], data_report: dict[str, Any]) -> None:
-    """``data_report.json``, ``summary.json`` (durably) and ``loss.png``; prints the summary.
-
-    ``summary`` gains ``bits_unit`` (``"byte"`` or ``"token"``, ``eval.bits_unit``) from
-    the tokenizer the run's manifest declares, so a BPE run's figures are labelled bits
-    per token, not per byte.
-    """
-    summary.setdefault("bits_unit", bits_unit_of_run(run_dir))
+    """``data_report.json``, ``summary.json`` (durably) and ``loss.png``; prints the summary."""
     write_json_durably(run_dir / "data_report.json", data_report)
     write_json_durably(run_dir / "summary.json", summary)
     plot_loss(run_dir)
     print(format_summary(summary), flush=True)
-
-
-def bits_unit_of_run(run_dir: Path) -> str:
-    """``eval.bits_unit`` of the tokenizer in ``run_dir``'s manifest (S1 representation)."""
-    from exactstep.eval import bits_unit
-    from exactstep.manifest import read_manifest
-
-    representation = read_manifest(run_dir).section("representation")
-    return bits_unit(representation.get("tokenizer", "bytes"))
 
 
 def plot_loss(run_dir: Path) -> None:
@@ -186,13 +171,27 @@ def plot_loss(run_dir: Path) -> None:
     plt.close(fig)
 
 
+def bits_lines(s: dict[str, Any]) -> list[str]:
+    """Bits per byte (the held-out text's UTF-8 bytes, comparable across tokenizers)
+    and, when a target is not one byte (a BPE), bits per token too; each with the
+    unigram baseline on the same targets."""
+    def f(x: Any) -> str:
+        return format(x, ".4f") if isinstance(x, float) else "N/A"
+
+    lines = [f"  bits per byte       {f(s['heldout_bits_per_byte'])}",
+             f"  unigram baseline    {f(s['unigram_bits_per_byte'])} bits per byte"]
+    if s.get("heldout_bytes") != s["heldout_tokens"] and "heldout_bits_per_token" in s:
+        lines.append(f"  bits per token      {f(s['heldout_bits_per_token'])} "
+                     f"(unigram {f(s['unigram_bits_per_token'])})")
+    return lines
+
+
 def format_summary(s: dict[str, Any]) -> str:
     def f(x: Any, spec: str = ".4f") -> str:
         return format(x, spec) if isinstance(x, float) else str(x)
 
     w = s["windows"]
     data = s["data"]
-    unit = s.get("bits_unit", "byte")  # "token" with a BPE tokenizer (eval.bits_unit)
     lines = [
         "",
         "run summary",
@@ -202,8 +201,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  wall time           {s['wall_s']:.1f} s",
         f"  held-out loss       {f(s['heldout_loss'])} nats/token over {s['heldout_tokens']} targets",
         f"  held-out perplexity {f(s['heldout_perplexity'], '.3f')}",
-        f"  {'bits per ' + unit:<19} {f(s['heldout_bits_per_byte'])}",
-        f"  unigram baseline    {f(s['unigram_bits_per_byte'])} bits per {unit}",
+        *bits_lines(s),
         f"  ratio to unigram    {f(s['bpb_ratio_to_unigram'], '.3f')}",
         f"  packing efficiency  {f(data.get('efficiency'), '.4f')}",
     ]

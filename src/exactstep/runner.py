@@ -124,7 +124,7 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, ctx.device, cfg.train.eval_tokens,
-                          precision.autocast)
+                          precision.autocast, tokenizer.byte_lengths())
     checkpointer = Checkpointer(out_dir / "checkpoints", keep=cfg.checkpoint.keep, model=model,
                                 engine=engine, stream=stream, ctx=ctx,
                                 manifest_digest=manifest.digest, multi_rank=DcpFormat(ctx))

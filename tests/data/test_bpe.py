@@ -135,3 +135,55 @@ def test_an_existing_directory_or_missing_data_is_refused(tmp_path, capsys) -> N
     err = capsys.readouterr().err
     assert code == DataError.exit_code and "missing.jsonl" in err and err.count("\n") == 1
     assert not out.exists()
+
+
+TEXTS = ["plain ascii text", "ünïcödé ✓ 漢字 and emoji 🙂", "\t\n  spaces\r\n", "QZQZ <b> </s>"]
+
+
+def test_byte_lengths_spell_the_utf8_bytes_of_any_text(tmp_path) -> None:
+    """``byte_lengths`` (for bits per byte) against the text's own UTF-8 length; the
+    EOS target counts one, BOS and PAD nothing, as for the byte tokenizer."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from exactstep.data.hf_tokenizer import load_hf_tokenizer
+    from exactstep.data.tokenizer import ByteTokenizer
+
+    source = tmp_path / "docs.jsonl"
+    write_corpus(source)
+    code, out = train(tmp_path, "tok", source, vocab=300)
+    assert code == 0
+    tokenizer = load_hf_tokenizer(out)
+    lengths = tokenizer.byte_lengths()
+    assert lengths.shape == (300,)
+    assert (lengths[0], lengths[1], lengths[2]) == (0, 1, 0)  # <bos>, <eos>, <pad>
+    byte = ByteTokenizer()
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.text())
+    def spells(text: str) -> None:
+        ids = tokenizer.encode(text)
+        assert int(lengths[ids].sum()) == len(text.encode("utf-8"))
+        assert int(byte.byte_lengths()[byte.encode(text)].sum()) == len(text.encode("utf-8"))
+
+    spells()
+    # negative control: the length of each id's own decoded text miscounts multi-byte text
+    ids = tokenizer.encode(TEXTS[1])
+    decoded = sum(len(tokenizer.hf.decode([i]).encode("utf-8")) for i in ids)
+    assert decoded != len(TEXTS[1].encode("utf-8"))
+
+
+def test_a_tokenizer_that_is_not_byte_level_has_no_byte_lengths(tmp_path) -> None:
+    """A WordPiece tokenizer's pieces are not bytes: per token figures only."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from exactstep.data.hf_tokenizer import load_hf_tokenizer
+
+    core = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.train_from_iterator(TEXTS * 10, trainers.WordPieceTrainer(
+        vocab_size=80, special_tokens=["[UNK]", "[PAD]", "[BOS]", "[EOS]"], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
+                            bos_token="[BOS]", eos_token="[EOS]").save_pretrained(tmp_path / "wp")
+    assert load_hf_tokenizer(tmp_path / "wp").byte_lengths() is None

@@ -20,6 +20,7 @@ _EXPORTS = {
     "load_corpus": "exactstep.data.corpus",
     "load_hf_tokenizer": "exactstep.data.hf_tokenizer",
     "template_for": "exactstep.data.chat",
+    "train_bpe_tokenizer": "exactstep.data.bpe",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

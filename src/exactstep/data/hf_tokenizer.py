@@ -126,6 +126,30 @@ class HFTokenizer:
         return {role: self._backend.id_to_token(token_id)
                 for role, token_id in self.special_ids().items()}
 
+    def byte_lengths(self) -> np.ndarray | None:
+        """UTF-8 bytes each id spells as a target, for bits per byte of held-out text.
+
+        Exact for byte-level BPE (GPT-2, Llama 3, Qwen and ``exactstep tokenizer
+        train``): every character of a vocabulary entry stands for one byte. An added
+        token that is not special spells its own text; special tokens spell nothing,
+        except EOS, which counts as one symbol (as the byte tokenizer counts it).
+        ``None`` for any other kind of tokenizer (SentencePiece, WordPiece): its
+        held-out figures are then per token only.
+        """
+        if not is_byte_level(json.loads(self._backend.to_str()).get("decoder")):
+            return None
+        from tokenizers import pre_tokenizers
+
+        alphabet = frozenset(pre_tokenizers.ByteLevel.alphabet())
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, token_id in self.hf.get_vocab().items():
+            if all(char in alphabet for char in token):
+                lengths[token_id] = len(token)
+        for token_id, added in self.hf.added_tokens_decoder.items():
+            lengths[token_id] = 0 if added.special else len(added.content.encode("utf-8"))
+        lengths[self.eos_id] = 1
+        return lengths
+
     def fingerprint(self) -> str:
         """sha256 (hex) over the tokenizer, its special ids and its chat template (S1)."""
         return self._fingerprint
@@ -160,6 +184,15 @@ class HFTokenizer:
             "chat_template": self.chat_template,
         }
         return hashlib.sha256(canonical_json(description).encode("utf-8")).hexdigest()
+
+
+def is_byte_level(decoder: dict | None) -> bool:
+    """Whether a ``tokenizer.json`` decoder maps each character to one byte."""
+    if not decoder:
+        return False
+    if decoder.get("type") == "Sequence":
+        return any(is_byte_level(d) for d in decoder.get("decoders", []))
+    return decoder.get("type") == "ByteLevel"
 
 
 def canonical_json(value: Any) -> str:

@@ -49,6 +49,8 @@ class Tokenizer(Protocol):
 
     def special_ids(self) -> dict[str, int]: ...
 
+    def byte_lengths(self) -> np.ndarray | None: ...
+
     def fingerprint(self) -> str: ...
 
 
@@ -120,6 +122,15 @@ class ByteTokenizer:
 
     def special_names(self) -> dict[int, str]:
         return {token: name for name, token in self.special_ids().items()}
+
+    def byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes each id spells as a target: 1 for each byte id and for EOS (the
+        end of a document counts as one symbol), 0 for BOS and PAD. Bits per byte of
+        held-out text is then bits per target, as it always was for this tokenizer."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        lengths[:256] = 1
+        lengths[self.eos_id] = 1
+        return lengths
 
     def describe(self) -> dict:
         """The canonical description that ``fingerprint`` hashes."""
