@@ -164,14 +164,21 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def kill_when_ledger_has(proc: subprocess.Popen, run_dir: Path, lines: int) -> None:
-    """SIGKILL ``proc`` as soon as its ledger holds ``lines`` complete lines."""
+def kill_once_ledger_has(proc: subprocess.Popen, run_dir: Path, lines: int, *,
+                         timeout: float = 300) -> None:
+    """SIGKILL ``proc`` as soon as its ledger holds ``lines`` complete lines (polled
+    every millisecond; gives up after ``timeout`` seconds or when it exits)."""
     path = run_dir / "ledger.jsonl"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         if path.exists() and path.read_bytes().count(b"\n") >= lines:
             os.kill(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.001)
+
+
+def kill_when_ledger_has(proc: subprocess.Popen, run_dir: Path, lines: int) -> None:
+    """SIGKILL ``proc`` as soon as its ledger holds ``lines`` complete lines."""
+    kill_once_ledger_has(proc, run_dir, lines, timeout=240)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"

@@ -74,25 +74,12 @@ def save_tokenizer(directory: Path, *, bos: str | None = "<s>", eos: str | None 
     return directory
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte (what byte-level BPE vocabularies hold)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def save_byte_tokenizer(directory: Path, chat_template: str) -> Path:
     """exactstep's byte tokenizer as a Hugging Face one: byte b -> id b (no merges),
     ``<bos>``, ``<eos>``, ``<pad>`` = 256, 257, 258."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab = {char: b for b, char in bytes_to_unicode().items()}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))

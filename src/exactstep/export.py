@@ -112,9 +112,10 @@ def byte_tokenizer_hf(tokenizer: Any, chat_template: str | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins of the bytes
-    byte_char = _bytes_to_unicode()
+    byte_char = bytes_to_unicode()  # GPT-2's byte -> character table, as ByteLevel uses
     vocab = {byte_char[b]: b for b in range(256)}
     assert set(vocab) == set(alphabet)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
@@ -128,20 +129,6 @@ def byte_tokenizer_hf(tokenizer: Any, chat_template: str | None = None):
                           f"{[tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id]}")
     return PreTrainedTokenizerFast(tokenizer_object=core, chat_template=chat_template,
                                    model_max_length=1 << 30, **specials)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what ByteLevel uses)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
 
 
 # --------------------------------------------------------------------------- export

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from run_support import kill_once_ledger_has
 from text_corpus import write_corpus
 
 from exactstep.state.checkpoint import load_checkpoint
@@ -85,12 +84,7 @@ class Harness:
         proc = subprocess.Popen([sys.executable, str(self.launcher), kill_at, defect, *command],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.root)
         if kill_after_lines:
-            ledger, deadline = run_dir / "ledger.jsonl", time.monotonic() + 300
-            while proc.poll() is None and time.monotonic() < deadline:
-                if ledger.exists() and ledger.read_bytes().count(b"\n") >= kill_after_lines:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    break
-                time.sleep(0.002)
+            kill_once_ledger_has(proc, run_dir, kill_after_lines)
         output, _ = proc.communicate(timeout=300)
         self.last_output = output.decode(errors="replace")
         return proc.returncode
