@@ -202,11 +202,13 @@ PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.threads")
 
 
 def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
-                 parent: dict | None = None) -> dict[str, Any]:
+                 parent: dict | None = None, model: dict | None = None) -> dict[str, Any]:
     """The S1 sections a training run declares, from its ``RunConfig`` and ``DataBundle``.
 
     The resolved configuration is recorded whole (X2) but for ``PRESENTATION_KEYS``;
-    ``parent`` (a warm start's origin, S4) becomes its own section.
+    ``parent`` (a warm start's origin, S4) becomes its own section, and so does
+    ``model``, a model's own ``describe()`` where it has one (a Hugging Face model's
+    resolved architecture, initial weights and library version).
     """
     config = cfg.to_dict()
     for key in PRESENTATION_KEYS:
@@ -239,6 +241,8 @@ def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
     }
     if parent is not None:
         sections["parent"] = parent
+    if model is not None:
+        sections["model"] = model
     return sections
 
 

@@ -40,7 +40,7 @@ from exactstep.manifest import (
     run_sections,
     write_manifest,
 )
-from exactstep.model.decoder import build_model
+from exactstep.model.decoder import build_model, model_section
 from exactstep.parallel.checkpoint import DcpFormat
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
@@ -121,7 +121,8 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     engine = UpdateEngine(model, optimizer, schedule, precision, cfg.update, cfg.objective,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx))
     distribute_engine(engine, ctx, cfg.parallel)
-    manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent))
+    manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent,
+                                           model_section(model)))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, ctx.device, cfg.train.eval_tokens,
                           precision.autocast, tokenizer.byte_lengths())

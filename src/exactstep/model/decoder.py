@@ -201,3 +201,11 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> nn.Module:
         return build_hf_model(cfg, vocab_size, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     return Decoder(cfg, vocab_size, generator=generator)
+
+
+def model_section(model: nn.Module) -> dict | None:
+    """The manifest's ``model`` section (S1) for ``model``: its ``describe()`` (a Hugging
+    Face model's resolved architecture, initial weights and library version), or
+    ``None`` for the built-in decoder, which its configuration describes whole."""
+    describe = getattr(model, "describe", None)
+    return describe() if callable(describe) else None

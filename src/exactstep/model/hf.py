@@ -60,6 +60,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,6 +113,7 @@ class HFCausalLM(nn.Module):
         self.vocab_size = int(self.head_weight.shape[0])
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.sliding_window: int | None = sliding_window_of(model.config)
+        self.initial_weights_sha256: str | None = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -175,6 +178,22 @@ class HFCausalLM(nn.Module):
         """Unique parameters; a tied embedding/head is counted once (U6)."""
         return sum(p.numel() for p in self.parameters())
 
+    def describe(self) -> dict[str, Any]:
+        """The manifest's ``model`` section (S1): what ``model.path`` or ``model.hf_config``
+        resolved to, which the configuration alone does not pin down. The architecture
+        (a sha256 over the resolved config, transient keys left out), the initial
+        weights (``initial_weights_sha256``, set by ``build_hf_model``) and the
+        modelling code's version; a resume whose directory now holds another config or
+        other weights is refused naming this section."""
+        return {
+            "source": "hf",
+            "model_type": self.model_type,
+            "attn_implementation": self.attn_implementation,
+            "config_sha256": config_digest(self.hf.config),
+            "initial_weights_sha256": self.initial_weights_sha256,
+            "transformers": import_transformers().__version__,
+        }
+
 
 def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalLM:
     """The HF causal LM ``cfg`` declares, checked to keep every contract (H1).
@@ -204,10 +223,31 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
             )
         model.config.use_cache = False
         adapter = HFCausalLM(model, attn_implementation=cfg.attn_implementation)
+        adapter.initial_weights_sha256 = weights_digest(model)
         check_head(adapter)
         check_vocab(adapter, vocab_size)
         probe(adapter, vocab_size)
     return adapter
+
+
+def config_digest(config: Any) -> str:
+    """sha256 of an HF config's canonical JSON, without its private (``_``) keys and
+    the version that wrote it (recorded apart)."""
+    values = {k: v for k, v in config.to_dict().items()
+              if not k.startswith("_") and k != "transformers_version"}
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over every tensor of ``model``'s state dict (name, dtype, shape, bytes),
+    in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().contiguous().cpu().reshape(-1)
+        digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- building
