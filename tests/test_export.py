@@ -233,3 +233,53 @@ def test_an_export_fine_tunes_as_an_hf_model_with_the_same_ownership(text_export
     denominators = [[r["D"] for r in map(json.loads, (run / "ledger.jsonl").read_text()
                                          .splitlines())] for run in (hf, builtin)]
     assert denominators[0] == denominators[1] and all(d > 0 for d in denominators[0])
+
+
+def test_the_decoder_rotates_with_llamas_own_tables_bit_for_bit() -> None:
+    """RoPE as transformers' Llama computes it (the independent expectation):
+    ``1 / theta^(2i/Dh)`` in fp32, cos and sin of position x frequency. The last-bit
+    rounding of ``theta^(-2i/Dh)`` (negative control) is a different table."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from exactstep.model.decoder import rope_tables
+
+    head_dim, theta = 32, 10000.0
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4,
+                         rope_parameters={"rope_type": "default", "rope_theta": theta})
+    positions = torch.arange(256)[None]
+    cos_hf, sin_hf = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = rope_tables(positions, head_dim, theta)  # [B, T, 3, 1, Dh]; slot 0 = queries
+    half = head_dim // 2
+    assert torch.equal(cos[:, :, 0, 0], cos_hf)
+    assert torch.equal(sin[:, :, 0, 0, half:], sin_hf[..., half:])
+    assert torch.equal(sin[:, :, 0, 0, :half], -sin_hf[..., :half])  # sign folded in
+
+    other = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    wrong = torch.cat([positions[..., None].float() * other] * 2, dim=-1).cos()
+    assert not torch.equal(wrong, cos_hf)
+
+
+def test_the_tolerance_is_transformers_own_spread_and_a_near_miss_is_refused(
+        text_export, tmp_path, monkeypatch) -> None:
+    """The passport records the tolerance it used: 1e-5, or twice the spread of the
+    artifact's own sdpa and eager logits. A mapping that is nearly right (the norm
+    epsilon written as 1e-6 instead of the trained 1e-5) is still refused."""
+    _, out = text_export
+    check = json.loads((out / "passport.json").read_text())["check"]
+    spread = check["transformers_sdpa_eager_spread"]
+    assert 0 <= spread < 1e-5
+    assert check["tolerance"] == max(1e-5, 2 * spread) and check["base_tolerance"] == 1e-5
+
+    run, _ = text_export
+    config_of = export_module.llama_config
+
+    def other_eps(*args, **kwargs):
+        config = config_of(*args, **kwargs)
+        config.rms_norm_eps = config.rms_norm_eps / 10
+        return config
+
+    monkeypatch.setattr(export_module, "llama_config", other_eps)
+    with pytest.raises(ExportError, match="logits differ"):
+        export_module.export_run(run, tmp_path / "near")
+    assert not (tmp_path / "near").exists()

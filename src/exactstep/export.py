@@ -7,8 +7,13 @@
 tokenizer exports that tokenizer (and its chat template); a byte-tokenizer run the
 byte tokenizer described below. It is accepted only after the
 *written* artifact, loaded back with plain ``transformers``, reproduces the training
-model's logits on held-out documents (fp32, max abs difference <= ``LOGIT_TOLERANCE``)
-and its tokenizer reproduces the training tokenizer's ids on them. The directory is
+model's logits on held-out documents in fp32 and its tokenizer reproduces the training
+tokenizer's ids on them. The logits must agree within ``LOGIT_TOLERANCE``, or within
+twice the spread of transformers' own two attention paths (``sdpa`` against
+``eager``, the same artifact, the same rows) where that is larger: two fp32
+implementations of a trained model differ by rounding that grows with its logits
+(1.8e-5 between transformers' own paths on the default model after ``make train``),
+while a wrong mapping differs by orders of magnitude more. The directory is
 written under a temporary sibling name and renamed into place only after the check
 passes, so a failed or interrupted export publishes nothing.
 
@@ -250,24 +255,28 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
     """Load the written artifact with plain ``transformers`` and compare (H3).
 
     For up to ``CHECK_DOCUMENTS`` held-out documents (each alone, at most
-    ``max_tokens`` tokens: a row length the run trained on), the exported model's logits must equal the training
-    model's within ``LOGIT_TOLERANCE`` and the exported tokenizer must give the same
-    ids for the document's text. Raises ``ExportError`` otherwise.
+    ``max_tokens`` tokens: a row length the run trained on), the exported model's
+    logits must equal the training model's within ``tolerance`` = max(
+    ``LOGIT_TOLERANCE``, 2 x the largest difference between the artifact's own ``sdpa``
+    and ``eager`` logits on the same rows), and the exported tokenizer must give the
+    same ids for the document's text. Raises ``ExportError`` otherwise.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from exactstep.eval import single_segment_batch
 
-    loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-    loaded.eval()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    eager = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(tmp)
-    worst, tokens, used = 0.0, 0, 0
+    worst, spread, tokens, used = 0.0, 0.0, 0, 0
     with torch.no_grad():
         for example in list(documents)[:CHECK_DOCUMENTS]:
             ids = torch.as_tensor(example.tokens[:max_tokens], dtype=torch.int64)[None]
             expected = model.logits(model(single_segment_batch(ids)))  # [1, T, V]
             got = loaded(input_ids=ids).logits.float()  # [1, T, V]
             worst = max(worst, float((got - expected).abs().max()))
+            spread = max(spread, float((got - eager(input_ids=ids).logits.float()).abs().max()))
             special = {tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id}
             text = tokenizer.decode([int(t) for t in example.tokens if int(t) not in special])
             if hf_tokenizer.encode(text, add_special_tokens=False) != tokenizer.encode(text):
@@ -277,11 +286,15 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
             used += 1
     if used == 0:
         raise ExportError("the run has no held-out documents to check the export on")
-    if not worst <= LOGIT_TOLERANCE:
+    tolerance = max(LOGIT_TOLERANCE, 2.0 * spread)
+    if not worst <= tolerance:
         raise ExportError(f"the exported model's logits differ from the trained model's by "
-                          f"{worst:.3g} (tolerance {LOGIT_TOLERANCE:g}); nothing was published")
-    return {"max_abs_logit_diff": worst, "tolerance": LOGIT_TOLERANCE, "documents": used,
-            "tokens": tokens}
+                          f"{worst:.3g} (tolerance {tolerance:.3g}: {LOGIT_TOLERANCE:g}, or twice "
+                          f"transformers' own sdpa/eager spread {spread:.3g}); nothing was "
+                          "published")
+    return {"max_abs_logit_diff": worst, "tolerance": tolerance,
+            "base_tolerance": LOGIT_TOLERANCE, "transformers_sdpa_eager_spread": spread,
+            "documents": used, "tokens": tokens}
 
 
 def publish_directory(tmp: Path, out: Path) -> None:

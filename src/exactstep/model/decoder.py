@@ -40,9 +40,11 @@ def rope_tables(
     from ``position_ids`` (cheaper than a cached table lookup, exact for any
     position, no device sync) and shared by all layers.
     """
-    inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
-    )  # [Dh/2]
+    # 1 / theta^(2i/Dh) in fp32, rounded as Llama's rotary embedding rounds it (not
+    # theta^(-2i/Dh), which differs in the last bit), so an export matches (H3)
+    inv_freq = 1.0 / (theta ** (
+        torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    ))  # [Dh/2]
     angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     cos, sin = angles.cos(), angles.sin()  # [B, T, Dh/2]
     cos_qk = torch.cat([cos, cos], dim=-1)  # [B, T, Dh]
