@@ -68,7 +68,7 @@ class ExportReport:
         return (f"exported {self.passport['checkpoint']} to {self.out}\n"
                 f"  handoff check: max |logit difference| {check['max_abs_logit_diff']:.3g} "
                 f"over {check['tokens']} tokens of {check['documents']} held-out documents "
-                f"(tolerance {check['tolerance']:g}); tokenizer ids identical")
+                f"(tolerance {check['tolerance']:.3g}); tokenizer ids identical")
 
 
 # --------------------------------------------------------------------------- mapping
