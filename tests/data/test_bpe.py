@@ -160,9 +160,9 @@ def test_byte_lengths_spell_the_utf8_bytes_of_any_text(tmp_path) -> None:
     byte = ByteTokenizer()
 
     @settings(max_examples=200, deadline=None)
-    @given(st.text())
+    @given(st.text() | st.sampled_from(["<eos>", "a<bos>b", "<pad><eos>", "x <eos> y"]))
     def spells(text: str) -> None:
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode_array(text)  # a document's ids
         assert int(lengths[ids].sum()) == len(text.encode("utf-8"))
         assert int(byte.byte_lengths()[byte.encode(text)].sum()) == len(text.encode("utf-8"))
 
@@ -187,3 +187,25 @@ def test_a_tokenizer_that_is_not_byte_level_has_no_byte_lengths(tmp_path) -> Non
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]",
                             bos_token="[BOS]", eos_token="[EOS]").save_pretrained(tmp_path / "wp")
     assert load_hf_tokenizer(tmp_path / "wp").byte_lengths() is None
+
+
+def test_a_document_quoting_a_special_token_gets_no_special_id(tmp_path) -> None:
+    """A document's text is data: ``<eos>`` written in it is five bytes of text, not
+    the EOS id (the only EOS of a text example is the one exactstep appends). A
+    rendered template's ``encode`` (negative control) does turn it into the id."""
+    from exactstep.data.corpus import Document
+    from exactstep.data.hf_tokenizer import load_hf_tokenizer
+    from exactstep.rows.example import encode_documents
+
+    source = tmp_path / "docs.jsonl"
+    write_corpus(source)
+    code, out = train(tmp_path, "tok", source, vocab=300)
+    assert code == 0
+    tokenizer = load_hf_tokenizer(out)
+    text = "print('<eos>') # <bos> and <pad> are just text here"
+    (example,) = encode_documents([Document(name="quote", text=text)], tokenizer)
+    inner = example.tokens[1:-1].tolist()
+    assert example.tokens[0] == tokenizer.bos_id and example.tokens[-1] == tokenizer.eos_id
+    assert not {0, 1, 2} & set(inner)
+    assert tokenizer.decode(inner) == text
+    assert {0, 1, 2} <= set(tokenizer.encode(text))  # template markup is recognised

@@ -11,6 +11,10 @@ Invariants:
   EOS. Text examples add both explicitly (``BOS + ids + EOS``,
   ``rows.example.encode_documents``), so a tokenizer that adds BOS itself never
   yields two.
+- A document (``encode_array``) never yields a special id from its text: the text
+  of a special token in it is encoded as text (R1, R5: the only BOS/EOS of a text
+  example are the ones exactstep adds). A rendered chat template (``encode``) keeps
+  the tokenizer's recognition of its special tokens, which are its markup.
 - Every id lies in ``[0, vocab_size)``, where ``vocab_size`` is one more than the
   largest id of the vocabulary, added tokens included (``len(tokenizer)`` for a
   contiguous vocabulary). A model's embedding may have more rows than this (padded
@@ -41,7 +45,7 @@ import numpy as np
 from exactstep.errors import ConfigError, DataError
 
 SPECIAL_ROLES = ("bos", "eos", "pad")
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # 2: special-token text in documents is text
 
 
 class HFTokenizer:
@@ -80,8 +84,19 @@ class HFTokenizer:
         return list(self._backend.encode(text, add_special_tokens=False).ids)
 
     def encode_array(self, text: str) -> np.ndarray:
-        """Same ids as ``encode``, as an int64 array."""
-        return np.asarray(self._backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        """A *document's* ids, as an int64 array. A document is data, not markup: the
+        text of a special token inside it (``<|endoftext|>`` quoted in a source file)
+        is encoded as the ordinary text it is, never as that special id, just as the
+        byte tokenizer cannot produce one from text. ``encode`` (rendered chat
+        templates, whose markup is meant) keeps the tokenizer's own recognition."""
+        backend = self._backend
+        recognised = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            ids = backend.encode(text, add_special_tokens=False).ids
+        finally:
+            backend.encode_special_tokens = recognised
+        return np.asarray(ids, dtype=np.int64)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``, special tokens kept as their text (``<|im_end|>``).
