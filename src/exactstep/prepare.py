@@ -144,6 +144,8 @@ class Encoded:
         self.tokens = sum(len(t) for t, _ in documents)
 
 
+# The encoding process's tokenizer, built once by ``init_worker`` (the pool's
+# initializer, or this process for one worker) and cleared when ``encoder`` exits.
 _WORKER: dict[str, Any] = {}
 
 

@@ -349,3 +349,28 @@ def test_the_loader_benchmark_writes_a_corpus_that_verifies(tmp_path: Path) -> N
     info = open_prepared(path).splits["train"].info  # every size and sha256 checked
     assert abs(info["tokens"] * 2 - (1 << 20)) < 4096
     assert packed_tokens(path, 2) == 2 * 8 * 2048  # rows filled: documents are short
+
+
+def test_a_declared_reshard_continues_with_the_next_epochs_declared_order(prepared: Path) -> None:
+    """S7, D3: two ranks stop mid-epoch; the reshard rule moves three new ranks to the
+    start of the next epoch, and each then packs exactly its stride of that epoch's
+    declared order. Loading an old rank's cursor without the rule is refused."""
+    from exactstep.errors import ResumeError
+    from exactstep.parallel.checkpoint import reshard_stream_state
+
+    old = [stream(prepared, repeat=False, rank=r, world=2) for r in range(2)]
+    for s in old:
+        for _ in range(5):
+            s.next_batch()
+    old_data = [json.loads(json.dumps(s.state_dict())) for s in old]
+    assert {d["planner"]["epoch"] for d in old_data} == {0}
+    n = len(old[0].planner.table)
+    whole = declared_order(n, 8, seed=5, epoch=1)
+    for rank in range(3):
+        new = stream(prepared, repeat=False, rank=rank, world=3)
+        with pytest.raises(ResumeError, match="world"):
+            new.load_state_dict(old_data[0])
+        new.load_state_dict(reshard_stream_state(old_data, new.state_dict()))
+        seen = [seg.example_id for batch in new for row in batch.segments for seg in row
+                if seg.piece == 0]
+        assert sorted(seen) == sorted(whole[rank::3])

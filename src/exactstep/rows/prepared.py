@@ -75,10 +75,11 @@ class BlockOrder(Sequence[int]):
         return block * self.block + int(self._cached[1][within])
 
 
-class PreparedDocuments:
+class PreparedDocuments(Sequence[Example]):
     """One prepared split as the planner's ``DocumentTable`` (P2): memory-mapped, lazy.
 
-    ``example_id`` of document ``d`` is ``d`` (its global id in the split, R6).
+    ``example_id`` of document ``d`` is ``d`` (its global id in the split, R6). As a
+    ``Sequence`` it builds each ``Example`` only when indexed or iterated.
     """
 
     def __init__(self, split: PreparedSplit, block: int,
@@ -93,7 +94,9 @@ class PreparedDocuments:
     def __len__(self) -> int:
         return self.split.documents
 
-    def __getitem__(self, index: int) -> Example:
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.split.documents))]
         if not 0 <= index < self.split.documents:
             raise IndexError(index)
         tokens, owned = self.split.tokens(index)
