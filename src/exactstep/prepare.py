@@ -1,35 +1,43 @@
 """``exactstep prepare``: tokenize a source once into prepared shards (P1).
 
-The source is read and split exactly as a run would read it (``data.corpus`` for
-text, ``rows.sources.split_conversations`` for chat), each document becomes the
-example the in-memory path would build, and the examples are written in source order
-into shards of about ``shard_tokens`` tokens (a shard closes at the first document
-boundary at or past that size). The layout is ``data.prepared``'s.
+The source is split exactly as a run splits it (by the hash of each document's
+name, ``data.val_fraction``), each document becomes the example the in-memory path
+would build, and the examples are written in source order into shards of about
+``shard_tokens`` tokens (a shard closes at the first document boundary at or past
+that size). The layout is ``data.prepared``'s. A JSONL text file is streamed one
+line at a time (with at most ``2 * workers`` chunks in flight), so preparing it
+never holds the corpus in memory; the standard-library corpus, Parquet/Arrow
+sources and chat sources are read by the run's own readers (``data.corpus``,
+``rows.sources``), which load them whole.
 
 Invariants:
 
-- Byte-identical output for the same source, settings and tokenizer whatever
-  ``workers`` is: documents are encoded in fixed chunks of ``CHUNK_DOCUMENTS``
-  (``ProcessPoolExecutor.map`` keeps their order) and written by this process alone;
-  shard boundaries depend only on the documents' lengths.
+- Byte-identical shards for the same source, settings and tokenizer whatever
+  ``workers`` is: documents are encoded in fixed chunks of ``CHUNK_DOCUMENTS``,
+  taken back in submission order, and written by this process alone; shard
+  boundaries depend only on the documents' lengths.
 - Publication is atomic, like a checkpoint's (S3): everything is written and fsynced
   in ``.<out>.partial`` beside ``out``, ``prepared.json`` last, then the directory is
   renamed into place and its parent fsynced. An interrupted preparation leaves only
   the ``.partial`` directory, which is never read as prepared data and which the next
-  ``prepare`` into the same ``--out`` removes before starting again.
+  ``prepare`` into the same ``--out`` removes before starting again; a refused one
+  (an ``ExactstepError``) removes it at once.
 
-Failure modes (one ``error:`` line each at the CLI): a source with no document
-(``DataError`` from the reader), an empty train or validation split, an ``--out``
-that already holds something, ``--workers`` below 1.
+Failure modes (one ``error:`` line each at the CLI): a source with no document, a
+malformed line (file and line named by the reader), an empty train or validation
+split, an ``--out`` that already holds something, ``--workers`` below 1.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, fields, replace
 from multiprocessing import get_context
@@ -39,11 +47,13 @@ from typing import Any
 import numpy as np
 
 from exactstep.data.chat import template_for
-from exactstep.data.corpus import load_corpus
+from exactstep.data.corpus import check_split, iter_jsonl, load_corpus, split_rule, val_bucket
+from exactstep.data.datasets_source import is_dataset_source
 from exactstep.data.prepared import (
     FORMAT,
     INDEX_COLUMNS,
     MANIFEST,
+    SPLITS,
     VERSION,
     fingerprint_of,
     manifest_bytes,
@@ -52,11 +62,16 @@ from exactstep.data.prepared import (
 )
 from exactstep.data.tokenizer import build_tokenizer
 from exactstep.durable import fsync_path, sha256_file, write_durably
-from exactstep.errors import ConfigError, DataError
+from exactstep.errors import ConfigError, DataError, ExactstepError
 from exactstep.rows.chat import ChatReport, chat_example
 from exactstep.rows.example import encode_documents
 from exactstep.rows.prepared import ORDER_RULE
-from exactstep.rows.sources import chat_policy_of, representation_of, split_conversations
+from exactstep.rows.sources import (
+    chat_policy_of,
+    conversations_digest,
+    representation_of,
+    split_conversations,
+)
 
 CHUNK_DOCUMENTS = 256  # documents per encoding task (fixed: output must not depend on workers)
 SHARD_TOKENS = 1 << 27  # ~128 M tokens per shard (256 MB as uint16)
@@ -82,26 +97,33 @@ def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
     tokenizer = build_tokenizer(cfg)
     chat = cfg.data.kind == "chat"
     template = template_for(tokenizer) if chat else None
-    splits, extra = read_splits(cfg)
+    source_items = read_source(cfg)
     partial = out.parent / f".{out.name}.partial"
     if partial.exists():
         shutil.rmtree(partial)  # never published (S8): an interrupted earlier attempt
     partial.mkdir(parents=True)
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {}
-    with encoder(cfg, workers) as encode, Progress(progress, splits, dtype) as bar:
-        for split, items in splits.items():
-            writer = SplitWriter(partial, split, dtype, chat, shard_tokens, tokenizer.vocab_size)
-            report = None
-            for encoded in encode(chunks(items)):
-                for tokens, owned in encoded.documents:
-                    writer.add(tokens, owned)
+    writers = {split: SplitWriter(partial, split, dtype, chat, shard_tokens, tokenizer.vocab_size)
+               for split in SPLITS}
+    reports: dict[str, ChatReport | None] = dict.fromkeys(SPLITS)
+    try:
+        with encoder(cfg, workers) as encode, Progress(progress, source_items.total,
+                                                       dtype) as bar:
+            for encoded in encode(chunks(source_items)):
+                for split, tokens, owned in encoded.documents:
+                    writers[split].add(tokens, owned)
+                for split, report in encoded.reports.items():
+                    reports[split] = merge_reports(reports[split], report)
                 bar.update(encoded)
-                report = merge_reports(report, encoded.report)
-            writers[split] = writer.close()
-            if report is not None:
-                extra[f"chat_{split}"] = report.to_dict()
-    meta = manifest(cfg, tokenizer, template, writers, extra, partial, dtype, block_documents)
+        extra = source_items.info()  # raises for an empty source or split
+        records = {split: writer.close() for split, writer in writers.items()}
+        extra.update({f"chat_{split}": r.to_dict() for split, r in reports.items()
+                      if r is not None})
+        meta = manifest(cfg, tokenizer, template, records, extra, partial, dtype,
+                        block_documents)
+    except ExactstepError:
+        shutil.rmtree(partial, ignore_errors=True)  # a refusal leaves nothing behind
+        raise
     write_durably(partial / MANIFEST, manifest_bytes(meta))  # last: it makes the dir complete
     fsync_path(partial)
     if out.exists():
@@ -111,37 +133,101 @@ def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
     return meta
 
 
-def read_splits(cfg: Any) -> tuple[dict[str, list[Any]], dict[str, Any]]:
-    """(``{"train": items, "val": items}``, what the manifest records about the source)."""
+class SourceItems:
+    """``(split, item)`` pairs in source order (an item is a ``Document`` or a
+    ``Conversation``); ``info()``, once they have all been read, is what the manifest
+    records about the source. ``total``: the number of items when known upfront."""
+
+    def __init__(self, pairs: Iterator[tuple[str, Any]], info: Any, total: int | None) -> None:
+        self.pairs, self.info, self.total = pairs, info, total
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self.pairs
+
+
+def read_source(cfg: Any) -> SourceItems:
+    """The source as a run reads it: a JSONL text file streamed line by line (never
+    held in memory), anything else (stdlib, Parquet/Arrow, chat) loaded and split by
+    the run's own readers (``data.corpus``, ``rows.sources``)."""
+    path = Path(cfg.data.source)
+    if cfg.data.kind == "text" and cfg.data.source != "stdlib" and path.is_file() \
+            and not is_dataset_source(path):
+        return streamed_jsonl(cfg, path)
     if cfg.data.kind == "chat":
         train, val, rule, _ = split_conversations(cfg)
-        from exactstep.rows.sources import conversations_digest
-
-        return {"train": train, "val": val}, {"split_rule": rule, "source_fingerprint":
-                                              conversations_digest(train + val)}
-    corpus = load_corpus(cfg.data)
-    if any(d.weight is not None for d in corpus.train + corpus.val):
-        print("exactstep: note: document weights are not kept in prepared shards (L3)",
-              file=sys.stderr)
-    return ({"train": list(corpus.train), "val": list(corpus.val)},
-            {"split_rule": corpus.split_rule, "source_fingerprint": corpus.fingerprint,
-             "skipped_empty": corpus.skipped_empty, "source_name": corpus.source})
+        info = {"split_rule": rule, "source_fingerprint": conversations_digest(train + val)}
+    else:
+        corpus = load_corpus(cfg.data)
+        train, val = list(corpus.train), list(corpus.val)
+        info = {"split_rule": corpus.split_rule, "source_fingerprint": corpus.fingerprint,
+                "skipped_empty": corpus.skipped_empty, "source_name": corpus.source}
+    pairs = itertools.chain((("train", x) for x in train), (("val", x) for x in val))
+    return SourceItems(pairs, lambda: info, len(train) + len(val))
 
 
-def chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), CHUNK_DOCUMENTS):
-        yield items[start: start + CHUNK_DOCUMENTS]
+STREAMED_FINGERPRINT = ("sha256 of, per split (train, val): the split name, its document "
+                        "count and the sha256 of every document's length-prefixed name and "
+                        "UTF-8 text, in file order")
+
+
+def streamed_jsonl(cfg: Any, path: Path) -> SourceItems:
+    """A JSONL text file read one line at a time: empty documents skipped and counted,
+    at most ``data.max_docs`` kept, each split by its name's hash as ``load_corpus``
+    splits it; the fingerprint is ``STREAMED_FINGERPRINT`` (one pass, no list)."""
+    data = cfg.data
+    hashes = {split: hashlib.sha256() for split in SPLITS}
+    counts = dict.fromkeys(SPLITS, 0)
+    skipped = [0]
+
+    def pairs() -> Iterator[tuple[str, Any]]:
+        for doc in iter_jsonl(path, data.text_field):
+            if not doc.text:
+                skipped[0] += 1
+                continue
+            if data.max_docs and sum(counts.values()) == data.max_docs:
+                return
+            split = "val" if val_bucket(doc.name) < data.val_fraction else "train"
+            for field in (doc.name.encode("utf-8"), doc.text.encode("utf-8")):
+                hashes[split].update(len(field).to_bytes(8, "big"))
+                hashes[split].update(field)
+            counts[split] += 1
+            yield split, doc
+
+    def info() -> dict[str, Any]:
+        if not sum(counts.values()):
+            raise DataError(f"data.source {data.source!r} holds no non-empty document; "
+                            "point data.source at a file with text")
+        check_split(range(counts["train"]), range(counts["val"]), data)
+        whole = hashlib.sha256()
+        for split in SPLITS:
+            whole.update(split.encode() + counts[split].to_bytes(8, "big"))
+            whole.update(hashes[split].digest())
+        return {"split_rule": split_rule(data.val_fraction),
+                "source_fingerprint": whole.hexdigest(),
+                "source_fingerprint_rule": STREAMED_FINGERPRINT,
+                "skipped_empty": skipped[0], "source_name": f"jsonl:{data.source}"}
+
+    return SourceItems(pairs(), info, None)
+
+
+def chunks(items: Iterable[tuple[str, Any]]) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive runs of ``CHUNK_DOCUMENTS`` pairs (the last may be shorter)."""
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, CHUNK_DOCUMENTS)):
+        yield chunk
 
 
 class Encoded:
-    """One chunk's documents as ``(tokens, owned or None)`` plus its chat report."""
+    """One chunk's documents as ``(split, tokens, owned or None)`` in chunk order
+    (chat conversations dropped by ``chat.empty`` are absent) and, for chat, each
+    split's ``ChatReport``."""
 
-    def __init__(self, items: int, documents: list[tuple[np.ndarray, np.ndarray | None]],
-                 report: ChatReport | None) -> None:
+    def __init__(self, items: int, documents: list[tuple[str, np.ndarray, np.ndarray | None]],
+                 reports: dict[str, ChatReport]) -> None:
         self.items = items
         self.documents = documents
-        self.report = report
-        self.tokens = sum(len(t) for t, _ in documents)
+        self.reports = reports
+        self.tokens = sum(len(t) for _, t, _ in documents)
 
 
 # The encoding process's tokenizer, built once by ``init_worker`` (the pool's
@@ -156,22 +242,23 @@ def init_worker(cfg: Any) -> None:
                    template=template_for(tokenizer) if cfg.data.kind == "chat" else None)
 
 
-def encode_chunk(items: Sequence[Any]) -> Encoded:
-    """The examples a run would build from ``items`` (text documents or conversations)."""
+def encode_chunk(pairs: Sequence[tuple[str, Any]]) -> Encoded:
+    """The examples a run would build from each ``(split, item)`` of the chunk."""
     cfg, tokenizer = _WORKER["cfg"], _WORKER["tokenizer"]
     if cfg.data.kind != "chat":
-        docs = [(e.tokens, None) for e in encode_documents(items, tokenizer)]
-        return Encoded(len(items), docs, None)
-    report = ChatReport()
+        examples = encode_documents([item for _, item in pairs], tokenizer)
+        return Encoded(len(pairs), [(split, e.tokens, None)
+                                    for (split, _), e in zip(pairs, examples, strict=True)], {})
+    reports: dict[str, ChatReport] = {}
     docs = []
-    for conversation in items:
+    for split, conversation in pairs:
         example = chat_example(conversation, 0, tokenizer, chat_policy_of(cfg),
                                max_len=cfg.batch.seq_len, template=_WORKER["template"],
-                               report=report)
+                               report=reports.setdefault(split, ChatReport()))
         if example is not None:
             owned = example.owned if example.owned is not None else np.arange(len(example)) > 0
-            docs.append((example.tokens, owned))
-    return Encoded(len(items), docs, report)
+            docs.append((split, example.tokens, owned))
+    return Encoded(len(pairs), docs, reports)
 
 
 class encoder:  # noqa: N801 (a context manager used like a function)
@@ -188,7 +275,19 @@ class encoder:  # noqa: N801 (a context manager used like a function)
             return lambda items: map(encode_chunk, items)
         self.pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"),
                                         initializer=init_worker, initargs=(self.cfg,))
-        return lambda items: self.pool.map(encode_chunk, items)
+        return self.ordered
+
+    def ordered(self, chunks: Iterable[Any]) -> Iterator[Encoded]:
+        """Results in submission order with at most ``2 * workers`` chunks in flight
+        (``Executor.map`` would read the whole source before the first result)."""
+        assert self.pool is not None
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(self.pool.submit(encode_chunk, chunk))
+            if len(pending) >= 2 * self.workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
@@ -312,10 +411,10 @@ def manifest(cfg: Any, tokenizer: Any, template: Any, splits: dict[str, dict[str
 class Progress:
     """A tqdm bar over documents with tokens, MB/s and ETA (stderr), or nothing."""
 
-    def __init__(self, enabled: bool, splits: dict[str, list[Any]], dtype: np.dtype) -> None:
+    def __init__(self, enabled: bool, total: int | None, dtype: np.dtype) -> None:
         self.enabled = enabled and sys.stderr.isatty()
         self.itemsize = dtype.itemsize
-        self.total = sum(len(v) for v in splits.values())
+        self.total = total
         self.tokens = 0
         self.started = time.perf_counter()
         self.bar = None

@@ -374,3 +374,70 @@ def test_a_declared_reshard_continues_with_the_next_epochs_declared_order(prepar
         seen = [seg.example_id for batch in new for row in batch.segments for seg in row
                 if seg.piece == 0]
         assert sorted(seen) == sorted(whole[rank::3])
+
+
+def test_ids_beyond_uint16_are_stored_as_uint32(tmp_path: Path) -> None:
+    """P1: ``uint16`` exactly when every id fits; a larger vocabulary keeps its ids."""
+    from exactstep.data.prepared import PreparedSplit, open_shard, token_dtype
+    from exactstep.prepare import SplitWriter
+
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+    writer = SplitWriter(tmp_path, "train", token_dtype(70_000), True, 1 << 20, 70_000)
+    docs = [np.array([1, 65_535, 65_536, 69_999]), np.array([7, 8, 9])]
+    owned = [np.array([False, True, False, True]), np.array([False, False, True])]
+    for tokens, bits in zip(docs, owned, strict=True):
+        writer.add(tokens, bits)
+    record = writer.close()
+    split = PreparedSplit([open_shard(tmp_path, s["files"], np.dtype(np.uint32))
+                           for s in record["shards"]], record)
+    for i, (tokens, bits) in enumerate(zip(docs, owned, strict=True)):
+        got, got_owned = split.tokens(i)
+        assert got.tolist() == tokens.tolist() and got_owned.tolist() == bits.tolist()
+    assert [split.entry(i, 2) for i in range(2)] == [2, 1]  # owned targets after token 0
+
+
+def test_a_streamed_jsonl_gives_the_shards_of_the_runs_own_reader(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The streamed reader (line by line) and ``load_corpus`` (the run's reader, whole
+    file) give the same shard bytes: same documents, same split, same order; empty
+    lines are skipped and ``data.max_docs`` counts kept documents in both."""
+    from exactstep.data.corpus import load_corpus
+
+    items = texts()[:30] + ["", ""] + texts()[30:]
+    overrides = ("data.max_docs=80",)
+    streamed = make(tmp_path, "streamed", items=items, overrides=overrides)
+    meta = json.loads((streamed / MANIFEST).read_text())
+    assert "source_fingerprint_rule" in meta and meta["skipped_empty"] == 2
+    monkeypatch.setattr(prepare_module, "is_dataset_source", lambda path: True)
+    loaded = make(tmp_path, "loaded", items=items, overrides=overrides)
+    assert "source_fingerprint_rule" not in json.loads((loaded / MANIFEST).read_text())
+    shards = {k: v for k, v in files(streamed).items() if k != MANIFEST}
+    assert shards == {k: v for k, v in files(loaded).items() if k != MANIFEST}
+    corpus = load_corpus(load_config(None, [f"data.source={tmp_path / 'corpus.jsonl'}",
+                                            "data.val_fraction=0.2", *overrides]).data)
+    docs = PreparedDocuments(open_prepared(streamed).splits["train"], 8)
+    assert [bytes(docs[i].tokens[1:-1].astype(np.uint8)) for i in range(len(docs))] == \
+        [d.text.encode("utf-8") for d in corpus.train]
+
+
+def test_parallel_encoding_keeps_a_bounded_number_of_chunks_in_flight() -> None:
+    """P2's promise at prepare time: the source is read no further ahead than
+    ``2 * workers`` chunks of the result being handed back."""
+    from exactstep.data.corpus import Document
+
+    read = [0]
+
+    def source():
+        for i in range(50):
+            read[0] = i + 1
+            yield [("train", Document(f"d{i}", "text"))]
+
+    cfg = load_config(None, [])
+    with prepare_module.encoder(cfg, 2) as encode:
+        results = encode(source())
+        next(results)
+        assert read[0] <= 4 + 1
+        assert sum(1 for _ in results) == 49
+        read[0] = 0  # negative control: Executor.map reads the whole source first
+        next(encode.__self__.pool.map(prepare_module.encode_chunk, source()))
+        assert read[0] == 50
