@@ -441,3 +441,30 @@ def test_parallel_encoding_keeps_a_bounded_number_of_chunks_in_flight() -> None:
         read[0] = 0  # negative control: Executor.map reads the whole source first
         next(encode.__self__.pool.map(prepare_module.encode_chunk, source()))
         assert read[0] == 50
+
+
+@pytest.mark.slow
+def test_a_hugging_face_tokenizer_prepares_identically_in_worker_processes(
+        tmp_path: Path, monkeypatch) -> None:
+    """P1 with ``data.tokenizer = "hf"``: each spawned worker loads the tokenizer from
+    ``data.tokenizer_path`` and the shards equal one process's; the documents are
+    ``BOS + encode(text) + EOS`` with the tokenizer's own ids."""
+    pytest.importorskip("tokenizers")
+    import tokenizer_support
+
+    from exactstep.data.tokenizer import build_tokenizer
+
+    monkeypatch.setattr(prepare_module, "CHUNK_DOCUMENTS", 16)
+    tok_dir = tokenizer_support.save_tokenizer(tmp_path / "tok")
+    hf = ("data.tokenizer=hf", f"data.tokenizer_path={tok_dir}")
+    one = make(tmp_path, "one", overrides=hf)
+    two = make(tmp_path, "two", workers=2, overrides=hf)
+    assert files(one) == files(two)
+    tokenizer = build_tokenizer(load_config(None, list(hf)))
+    raw = tokenizer_support.raw_tokenizer(tok_dir)
+    docs = PreparedDocuments(open_prepared(one).splits["train"], 8)
+    by_ids = {tuple(raw.encode(t).ids): t for t in texts()}
+    for i in range(len(docs)):
+        ids = docs[i].tokens.tolist()
+        assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+        assert tuple(ids[1:-1]) in by_ids
