@@ -656,6 +656,8 @@ CASES += [
          prepared_dir("truncate")),
     Case("prepared-altered-shard", from_prepared(),
          "train-00001.tokens does not match its fingerprint", prepared_dir("flip")),
+    Case("prepared-manifest-missing", from_prepared(), "is not a prepared directory (no prepared.json)",
+         all_of(prepared_dir(), lambda tmp: (tmp / "p" / "prepared.json").unlink())),
     Case("prepared-kind-is-not-the-runs", from_prepared("--set", "data.kind=chat"),
          "was prepared as data.kind = 'text'", prepared_dir()),
     Case("prepare-zero-documents", prepare_cmd("{tmp}/empty.jsonl"),

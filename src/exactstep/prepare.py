@@ -399,13 +399,14 @@ def manifest(cfg: Any, tokenizer: Any, template: Any, splits: dict[str, dict[str
                   "seed": "the run's seed"},
         "splits": splits,
         "files": files,
-        "fingerprint": fingerprint_of(files),
     }
     meta.update(extra)
     if cfg.data.kind == "chat":
         meta["max_len"] = cfg.batch.seq_len
         meta["chat_policy"] = asdict(chat_policy_of(cfg))
-    return {k: v for k, v in meta.items() if v is not None}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    meta["fingerprint"] = fingerprint_of(meta)
+    return meta
 
 
 class Progress:

@@ -232,6 +232,25 @@ def test_a_damaged_shard_is_named(prepared: Path, tmp_path: Path, damage: str) -
     open_prepared(prepared)  # negative control: the intact directory opens
 
 
+def test_an_edited_manifest_is_refused(prepared: Path, tmp_path: Path) -> None:
+    """A changed setting in ``prepared.json`` (here the declared order) breaks the
+    fingerprint; a directory whose ``prepared.json`` is gone is named as unprepared."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    meta = json.loads((copy / MANIFEST).read_text())
+    meta["order"]["block_documents"] = 9
+    (copy / MANIFEST).write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="was edited"):
+        open_prepared(copy)
+    (copy / MANIFEST).unlink()
+    from exactstep.rows.sources import load_bundle
+
+    with pytest.raises(DataError, match="no prepared.json"):
+        load_bundle(load_config(None, [f"data.source={copy}"]), TOK)
+
+
 # --------------------------------------------------------------------------- P2
 
 

@@ -83,7 +83,8 @@ def write_synthetic(path: Path, megabytes: int, seed: int = 0) -> Path:
             "split_rule": "synthetic", "representation": representation_of(tok),
             "dtype": "uint16", "order": {"rule": ORDER_RULE, "block_documents": BLOCK,
                                          "seed": "the run's seed"},
-            "splits": splits, "files": files, "fingerprint": fingerprint_of(files)}
+            "splits": splits, "files": files}
+    meta["fingerprint"] = fingerprint_of(meta)
     (path / MANIFEST).write_bytes(manifest_bytes(meta))
     return path
 

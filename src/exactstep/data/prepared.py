@@ -19,7 +19,7 @@ Invariants:
   ``BOS + ids + EOS``; chat: the rendered, owned and truncated conversation), so a
   prepared document and an in-memory example of the same source are the same tokens.
 - Every file's size and sha256 is in ``prepared.json`` and ``fingerprint`` is the
-  sha256 of the canonical JSON of every file record; ``open_prepared`` checks sizes
+  sha256 of the canonical JSON of the rest of ``prepared.json``; ``open_prepared`` checks sizes
   and digests and names the first file that differs (S6) before a byte is used.
 - Documents are never empty (the writer refuses them), so ``min_length >= 1``.
 """
@@ -60,14 +60,16 @@ def shard_names(split: str, number: int, chat: bool) -> dict[str, str]:
 
 
 def is_prepared(source: str | Path) -> bool:
-    """Whether ``source`` names a prepared directory (it holds ``prepared.json``)."""
+    """Whether ``source`` names a prepared directory: it holds ``prepared.json``, or
+    shard files without it (then ``read_meta`` says what is missing)."""
     path = Path(source)
-    return path.is_dir() and (path / MANIFEST).is_file()
+    return path.is_dir() and ((path / MANIFEST).is_file() or any(path.glob("train-*.tokens")))
 
 
-def fingerprint_of(files: dict[str, dict[str, Any]]) -> str:
-    """The directory's fingerprint: sha256 of the canonical JSON of every file record."""
-    return digest_of(files)
+def fingerprint_of(meta: dict[str, Any]) -> str:
+    """The directory's fingerprint: sha256 of the canonical JSON of ``prepared.json``
+    without its ``fingerprint`` key (every file record, count and setting)."""
+    return digest_of({k: v for k, v in meta.items() if k != "fingerprint"})
 
 
 @dataclass(frozen=True)
@@ -185,9 +187,9 @@ def open_prepared(path: str | Path, *, verify: bool = True) -> Prepared:
     path = Path(path)
     meta = read_meta(path)
     files = meta["files"]
-    if fingerprint_of(files) != meta["fingerprint"]:
+    if fingerprint_of(meta) != meta.get("fingerprint"):
         raise DataError(f"{path / MANIFEST} was edited (its fingerprint does not match its "
-                        "file records); prepare the directory again")
+                        "content); prepare the directory again")
     for name in sorted(files):
         check_file(path, name, files[name], digest=verify)
     dtype = np.dtype(meta["dtype"])
