@@ -591,6 +591,84 @@ CASES += [
 ]
 
 
+# --- prepared token shards (P1, P2, S6): {tmp}/p is prepared from {tmp}/corpus.jsonl
+
+
+def prepared_dir(damage: str = "", hf: bool = False) -> Callable[[Path], None]:
+    """Prepare {tmp}/corpus.jsonl into {tmp}/p (byte tokenizer, several shards), then
+    ``damage`` the second train shard: ``delete``, ``truncate`` or ``flip`` a byte;
+    ``hf`` also writes the Hugging Face tokenizer of ``hf_files`` to {tmp}/tok."""
+    def setup(tmp: Path) -> None:
+        from exactstep.config import load_config
+        from exactstep.prepare import prepare
+
+        if hf:
+            hf_files()(tmp)
+        prepare(load_config(None, []), str(tmp / "corpus.jsonl"), tmp / "p",
+                shard_tokens=200, progress=False)
+        victim = tmp / "p" / "train-00001.tokens"
+        data = bytearray(victim.read_bytes())
+        if damage == "delete":
+            victim.unlink()
+        elif damage == "truncate":
+            victim.write_bytes(bytes(data[:-1]))
+        elif damage == "flip":
+            data[3] ^= 0x10
+            victim.write_bytes(bytes(data))
+
+    return setup
+
+
+def from_prepared(*extra: str) -> tuple[str, ...]:
+    return train("--set", "data.source={tmp}/p", *extra)
+
+
+def prepare_cmd(source: str, *extra: str) -> tuple[str, ...]:
+    return ("prepare", source, "--out", "{tmp}/p", "--no-progress", *extra)
+
+
+def prepared_chat(tmp: Path) -> None:
+    """20 good conversations prepared (seq_len 64, default chat policy) into {tmp}/p."""
+    from exactstep.config import load_config
+    from exactstep.prepare import prepare
+
+    (tmp / "chat.jsonl").write_text(lines(*[
+        conversation({"role": "user", "content": f"q{i}"},
+                     {"role": "assistant", "content": f"a{i}"}) for i in range(20)]))
+    cfg = load_config(None, ["data.kind=chat", "batch.seq_len=64", "data.val_fraction=0.3"])
+    prepare(cfg, str(tmp / "chat.jsonl"), tmp / "p", progress=False)
+
+
+CASES += [
+    Case("prepared-chat-policy-differs",
+         from_prepared("--set", "data.kind=chat", "--set", "batch.seq_len=64",
+                       "--set", "chat.turns=last"),
+         "prepared under another chat policy (differing: chat.turns)", prepared_chat),
+    Case("prepared-chat-seq-len-differs",
+         from_prepared("--set", "data.kind=chat", "--set", "batch.seq_len=128"),
+         "truncated conversations to 64 tokens but batch.seq_len = 128", prepared_chat),
+    Case("prepared-other-tokenizer",
+         from_prepared("--set", "data.tokenizer=hf", "--set", "data.tokenizer_path={tmp}/tok"),
+         "was prepared with a different tokenizer (tokenizer_hash", prepared_dir(hf=True)),
+    Case("prepared-missing-shard", from_prepared(), "train-00001.tokens is missing",
+         prepared_dir("delete")),
+    Case("prepared-truncated-shard", from_prepared(), "train-00001.tokens has",
+         prepared_dir("truncate")),
+    Case("prepared-altered-shard", from_prepared(),
+         "train-00001.tokens does not match its fingerprint", prepared_dir("flip")),
+    Case("prepared-manifest-missing", from_prepared(), "is not a prepared directory (no prepared.json)",
+         all_of(prepared_dir(), lambda tmp: (tmp / "p" / "prepared.json").unlink())),
+    Case("prepared-kind-is-not-the-runs", from_prepared("--set", "data.kind=chat"),
+         "was prepared as data.kind = 'text'", prepared_dir()),
+    Case("prepare-zero-documents", prepare_cmd("{tmp}/empty.jsonl"),
+         "holds no non-empty document", writes("empty.jsonl", lines({"text": ""}))),
+    Case("prepare-out-not-empty", ("prepare", "{corpus}", "--out", "{tmp}", "--no-progress"),
+         "already exists and is not empty"),
+    Case("prepare-zero-workers", prepare_cmd("{corpus}", "--workers", "0"),
+         "--workers expects a positive number"),
+]
+
+
 # --------------------------------------------------------------------------- running
 
 

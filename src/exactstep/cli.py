@@ -61,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="allow a different world size: re-partition the data cursor (S7)")
     resume.add_argument("--nproc", type=int, metavar="R", help="run R local processes")
 
+    prepare = sub.add_parser("prepare", help="tokenize a source once into memory-mapped shards")
+    prepare.add_argument("source", help="'stdlib', a JSONL file, Parquet/Arrow files or a "
+                         "directory of them (chat JSONL with --set data.kind=chat)")
+    prepare.add_argument("--out", required=True, help="the new prepared directory")
+    prepare.add_argument("--workers", type=int, default=1, metavar="N",
+                         help="tokenizer processes (the shards are identical for any N)")
+    prepare.add_argument("--shard-tokens", type=int, default=1 << 27, metavar="T",
+                         help="close a shard at the first document boundary past T tokens")
+    prepare.add_argument("--block-documents", type=int, default=4096, metavar="B",
+                         help="documents per block of the declared epoch order")
+    prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_args(prepare)
+
     evaluate = sub.add_parser("eval", help="held-out loss, perplexity and bits per byte")
     evaluate.add_argument("run_dir", help="a run directory (uses its LATEST checkpoint)")
     evaluate.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
@@ -233,6 +246,8 @@ def dispatch(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         return 0
+    if args.command == "prepare":
+        return prepare_command(args)
     if args.command == "eval":
         from exactstep.eval import evaluate_run
 
@@ -284,6 +299,22 @@ def tokenizer_train_command(args: argparse.Namespace) -> int:
           f"{record['train_documents']} training documents of {record['source']} "
           f"(corpus {record['corpus_fingerprint'][:12]}); use it with --set "
           f"data.tokenizer=hf data.tokenizer_path={args.out}")
+    return 0
+
+
+def prepare_command(args: argparse.Namespace) -> int:
+    """``exactstep prepare``: the run's tokenizer settings come from --config/--set (P1)."""
+    from exactstep.config import load_config
+    from exactstep.prepare import prepare
+
+    cfg = load_config(args.config, args.overrides)
+    meta = prepare(cfg, args.source, Path(args.out), workers=args.workers,
+                   shard_tokens=args.shard_tokens, block_documents=args.block_documents,
+                   progress=not args.no_progress)
+    counts = ", ".join(f"{split} {info['documents']} documents / {info['tokens']} tokens in "
+                       f"{len(info['shards'])} shards" for split, info in meta["splits"].items())
+    print(f"prepared {args.out}: {counts}; {meta['dtype']}; fingerprint "
+          f"{meta['fingerprint'][:12]}; train with --set data.source={args.out}")
     return 0
 
 

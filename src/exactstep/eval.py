@@ -147,9 +147,13 @@ def unigram_bits(
     examples' supervised targets (add-one smoothing), scored on the same validation
     targets ``evaluate`` scores. The baseline the summary compares bits per byte to."""
     counts = np.ones(vocab_size, dtype=np.float64)
-    for ex in train_examples:
-        targets = ex.tokens[1:] if ex.owned is None else ex.tokens[ex.owned]
-        counts += np.bincount(targets, minlength=vocab_size)[:vocab_size]
+    histogram = getattr(train_examples, "target_histogram", None)
+    if histogram is not None and histogram(vocab_size) is not None:
+        counts += histogram(vocab_size)  # prepared shards: counted once by prepare (P2)
+    else:
+        for ex in train_examples:
+            targets = ex.tokens[1:] if ex.owned is None else ex.tokens[ex.owned]
+            counts += np.bincount(targets, minlength=vocab_size)[:vocab_size]
     log2p = torch.from_numpy(np.log2(counts / counts.sum()))
     bits, tokens = 0.0, 0
     for batch in val_batches:

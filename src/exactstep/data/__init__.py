@@ -1,6 +1,7 @@
 """Data sources: the stdlib corpus, JSONL text and chat, the byte tokenizer and Hugging
 Face tokenizers, chat templates with ownership (built-in and Jinja), and the built-in
-arithmetic demo (R5, S1, H2)."""
+arithmetic demo, and the prepared-shard format read through memory maps (R5, S1,
+H2, P1)."""
 
 from exactstep.lazy import lazy_exports
 
@@ -19,6 +20,7 @@ _EXPORTS = {
     "load_chat_jsonl": "exactstep.data.chat",
     "load_corpus": "exactstep.data.corpus",
     "load_hf_tokenizer": "exactstep.data.hf_tokenizer",
+    "open_prepared": "exactstep.data.prepared",
     "template_for": "exactstep.data.chat",
     "train_bpe_tokenizer": "exactstep.data.bpe",
 }

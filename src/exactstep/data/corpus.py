@@ -157,17 +157,23 @@ def read_jsonl(path: Path, field: str = "text", label: str | None = None) -> lis
 
     Lines are strict UTF-8 (``data.jsonl``); other keys of a line are ignored.
     """
+    return list(iter_jsonl(path, field, label))
+
+
+def iter_jsonl(path: Path, field: str = "text", label: str | None = None) -> Iterator[Document]:
+    """``read_jsonl`` one document at a time (the file is checked before the first)."""
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise DataError(
             f"data file {path} {what}; set data.source to 'stdlib' or an existing .jsonl file"
         )
-    label = path.name if label is None else label
-    documents = []
+    return _documents_of(path, field, path.name if label is None else label)
+
+
+def _documents_of(path: Path, field: str, label: str) -> Iterator[Document]:
     for line in records(path):
         text, weight = text_of(line.value, line.where, field)
-        documents.append(Document(name=f"{label}:{line.number}", text=text, weight=weight))
-    return documents
+        yield Document(name=f"{label}:{line.number}", text=text, weight=weight)
 
 
 def text_of(record: object, where: str, field: str = "text") -> tuple[str, float | None]:

@@ -11,6 +11,7 @@ _EXPORTS = {
     "Example": "exactstep.rows.example",
     "IGNORE_INDEX": "exactstep.rows.batch",
     "PackPlanner": "exactstep.rows.packing",
+    "PreparedDocuments": "exactstep.rows.prepared",
     "RowStream": "exactstep.rows.stream",
     "Segment": "exactstep.rows.batch",
     "chat_examples": "exactstep.rows.chat",
@@ -18,6 +19,7 @@ _EXPORTS = {
     "eval_batches": "exactstep.rows.stream",
     "inspect_rows": "exactstep.rows.inspect",
     "load_bundle": "exactstep.rows.sources",
+    "load_prepared_bundle": "exactstep.rows.prepared",
     "render_rows": "exactstep.rows.inspect",
 }
 

@@ -5,8 +5,10 @@ objective compiler (causal, chat, and later prefix LM, enc-dec, MLM, span; R8) t
 its rows of ``Piece`` into a ``Batch``.
 
 Algorithm (best-fit decreasing over a bounded buffer, R4): examples arrive in the order
-of a permutation drawn from ``(seed, epoch)`` with NumPy's ``Generator`` and are sharded
-by rank *after* the permutation (``order[rank::world]``, D3). Each arriving example is
+their ``DocumentTable`` declares for ``(seed, epoch)`` and the rank -- for a list in
+memory, a permutation drawn with NumPy's ``Generator`` and sharded by rank *after* the
+permutation (``order[rank::world]``, D3); for prepared shards, ``rows.prepared``'s
+block order, read lazily (P2). Each arriving example is
 cut according to the over-long policy and its pieces join a buffer (refilled to
 ``buffer`` pieces before each row). Epochs do not mix: the next epoch's permutation is
 drawn only once every piece of the current epoch has been placed, so each epoch emits
@@ -37,6 +39,7 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -107,6 +110,58 @@ def cut_example(
     return runs, lost
 
 
+@runtime_checkable
+class DocumentTable(Protocol):
+    """What the planner reads about its examples: how many, each one's length and
+    owned targets, the example itself (only for over-long cuts), and each epoch's
+    order for a rank (D3). ``ExampleTable`` serves a list in memory; a prepared
+    corpus (``rows.prepared``) serves memory-mapped shards without a list (P2)."""
+
+    lengths: Sequence[int]
+    targets: Sequence[int]
+    min_length: int
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Example: ...
+
+    def first_empty(self) -> int | None: ...
+
+    def shard_order(
+        self, seed: int, epoch: int, *, shuffle: bool, rank: int, world: int
+    ) -> Sequence[int]: ...
+
+
+class ExampleTable:
+    """Examples held in memory. Order: a permutation of every index drawn from
+    ``(seed, epoch)`` with NumPy's ``Generator`` (or the identity without shuffle),
+    then ``order[rank::world]`` (D3)."""
+
+    def __init__(self, examples: Sequence[Example]) -> None:
+        self.examples = examples
+        lengths = np.fromiter((len(e) for e in examples), dtype=np.int64, count=len(examples))
+        self._empty = np.flatnonzero(lengths == 0)
+        self.min_length = int(lengths.min()) if len(lengths) else 0
+        self.lengths: list[int] = lengths.tolist()
+        self.targets: list[int] = [e.targets_in(1, len(e)) for e in examples]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> Example:
+        return self.examples[index]
+
+    def first_empty(self) -> int | None:
+        return int(self._empty[0]) if len(self._empty) else None
+
+    def shard_order(
+        self, seed: int, epoch: int, *, shuffle: bool, rank: int, world: int
+    ) -> list[int]:
+        n = len(self.examples)
+        order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        return order[rank::world].tolist()
+
+
 class PackPlanner:
     """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
 
@@ -116,7 +171,7 @@ class PackPlanner:
 
     def __init__(
         self,
-        examples: Sequence[Example],
+        examples: Sequence[Example] | DocumentTable,
         *,
         seq_len: int,
         buffer: int,
@@ -130,25 +185,26 @@ class PackPlanner:
     ) -> None:
         if world < 1 or not 0 <= rank < world:
             raise DistributedError(f"rank {rank} is not in [0, world = {world}); check the launch")
-        if not examples:
+        table = examples if isinstance(examples, DocumentTable) else ExampleTable(examples)
+        if not len(table):
             raise DataError("there are no examples to pack; check data.source and data.max_docs")
-        if len(examples) < world:
+        if len(table) < world:
             raise DataError(
-                f"{len(examples)} examples cannot be sharded over {world} ranks; "
+                f"{len(table)} examples cannot be sharded over {world} ranks; "
                 "use more data or fewer ranks"
             )
-        lengths = np.fromiter((len(e) for e in examples), dtype=np.int64, count=len(examples))
-        if (lengths == 0).any():
-            bad = int(np.flatnonzero(lengths == 0)[0])
-            raise DataError(f"example {examples[bad].example_id} has no tokens; remove it")
-        if overlong == "drop" and (lengths > seq_len).all():
+        empty = table.first_empty()
+        if empty is not None:
+            raise DataError(f"example {table[empty].example_id} has no tokens; remove it")
+        if overlong == "drop" and table.min_length > seq_len:
             raise DataError(
                 f"every example is longer than batch.seq_len = {seq_len} and batch.overlong = "
                 "'drop'; raise batch.seq_len or set batch.overlong to 'split' or 'truncate'"
             )
         self.examples = examples
-        self._lengths: list[int] = lengths.tolist()
-        self._targets: list[int] = [e.targets_in(1, len(e)) for e in examples]
+        self.table = table
+        self._lengths = table.lengths
+        self._targets = table.targets
         self.seq_len = seq_len
         self.buffer = buffer
         self.overlong = overlong
@@ -168,27 +224,24 @@ class PackPlanner:
     # -- the order of examples (D3) ---------------------------------------------------
 
     def _start_epoch(self, epoch: int) -> None:
-        n = len(self.examples)
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(n)
-        else:
-            order = np.arange(n)
-        self._shard: list[int] = order[self.rank :: self.world].tolist()
+        self._shard: Sequence[int] = self.table.shard_order(
+            self.seed, epoch, shuffle=self.shuffle, rank=self.rank, world=self.world
+        )
         self.epoch = epoch
         self.cursor = 0
         self._admitted_this_epoch = 0
 
     def _admit(self, index: int) -> None:
-        n = self._lengths[index]
+        n = int(self._lengths[index])
         if n <= self.seq_len:  # the common case, kept cheap
             c = self.counts
             c.documents += 1
             c.tokens += n
-            c.targets += self._targets[index]
+            c.targets += int(self._targets[index])
             self._push(Piece(example=index, offset=0, length=n, piece=0))
             self._admitted_this_epoch += 1
             return
-        example = self.examples[index]
+        example = self.table[index]
         runs, lost = cut_example(example, self.seq_len, self.overlong, self.overlap_split)
         self._count_admission(example, runs, lost)
         for k, (offset, length) in enumerate(runs):
@@ -288,7 +341,7 @@ class PackPlanner:
 
     def settings(self) -> dict:
         return {
-            "examples": len(self.examples),
+            "examples": len(self.table),
             "seq_len": self.seq_len,
             "buffer": self.buffer,
             "overlong": self.overlong,

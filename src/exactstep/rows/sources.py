@@ -28,9 +28,11 @@ from typing import Any
 from exactstep.data.arith import ArithSpec, arith_conversations
 from exactstep.data.chat import ChatRenderer, Conversation, load_chat_jsonl, template_for
 from exactstep.data.corpus import check_split, load_corpus
+from exactstep.data.prepared import is_prepared
 from exactstep.data.tokenizer import Tokenizer
 from exactstep.rows.chat import ChatPolicy, chat_examples
 from exactstep.rows.example import DataBundle, encode_documents
+from exactstep.rows.prepared import load_prepared_bundle
 
 ARITH_SOURCE = "arith"
 
@@ -84,12 +86,16 @@ def split_conversations(
 
 
 def load_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
-    """Load and encode both splits of the run's data (text or chat, by ``data.kind``).
+    """Load and encode both splits of the run's data (text or chat, by ``data.kind``),
+    or open a prepared directory (``rows.prepared``: memory-mapped, nothing encoded).
 
     Raises ``DataError`` for a missing, malformed or empty source (file and line
     named where there is one), and ``ConfigError`` when a weighted reduction meets
     examples without a ``weight`` (L3), before anything is written.
     """
+    if is_prepared(cfg.data.source):  # a directory written by ``exactstep prepare`` (P2)
+        template = template_for(tokenizer) if cfg.data.kind == "chat" else None
+        return load_prepared_bundle(cfg, tokenizer, representation_of(tokenizer, template))
     bundle = (load_chat_bundle(cfg, tokenizer) if cfg.data.kind == "chat"
               else load_text_bundle(cfg, tokenizer))
     bundle.require_weights(cfg.objective.reduction)

@@ -1,0 +1,187 @@
+"""Prepared-shard loader: packing throughput against raw memmap reads, and peak RSS
+of a 100-window run over two corpus sizes (P2, R4, R7).
+
+Synthetic prepared corpora (byte-tokenizer ids, lognormal document lengths, mean
+about 600 tokens, written straight into the ``data.prepared`` layout) of
+``SIZES_MB`` (``--quick``: ``QUICK_SIZES_MB``) megabytes of ``uint16`` tokens.
+
+Figures:
+
+- ``tokens_per_s``: real tokens per second that ``RowStream`` packs from the larger
+  corpus (best fit over the bounded buffer, the causal compiler, tensors built,
+  R7 checks on), reading each document through the memory map in the declared
+  block order;
+- ``memmap_tokens_per_s``: the baseline, the same number of tokens read as
+  contiguous ``numpy.memmap`` slices of ``seq_len`` tokens into an int64 tensor
+  ``[rows, seq_len]`` (nanoGPT's reader), timed interleaved with the candidate;
+- ``throughput_ratio``: the two rates' ratio (candidate / baseline);
+- ``rss_small_mb`` / ``rss_large_mb``: peak resident memory of a fresh process that
+  trains a tiny decoder for 100 windows from each corpus (``train``, evaluation
+  off); ``rss_ratio`` = large / small (1.0 means the corpus size does not show).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from exactstep.bench.common import interleaved_times, median
+from exactstep.data.prepared import (
+    FORMAT,
+    INDEX_COLUMNS,
+    MANIFEST,
+    VERSION,
+    fingerprint_of,
+    manifest_bytes,
+    open_prepared,
+    shard_names,
+)
+from exactstep.data.tokenizer import ByteTokenizer
+from exactstep.durable import sha256_file
+from exactstep.rows.config import BatchConfig
+from exactstep.rows.prepared import ORDER_RULE, PreparedDocuments
+from exactstep.rows.sources import representation_of
+from exactstep.rows.stream import RowStream
+
+SIZES_MB = (128, 512)
+QUICK_SIZES_MB = (16, 64)
+SEQ_LEN, ROWS, BUFFER = 2048, 8, 512
+BLOCK = 4096
+SHARD_TOKENS = 1 << 26
+WINDOWS = 100
+
+
+def write_synthetic(path: Path, megabytes: int, seed: int = 0) -> Path:
+    """A prepared directory of about ``megabytes`` MB of train tokens (and a small
+    validation split), every file fingerprinted like ``exactstep prepare``'s."""
+    tok = ByteTokenizer()
+    path.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for split, tokens in (("train", megabytes * (1 << 20) // 2), ("val", 1 << 16)):
+        lengths = np.maximum(2, rng.lognormal(np.log(400), 0.9, tokens // 300 + 16)
+                             .astype(np.int64))
+        lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
+        shard_of = (np.cumsum(lengths) - 1) // SHARD_TOKENS
+        shards = [write_shard(path, split, k, lengths[shard_of == k], rng, tok)
+                  for k in range(int(shard_of[-1]) + 1)]
+        (path / f"{split}.unigram").write_bytes(np.zeros(tok.vocab_size, np.int64).tobytes())
+        splits[split] = {"documents": int(len(lengths)), "tokens": int(lengths.sum()),
+                         "targets": int((lengths - 1).sum()), "min_length": int(lengths.min()),
+                         "max_length": int(lengths.max()), "shards": shards}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(path.iterdir())}
+    meta = {"format": FORMAT, "version": VERSION, "kind": "text", "source": "synthetic",
+            "source_fingerprint": f"synthetic:{megabytes}MB:seed{seed}",
+            "split_rule": "synthetic", "representation": representation_of(tok),
+            "dtype": "uint16", "order": {"rule": ORDER_RULE, "block_documents": BLOCK,
+                                         "seed": "the run's seed"},
+            "splits": splits, "files": files}
+    meta["fingerprint"] = fingerprint_of(meta)
+    (path / MANIFEST).write_bytes(manifest_bytes(meta))
+    return path
+
+
+def write_shard(path: Path, split: str, number: int, lengths: np.ndarray,
+                rng: np.random.Generator, tok: ByteTokenizer) -> dict:
+    """Shard files for documents of ``lengths``: ``BOS, random bytes, EOS`` each."""
+    names = shard_names(split, number, chat=False)
+    with open(path / names["tokens"], "wb") as fh:
+        for start in range(0, len(lengths), 512):
+            part = lengths[start: start + 512]
+            tokens = rng.integers(0, 256, int(part.sum()), dtype=np.uint16)
+            ends = np.cumsum(part)
+            tokens[ends - part] = tok.bos_id
+            tokens[ends - 1] = tok.eos_id
+            fh.write(tokens.tobytes())
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    index = np.stack([offsets, lengths, lengths - 1], axis=1).astype(np.int64)
+    assert index.shape[1] == INDEX_COLUMNS
+    (path / names["index"]).write_bytes(index.tobytes())
+    return {"files": names, "documents": int(len(lengths)), "tokens": int(lengths.sum())}
+
+
+def packed_tokens(path: Path, batches: int) -> int:
+    """Pack ``batches`` batches from the prepared train split; real tokens packed."""
+    tok = ByteTokenizer()
+    docs = PreparedDocuments(open_prepared(path, verify=False).splits["train"], BLOCK)
+    cfg = BatchConfig(seq_len=SEQ_LEN, rows=ROWS, buffer=BUFFER)
+    stream = RowStream(docs, cfg, pad_id=tok.pad_id, seed=0, vocab_size=tok.vocab_size)
+    for _ in range(batches):
+        stream.next_batch()
+    return stream.report()["real_tokens"]
+
+
+def memmap_tokens(path: Path, tokens: int) -> int:
+    """The baseline: ``tokens`` tokens read as contiguous memmap slices of ``SEQ_LEN``
+    into int64 tensors ``[ROWS, SEQ_LEN]``."""
+    shard = open_prepared(path, verify=False).splits["train"].shards[0].tokens
+    done, position = 0, 0
+    while done < tokens:
+        rows = []
+        for _ in range(ROWS):
+            if position + SEQ_LEN > len(shard):
+                position = 0
+            rows.append(shard[position: position + SEQ_LEN])
+            position += SEQ_LEN
+        torch.from_numpy(np.stack(rows).astype(np.int64))
+        done += ROWS * SEQ_LEN
+    return done
+
+
+RSS_SCRIPT = r"""
+import json, resource, sys
+from pathlib import Path
+from exactstep.config import load_config
+from exactstep.runner import train
+source, out, windows = sys.argv[1], sys.argv[2], sys.argv[3]
+cfg = load_config(None, [f"data.source={source}", f"train.steps={windows}", "train.eval_every=0",
+    "train.eval_tokens=256", "train.device=cpu", "train.threads=1", "train.progress=false",
+    "checkpoint.every=0", "batch.seq_len=256", "batch.rows=8", "model.d_model=32",
+    "model.n_layers=1", "model.n_heads=2", "model.d_ff=64"])
+train(cfg, Path(out), progress=False)
+print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def peak_rss_mb(source: Path, out: Path) -> float:
+    """Peak RSS (MB) of a fresh process training ``WINDOWS`` windows from ``source``."""
+    done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(source), str(out), str(WINDOWS)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["maxrss_kb"] / 1024
+
+
+def run(quick: bool) -> dict:
+    sizes = QUICK_SIZES_MB if quick else SIZES_MB
+    batches = 20 if quick else 60
+    with tempfile.TemporaryDirectory(prefix="exactstep-loader-") as tmp:
+        root = Path(tmp)
+        started = time.perf_counter()
+        small, large = (write_synthetic(root / f"c{mb}", mb, seed=mb) for mb in sizes)
+        write_s = time.perf_counter() - started
+        real = packed_tokens(large, batches)
+        cand, base = interleaved_times(lambda: packed_tokens(large, batches),
+                                       lambda: memmap_tokens(large, real), repeats=3)
+        rss_small = peak_rss_mb(small, root / "run-small")
+        rss_large = peak_rss_mb(large, root / "run-large")
+        sizes_real = [open_prepared(p, verify=False).splits["train"].info["tokens"] * 2 / 2**20
+                      for p in (small, large)]
+    return {
+        "corpus_mb": [round(s, 1) for s in sizes_real],
+        "seq_len": SEQ_LEN, "rows": ROWS, "buffer": BUFFER, "batches": batches,
+        "tokens_per_s": real / median(cand),
+        "memmap_tokens_per_s": real / median(base),
+        "throughput_ratio": median(base) / median(cand),
+        "windows": WINDOWS,
+        "rss_small_mb": rss_small,
+        "rss_large_mb": rss_large,
+        "rss_ratio": rss_large / rss_small,
+        "write_s": write_s,
+    }

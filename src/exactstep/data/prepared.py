@@ -1,0 +1,220 @@
+"""The prepared-data format: token shards read through memory maps (P1, P2, S6).
+
+A prepared directory holds, per split (``train``, ``val``), shards of three raw files
+and one ``prepared.json`` written last:
+
+    DIR/prepared.json              format, tokenizer hash, order rule, counts, shards
+    DIR/train-00000.tokens         every token of the shard's documents, back to back
+                                   (``uint16`` when the vocabulary fits, else ``uint32``)
+    DIR/train-00000.index          int64 ``[documents, 3]``: offset, length, owned
+                                   targets (``targets_in(1, length)`` of the example)
+    DIR/train-00000.owned          chat only: one ownership bit per token (``numpy.
+                                   packbits``, big bit order), ``a_j`` of R5
+    DIR/train.unigram              int64 ``[vocab]``: how often each token is a target
+                                   (the held-out baseline, without a corpus scan)
+
+Invariants:
+
+- A document is the whole example the in-memory path would build (text:
+  ``BOS + ids + EOS``; chat: the rendered, owned and truncated conversation), so a
+  prepared document and an in-memory example of the same source are the same tokens.
+- Every file's size and sha256 is in ``prepared.json`` and ``fingerprint`` is the
+  sha256 of the canonical JSON of the rest of ``prepared.json``; ``open_prepared`` checks sizes
+  and digests and names the first file that differs (S6) before a byte is used.
+- Documents are never empty (the writer refuses them), so ``min_length >= 1``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exactstep.durable import sha256_file
+from exactstep.errors import DataError
+from exactstep.manifest import canonical_json, digest_of
+
+FORMAT = "exactstep-prepared"
+VERSION = 1
+MANIFEST = "prepared.json"
+SPLITS = ("train", "val")
+INDEX_COLUMNS = 3  # offset, length, owned targets
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id fits (``vocab_size <= 65536``), else ``uint32``."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def shard_names(split: str, number: int, chat: bool) -> dict[str, str]:
+    """The file names of shard ``number`` of ``split`` (``owned`` only for chat)."""
+    stem = f"{split}-{number:05d}"
+    names = {"tokens": f"{stem}.tokens", "index": f"{stem}.index"}
+    if chat:
+        names["owned"] = f"{stem}.owned"
+    return names
+
+
+def is_prepared(source: str | Path) -> bool:
+    """Whether ``source`` names a prepared directory: it holds ``prepared.json``, or
+    shard files without it (then ``read_meta`` says what is missing)."""
+    path = Path(source)
+    return path.is_dir() and ((path / MANIFEST).is_file() or any(path.glob("train-*.tokens")))
+
+
+def fingerprint_of(meta: dict[str, Any]) -> str:
+    """The directory's fingerprint: sha256 of the canonical JSON of ``prepared.json``
+    without its ``fingerprint`` key (every file record, count and setting)."""
+    return digest_of({k: v for k, v in meta.items() if k != "fingerprint"})
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard's memory maps: ``tokens [n]``, ``index [documents, 3]``, ``owned``
+    (packed bits, chat) or ``None``. Nothing is read until a document is asked for."""
+
+    tokens: np.ndarray
+    index: np.ndarray
+    owned: np.ndarray | None
+
+
+class PreparedSplit:
+    """The documents of one split across its shards, addressed by a global id.
+
+    ``lengths`` and ``targets`` are views of the memory-mapped indexes: a document's
+    length is read from disk, never from a list built at start-up (P2).
+    """
+
+    def __init__(self, shards: list[Shard], info: dict[str, Any]) -> None:
+        self.shards = shards
+        self.info = info
+        counts = [int(s.index.shape[0]) for s in shards]
+        self.starts: list[int] = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+        self.documents = self.starts[-1]
+        self.min_length = int(info.get("min_length", 1))
+        self.max_length = int(info.get("max_length", 0))
+
+    def locate(self, doc: int) -> tuple[Shard, int]:
+        """(shard, row in its index) of global document ``doc``."""
+        if not 0 <= doc < self.documents:
+            raise IndexError(doc)
+        k = bisect.bisect_right(self.starts, doc) - 1
+        return self.shards[k], doc - self.starts[k]
+
+    def entry(self, doc: int, column: int) -> int:
+        """Column ``column`` (0 offset, 1 length, 2 owned targets) of document ``doc``."""
+        shard, row = self.locate(doc)
+        return int(shard.index[row, column])
+
+    def tokens(self, doc: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Document ``doc``'s tokens (int64 copy) and ownership (bool, or ``None`` for
+        text, where every token but the first is a target)."""
+        shard, row = self.locate(doc)
+        offset, length = int(shard.index[row, 0]), int(shard.index[row, 1])
+        tokens = np.asarray(shard.tokens[offset: offset + length], dtype=np.int64)
+        if shard.owned is None:
+            return tokens, None
+        first, last = offset // 8, (offset + length + 7) // 8
+        bits = np.unpackbits(shard.owned[first:last])
+        start = offset - 8 * first
+        return tokens, bits[start: start + length].astype(bool)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An opened, verified prepared directory."""
+
+    path: Path
+    meta: dict[str, Any]
+    splits: dict[str, PreparedSplit]
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.meta["fingerprint"])
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return str(self.meta["representation"]["tokenizer_hash"])
+
+    def unigram(self, split: str) -> np.ndarray:
+        """int64 ``[vocab]`` target counts of ``split`` (written by ``prepare``)."""
+        return np.fromfile(self.path / f"{split}.unigram", dtype=np.int64)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """``prepared.json`` of ``path``, or ``DataError`` saying how to make one."""
+    file = Path(path) / MANIFEST
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path} is not a prepared directory (no {MANIFEST}); "
+                        f"make one with 'exactstep prepare SOURCE --out {path}'") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{file} cannot be read ({exc}); prepare {path} again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+            or meta.get("version") != VERSION:
+        raise DataError(f"{file} is not an {FORMAT} v{VERSION} manifest; prepare {path} again "
+                        "with this version of exactstep")
+    return meta
+
+
+def check_file(path: Path, name: str, record: dict[str, Any], *, digest: bool) -> None:
+    """Refuse a missing, truncated or altered shard file, naming it (S6)."""
+    file = path / name
+    if not file.is_file():
+        raise DataError(f"prepared shard file {file} is missing; prepare {path} again")
+    size = file.stat().st_size
+    if size != record["bytes"]:
+        raise DataError(f"prepared shard file {file} has {size} bytes, {MANIFEST} says "
+                        f"{record['bytes']} (truncated or altered); prepare {path} again")
+    if digest and sha256_file(file) != record["sha256"]:
+        raise DataError(f"prepared shard file {file} does not match its fingerprint in "
+                        f"{MANIFEST} (altered); prepare {path} again")
+
+
+def open_prepared(path: str | Path, *, verify: bool = True) -> Prepared:
+    """Open and check a prepared directory (P1, S6).
+
+    Sizes are always checked; ``verify`` also recomputes every file's sha256 (a
+    streaming read, nothing kept). Raises ``DataError`` naming the first missing,
+    truncated or altered file, or a ``prepared.json`` whose fingerprint does not
+    cover its own file records.
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    files = meta["files"]
+    if fingerprint_of(meta) != meta.get("fingerprint"):
+        raise DataError(f"{path / MANIFEST} was edited (its fingerprint does not match its "
+                        "content); prepare the directory again")
+    for name in sorted(files):
+        check_file(path, name, files[name], digest=verify)
+    dtype = np.dtype(meta["dtype"])
+    splits = {}
+    for split in SPLITS:
+        info = meta["splits"][split]
+        splits[split] = PreparedSplit([open_shard(path, s["files"], dtype) for s in info["shards"]], info)
+    return Prepared(path, meta, splits)
+
+
+def open_shard(path: Path, names: dict[str, str], dtype: np.dtype) -> Shard:
+    """Read-only memory maps of one shard (an empty file maps to an empty array)."""
+    def mapped(name: str, kind: np.dtype, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        file = path / name
+        if file.stat().st_size == 0:
+            return np.zeros((0,) if shape is None else (0, INDEX_COLUMNS), dtype=kind)
+        # a plain ndarray over the map: numpy.memmap's own indexing costs more per call
+        array = np.memmap(file, dtype=kind, mode="r").view(np.ndarray)
+        return array if shape is None else array.reshape(-1, INDEX_COLUMNS)
+
+    owned = mapped(names["owned"], np.dtype(np.uint8)) if "owned" in names else None
+    return Shard(mapped(names["tokens"], dtype), mapped(names["index"], np.dtype(np.int64), (0,)),
+                 owned)
+
+
+def manifest_bytes(meta: dict[str, Any]) -> bytes:
+    """``prepared.json`` bytes: canonical JSON (sorted keys), one trailing newline."""
+    return canonical_json(meta) + b"\n"

@@ -1,0 +1,441 @@
+"""``exactstep prepare``: tokenize a source once into prepared shards (P1).
+
+The source is split exactly as a run splits it (by the hash of each document's
+name, ``data.val_fraction``), each document becomes the example the in-memory path
+would build, and the examples are written in source order into shards of about
+``shard_tokens`` tokens (a shard closes at the first document boundary at or past
+that size). The layout is ``data.prepared``'s. A JSONL text file is streamed one
+line at a time (with at most ``2 * workers`` chunks in flight), so preparing it
+never holds the corpus in memory; the standard-library corpus, Parquet/Arrow
+sources and chat sources are read by the run's own readers (``data.corpus``,
+``rows.sources``), which load them whole.
+
+Invariants:
+
+- Byte-identical shards for the same source, settings and tokenizer whatever
+  ``workers`` is: documents are encoded in fixed chunks of ``CHUNK_DOCUMENTS``,
+  taken back in submission order, and written by this process alone; shard
+  boundaries depend only on the documents' lengths.
+- Publication is atomic, like a checkpoint's (S3): everything is written and fsynced
+  in ``.<out>.partial`` beside ``out``, ``prepared.json`` last, then the directory is
+  renamed into place and its parent fsynced. An interrupted preparation leaves only
+  the ``.partial`` directory, which is never read as prepared data and which the next
+  ``prepare`` into the same ``--out`` removes before starting again; a refused one
+  (an ``ExactstepError``) removes it at once.
+
+Failure modes (one ``error:`` line each at the CLI): a source with no document, a
+malformed line (file and line named by the reader), an empty train or validation
+split, an ``--out`` that already holds something, ``--workers`` below 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, fields, replace
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exactstep.data.chat import template_for
+from exactstep.data.corpus import check_split, iter_jsonl, load_corpus, split_rule, val_bucket
+from exactstep.data.datasets_source import is_dataset_source
+from exactstep.data.prepared import (
+    FORMAT,
+    INDEX_COLUMNS,
+    MANIFEST,
+    SPLITS,
+    VERSION,
+    fingerprint_of,
+    manifest_bytes,
+    shard_names,
+    token_dtype,
+)
+from exactstep.data.tokenizer import build_tokenizer
+from exactstep.durable import fsync_path, sha256_file, write_durably
+from exactstep.errors import ConfigError, DataError, ExactstepError
+from exactstep.rows.chat import ChatReport, chat_example
+from exactstep.rows.example import encode_documents
+from exactstep.rows.prepared import ORDER_RULE
+from exactstep.rows.sources import (
+    chat_policy_of,
+    conversations_digest,
+    representation_of,
+    split_conversations,
+)
+
+CHUNK_DOCUMENTS = 256  # documents per encoding task (fixed: output must not depend on workers)
+SHARD_TOKENS = 1 << 27  # ~128 M tokens per shard (256 MB as uint16)
+BLOCK_DOCUMENTS = 4096  # documents per block of the declared epoch order
+
+
+def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
+            shard_tokens: int = SHARD_TOKENS, block_documents: int = BLOCK_DOCUMENTS,
+            progress: bool = True) -> dict[str, Any]:
+    """Prepare ``source`` with ``cfg``'s tokenizer (and chat settings) into ``out``.
+
+    Returns the published ``prepared.json`` content.
+    """
+    if workers < 1:
+        raise ConfigError(f"--workers expects a positive number of processes; got {workers}")
+    if shard_tokens < 1 or block_documents < 1:
+        raise ConfigError("--shard-tokens and --block-documents must be at least 1")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} already exists and is not empty; choose a new --out "
+                          "or remove it")
+    cfg = replace(cfg, data=replace(cfg.data, source=source))
+    tokenizer = build_tokenizer(cfg)
+    chat = cfg.data.kind == "chat"
+    template = template_for(tokenizer) if chat else None
+    source_items = read_source(cfg)
+    partial = out.parent / f".{out.name}.partial"
+    if partial.exists():
+        shutil.rmtree(partial)  # never published (S8): an interrupted earlier attempt
+    partial.mkdir(parents=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {split: SplitWriter(partial, split, dtype, chat, shard_tokens, tokenizer.vocab_size)
+               for split in SPLITS}
+    reports: dict[str, ChatReport | None] = dict.fromkeys(SPLITS)
+    try:
+        with encoder(cfg, workers) as encode, Progress(progress, source_items.total,
+                                                       dtype) as bar:
+            for encoded in encode(chunks(source_items)):
+                for split, tokens, owned in encoded.documents:
+                    writers[split].add(tokens, owned)
+                for split, report in encoded.reports.items():
+                    reports[split] = merge_reports(reports[split], report)
+                bar.update(encoded)
+        extra = source_items.info()  # raises for an empty source or split
+        records = {split: writer.close() for split, writer in writers.items()}
+        extra.update({f"chat_{split}": r.to_dict() for split, r in reports.items()
+                      if r is not None})
+        meta = manifest(cfg, tokenizer, template, records, extra, partial, dtype,
+                        block_documents)
+    except ExactstepError:
+        shutil.rmtree(partial, ignore_errors=True)  # a refusal leaves nothing behind
+        raise
+    write_durably(partial / MANIFEST, manifest_bytes(meta))  # last: it makes the dir complete
+    fsync_path(partial)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    os.replace(partial, out)
+    fsync_path(out.parent)
+    return meta
+
+
+class SourceItems:
+    """``(split, item)`` pairs in source order (an item is a ``Document`` or a
+    ``Conversation``); ``info()``, once they have all been read, is what the manifest
+    records about the source. ``total``: the number of items when known upfront."""
+
+    def __init__(self, pairs: Iterator[tuple[str, Any]], info: Any, total: int | None) -> None:
+        self.pairs, self.info, self.total = pairs, info, total
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self.pairs
+
+
+def read_source(cfg: Any) -> SourceItems:
+    """The source as a run reads it: a JSONL text file streamed line by line (never
+    held in memory), anything else (stdlib, Parquet/Arrow, chat) loaded and split by
+    the run's own readers (``data.corpus``, ``rows.sources``)."""
+    path = Path(cfg.data.source)
+    if cfg.data.kind == "text" and cfg.data.source != "stdlib" and path.is_file() \
+            and not is_dataset_source(path):
+        return streamed_jsonl(cfg, path)
+    if cfg.data.kind == "chat":
+        train, val, rule, _ = split_conversations(cfg)
+        info = {"split_rule": rule, "source_fingerprint": conversations_digest(train + val)}
+    else:
+        corpus = load_corpus(cfg.data)
+        train, val = list(corpus.train), list(corpus.val)
+        info = {"split_rule": corpus.split_rule, "source_fingerprint": corpus.fingerprint,
+                "skipped_empty": corpus.skipped_empty, "source_name": corpus.source}
+    pairs = itertools.chain((("train", x) for x in train), (("val", x) for x in val))
+    return SourceItems(pairs, lambda: info, len(train) + len(val))
+
+
+STREAMED_FINGERPRINT = ("sha256 of, per split (train, val): the split name, its document "
+                        "count and the sha256 of every document's length-prefixed name and "
+                        "UTF-8 text, in file order")
+
+
+def streamed_jsonl(cfg: Any, path: Path) -> SourceItems:
+    """A JSONL text file read one line at a time: empty documents skipped and counted,
+    at most ``data.max_docs`` kept, each split by its name's hash as ``load_corpus``
+    splits it; the fingerprint is ``STREAMED_FINGERPRINT`` (one pass, no list)."""
+    data = cfg.data
+    hashes = {split: hashlib.sha256() for split in SPLITS}
+    counts = dict.fromkeys(SPLITS, 0)
+    skipped = [0]
+
+    def pairs() -> Iterator[tuple[str, Any]]:
+        for doc in iter_jsonl(path, data.text_field):
+            if not doc.text:
+                skipped[0] += 1
+                continue
+            if data.max_docs and sum(counts.values()) == data.max_docs:
+                return
+            split = "val" if val_bucket(doc.name) < data.val_fraction else "train"
+            for field in (doc.name.encode("utf-8"), doc.text.encode("utf-8")):
+                hashes[split].update(len(field).to_bytes(8, "big"))
+                hashes[split].update(field)
+            counts[split] += 1
+            yield split, doc
+
+    def info() -> dict[str, Any]:
+        if not sum(counts.values()):
+            raise DataError(f"data.source {data.source!r} holds no non-empty document; "
+                            "point data.source at a file with text")
+        check_split(range(counts["train"]), range(counts["val"]), data)
+        whole = hashlib.sha256()
+        for split in SPLITS:
+            whole.update(split.encode() + counts[split].to_bytes(8, "big"))
+            whole.update(hashes[split].digest())
+        return {"split_rule": split_rule(data.val_fraction),
+                "source_fingerprint": whole.hexdigest(),
+                "source_fingerprint_rule": STREAMED_FINGERPRINT,
+                "skipped_empty": skipped[0], "source_name": f"jsonl:{data.source}"}
+
+    return SourceItems(pairs(), info, None)
+
+
+def chunks(items: Iterable[tuple[str, Any]]) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive runs of ``CHUNK_DOCUMENTS`` pairs (the last may be shorter)."""
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, CHUNK_DOCUMENTS)):
+        yield chunk
+
+
+class Encoded:
+    """One chunk's documents as ``(split, tokens, owned or None)`` in chunk order
+    (chat conversations dropped by ``chat.empty`` are absent) and, for chat, each
+    split's ``ChatReport``."""
+
+    def __init__(self, items: int, documents: list[tuple[str, np.ndarray, np.ndarray | None]],
+                 reports: dict[str, ChatReport]) -> None:
+        self.items = items
+        self.documents = documents
+        self.reports = reports
+        self.tokens = sum(len(t) for _, t, _ in documents)
+
+
+# The encoding process's tokenizer, built once by ``init_worker`` (the pool's
+# initializer, or this process for one worker) and cleared when ``encoder`` exits.
+_WORKER: dict[str, Any] = {}
+
+
+def init_worker(cfg: Any) -> None:
+    """Build the tokenizer (and template) once per process."""
+    tokenizer = build_tokenizer(cfg)
+    _WORKER.update(cfg=cfg, tokenizer=tokenizer,
+                   template=template_for(tokenizer) if cfg.data.kind == "chat" else None)
+
+
+def encode_chunk(pairs: Sequence[tuple[str, Any]]) -> Encoded:
+    """The examples a run would build from each ``(split, item)`` of the chunk."""
+    cfg, tokenizer = _WORKER["cfg"], _WORKER["tokenizer"]
+    if cfg.data.kind != "chat":
+        examples = encode_documents([item for _, item in pairs], tokenizer)
+        return Encoded(len(pairs), [(split, e.tokens, None)
+                                    for (split, _), e in zip(pairs, examples, strict=True)], {})
+    reports: dict[str, ChatReport] = {}
+    docs = []
+    for split, conversation in pairs:
+        example = chat_example(conversation, 0, tokenizer, chat_policy_of(cfg),
+                               max_len=cfg.batch.seq_len, template=_WORKER["template"],
+                               report=reports.setdefault(split, ChatReport()))
+        if example is not None:
+            owned = example.owned if example.owned is not None else np.arange(len(example)) > 0
+            docs.append((split, example.tokens, owned))
+    return Encoded(len(pairs), docs, reports)
+
+
+class encoder:  # noqa: N801 (a context manager used like a function)
+    """``with encoder(cfg, workers) as encode``: ``encode(chunks)`` yields ``Encoded``
+    in chunk order, in this process (1 worker) or in a spawned pool."""
+
+    def __init__(self, cfg: Any, workers: int) -> None:
+        self.cfg, self.workers = cfg, workers
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self):
+        if self.workers == 1:
+            init_worker(self.cfg)
+            return lambda items: map(encode_chunk, items)
+        self.pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"),
+                                        initializer=init_worker, initargs=(self.cfg,))
+        return self.ordered
+
+    def ordered(self, chunks: Iterable[Any]) -> Iterator[Encoded]:
+        """Results in submission order with at most ``2 * workers`` chunks in flight
+        (``Executor.map`` would read the whole source before the first result)."""
+        assert self.pool is not None
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(self.pool.submit(encode_chunk, chunk))
+            if len(pending) >= 2 * self.workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+        _WORKER.clear()
+
+
+class SplitWriter:
+    """Appends documents to the shards of one split (see ``data.prepared``)."""
+
+    def __init__(self, root: Path, split: str, dtype: np.dtype, chat: bool,
+                 shard_tokens: int, vocab_size: int) -> None:
+        self.root, self.split, self.dtype, self.chat = root, split, dtype, chat
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.unigram = np.zeros(vocab_size, dtype=np.int64)
+        self.documents = self.tokens = self.targets = 0
+        self.min_length, self.max_length = 0, 0
+        self._open()
+
+    def _open(self) -> None:
+        self.names = shard_names(self.split, len(self.shards), self.chat)
+        self.fh = {kind: open(self.root / name, "wb") for kind, name in self.names.items()}
+        self.index: list[tuple[int, int, int]] = []
+        self.offset = 0
+        self.bits = np.zeros(0, dtype=bool)  # ownership bits not yet a whole byte
+
+    def add(self, tokens: np.ndarray, owned: np.ndarray | None) -> None:
+        n = len(tokens)
+        if n == 0:
+            raise DataError(f"document {self.documents} of the {self.split} split has no "
+                            "tokens; remove it from the source")
+        targets_mask = owned[1:] if owned is not None else np.ones(n - 1, dtype=bool)
+        targets = int(np.count_nonzero(targets_mask))
+        self.fh["tokens"].write(np.asarray(tokens, dtype=self.dtype).tobytes())
+        if owned is not None:
+            self.bits = np.concatenate([self.bits, owned.astype(bool)])
+            whole = len(self.bits) // 8 * 8
+            self.fh["owned"].write(np.packbits(self.bits[:whole]).tobytes())
+            self.bits = self.bits[whole:]
+        if targets:
+            np.add.at(self.unigram, tokens[1:][targets_mask], 1)
+        self.index.append((self.offset, n, targets))
+        self.offset += n
+        self.documents += 1
+        self.tokens += n
+        self.targets += targets
+        self.min_length = n if self.documents == 1 else min(self.min_length, n)
+        self.max_length = max(self.max_length, n)
+        if self.offset >= self.shard_tokens:
+            self._close_shard()
+            self._open()
+
+    def _close_shard(self) -> None:
+        if self.chat and len(self.bits):
+            self.fh["owned"].write(np.packbits(self.bits).tobytes())
+        index = np.asarray(self.index, dtype=np.int64).reshape(-1, INDEX_COLUMNS)
+        self.fh["index"].write(index.tobytes())
+        for fh in self.fh.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        self.shards.append({"files": self.names, "documents": len(self.index),
+                            "tokens": self.offset})
+
+    def close(self) -> dict[str, Any]:
+        """Close the last shard (an empty last shard is not kept) and write the
+        unigram counts; returns the split's record for ``prepared.json``."""
+        if self.index or not self.shards:
+            self._close_shard()
+        else:
+            for kind, fh in self.fh.items():
+                fh.close()
+                (self.root / self.names[kind]).unlink()
+        write_durably(self.root / f"{self.split}.unigram", self.unigram.tobytes())
+        return {"documents": self.documents, "tokens": self.tokens, "targets": self.targets,
+                "min_length": self.min_length, "max_length": self.max_length,
+                "shards": self.shards}
+
+
+def merge_reports(total: ChatReport | None, part: ChatReport | None) -> ChatReport | None:
+    if part is None:
+        return total
+    if total is None:
+        return part
+    return ChatReport(**{f.name: getattr(total, f.name) + getattr(part, f.name)
+                         for f in fields(ChatReport)})
+
+
+def manifest(cfg: Any, tokenizer: Any, template: Any, splits: dict[str, dict[str, Any]],
+             extra: dict[str, Any], root: Path, dtype: np.dtype,
+             block_documents: int) -> dict[str, Any]:
+    """``prepared.json``: format, source, tokenizer, order, counts, file fingerprints."""
+    for split, info in splits.items():
+        if not info["documents"]:
+            raise DataError(f"the {split} split of {cfg.data.source!r} has no document; "
+                            "add documents or change data.val_fraction")
+    files = {}
+    for name in sorted(p.name for p in root.iterdir()):
+        files[name] = {"bytes": (root / name).stat().st_size, "sha256": sha256_file(root / name)}
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": cfg.data.kind,
+        "source": cfg.data.source,
+        "representation": representation_of(tokenizer, template),
+        "dtype": dtype.name,
+        "order": {"rule": ORDER_RULE, "block_documents": block_documents,
+                  "seed": "the run's seed"},
+        "splits": splits,
+        "files": files,
+    }
+    meta.update(extra)
+    if cfg.data.kind == "chat":
+        meta["max_len"] = cfg.batch.seq_len
+        meta["chat_policy"] = asdict(chat_policy_of(cfg))
+    meta = {k: v for k, v in meta.items() if v is not None}
+    meta["fingerprint"] = fingerprint_of(meta)
+    return meta
+
+
+class Progress:
+    """A tqdm bar over documents with tokens, MB/s and ETA (stderr), or nothing."""
+
+    def __init__(self, enabled: bool, total: int | None, dtype: np.dtype) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.itemsize = dtype.itemsize
+        self.total = total
+        self.tokens = 0
+        self.started = time.perf_counter()
+        self.bar = None
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, unit="doc", desc="prepare", file=sys.stderr)
+        return self
+
+    def update(self, chunk: Encoded) -> None:
+        self.tokens += chunk.tokens
+        if self.bar is not None:
+            elapsed = max(time.perf_counter() - self.started, 1e-9)
+            self.bar.set_postfix(tokens=self.tokens,
+                                 MBps=f"{self.tokens * self.itemsize / elapsed / 1e6:.1f}",
+                                 refresh=False)
+            self.bar.update(chunk.items)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

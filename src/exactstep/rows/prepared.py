@@ -1,0 +1,186 @@
+"""Training from prepared shards: a document table over memory maps (P2, R4, D3, S1).
+
+``PreparedDocuments`` is the ``DocumentTable`` the packing planner reads: lengths and
+owned-target counts come from the memory-mapped document index, an ``Example`` is
+built from the token map only when a row holds it, and each epoch's order is the
+block order declared in ``prepared.json``, computed lazily, so the planner (and thus
+``RowStream``) holds the buffer and one block's permutation, never the corpus.
+
+Block order (``order.rule = "block-permutation"``): document ids are cut into blocks
+of ``block_documents`` consecutive ids (the last may be shorter). For epoch ``e`` the
+blocks are visited in the order ``default_rng([seed, e]).permutation(blocks)``, and
+the documents of block ``b`` in ``b * block_documents + default_rng([seed, e, b])
+.permutation(size_b)``. Rank ``r`` of ``W`` takes positions ``r, r + W, ...`` of that
+epoch order (D3). Without shuffle (held-out evaluation) the order is the identity.
+
+``load_prepared_bundle`` refuses a directory made with another tokenizer or chat
+template (both hashes named), a kind that is not the run's, chat shards compiled
+under another chat policy or ``batch.seq_len``, and a weighted reduction (prepared
+documents carry no weights, L3).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from exactstep.data.prepared import PreparedSplit, open_prepared
+from exactstep.errors import ConfigError, DataError
+from exactstep.rows.chat import ChatPolicy
+from exactstep.rows.example import WEIGHTED_REDUCTIONS, DataBundle, Example
+
+ORDER_RULE = "block-permutation"
+
+
+class BlockOrder(Sequence[int]):
+    """One epoch's document order for one rank (see module doc); O(blocks) memory."""
+
+    def __init__(self, documents: int, block: int, seed: int, epoch: int, *,
+                 shuffle: bool, rank: int, world: int) -> None:
+        self.documents, self.block, self.seed, self.epoch = documents, block, seed, epoch
+        self.shuffle, self.rank, self.world = shuffle, rank, world
+        blocks = -(-documents // block)
+        self.blocks = (np.random.default_rng([seed, epoch]).permutation(blocks) if shuffle
+                       else np.arange(blocks))
+        sizes = np.minimum(block, documents - self.blocks * block)
+        self.starts: list[int] = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        self._cached: tuple[int, np.ndarray] | None = None
+        self._length = len(range(rank, documents, world))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._length))]
+        if not 0 <= i < self._length:
+            raise IndexError(i)
+        return self.at(self.rank + i * self.world)
+
+    def at(self, position: int) -> int:
+        """The document id at ``position`` of the whole epoch order (all ranks)."""
+        slot = bisect.bisect_right(self.starts, position) - 1
+        block = int(self.blocks[slot])
+        within = position - self.starts[slot]
+        if not self.shuffle:
+            return block * self.block + within
+        if self._cached is None or self._cached[0] != block:
+            size = self.starts[slot + 1] - self.starts[slot]
+            perm = np.random.default_rng([self.seed, self.epoch, block]).permutation(size)
+            self._cached = (block, perm)
+        return block * self.block + int(self._cached[1][within])
+
+
+class PreparedDocuments(Sequence[Example]):
+    """One prepared split as the planner's ``DocumentTable`` (P2): memory-mapped, lazy.
+
+    ``example_id`` of document ``d`` is ``d`` (its global id in the split, R6). As a
+    ``Sequence`` it builds each ``Example`` only when indexed or iterated.
+    """
+
+    def __init__(self, split: PreparedSplit, block: int,
+                 unigram: np.ndarray | None = None) -> None:
+        self.split = split
+        self.block = block
+        self.unigram = unigram
+        self.lengths = _Column(split, 1)
+        self.targets = _Column(split, 2)
+        self.min_length = split.min_length
+
+    def __len__(self) -> int:
+        return self.split.documents
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.split.documents))]
+        if not 0 <= index < self.split.documents:
+            raise IndexError(index)
+        tokens, owned = self.split.tokens(index)
+        return Example(example_id=index, tokens=tokens, owned=owned)
+
+    def first_empty(self) -> int | None:
+        return None  # the writer refuses empty documents
+
+    def shard_order(self, seed: int, epoch: int, *, shuffle: bool, rank: int,
+                    world: int) -> BlockOrder:
+        return BlockOrder(self.split.documents, self.block, seed, epoch, shuffle=shuffle,
+                          rank=rank, world=world)
+
+    def target_histogram(self, vocab_size: int) -> np.ndarray | None:
+        """Target counts per token id written by ``prepare`` (no corpus scan), or None."""
+        return None if self.unigram is None else self.unigram[:vocab_size]
+
+
+class _Column(Sequence[int]):
+    """Column ``column`` of the document index (1: length, 2: owned targets)."""
+
+    def __init__(self, split: PreparedSplit, column: int) -> None:
+        self.split, self.column = split, column
+
+    def __len__(self) -> int:
+        return self.split.documents
+
+    def __getitem__(self, doc):  # type: ignore[override]
+        return self.split.entry(doc, self.column)
+
+
+def load_prepared_bundle(cfg: Any, tokenizer: Any, representation: dict[str, Any]) -> DataBundle:
+    """Both splits of the prepared directory ``cfg.data.source`` (P2), checked against
+    the run: same tokenizer hash and template hash (``representation`` is the run's
+    own, S1), same ``data.kind``, no weighted reduction; for chat, the run's
+    ``batch.seq_len`` must be the length the conversations were truncated to."""
+    source = cfg.data.source
+    prepared = open_prepared(source)
+    meta = prepared.meta
+    if meta["kind"] != cfg.data.kind:
+        raise ConfigError(f"{source} was prepared as data.kind = {meta['kind']!r} but the run "
+                          f"sets data.kind = {cfg.data.kind!r}; set data.kind = "
+                          f"{meta['kind']!r}")
+    check_representation(source, meta["representation"], representation)
+    if meta["kind"] == "chat" and meta.get("max_len") != cfg.batch.seq_len:
+        raise ConfigError(f"{source} truncated conversations to {meta.get('max_len')} tokens "
+                          f"but batch.seq_len = {cfg.batch.seq_len}; set batch.seq_len = "
+                          f"{meta.get('max_len')} or prepare again with this batch.seq_len")
+    policy = asdict(getattr(cfg, "chat", None) or ChatPolicy())  # as rows.sources reads it
+    if meta["kind"] == "chat" and meta.get("chat_policy") != policy:
+        differing = sorted(k for k, v in policy.items() if meta.get("chat_policy", {}).get(k) != v)
+        raise ConfigError(f"{source} was prepared under another chat policy (differing: "
+                          f"{', '.join('chat.' + k for k in differing)}); set them as "
+                          f"{meta.get('chat_policy')} or prepare again with this policy")
+    if cfg.objective.reduction in WEIGHTED_REDUCTIONS:
+        raise ConfigError(f"objective.reduction = {cfg.objective.reduction!r} needs example "
+                          "weights, which prepared shards do not carry; use token_mean, "
+                          "sequence_mean or microbatch_mean, or train from the source itself")
+    block = int(meta["order"]["block_documents"])
+    train = PreparedDocuments(prepared.splits["train"], block, prepared.unigram("train"))
+    val = PreparedDocuments(prepared.splits["val"], block)
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"{source} has an empty {'train' if len(train) == 0 else 'val'} split; "
+                        "prepare it again with more documents or another data.val_fraction")
+    section = {
+        "source": str(source),
+        "kind": meta["kind"],
+        "format": "prepared",
+        "fingerprint": prepared.fingerprint,
+        "source_fingerprint": meta["source_fingerprint"],
+        "split": meta["split_rule"],
+        "order": meta["order"],
+        "train_documents": len(train),
+        "val_documents": len(val),
+    }
+    return DataBundle(train, val, section, representation)  # type: ignore[arg-type]
+
+
+def check_representation(source: str, prepared: dict[str, Any], run: dict[str, Any]) -> None:
+    """Refuse a directory prepared with another tokenizer or template, both hashes named."""
+    for key, what in (("tokenizer_hash", "tokenizer"), ("template_hash", "chat template")):
+        if prepared.get(key) != run.get(key):
+            raise ConfigError(
+                f"{source} was prepared with a different {what} ({key} {prepared.get(key)}) "
+                f"than this run's ({run.get(key)}); prepare it again with the run's "
+                f"data.tokenizer settings, or use the ones it was prepared with"
+            )
