@@ -198,10 +198,7 @@ def cross_document_attention(step: TrainingStep) -> Measure:
     mb = data.microbatch([[data.text(g, 5, SPEC), data.text(g, 6, SPEC)]], SPEC)
     in_a = (mb.documents == 1) & (mb.positions > 0)
     moved = data.replace_tokens(mb, in_a, g, SPEC)
-    with ref.eval_mode(step.module), torch.no_grad():
-        base = step.logits(mb.tokens, mb.positions, mb.documents)  # [1, L, V]
-        other = step.logits(moved.tokens, moved.positions, moved.documents)
-    change = (other - base).abs().amax(-1)[0]  # [L]
+    change = (logits_of(step, moved) - logits_of(step, mb)).abs().amax(-1)[0]  # [L]
     b_cols = mb.documents[0] == 2
     if float(change[~b_cols].max()) == 0.0:
         raise TargetFault("perturbing document A did not change A's logits")
@@ -209,6 +206,29 @@ def cross_document_attention(step: TrainingStep) -> Measure:
     return Measure(leak <= 1e-6, "B's logits move 0 when A changes",
                    f"B's logits moved {leak:.2e}", [0.0] * int(b_cols.sum()),
                    [float(v) for v in change[b_cols]])
+
+
+def logits_of(step: TrainingStep, mb: Microbatch) -> torch.Tensor:
+    """Eval-mode logits of whole rows, ``[B, L, V]``; non-finite ones are a fault."""
+    with ref.eval_mode(step.module), torch.no_grad():
+        out = step.logits(mb.tokens, mb.positions, mb.documents)
+    if not torch.isfinite(out).all():
+        raise TargetFault("logits() returned non-finite values")
+    return out
+
+
+def causal_attention(step: TrainingStep) -> Measure:
+    step.build(SPEC)
+    mb = plain_rows(seed=22, n=1, length=10)
+    later = torch.zeros_like(mb.owned)
+    later[0, 6:] = True
+    change = (logits_of(step, data.replace_tokens(mb, later, gen(23), SPEC))
+              - logits_of(step, mb)).abs().amax(-1)[0]  # [L]
+    if float(change[6:].max()) == 0.0:
+        raise TargetFault("perturbing tokens 6.. did not change their own logits")
+    leak = float(change[:6].max())
+    return Measure(leak <= 1e-6, "logits of tokens 0-5 move 0 when tokens 6.. change",
+                   f"they moved {leak:.2e}", [0.0] * 6, [float(v) for v in change[:6]])
 
 
 def chat_rows(seed: int) -> Microbatch:
@@ -222,7 +242,8 @@ def chat_ownership(step: TrainingStep) -> Measure:
 
 def prompt_visible(step: TrainingStep) -> Measure:
     mb = chat_rows(7)
-    prompt = (mb.positions > 0) & ~mb.owned
+    last_prompt = ~mb.owned & torch.roll(mb.owned, -1, dims=1)
+    prompt = (mb.positions > 0) & ~mb.owned & ~last_prompt  # the answers must see these
     moved = data.replace_tokens(mb, prompt, gen(8), SPEC)
     deltas = []
     for batch in (mb, moved):
@@ -242,7 +263,9 @@ def prompt_visible(step: TrainingStep) -> Measure:
 def label_smoothing(step: TrainingStep) -> Measure:
     spec = replace(SPEC, label_smoothing=0.3,
                    smoothing_convention=getattr(step, "smoothing_convention", "harvard"))
-    m = update_probe(step, spec, [plain_rows(seed=9)])
+    g = gen(9)
+    mb = data.single([data.text(g, 8, spec), data.text(g, 5, spec)], spec, length=8)
+    m = update_probe(step, spec, [mb])
     m.expected = f"{spec.smoothing_convention} smoothing: " + m.expected
     return m
 
@@ -399,12 +422,19 @@ def train_mode(step: TrainingStep) -> Measure:
                    f"relative difference {err:.2e}", e, o)
 
 
+def finite_eval(step: TrainingStep, mbs: Sequence[Microbatch]) -> tuple[float, float]:
+    loss, ppl = (float(v) for v in step.evaluate(mbs))
+    if not (math.isfinite(loss) and math.isfinite(ppl)):
+        raise TargetFault(f"evaluate() returned non-finite values ({loss}, {ppl})")
+    return loss, ppl
+
+
 def eval_mode(step: TrainingStep) -> Measure:
     step.build(DROPOUT)
     require_dropout(step)
     mbs = [plain_rows(seed=17), plain_rows(seed=18)]
     total, count = ref.eval_reference(step, mbs, DROPOUT)
-    loss, _ = step.evaluate(mbs)
+    loss, _ = finite_eval(step, mbs)
     want = total / count
     err = abs(float(loss) - want) / want
     return Measure(err <= 1e-5, f"loss {want:.6f} (eval mode, no dropout)",
@@ -433,7 +463,7 @@ def perplexity(step: TrainingStep) -> Measure:
     step.build(SPEC)
     mbs = [plain_rows(seed=20, n=1, length=10), plain_rows(seed=21, n=1, length=3)]
     total, count = ref.eval_reference(step, mbs, SPEC)
-    _, ppl = step.evaluate(mbs)
+    _, ppl = finite_eval(step, mbs)
     want = math.exp(total / count)
     err = abs(float(ppl) - want) / want
     return Measure(err <= 1e-5, f"exp(sum NLL / sum tokens) = {want:.5f}",
@@ -483,6 +513,8 @@ PROBES: tuple[Probe, ...] = (
           "tokens; zero the gradients after each step", remainder),
     Probe("packed_documents", "R3", "packed documents: reset positions per document, mask "
           "attention to the document and drop the EOS -> next-BOS target", packed_documents),
+    Probe("causal_attention", "R2", "the model must not see later tokens: a causal "
+          "(lower-triangular) mask, applied before the softmax", causal_attention),
     Probe("cross_document_attention", "R2", "the model must mask attention to other "
           "documents of the row (segment ids), not one causal mask", cross_document_attention),
     Probe("chat_ownership", "R5", "row i is supervised when token i + 1 is owned: use "

@@ -23,7 +23,10 @@ A hand-written loop is wrapped in about 30 lines (see ``exactstep.audit.examples
   every ``spec.accum`` microbatches and on the remainder; returns the loss it logs
   for each window (``None`` when it logs none);
 - ``evaluate(microbatches)``: held-out ``(loss, perplexity)``;
-- ``save(path)`` / ``load(path)``: everything the loop needs to continue exactly.
+- ``save(path)`` / ``load(path)``: everything the loop needs to continue exactly;
+- ``smoothing_convention``: the label-smoothing convention the loop implements
+  (``uniform`` for ``F.cross_entropy(label_smoothing=...)``, ``harvard`` for the
+  Annotated Transformer's criterion; L2).
 
 A microbatch holds *documents* (``Microbatch``): the loop decides the shift, the
 masks and the normalization, which is what is audited. ``spec`` declares the
@@ -126,6 +129,7 @@ class TrainingStep(Protocol):
     """The adapter protocol (see the module docstring for each method's contract)."""
 
     module: nn.Module
+    smoothing_convention: SmoothingConvention
 
     def build(self, spec: ProbeSpec) -> None: ...
 

@@ -94,6 +94,9 @@ def nll_sum(step: TrainingStep, mb: Microbatch, spec: ProbeSpec,
     if count == 0:
         return torch.zeros(()), 0
     logits = step.logits(input_ids, position_ids, document_ids)  # [B, L-1, V]
+    if not torch.isfinite(logits).all():
+        raise ValueError("logits() returned non-finite values; the reference needs finite "
+                         "logits")
     use = spec if smoothed else _unsmoothed(spec)
     return row_losses(logits[keep], targets[keep], use).sum(), count
 

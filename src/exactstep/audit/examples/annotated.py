@@ -162,6 +162,8 @@ class AnnotatedLoop:
     """The adapter: ``TrainingStep`` over ``run_epoch``."""
 
     smoothing_convention = "harvard"
+    batch_type = Batch
+    criterion_type = LabelSmoothing
 
     def build(self, spec: ProbeSpec) -> None:
         torch.manual_seed(spec.seed)
@@ -183,11 +185,11 @@ class AnnotatedLoop:
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                document_ids: torch.Tensor) -> torch.Tensor:
-        mask = Batch.make_std_mask(document_ids)
+        mask = self.batch_type.make_std_mask(document_ids)
         return self.module.generator(self.module(input_ids, position_ids, mask))
 
     def loss_compute(self, smoothing: float) -> SimpleLossCompute:
-        criterion = LabelSmoothing(self.spec.vocab_size, self.spec.pad_id, smoothing)
+        criterion = self.criterion_type(self.spec.vocab_size, self.spec.pad_id, smoothing)
         return SimpleLossCompute(self.module.generator, criterion)
 
     def run_epoch(self, data_iter: Sequence[Batch], mode: str = "train",
@@ -197,7 +199,7 @@ class AnnotatedLoop:
         total_loss, total_tokens, logs = 0.0, 0, []
         window_loss, window_tokens = 0.0, 0
         for i, batch in enumerate(data_iter):
-            out = self.module.forward(batch.tgt, batch.positions, batch.tgt_mask)
+            out = self.forward(batch)
             loss, loss_node = loss_compute(out, batch.tgt_y)
             total_loss += loss
             total_tokens += batch.ntokens
@@ -205,10 +207,18 @@ class AnnotatedLoop:
                 self.scaler.scale(loss_node).backward()
                 window_loss += loss
                 window_tokens += batch.ntokens
-                if (i + 1) % accum_iter == 0 or i == len(data_iter) - 1:
+                if self.closes(i, len(data_iter), accum_iter):
                     logs.append(self.close(window_loss, window_tokens))
                     window_loss, window_tokens = 0.0, 0
         return logs if mode == "train" else (total_loss, total_tokens)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.module.forward(batch.tgt, batch.positions, batch.tgt_mask)
+
+    @staticmethod
+    def closes(i: int, n: int, accum_iter: int) -> bool:
+        """Batch ``i`` of ``n`` closes a window: every ``accum_iter``-th and the last (U1)."""
+        return (i + 1) % accum_iter == 0 or i == n - 1
 
     def close(self, loss: float, ntokens: int) -> float | None:
         """Unscale, divide by the window's tokens, clip, step; or skip (L4, U4)."""
@@ -233,15 +243,15 @@ class AnnotatedLoop:
 
     def train(self, microbatches: Sequence[Microbatch]) -> list[float | None]:
         self.module.train()
-        batches = [Batch(mb, self.spec.pad_id) for mb in microbatches]
+        batches = [self.batch_type(mb, self.spec.pad_id) for mb in microbatches]
         return self.run_epoch(batches, "train", accum_iter=self.spec.accum)
 
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
         was_training = self.module.training
         self.module.eval()
         with torch.no_grad():
-            loss, tokens = self.run_epoch([Batch(mb, self.spec.pad_id) for mb in microbatches],
-                                          "eval")
+            batches = [self.batch_type(mb, self.spec.pad_id) for mb in microbatches]
+            loss, tokens = self.run_epoch(batches, "eval")
         self.module.train(was_training)
         return loss / tokens, math.exp(loss / tokens)
 

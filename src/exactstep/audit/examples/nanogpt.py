@@ -96,11 +96,12 @@ class NanoGPTLoop:
     """The adapter: ``TrainingStep`` over a nanoGPT-style loop."""
 
     smoothing_convention = "uniform"  # F.cross_entropy(label_smoothing=...) (L2)
+    model_type = GPT
 
     def build(self, spec: ProbeSpec) -> None:
         torch.manual_seed(spec.seed)
         self.spec = spec
-        self.module = GPT(spec)
+        self.module = self.model_type(spec)
         self.optimizer = self.configure_optimizer()
         self.scaler = torch.amp.GradScaler("cpu", init_scale=spec.loss_scale or 1.0,
                                            growth_interval=10**9,
@@ -154,27 +155,41 @@ class NanoGPTLoop:
             return None  # no objective: nothing to step, nothing to log (L4)
         total = 0.0
         for x, pos, docs, y in batches:
-            loss = self.loss_sum(self.module(x, pos, docs), y) / n_tokens
+            loss = self.micro_loss(self.module(x, pos, docs), y, n_tokens, len(batches))
             self.scaler.scale(loss).backward()
             total += loss.item()
         return self.close_window(total)
+
+    def micro_loss(self, logits: torch.Tensor, y: torch.Tensor, n_tokens: int,
+                   n_micro: int) -> torch.Tensor:
+        """This micro-step's share of the window's token mean (U1)."""
+        return self.loss_sum(logits, y) / n_tokens
 
     def clip(self) -> torch.Tensor:
         max_norm = self.spec.clip if self.spec.clip > 0 else math.inf
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
 
-    def close_window(self, loss: float) -> float | None:
+    def unscale_and_clip(self) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)
-        norm = self.clip()
+        return self.clip()
+
+    def step_optimizer(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close_window(self, loss: float) -> float | None:
+        norm = self.unscale_and_clip()
         if not (math.isfinite(loss) and torch.isfinite(norm)):
             self.scaler.update()  # backs off; no step, iter_num unchanged (U4)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
             return None
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(self.iter_num)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.step_optimizer()
+        self.zero_grad()
         self.iter_num += 1
         return loss
 
