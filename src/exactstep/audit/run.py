@@ -128,5 +128,6 @@ def run_audit(step: object, *, target: str = "python", probes: Sequence[str] | N
 def audit(target: str, probes: Sequence[str] | None = None) -> AuditReport:
     """``resolve_target`` then ``run_audit``."""
     names = list(probes) if probes else None
+    step = resolve_target(target)
     select_probes(names)  # a bad probe name is refused before anything is built
-    return run_audit(resolve_target(target), target=target, probes=names)
+    return run_audit(step, target=target, probes=names)
