@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit = sub.add_parser("audit", help="conformance probes against a training step (A1)")
     audit.add_argument("--target", required=True, metavar="T",
-                       help="exactstep (this engine) or python:MODULE:FUNCTION (FUNCTION() "
-                            "returns an exactstep.audit.TrainingStep)")
+                       help="exactstep (this engine), python:MODULE:FUNCTION (FUNCTION() "
+                            "returns an exactstep.audit.TrainingStep), or hf-trainer"
+                            "[:padding|flattening] (Hugging Face Trainer and its collator)")
     audit.add_argument("--json", action="store_true", help="print one JSON object")
     audit.add_argument("--report", metavar="FILE.html",
                        help="also write a self-contained HTML report")

@@ -93,7 +93,7 @@ EXPECTED: dict[str, set[str]] = {
 ERRORS = {"ZeroGradBeforeStep": NEVER_STEPS, "DoubleUnscale": {"scaled_clip"},
           "NoZeroGrad": {"nonfinite_skip"}}
 # LambdaLRStepsOnSkip steps its scheduler without an optimizer step: PyTorch warns, rightly
-pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()`")
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 CORRECT = {"nanogpt": NanoGPTLoop, "annotated": AnnotatedLoop}
 NAMES = [p.name for p in PROBES]
 

@@ -1,8 +1,9 @@
 """Resolve an audit target and run the probes against it (A1).
 
-Targets: ``exactstep`` (the engine, ``exactstep.audit.engine``) and
+Targets: ``exactstep`` (the engine, ``exactstep.audit.engine``),
 ``python:MODULE:FUNCTION`` (``FUNCTION()`` returns a ``TrainingStep``; the current
-directory is importable, as with ``python -m``). A target that cannot be resolved is
+directory is importable, as with ``python -m``) and ``hf-trainer[:COLLATOR]``
+(Hugging Face ``Trainer``, ``exactstep.audit.hf_trainer``). A target that cannot be resolved is
 a ``ConfigError`` (one ``error:`` line, exit 2); a target that fails while probed is
 that probe's ``ERROR``.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from exactstep.errors import ConfigError
 
-TARGETS = ("exactstep", "python:MODULE:FUNCTION")
+TARGETS = ("exactstep", "python:MODULE:FUNCTION", "hf-trainer", "hf-trainer:flattening")
 METHODS = ("build", "logits", "train", "evaluate", "save", "load")
 
 
@@ -53,7 +54,23 @@ def resolve_target(target: str) -> object:
         return make()
     if target.startswith("python:"):
         return python_target(target)
+    if target == "hf-trainer" or target.startswith("hf-trainer:"):
+        return hf_trainer_target(target)
     raise ConfigError(f"unknown audit target {target!r}; use one of: {', '.join(TARGETS)}")
+
+
+def hf_trainer_target(target: str) -> object:
+    """``hf-trainer[:padding|flattening]``; needs the ``hf`` extra and ``accelerate``."""
+    collator = target.partition(":")[2] or "padding"
+    for package in ("transformers", "accelerate"):  # Trainer needs both
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise ConfigError(f"--target hf-trainer needs {package}: pip install "
+                              "'exactstep[hf]' accelerate") from None
+    from exactstep.audit.hf_trainer import make
+
+    return make(collator)
 
 
 def python_target(target: str) -> object:
