@@ -378,6 +378,16 @@ class EvalReseeds(NanoGPTLoop):
         return super().evaluate(microbatches)
 
 
+class EvalThroughTrainStep(NanoGPTLoop):
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        nll, count = 0.0, 0
+        for mb in microbatches:
+            n = int((self.get_batch(mb)[-1] != IGNORE).sum())
+            nll += self.train_window([mb]) * n  # BUG: the training step scores (and steps)
+            count += n
+        return nll / count, math.exp(nll / count)
+
+
 class PerplexityPerBatch(NanoGPTLoop):
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:

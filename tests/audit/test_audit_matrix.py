@@ -81,6 +81,7 @@ EXPECTED: dict[str, set[str]] = {
     "EvaluatesInTrainMode": {"eval_mode", "eval_isolation"},  # dropout draws from the RNG
     "EvalLeavesEvalMode": {"eval_isolation"},
     "EvalReseeds": {"eval_isolation"},
+    "EvalThroughTrainStep": {"eval_mode", "eval_isolation", "perplexity"},  # it steps
     "PerplexityPerBatch": {"perplexity"},
     "PerplexityOfMeanLoss": {"perplexity"},
     # resume (S2)

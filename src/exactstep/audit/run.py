@@ -60,14 +60,14 @@ def resolve_target(target: str) -> object:
 
 
 def hf_trainer_target(target: str) -> object:
-    """``hf-trainer[:padding|flattening]``; needs the ``hf`` extra and ``accelerate``."""
+    """``hf-trainer[:padding|flattening]``; needs the ``hf`` extra."""
     collator = target.partition(":")[2] or "padding"
     for package in ("transformers", "accelerate"):  # Trainer needs both
         try:
             importlib.import_module(package)
         except ImportError:
             raise ConfigError(f"--target hf-trainer needs {package}: pip install "
-                              "'exactstep[hf]' accelerate") from None
+                              "'exactstep[hf]'") from None
     from exactstep.audit.hf_trainer import make
 
     return make(collator)
