@@ -43,8 +43,8 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)
-    config._attn_implementation = "sdpa"
+                         max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0,
+                         attn_implementation="sdpa")
     return LlamaForCausalLM(config)
 
 

@@ -65,9 +65,8 @@ class HFTrainerStep:
             num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_heads,
             max_position_embeddings=64, tie_word_embeddings=True,
             attention_dropout=spec.dropout, pad_token_id=spec.pad_id,
-            bos_token_id=spec.bos_id, eos_token_id=spec.eos_id,
+            bos_token_id=spec.bos_id, eos_token_id=spec.eos_id, attn_implementation="sdpa",
         )
-        config._attn_implementation = "sdpa"
         self.module = LlamaForCausalLM(config)
         self.trainer = self.make_trainer(spec)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -75,8 +76,6 @@ class Result:
 
 def run_probe(probe: Probe, step: TrainingStep) -> Result:
     """Run one probe; every failure of the target is this probe's ERROR."""
-    import time
-
     started = time.perf_counter()
     try:
         m = probe.measure(step)
