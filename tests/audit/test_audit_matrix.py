@@ -159,3 +159,18 @@ def test_a_target_that_breaks_gets_a_per_probe_error_not_a_crash(name: str,
     assert errors and all(message in r.observed for r in errors
                           if "logged" not in r.observed), [r.observed for r in errors]
     assert not report.ok
+
+
+@pytest.mark.parametrize(("name", "label"), [
+    ("NoShift", "no shift"), ("ReversedShift", "reversed shift"),
+    ("UnshiftedOwnership", "unshifted ownership"),
+])
+def test_a_failing_update_names_the_wrong_alignment_it_matches(name: str, label: str) -> None:
+    (result,) = run_audit(getattr(wrong, name)(), probes=["shift"]).results
+    assert result.status == "FAIL" and f"matches {label} (" in result.observed
+
+
+def test_an_unrelated_failure_names_no_alignment() -> None:
+    """Negative control: a normalization bug is not reported as a shift bug."""
+    (result,) = run_audit(wrong.NormBT(), probes=["padding"]).results
+    assert result.status == "FAIL" and "matches" not in result.observed

@@ -140,9 +140,27 @@ def update_probe(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Mic
     before = ref.snapshot(step.module)
     expected = ref.reference_sgd(step, reference_microbatches or microbatches, spec)
     check_logs(train(step, microbatches))
-    err, e, o = deviation(before, expected, ref.snapshot(step.module))
-    return Measure(err <= rtol, f"update within {rtol:.0e} of the reference",
-                   f"deviation {err:.2e}", e, o)
+    after = ref.snapshot(step.module)
+    err, e, o = deviation(before, expected, after)
+    observed = f"deviation {err:.2e}"
+    if err > rtol:
+        observed += diagnosis(step, spec, reference_microbatches or microbatches, before,
+                              after, rtol)
+    return Measure(err <= rtol, f"update within {rtol:.0e} of the reference", observed, e, o)
+
+
+def diagnosis(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Microbatch],
+              before: dict, after: dict, rtol: float) -> str:
+    """``"; matches <a known wrong alignment>"`` when the observed update is one of
+    them (computed the same plain way, from the same start), else ``""``."""
+    for label, align in ref.WRONG_ALIGNMENTS.items():
+        try:
+            wrong = ref.reference_sgd(step, microbatches, spec, start=before, align=align)
+        except (RuntimeError, ValueError):
+            continue
+        if deviation(before, wrong, after)[0] <= rtol:
+            return f"; matches {label}"
+    return ""
 
 
 # -- data of the probes -----------------------------------------------------------------

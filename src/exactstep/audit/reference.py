@@ -10,7 +10,7 @@ with an independent computation, never with itself.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -63,6 +63,45 @@ def shifted(mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     return mb.tokens[:, :-1], mb.positions[:, :-1], mb.documents[:, :-1], targets
 
 
+def same_document(mb: Microbatch) -> torch.Tensor:
+    """``[B, L - 1]``: tokens ``i`` and ``i + 1`` belong to one document."""
+    return (mb.documents[:, 1:] == mb.documents[:, :-1]) & (mb.documents[:, :-1] > 0)
+
+
+def masked(tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep, tokens, torch.full_like(tokens, IGNORE))
+
+
+# Known wrong alignments, for naming what a failing update matches (a diagnosis only).
+def no_shift(mb: Microbatch) -> tuple[torch.Tensor, ...]:
+    return (mb.tokens, mb.positions, mb.documents,
+            masked(mb.tokens, mb.owned & (mb.documents > 0)))
+
+
+def reversed_shift(mb: Microbatch) -> tuple[torch.Tensor, ...]:
+    return (mb.tokens[:, 1:], mb.positions[:, 1:], mb.documents[:, 1:],
+            masked(mb.tokens[:, :-1], mb.owned[:, 1:] & same_document(mb)))
+
+
+def double_shift(mb: Microbatch) -> tuple[torch.Tensor, ...]:
+    keep = mb.owned[:, 1:] & same_document(mb)
+    return (mb.tokens[:, :-2], mb.positions[:, :-2], mb.documents[:, :-2],
+            masked(mb.tokens[:, 2:], keep[:, 1:] & keep[:, :-1]))
+
+
+def unshifted_ownership(mb: Microbatch) -> tuple[torch.Tensor, ...]:
+    return (mb.tokens[:, :-1], mb.positions[:, :-1], mb.documents[:, :-1],
+            masked(mb.tokens[:, 1:], mb.owned[:, :-1] & same_document(mb)))
+
+
+WRONG_ALIGNMENTS: dict[str, Callable] = {
+    "no shift (each row scored against its own token)": no_shift,
+    "reversed shift (each row scored against the previous token)": reversed_shift,
+    "double shift (each row scored two tokens ahead)": double_shift,
+    "unshifted ownership (owned[:, :-1] instead of owned[:, 1:])": unshifted_ownership,
+}
+
+
 def row_losses(logits_NV: torch.Tensor, gold_N: torch.Tensor, spec: ProbeSpec) -> torch.Tensor:
     """Per-row cross entropy with the declared smoothing (L2), ``[N]``.
 
@@ -85,10 +124,15 @@ def row_losses(logits_NV: torch.Tensor, gold_N: torch.Tensor, spec: ProbeSpec) -
     return (1.0 - eps) * nll + eps * (lse - mean_z)
 
 
-def nll_sum(step: TrainingStep, mb: Microbatch, spec: ProbeSpec,
-            *, smoothed: bool = True) -> tuple[torch.Tensor, int]:
-    """Graph-connected sum of the declared row losses of ``mb`` and its target count."""
-    input_ids, position_ids, document_ids, targets = shifted(mb)
+Alignment = Callable[[Microbatch], tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor]]
+
+
+def nll_sum(step: TrainingStep, mb: Microbatch, spec: ProbeSpec, *, smoothed: bool = True,
+            align: Alignment = shifted) -> tuple[torch.Tensor, int]:
+    """Graph-connected sum of the declared row losses of ``mb`` and its target count
+    (``align``: the declared shift; a diagnosis passes a known wrong one)."""
+    input_ids, position_ids, document_ids, targets = align(mb)
     keep = targets != IGNORE
     count = int(keep.sum())
     if count == 0:
@@ -105,8 +149,8 @@ def _unsmoothed(spec: ProbeSpec) -> ProbeSpec:
     return replace(spec, label_smoothing=0.0)
 
 
-def window_gradient(step: TrainingStep, window: Sequence[Microbatch],
-                    spec: ProbeSpec) -> tuple[dict[str, torch.Tensor], int]:
+def window_gradient(step: TrainingStep, window: Sequence[Microbatch], spec: ProbeSpec,
+                    align: Alignment = shifted) -> tuple[dict[str, torch.Tensor], int]:
     """The gradient of the window's token-mean loss (U1) at the current parameters,
     computed without dropout, and the window's supervised target count."""
     params = named_parameters(step.module)
@@ -114,7 +158,7 @@ def window_gradient(step: TrainingStep, window: Sequence[Microbatch],
         total = torch.zeros(())
         count = 0
         for mb in window:
-            s, n = nll_sum(step, mb, spec)
+            s, n = nll_sum(step, mb, spec, align=align)
             total = total + s
             count += n
         if count == 0:
@@ -142,7 +186,8 @@ def windows_of(microbatches: Sequence[Microbatch], accum: int) -> list[list[Micr
 
 
 def reference_sgd(step: TrainingStep, microbatches: Sequence[Microbatch], spec: ProbeSpec,
-                  *, start: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                  *, start: dict[str, torch.Tensor] | None = None,
+                  align: Alignment = shifted) -> dict[str, torch.Tensor]:
     """The parameters a correct plain-SGD loop reaches from the current (or ``start``)
     parameters; the live parameters are left as they were."""
     before = snapshot(step.module)
@@ -151,7 +196,7 @@ def reference_sgd(step: TrainingStep, microbatches: Sequence[Microbatch], spec: 
     committed = 0
     try:
         for window in windows_of(microbatches, spec.accum):
-            grads, count = window_gradient(step, window, spec)
+            grads, count = window_gradient(step, window, spec, align)
             if count == 0:
                 continue  # L4: no objective, nothing advances
             grads = clip_global(grads, spec.clip)
