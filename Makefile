@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= runs/default
 
-.PHONY: train test lint bench clean gpu-smoke gpu-smoke-dry-run
+.PHONY: train test lint bench clean gpu-smoke gpu-smoke-dry-run audit
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ gpu-smoke: $(STAMP)
 
 gpu-smoke-dry-run: $(STAMP)
 	$(BIN)/exactstep bench gpu --dry-run --json
+
+# Conformance probes (A1) on the engine, the two example loops and Hugging Face Trainer
+# (the [hf] extra); AUDIT.md holds the HF table. The HF targets fail probes: not an error here.
+audit: $(STAMP)
+	$(BIN)/exactstep audit --target exactstep
+	$(BIN)/exactstep audit --target python:exactstep.audit.examples.nanogpt:make
+	$(BIN)/exactstep audit --target python:exactstep.audit.examples.annotated:make
+	-$(BIN)/exactstep audit --target hf-trainer
+	-$(BIN)/exactstep audit --target hf-trainer:flattening
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

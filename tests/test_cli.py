@@ -191,7 +191,7 @@ def test_a_usage_error_does_not_import_torch() -> None:
 @pytest.mark.parametrize(
     "args",
     [["--help"], ["train", "--help"], ["resume", "--help"], ["bench", "--help"],
-     ["bench", "list"]],
+     ["bench", "list"], ["audit", "--help"]],
 )
 def test_help_and_bench_list_do_not_import_torch(args) -> None:
     proc = run_importtime(["-m", "exactstep", *args])

@@ -93,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify = checkpoint_sub.add_parser("verify", help="recompute digests of a checkpoint")
     verify.add_argument("path", help="a checkpoint directory, or a run directory (uses LATEST)")
 
+    audit = sub.add_parser("audit", help="conformance probes against a training step (A1)")
+    audit.add_argument("--target", required=True, metavar="T",
+                       help="exactstep (this engine), python:MODULE:FUNCTION (FUNCTION() "
+                            "returns an exactstep.audit.TrainingStep), or hf-trainer"
+                            "[:padding|flattening] (Hugging Face Trainer and its collator)")
+    audit.add_argument("--json", action="store_true", help="print one JSON object")
+    audit.add_argument("--report", metavar="FILE.html",
+                       help="also write a self-contained HTML report")
+    audit.add_argument("--probe", dest="probes", action="append", metavar="NAME",
+                       help="run only this probe (repeatable)")
+
     bench = sub.add_parser("bench", help="benchmarks measured side by side against a baseline")
     bench.add_argument("name",
                        help="benchmark name (a module of exactstep.bench); 'list' lists them")
@@ -275,6 +286,9 @@ def dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "checkpoint":
         return verify_command(Path(args.path))
+    if args.command == "audit":
+        return audit_command(args.target, as_json=args.json, report=args.report,
+                             probes=args.probes)
     if args.command == "bench":
         return bench_command(args.name, quick=args.quick, as_json=args.json,
                              dry_run=args.dry_run)
@@ -342,6 +356,22 @@ def verify_command(path: Path) -> int:
     report = verify_checkpoint(target)
     print(report.format())
     return 0 if report.ok else 1
+
+
+def audit_command(target: str, *, as_json: bool, report: str | None,
+                  probes: list[str] | None) -> int:
+    """Run the audit (A1); exit 0 only when every applicable probe passed, else 1."""
+    from exactstep.audit.render import format_html, format_json, format_table
+    from exactstep.audit.run import audit
+
+    result = audit(target, probes)
+    print(format_json(result) if as_json else format_table(result))
+    if report:
+        try:
+            Path(report).write_text(format_html(result), encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot write --report {report}: {exc.strerror}") from None
+    return 0 if result.ok else 1
 
 
 def bench_names() -> list[str]:

@@ -1,0 +1,1 @@
+"""Example training loops wrapped as audit targets (A1, A2)."""

@@ -1,0 +1,198 @@
+"""The ``hf-trainer`` target: Hugging Face ``Trainer`` behind ``TrainingStep`` (A1).
+
+What is audited is ``transformers.Trainer`` as users run it: a tiny random-init
+``LlamaForCausalLM`` built from a config (nothing downloaded), the model's own loss
+(labels shifted inside the model), ``TrainingArguments`` for accumulation, learning
+rate, warmup, clipping, weight decay, label smoothing, dropout and sequential
+sampling, a stock collator, ``Trainer.evaluate`` with ``exp(eval_loss)`` as the
+perplexity (as the example scripts report it). The probe fixes only which examples
+form each microbatch (a batch sampler over the probe's rows); the collator, the
+accumulation, the loss normalization, the optimizer groups, the scheduler and the
+step are the Trainer's.
+
+Collators (``hf-trainer:NAME``):
+
+- ``padding`` (default): ``DataCollatorForSeq2Seq`` padding each microbatch's rows,
+  ``labels`` = the row's tokens with ``-100`` where a token is not an owned target
+  (chat prompts, padding); a packed row is one example, as naive packing makes it.
+- ``flattening``: ``DataCollatorWithFlattening``: every document is an example; a
+  microbatch becomes one row with ``position_ids`` restarting per document.
+
+``save``/``load`` are not offered: the Trainer resumes only by replaying its own
+dataset from a checkpoint directory (``resume_from_checkpoint``), which the probe's
+protocol (new data after the reload) cannot express; the resume probe is N/A.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from exactstep.audit.probes import NotApplicable
+from exactstep.audit.protocol import Microbatch, ProbeSpec
+
+COLLATORS = ("padding", "flattening")
+
+
+class HFTrainerStep:
+    """``TrainingStep`` over ``transformers.Trainer``."""
+
+    smoothing_convention = "uniform"  # TrainingArguments.label_smoothing_factor
+
+    def __init__(self, collator: str = "padding") -> None:
+        if collator not in COLLATORS:
+            from exactstep.errors import ConfigError
+
+            raise ConfigError(f"unknown hf-trainer collator {collator!r}; use one of "
+                              f"{', '.join(COLLATORS)}")
+        self.collator = collator
+        self.workdir = tempfile.TemporaryDirectory(prefix="exactstep-audit-hf-")
+
+    def build(self, spec: ProbeSpec) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        if spec.loss_scale is not None and not torch.cuda.is_available():
+            raise NotApplicable("Trainer scales the loss only under fp16, which needs CUDA")
+        self.spec = spec
+        torch.manual_seed(spec.seed)
+        config = LlamaConfig(
+            vocab_size=spec.vocab_size, hidden_size=spec.d_model,
+            intermediate_size=2 * spec.d_model, num_hidden_layers=spec.n_layers,
+            num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_heads,
+            max_position_embeddings=64, tie_word_embeddings=True,
+            attention_dropout=spec.dropout, pad_token_id=spec.pad_id,
+            bos_token_id=spec.bos_id, eos_token_id=spec.eos_id, attn_implementation="sdpa",
+        )
+        self.module = LlamaForCausalLM(config)
+        self.trainer = self.make_trainer(spec)
+
+    def make_trainer(self, spec: ProbeSpec):  # noqa: ANN201
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(
+            output_dir=self.workdir.name, per_device_train_batch_size=1,
+            gradient_accumulation_steps=spec.accum, learning_rate=spec.lr,
+            lr_scheduler_type="constant_with_warmup" if spec.warmup else "constant",
+            warmup_steps=spec.warmup, max_grad_norm=spec.clip if spec.clip > 0 else 0.0,
+            weight_decay=spec.weight_decay, adam_beta1=spec.betas[0],
+            adam_beta2=spec.betas[1], adam_epsilon=spec.eps,
+            optim="adamw_torch" if spec.optimizer == "adamw" else "sgd",
+            label_smoothing_factor=spec.label_smoothing, num_train_epochs=1,
+            logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+            seed=spec.seed, train_sampling_strategy="sequential", disable_tqdm=True,
+            dataloader_num_workers=0, remove_unused_columns=False,
+            fp16=spec.loss_scale is not None and torch.cuda.is_available(),
+        )
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer = probe_trainer_class()(model=self.module, args=args,
+                                        data_collator=self.data_collator())
+        trainer.remove_callback(PrinterCallback)  # the audit prints its own table
+        return trainer
+
+    def data_collator(self):  # noqa: ANN201
+        from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+        if self.collator == "flattening":
+            return DataCollatorWithFlattening(return_position_ids=True)
+        return DataCollatorForSeq2Seq(tokenizer(self.spec), padding=True,
+                                      label_pad_token_id=-100)
+
+    def examples(self, microbatches: Sequence[Microbatch]) -> tuple[list[dict], list[list[int]]]:
+        """Dataset rows and the probe's batches of row indices."""
+        rows, batches = [], []
+        for mb in microbatches:
+            batch = []
+            for r in range(mb.tokens.shape[0]):
+                for ids, owned in self.row_examples(mb, r):
+                    batch.append(len(rows))
+                    labels = [t if o else -100 for t, o in zip(ids, owned, strict=True)]
+                    rows.append({"input_ids": ids, "labels": labels,
+                                 **({} if self.collator == "flattening"
+                                    else {"attention_mask": [1] * len(ids)})})
+            batches.append(batch)
+        return rows, batches
+
+    def row_examples(self, mb: Microbatch, r: int) -> list[tuple[list[int], list[bool]]]:
+        real = mb.documents[r] > 0
+        if self.collator == "padding":  # a packed row is one example
+            return [(mb.tokens[r][real].tolist(), mb.owned[r][real].tolist())]
+        return [(mb.tokens[r][mb.documents[r] == d].tolist(),
+                 mb.owned[r][mb.documents[r] == d].tolist())
+                for d in mb.documents[r].unique().tolist() if d > 0]
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               document_ids: torch.Tensor) -> torch.Tensor:
+        """The model as each collator feeds it in training: a padding mask
+        (``padding``) or per-document ``position_ids`` and no mask (``flattening``)."""
+        if self.collator == "flattening":  # use_cache=False as in training (see AUDIT.md)
+            return self.module(input_ids=input_ids, position_ids=position_ids,
+                               use_cache=False).logits
+        return self.module(input_ids=input_ids, attention_mask=(document_ids > 0).long(),
+                           use_cache=False).logits
+
+    def train(self, microbatches: Sequence[Microbatch]) -> list[float | None]:
+        rows, batches = self.examples(microbatches)
+        self.trainer.train_dataset = rows
+        self.trainer.probe_batches = batches
+        seen = len(self.trainer.state.log_history)
+        self.trainer.train()
+        self.module.train()
+        history = self.trainer.state.log_history[seen:]
+        return [entry["loss"] for entry in history if "loss" in entry]
+
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        rows, batches = self.examples(microbatches)
+        self.trainer.probe_batches = batches
+        loss = float(self.trainer.evaluate(eval_dataset=rows)["eval_loss"])
+        return loss, math.exp(loss)
+
+    def save(self, path: Path) -> None:
+        raise NotApplicable("Trainer resumes only by replaying its own dataset from a "
+                            "checkpoint (resume_from_checkpoint)")
+
+    def load(self, path: Path) -> None:
+        raise NotApplicable("Trainer resumes only from its own checkpoint directory")
+
+
+def probe_trainer_class() -> type:
+    """``Trainer`` whose dataloaders yield exactly the probe's microbatches (in order);
+    everything else is the stock ``Trainer``."""
+    from torch.utils.data import DataLoader
+    from transformers import Trainer
+
+    class ProbeTrainer(Trainer):
+        probe_batches: list[list[int]] = []
+
+        def get_train_dataloader(self) -> DataLoader:
+            loader = DataLoader(self.train_dataset, batch_sampler=self.probe_batches,
+                                collate_fn=self.data_collator)
+            return self.accelerator.prepare(loader)
+
+        def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:  # noqa: ANN001
+            loader = DataLoader(eval_dataset, batch_sampler=self.probe_batches,
+                                collate_fn=self.data_collator)
+            return self.accelerator.prepare(loader)
+
+    return ProbeTrainer
+
+
+def tokenizer(spec: ProbeSpec):  # noqa: ANN201
+    """A word-level tokenizer over the probe's ids, only for the collator's padding."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(spec.vocab_size)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
+                                  pad_token=f"t{spec.pad_id}")
+    tok.padding_side = "right"
+    return tok
+
+
+def make(collator: str = "padding") -> HFTrainerStep:
+    return HFTrainerStep(collator)

@@ -1,0 +1,569 @@
+"""The conformance probes (A1): one observation each, one contract each.
+
+A probe builds the target from a ``ProbeSpec``, feeds it probe data, observes
+(parameter deltas, logits, logged and reported values, RNG and modes, state after a
+reload) and compares with an expectation it computes itself (``reference``). It
+returns a ``Measure``; it raises ``NotApplicable`` when the target cannot show the
+property (e.g. a model without dropout) and ``TargetFault`` when the target never
+stepped or produced non-finite values where a number was due. ``run_probe`` turns
+any exception into a per-probe ``ERROR``, never an audit crash.
+
+Tolerances: fp32 updates agree with the reference to ``RTOL`` of the largest
+expected parameter change; a probe that allows mixed precision says so.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from exactstep.audit import data
+from exactstep.audit import reference as ref
+from exactstep.audit.protocol import Microbatch, ProbeSpec, TrainingStep
+
+RTOL = 1e-4  # fp32 update vs the plain-torch update, relative to the largest change
+AMP_RTOL = 2e-2  # a loop may run fp16 autocast under a loss scale (U2)
+SPEC = ProbeSpec()
+PASS, FAIL, NA, ERROR = "PASS", "FAIL", "N/A", "ERROR"
+
+
+class NotApplicable(Exception):
+    """The target cannot show this property (the reason is the message)."""
+
+
+class TargetFault(Exception):
+    """The target raised, never stepped or returned non-finite values."""
+
+
+@dataclass
+class Measure:
+    passed: bool
+    expected: str
+    observed: str
+    expected_values: list[float] = field(default_factory=list)
+    observed_values: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    contract: str
+    fix: str  # what is wrong and how to fix it, for a FAIL
+    measure: Callable[[TrainingStep], Measure]
+
+
+@dataclass
+class Result:
+    probe: str
+    contract: str
+    status: str
+    expected: str
+    observed: str
+    fix: str | None = None
+    seconds: float = 0.0
+    expected_values: list[float] = field(default_factory=list)
+    observed_values: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def run_probe(probe: Probe, step: TrainingStep) -> Result:
+    """Run one probe; every failure of the target is this probe's ERROR."""
+    started = time.perf_counter()
+    try:
+        m = probe.measure(step)
+        status = PASS if m.passed else FAIL
+        result = Result(probe.name, probe.contract, status, m.expected, m.observed,
+                        None if m.passed else probe.fix, 0.0, m.expected_values,
+                        m.observed_values)
+    except NotApplicable as exc:
+        result = Result(probe.name, probe.contract, NA, "-", f"not applicable: {exc}")
+    except Exception as exc:  # the target's failure, reported per probe (A1)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        result = Result(probe.name, probe.contract, ERROR, "-",
+                        f"{type(exc).__name__}: {message}"[:300])
+    result.seconds = round(time.perf_counter() - started, 3)
+    return result
+
+
+# -- observation helpers ----------------------------------------------------------------
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def train(step: TrainingStep, microbatches: Sequence[Microbatch]) -> list[float | None]:
+    logs = step.train(list(microbatches))
+    return list(logs) if logs is not None else []
+
+
+def check_logs(logs: Sequence[float | None]) -> None:
+    bad = [v for v in logs if v is not None and not math.isfinite(float(v))]
+    if bad:
+        raise TargetFault(f"the loop logged a non-finite loss ({bad[0]})")
+
+
+def deviation(before: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+              observed: dict[str, torch.Tensor]) -> tuple[float, list[float], list[float]]:
+    """Largest |observed - expected| change relative to the largest expected change,
+    and per-parameter change norms (expected, observed) for the plot.
+
+    Raises ``TargetFault`` for non-finite parameters or for a step that changed
+    nothing where a change was due (the target never steps)."""
+    names = list(before)
+    for n in names:
+        if not torch.isfinite(observed[n]).all():
+            raise TargetFault(f"parameter {n!r} is non-finite after train()")
+    d_exp = {n: expected[n] - before[n] for n in names}
+    d_obs = {n: observed[n] - before[n] for n in names}
+    scale = max(float(d.abs().max()) for d in d_exp.values())
+    moved = max(float(d.abs().max()) for d in d_obs.values())
+    if scale > 0 and moved == 0:
+        raise TargetFault("train() changed no parameter: the loop never stepped")
+    err = max(float((d_obs[n] - d_exp[n]).abs().max()) for n in names) / max(scale, 1e-30)
+    return (err, [float(d_exp[n].norm()) for n in names],
+            [float(d_obs[n].norm()) for n in names])
+
+
+def update_probe(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Microbatch],
+                 *, reference_microbatches: Sequence[Microbatch] | None = None,
+                 rtol: float = RTOL) -> Measure:
+    """Build, compute the plain-SGD reference update, train, compare."""
+    step.build(spec)
+    before = ref.snapshot(step.module)
+    expected = ref.reference_sgd(step, reference_microbatches or microbatches, spec)
+    check_logs(train(step, microbatches))
+    after = ref.snapshot(step.module)
+    err, e, o = deviation(before, expected, after)
+    observed = f"deviation {err:.2e}"
+    if err > rtol:
+        observed += diagnosis(step, spec, reference_microbatches or microbatches, before,
+                              after, rtol)
+    return Measure(err <= rtol, f"update within {rtol:.0e} of the reference", observed, e, o)
+
+
+def diagnosis(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Microbatch],
+              before: dict, after: dict, rtol: float) -> str:
+    """``"; matches <a known wrong alignment>"`` when the observed update is one of
+    them (computed the same plain way, from the same start), else ``""``."""
+    for label, align in ref.WRONG_ALIGNMENTS.items():
+        try:
+            wrong = ref.reference_sgd(step, microbatches, spec, start=before, align=align)
+        except (RuntimeError, ValueError):
+            continue
+        if deviation(before, wrong, after)[0] <= rtol:
+            return f"; matches {label}"
+    return ""
+
+
+# -- data of the probes -----------------------------------------------------------------
+
+def plain_rows(seed: int = 1, n: int = 2, length: int = 8, spec: ProbeSpec = SPEC) -> Microbatch:
+    """Equal-length rows, one document each, no EOS and no padding."""
+    g = gen(seed)
+    return data.single([data.text(g, length, spec) for _ in range(n)], spec)
+
+
+# -- the probes -------------------------------------------------------------------------
+
+def shift(step: TrainingStep) -> Measure:
+    return update_probe(step, SPEC, [plain_rows()])
+
+
+def eos_target(step: TrainingStep) -> Measure:
+    g = gen(2)
+    mb = data.single([data.text(g, 8, SPEC, eos=True) for _ in range(2)], SPEC)
+    return update_probe(step, SPEC, [mb])
+
+
+def padding(step: TrainingStep) -> Measure:
+    g = gen(3)
+    mb = data.single([data.text(g, n, SPEC) for n in (10, 4, 7)], SPEC, length=12)
+    return update_probe(step, SPEC, [mb])
+
+
+def accumulation(step: TrainingStep) -> Measure:
+    g = gen(4)
+    long = data.single([data.text(g, 10, SPEC)], SPEC)
+    short = data.single([data.text(g, 3, SPEC) for _ in range(2)], SPEC)
+    return update_probe(step, replace(SPEC, accum=2), [long, short])
+
+
+def remainder(step: TrainingStep) -> Measure:
+    mbs = [plain_rows(seed=10 + i, n=1, length=6) for i in range(3)]
+    return update_probe(step, replace(SPEC, accum=2), mbs)
+
+
+def packed_documents(step: TrainingStep) -> Measure:
+    g = gen(5)
+    a, b, c, d = (data.text(g, n, SPEC) for n in (5, 6, 7, 4))
+    packed = data.microbatch([[a, b], [c, d]], SPEC)
+    unpacked = data.single([a, b, c, d], SPEC)
+    return update_probe(step, SPEC, [packed], reference_microbatches=[unpacked])
+
+
+def cross_document_attention(step: TrainingStep) -> Measure:
+    step.build(SPEC)
+    g = gen(6)
+    mb = data.microbatch([[data.text(g, 5, SPEC), data.text(g, 6, SPEC)]], SPEC)
+    in_a = (mb.documents == 1) & (mb.positions > 0)
+    moved = data.replace_tokens(mb, in_a, g, SPEC)
+    change = (logits_of(step, moved) - logits_of(step, mb)).abs().amax(-1)[0]  # [L]
+    b_cols = mb.documents[0] == 2
+    if float(change[~b_cols].max()) == 0.0:
+        raise TargetFault("perturbing document A did not change A's logits")
+    leak = float(change[b_cols].max())
+    return Measure(leak <= 1e-6, "B's logits move 0 when A changes",
+                   f"B's logits moved {leak:.2e}", [0.0] * int(b_cols.sum()),
+                   [float(v) for v in change[b_cols]])
+
+
+def logits_of(step: TrainingStep, mb: Microbatch) -> torch.Tensor:
+    """Eval-mode logits of whole rows, ``[B, L, V]``; non-finite ones are a fault."""
+    with ref.eval_mode(step.module), torch.no_grad():
+        out = step.logits(mb.tokens, mb.positions, mb.documents)
+    if not torch.isfinite(out).all():
+        raise TargetFault("logits() returned non-finite values")
+    return out
+
+
+def causal_attention(step: TrainingStep) -> Measure:
+    step.build(SPEC)
+    mb = plain_rows(seed=22, n=1, length=10)
+    later = torch.zeros_like(mb.owned)
+    later[0, 6:] = True
+    change = (logits_of(step, data.replace_tokens(mb, later, gen(23), SPEC))
+              - logits_of(step, mb)).abs().amax(-1)[0]  # [L]
+    if float(change[6:].max()) == 0.0:
+        raise TargetFault("perturbing tokens 6.. did not change their own logits")
+    leak = float(change[:6].max())
+    return Measure(leak <= 1e-6, "logits of tokens 0-5 move 0 when tokens 6.. change",
+                   f"they moved {leak:.2e}", [0.0] * 6, [float(v) for v in change[:6]])
+
+
+def chat_rows(seed: int) -> Microbatch:
+    g = gen(seed)
+    return data.single([data.chat(g, 4, 3, SPEC), data.chat(g, 3, 4, SPEC)], SPEC)
+
+
+def chat_ownership(step: TrainingStep) -> Measure:
+    return update_probe(step, SPEC, [chat_rows(7)])
+
+
+def prompt_visible(step: TrainingStep) -> Measure:
+    mb = chat_rows(7)
+    last_prompt = ~mb.owned & torch.roll(mb.owned, -1, dims=1)
+    prompt = (mb.positions > 0) & ~mb.owned & ~last_prompt  # the answers must see these
+    moved = data.replace_tokens(mb, prompt, gen(8), SPEC)
+    deltas = []
+    for batch in (mb, moved):
+        step.build(SPEC)
+        before = ref.snapshot(step.module)
+        check_logs(train(step, [batch]))
+        after = ref.snapshot(step.module)
+        deltas.append(torch.cat([(after[n] - before[n]).flatten() for n in before]))
+    scale = float(deltas[0].abs().max())
+    if scale == 0:
+        raise TargetFault("train() changed no parameter: the loop never stepped")
+    diff = float((deltas[1] - deltas[0]).abs().max()) / scale
+    return Measure(diff > 1e-3, "the update changes when the prompt changes (> 1e-3)",
+                   f"relative change {diff:.2e}")
+
+
+def label_smoothing(step: TrainingStep) -> Measure:
+    spec = replace(SPEC, label_smoothing=0.3,
+                   smoothing_convention=getattr(step, "smoothing_convention", "harvard"))
+    g = gen(9)
+    mb = data.single([data.text(g, 8, spec), data.text(g, 5, spec)], spec, length=8)
+    m = update_probe(step, spec, [mb])
+    m.expected = f"{spec.smoothing_convention} smoothing: " + m.expected
+    return m
+
+
+def clip_spec(step: TrainingStep, spec: ProbeSpec, mb: Microbatch) -> None:
+    step.build(spec)
+    grads, _ = ref.window_gradient(step, [mb], spec)
+    norm = float(torch.stack([g.norm() for g in grads.values()]).norm())
+    if norm < 10 * spec.clip:
+        raise RuntimeError(f"the probe's gradient norm {norm:.2e} is too small to clip")
+
+
+def clip_global_norm(step: TrainingStep) -> Measure:
+    spec = replace(SPEC, clip=1e-3)
+    mb = plain_rows(seed=11)
+    clip_spec(step, spec, mb)
+    return update_probe(step, spec, [mb])
+
+
+def scaled_clip(step: TrainingStep) -> Measure:
+    spec = replace(SPEC, clip=1e-3, loss_scale=1024.0)
+    mb = plain_rows(seed=11)
+    clip_spec(step, spec, mb)
+    return update_probe(step, spec, [mb], rtol=AMP_RTOL)
+
+
+ADAMW = replace(SPEC, optimizer="adamw", lr=0.01, weight_decay=0.1, eps=1e-3)
+
+
+def adamw_observation(step: TrainingStep) -> tuple[dict, dict[str, bool], dict[str, float]]:
+    """One AdamW step; per parameter, which declared form (decayed or not) is closer to
+    the observed change and how far it is from it (relative to the largest change)."""
+    mb = plain_rows(seed=12)
+    step.build(ADAMW)
+    before = ref.snapshot(step.module)
+    grads, _ = ref.window_gradient(step, [mb], ADAMW)
+    check_logs(train(step, [mb]))
+    after = ref.snapshot(step.module)
+    forms = {flag: ref.adamw_first_step(before, grads, ADAMW, dict.fromkeys(before, flag))
+             for flag in (True, False)}
+    deviation(before, forms[True], after)  # non-finite / never stepped -> ERROR
+    scale = max(float((forms[False][n] - before[n]).abs().max()) for n in before)
+    closest, err = {}, {}
+    for n in before:
+        e = {f: float((after[n] - forms[f][n]).abs().max()) / scale for f in forms}
+        closest[n] = e[True] < e[False]
+        err[n] = min(e.values())
+    return before, closest, err
+
+
+def adamw_decoupled(step: TrainingStep) -> Measure:
+    _, _, err = adamw_observation(step)
+    worst = max(err.values())
+    return Measure(worst <= RTOL, f"AdamW step theta(1 - lr wd) - lr g/(|g|+eps) "
+                   f"within {RTOL:.0e}", f"deviation {worst:.2e}")
+
+
+def decay_groups(step: TrainingStep) -> Measure:
+    _, closest, err = adamw_observation(step)
+    if max(err.values()) > RTOL:
+        raise NotApplicable("the update is not a decoupled AdamW step (see adamw_decoupled)")
+    declared = ref.decays(step.module)
+    wrong = sorted(n for n in declared if declared[n] != closest[n])
+    return Measure(not wrong, "decay on matrices only (no norms, biases, embeddings)",
+                   "as declared" if not wrong else "wrong decay on " + ", ".join(wrong))
+
+
+def zero_target_window(step: TrainingStep) -> Measure:
+    g = gen(13)
+    tokens, _ = data.chat(g, 4, 0, SPEC)
+    mb = data.single([(tokens, torch.zeros(len(tokens), dtype=torch.bool))] * 2, SPEC)
+    step.build(ADAMW)
+    before = ref.snapshot(step.module)
+    logs = train(step, [mb])
+    after = ref.snapshot(step.module)
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    logged = [v for v in logs if v is not None]
+    ok = not changed and not logged
+    return Measure(ok, "no parameter changes, no loss logged",
+                   f"{len(changed)} parameters changed, logged {logged}")
+
+
+def poison(module: torch.nn.Module, args: object, output: object) -> object:
+    """Forward hook: the model's output becomes NaN (a non-finite window)."""
+    if isinstance(output, torch.Tensor):
+        return output * float("nan")
+    if hasattr(output, "logits"):
+        output.logits = output.logits * float("nan")
+        return output
+    if isinstance(output, tuple):
+        return (output[0] * float("nan"), *output[1:])
+    raise TargetFault(f"cannot make the model's output ({type(output).__name__}) non-finite")
+
+
+def poison_sites(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Where a non-finite value enters: every ``nn.Embedding`` (always called as a
+    module, even by a loop that calls ``model.forward`` directly), else the model."""
+    embeddings = [m for m in module.modules() if isinstance(m, torch.nn.Embedding)]
+    return embeddings or [module]
+
+
+def nonfinite_skip(step: TrainingStep) -> Measure:
+    spec = replace(SPEC, warmup=4)
+    bad, good = plain_rows(seed=14), plain_rows(seed=15)
+    step.build(spec)
+    before = ref.snapshot(step.module)
+    expected = ref.reference_sgd(step, [good], spec)  # lr of the first update, lr_at(0)
+    hooks = [m.register_forward_hook(poison) for m in poison_sites(step.module)]
+    try:
+        train(step, [bad])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    mid = ref.snapshot(step.module)
+    changed = [n for n in before if not torch.equal(before[n], mid[n])]
+    if changed:
+        return Measure(False, "the non-finite window changes nothing",
+                       f"{len(changed)} parameters changed")
+    check_logs(train(step, [good]))
+    err, e, o = deviation(before, expected, ref.snapshot(step.module))
+    ratio = sum(o) / max(sum(e), 1e-30)
+    return Measure(err <= RTOL, "skipped window changes nothing; next update at lr(0)",
+                   f"next update x{ratio:.3f} of lr(0)'s, deviation {err:.2e}", e, o)
+
+
+DROPOUT = replace(SPEC, dropout=0.5)
+
+
+def require_dropout(step: TrainingStep) -> None:
+    mb = plain_rows()
+    inputs = (mb.tokens, mb.positions, mb.documents)
+    modes = [(m, m.training) for m in step.module.modules()]
+    step.module.train()
+    try:
+        with torch.no_grad():
+            differ = not torch.equal(step.logits(*inputs), step.logits(*inputs))
+    finally:
+        for m, training in modes:
+            m.training = training
+    if not differ:
+        raise NotApplicable("the model has no dropout (two train-mode forwards agree)")
+
+
+def train_mode(step: TrainingStep) -> Measure:
+    step.build(DROPOUT)
+    require_dropout(step)
+    step.build(DROPOUT)
+    mb = plain_rows(seed=16)
+    before = ref.snapshot(step.module)
+    expected = ref.reference_sgd(step, [mb], DROPOUT)  # the eval-mode (no dropout) update
+    check_logs(train(step, [mb]))
+    err, e, o = deviation(before, expected, ref.snapshot(step.module))
+    return Measure(err > 1e-3, "update differs from the dropout-free one (> 1e-3)",
+                   f"relative difference {err:.2e}", e, o)
+
+
+def finite_eval(step: TrainingStep, mbs: Sequence[Microbatch]) -> tuple[float, float]:
+    loss, ppl = (float(v) for v in step.evaluate(mbs))
+    if not (math.isfinite(loss) and math.isfinite(ppl)):
+        raise TargetFault(f"evaluate() returned non-finite values ({loss}, {ppl})")
+    return loss, ppl
+
+
+def eval_mode(step: TrainingStep) -> Measure:
+    step.build(DROPOUT)
+    require_dropout(step)
+    mbs = [plain_rows(seed=17), plain_rows(seed=18)]
+    total, count = ref.eval_reference(step, mbs, DROPOUT)
+    loss, _ = finite_eval(step, mbs)
+    want = total / count
+    err = abs(float(loss) - want) / want
+    return Measure(err <= 1e-5, f"loss {want:.6f} (eval mode, no dropout)",
+                   f"loss {float(loss):.6f}", [want], [float(loss)])
+
+
+def eval_isolation(step: TrainingStep) -> Measure:
+    step.build(DROPOUT)
+    step.module.train()
+    modes = [m.training for m in step.module.modules()]
+    before = ref.snapshot(step.module)
+    rng = torch.get_rng_state()
+    step.evaluate([plain_rows(seed=19)])
+    changed = []
+    if not torch.equal(rng, torch.get_rng_state()):
+        changed.append("the global RNG")
+    if any(not torch.equal(before[n], v) for n, v in ref.snapshot(step.module).items()):
+        changed.append("parameters")
+    if modes != [m.training for m in step.module.modules()]:
+        changed.append("the train/eval mode")
+    return Measure(not changed, "RNG, parameters and mode unchanged",
+                   "unchanged" if not changed else "changed " + ", ".join(changed))
+
+
+def perplexity(step: TrainingStep) -> Measure:
+    step.build(SPEC)
+    mbs = [plain_rows(seed=20, n=1, length=10), plain_rows(seed=21, n=1, length=3)]
+    total, count = ref.eval_reference(step, mbs, SPEC)
+    _, ppl = finite_eval(step, mbs)
+    want = math.exp(total / count)
+    err = abs(float(ppl) - want) / want
+    return Measure(err <= 1e-5, f"exp(sum NLL / sum tokens) = {want:.5f}",
+                   f"{float(ppl):.5f}", [want], [float(ppl)])
+
+
+RESUME = replace(ADAMW, warmup=3, dropout=0.5, eps=1e-8)
+
+
+def resume_exact(step: TrainingStep) -> Measure:
+    mbs = [plain_rows(seed=30 + i) for i in range(4)]
+    step.build(RESUME)
+    start = ref.snapshot(step.module)
+    train(step, mbs[:2])
+    check_logs(train(step, mbs[2:]))
+    straight = ref.snapshot(step.module)
+    with tempfile.TemporaryDirectory() as tmp:
+        step.build(RESUME)
+        train(step, mbs[:2])
+        step.save(Path(tmp) / "state")
+        torch.manual_seed(987654)  # another process: the RNG is not the one saved
+        step.build(RESUME)
+        torch.manual_seed(4242)
+        step.load(Path(tmp) / "state")
+        train(step, mbs[2:])
+    resumed = ref.snapshot(step.module)
+    if all(torch.equal(start[n], straight[n]) for n in start):
+        raise TargetFault("train() changed no parameter: the loop never stepped")
+    off = [n for n in straight if not torch.equal(straight[n], resumed[n])]
+    worst = max((float((straight[n] - resumed[n]).abs().max()) for n in off), default=0.0)
+    return Measure(not off, "resumed == uninterrupted, bitwise",
+                   "bitwise equal" if not off else
+                   f"{len(off)} parameters differ (max {worst:.2e})")
+
+
+PROBES: tuple[Probe, ...] = (
+    Probe("shift", "R1", "targets must be the next token: inputs tokens[:, :-1], labels "
+          "tokens[:, 1:] (no shift, reversed, double shift or labels fed as input)", shift),
+    Probe("eos_target", "R1", "the EOS token must stay a target: do not mask it out of the "
+          "labels", eos_target),
+    Probe("padding", "L3", "mask padded targets out of the loss and divide by the count of "
+          "supervised targets, not B*T", padding),
+    Probe("accumulation", "U1", "accumulate sum(loss)/N_window over the window's "
+          "microbatches (one token mean), not a mean of microbatch means; step on "
+          "(i + 1) % accum == 0", accumulation),
+    Probe("remainder", "U1", "close the last, shorter window too, normalized by its own "
+          "tokens; zero the gradients after each step", remainder),
+    Probe("packed_documents", "R3", "packed documents: reset positions per document, mask "
+          "attention to the document and drop the EOS -> next-BOS target", packed_documents),
+    Probe("causal_attention", "R2", "the model must not see later tokens: a causal "
+          "(lower-triangular) mask, applied before the softmax", causal_attention),
+    Probe("cross_document_attention", "R2", "the model must mask attention to other "
+          "documents of the row (segment ids), not one causal mask", cross_document_attention),
+    Probe("chat_ownership", "R5", "row i is supervised when token i + 1 is owned: use "
+          "owned[:, 1:], not owned[:, :-1]", chat_ownership),
+    Probe("prompt_visible", "R2", "the loss mask is not an attention mask: answers must "
+          "attend to the prompt", prompt_visible),
+    Probe("label_smoothing", "L2", "spread eps over the declared support (harvard: V-2 "
+          "classes, never PAD, never gold)", label_smoothing),
+    Probe("clip_global_norm", "U3", "clip once by the global norm over unique parameters "
+          "(clip_grad_norm_(model.parameters())), not per tensor, not tied twice",
+          clip_global_norm),
+    Probe("scaled_clip", "U2", "unscale once (scaler.unscale_) before clipping, at the "
+          "window's close only", scaled_clip),
+    Probe("adamw_decoupled", "U6", "use AdamW's weight_decay (decoupled), do not add an L2 "
+          "term to the loss", adamw_decoupled),
+    Probe("decay_groups", "U6", "put norms, biases and embeddings in a weight_decay=0 "
+          "group", decay_groups),
+    Probe("zero_target_window", "L4", "a window with no supervised target must not step, "
+          "advance or log a loss (skip when the target count is 0)", zero_target_window),
+    Probe("nonfinite_skip", "U4", "on a non-finite loss or gradient skip the window: no "
+          "optimizer step, no scheduler step", nonfinite_skip),
+    Probe("train_mode", "E1", "call model.train() before training steps (dropout on)",
+          train_mode),
+    Probe("eval_mode", "E1", "evaluate under model.eval() and torch.no_grad()", eval_mode),
+    Probe("eval_isolation", "E1", "evaluation must restore the mode and must not touch "
+          "parameters or the global RNG (fork or save/restore it)", eval_isolation),
+    Probe("perplexity", "L5", "perplexity = exp(total NLL / total tokens), not a mean of "
+          "per-batch values", perplexity),
+    Probe("resume", "S2", "save and restore model, optimizer, scheduler, scaler and RNG "
+          "state", resume_exact),
+)
+
+
+def probe_names() -> list[str]:
+    return [p.name for p in PROBES]

@@ -1,0 +1,475 @@
+"""The A2 catalogue: deliberately wrong training loops, one bug each.
+
+Every class is a correct example loop (``exactstep.audit.examples``) with one method
+changed; the line marked ``# BUG`` is the whole difference. ``test_audit_matrix``
+states, for each, exactly which probes must fail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from exactstep.audit.examples.annotated import AnnotatedLoop, Batch, LabelSmoothing
+from exactstep.audit.examples.nanogpt import GPT, IGNORE, NanoGPTLoop
+from exactstep.audit.protocol import Microbatch
+
+# -- the shift (R1) ---------------------------------------------------------------------
+
+
+class NoShift(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, y = mb.tokens, mb.tokens  # BUG: the target is the input token itself
+        keep = mb.owned & (mb.documents > 0)
+        return x, mb.positions, mb.documents, y.masked_fill(~keep, IGNORE)
+
+
+class ReversedShift(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, y = mb.tokens[:, 1:], mb.tokens[:, :-1]  # BUG: predicts the previous token
+        keep = mb.owned[:, 1:] & (mb.documents[:, 1:] == mb.documents[:, :-1])
+        return x, mb.positions[:, 1:], mb.documents[:, 1:], y.masked_fill(~keep, IGNORE)
+
+
+class DoubleShift(NanoGPTLoop):
+    def loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits, y = logits[:, :-1], y[:, 1:]  # BUG: shifts labels that are already shifted
+        return super().loss_sum(logits.contiguous(), y.contiguous())
+
+
+class LabelsAsDecoderInput(AnnotatedLoop):
+    def forward(self, batch: Batch) -> torch.Tensor:
+        # BUG: feeds tgt_y (one step ahead) to the decoder
+        return self.module.forward(batch.tgt_y, batch.positions, batch.tgt_mask)
+
+
+class DropEos(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, pos, docs, y = super().get_batch(mb)
+        return x, pos, docs, y.masked_fill(y == self.spec.eos_id, IGNORE)  # BUG: no EOS target
+
+
+# -- padding and the denominator (L3) -------------------------------------------------
+
+
+class PadInLoss(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, y = mb.tokens[:, :-1], mb.tokens[:, 1:]
+        keep = mb.owned[:, 1:] & (mb.documents[:, 1:] == mb.documents[:, :-1])
+        keep |= y == self.spec.pad_id  # BUG: PAD targets stay in the loss
+        return x, mb.positions[:, :-1], mb.documents[:, :-1], y.masked_fill(~keep, IGNORE)
+
+
+class BatchBT(Batch):
+    def __init__(self, mb: Microbatch, pad: int) -> None:
+        super().__init__(mb, pad)
+        self.ntokens = self.tgt_y.numel()  # BUG: norm = B * T counts padding
+
+
+class NormBT(AnnotatedLoop):
+    batch_type = BatchBT
+
+
+class BatchCountsTgt(Batch):
+    def __init__(self, mb: Microbatch, pad: int) -> None:
+        super().__init__(mb, pad)
+        self.ntokens = int((self.tgt != pad).sum())  # BUG: counts inputs, not targets
+
+
+class CountsTgt(AnnotatedLoop):
+    batch_type = BatchCountsTgt
+
+
+# -- the window (U1) --------------------------------------------------------------------
+
+
+class MeanOfMicrobatchMeans(NanoGPTLoop):
+    def micro_loss(self, logits: torch.Tensor, y: torch.Tensor, n_tokens: int,
+                   n_micro: int) -> torch.Tensor:
+        # BUG: nanoGPT's loss / gradient_accumulation_steps: a mean of microbatch means
+        return self.loss_sum(logits, y) / (y != IGNORE).sum() / n_micro
+
+
+class FirstMicrobatchSteps(AnnotatedLoop):
+    @staticmethod
+    def closes(i: int, n: int, accum_iter: int) -> bool:
+        return i % accum_iter == 0  # BUG: i == 0 closes a window of one batch
+
+
+class DropRemainder(NanoGPTLoop):
+    def windows(self, microbatches: Sequence[Microbatch]) -> list[Sequence[Microbatch]]:
+        k = self.spec.accum
+        # BUG: only full windows; the last partial window is never stepped
+        return [microbatches[i:i + k] for i in range(0, len(microbatches) - k + 1, k)]
+
+
+class NoRemainderClose(AnnotatedLoop):
+    @staticmethod
+    def closes(i: int, n: int, accum_iter: int) -> bool:
+        return (i + 1) % accum_iter == 0  # BUG: the last, shorter window never closes
+
+
+class NoZeroGrad(NanoGPTLoop):
+    def zero_grad(self) -> None:
+        pass  # BUG: gradients of earlier windows leak into later ones
+
+
+class ZeroGradBeforeStep(NanoGPTLoop):
+    def step_optimizer(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # BUG: erases the update
+        super().step_optimizer()
+
+
+class ZeroGradEveryMicrobatch(AnnotatedLoop):
+    def forward(self, batch: Batch) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)  # BUG: only the last microbatch counts
+        return super().forward(batch)
+
+
+# -- packed documents (R2, R3) ----------------------------------------------------------
+
+
+class CausalOnlyGPT(GPT):
+    def attention_mask(self, documents: torch.Tensor) -> torch.Tensor:
+        T = documents.shape[1]
+        return torch.ones(T, T, dtype=torch.bool).tril().expand(len(documents), T, T)  # BUG
+
+
+class OneCausalMaskOverDocuments(NanoGPTLoop):
+    model_type = CausalOnlyGPT
+
+
+class PositionsNotReset(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, pos, docs, y = super().get_batch(mb)
+        pos = torch.arange(x.shape[1]).expand_as(x)  # BUG: positions run along the row
+        return x, pos, docs, y
+
+
+class PositionsResetWithoutSegments(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, pos, docs, y = super().get_batch(mb)
+        return x, pos, (docs > 0).long(), y  # BUG: positions reset, but one segment per row
+
+
+class CrossDocumentTarget(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, y = mb.tokens[:, :-1], mb.tokens[:, 1:]
+        keep = mb.owned[:, 1:] & (mb.documents[:, 1:] == mb.documents[:, :-1])
+        keep |= (mb.positions[:, 1:] == 0) & (mb.documents[:, 1:] > 0)  # BUG: EOS -> next BOS
+        return x, mb.positions[:, :-1], mb.documents[:, :-1], y.masked_fill(~keep, IGNORE)
+
+
+class BatchPadMaskOnly(Batch):
+    @staticmethod
+    def make_std_mask(documents: torch.Tensor) -> torch.Tensor:
+        tgt_mask = (documents != 0).unsqueeze(-2)
+        size = documents.size(-1)
+        # BUG: the Annotated Transformer's mask: causal and non-pad, blind to documents
+        return tgt_mask & (torch.triu(torch.ones(1, size, size), diagonal=1) == 0)
+
+
+class MaskIgnoresDocuments(AnnotatedLoop):
+    batch_type = BatchPadMaskOnly
+
+
+class BatchPaddingOnlyMask(Batch):
+    @staticmethod
+    def make_std_mask(documents: torch.Tensor) -> torch.Tensor:
+        return (documents != 0).unsqueeze(-2)  # BUG: hides padding, not the future
+
+
+class PaddingOnlyMask(AnnotatedLoop):
+    batch_type = BatchPaddingOnlyMask
+
+
+# -- chat ownership (R2, R5) ------------------------------------------------------------
+
+
+class UnshiftedOwnership(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, y = mb.tokens[:, :-1], mb.tokens[:, 1:]
+        keep = mb.owned[:, :-1] & (mb.documents[:, 1:] == mb.documents[:, :-1])  # BUG
+        return x, mb.positions[:, :-1], mb.documents[:, :-1], y.masked_fill(~keep, IGNORE)
+
+
+class LossMaskAsAttentionMask(NanoGPTLoop):
+    def get_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, pos, docs, y = super().get_batch(mb)
+        docs = docs.masked_fill(y == IGNORE, 0)  # BUG: unsupervised rows become invisible
+        return x, pos, docs, y
+
+
+# -- label smoothing (L2) ---------------------------------------------------------------
+
+
+class SmoothingMassOnPad(LabelSmoothing):
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        true_dist = x.data.clone()
+        true_dist.fill_(self.smoothing / (self.size - 2))
+        true_dist.scatter_(1, target.data.unsqueeze(1), self.confidence)
+        true_dist[target.data == self.padding_idx] = 0  # BUG: the PAD column keeps its mass
+        return self.criterion(x, true_dist.clone().detach())
+
+
+class PadGetsSmoothingMass(AnnotatedLoop):
+    criterion_type = SmoothingMassOnPad
+
+
+class SmoothingVMinus1(LabelSmoothing):
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        true_dist = x.data.clone()
+        true_dist.fill_(self.smoothing / (self.size - 1))  # BUG: V - 1, not V - 2
+        true_dist.scatter_(1, target.data.unsqueeze(1), self.confidence)
+        true_dist[:, self.padding_idx] = 0
+        true_dist[target.data == self.padding_idx] = 0
+        return self.criterion(x, true_dist.clone().detach())
+
+
+class SmoothingDenominatorVMinus1(AnnotatedLoop):
+    criterion_type = SmoothingVMinus1
+
+
+class PadRowsKept(LabelSmoothing):
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        true_dist = x.data.clone()
+        true_dist.fill_(self.smoothing / (self.size - 2))
+        true_dist.scatter_(1, target.data.unsqueeze(1), self.confidence)
+        true_dist[:, self.padding_idx] = 0  # BUG: rows whose target is PAD are not zeroed
+        return self.criterion(x, true_dist.clone().detach())
+
+
+class PadRowsNotZeroed(AnnotatedLoop):
+    criterion_type = PadRowsKept
+
+
+# -- clipping and the loss scale (U2, U3, U6) -------------------------------------------
+
+
+class PerTensorClip(NanoGPTLoop):
+    def clip(self) -> torch.Tensor:
+        max_norm = self.spec.clip if self.spec.clip > 0 else math.inf
+        norms = [torch.nn.utils.clip_grad_norm_([p], max_norm)  # BUG: each tensor alone
+                 for p in self.module.parameters()]
+        return torch.stack(norms).norm()
+
+
+class TiedCountedTwice(NanoGPTLoop):
+    def clip(self) -> torch.Tensor:
+        max_norm = self.spec.clip if self.spec.clip > 0 else math.inf
+        params = [p for _, p in self.module.named_parameters(remove_duplicate=False)]  # BUG
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+class ClipBeforeUnscale(NanoGPTLoop):
+    def unscale_and_clip(self) -> torch.Tensor:
+        norm = self.clip()  # BUG: clips the scaled gradients
+        self.scaler.unscale_(self.optimizer)
+        return norm
+
+
+class DoubleUnscale(NanoGPTLoop):
+    def unscale_and_clip(self) -> torch.Tensor:
+        self.scaler.unscale_(self.optimizer)  # BUG: a second unscale_ before step()
+        return super().unscale_and_clip()
+
+
+# -- the optimizer (U6) -----------------------------------------------------------------
+
+
+class L2InLossWithAdam(NanoGPTLoop):
+    def build(self, spec) -> None:  # noqa: ANN001
+        super().build(spec)
+        for group in self.optimizer.param_groups:
+            group["l2"], group["weight_decay"] = group["weight_decay"], 0.0
+
+    def loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        n = max(int((y != IGNORE).sum()), 1)
+        l2 = sum(g["l2"] / 2 * sum((p * p).sum() for p in g["params"])
+                 for g in self.optimizer.param_groups)
+        return super().loss_sum(logits, y) + n * l2  # BUG: L2 in the loss, not decoupled
+
+
+class DecayOnEverything(NanoGPTLoop):
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        groups = [{"params": list(self.module.parameters()),
+                   "weight_decay": self.spec.weight_decay}]  # BUG: norms, biases, embeddings
+        if self.spec.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=self.spec.lr)
+        return torch.optim.AdamW(groups, lr=self.spec.lr, betas=self.spec.betas,
+                                 eps=self.spec.eps)
+
+
+class DecayOnNothing(AnnotatedLoop):
+    def build(self, spec) -> None:  # noqa: ANN001
+        super().build(spec)
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = 0.0  # BUG: the declared decay group is not decayed
+
+
+# -- skipped and empty windows (L4, U4, U5) ---------------------------------------------
+
+
+class SchedulerAdvancesOnSkip(NanoGPTLoop):
+    def close_window(self, loss: float) -> float | None:
+        if not math.isfinite(loss):
+            self.iter_num += 1  # BUG: a skipped window advances the schedule
+        return super().close_window(loss)
+
+
+class NoFiniteCheck(NanoGPTLoop):
+    def close_window(self, loss: float) -> float | None:
+        self.unscale_and_clip()
+        self.step_optimizer()  # BUG: steps on a non-finite gradient (no scaler to skip it)
+        self.zero_grad()
+        self.iter_num += 1
+        return loss
+
+
+class LambdaLRStepsOnSkip(AnnotatedLoop):
+    def close(self, loss: float, ntokens: int) -> float | None:
+        if not math.isfinite(loss):
+            self.lr_scheduler.step()  # BUG: the schedule moves without an update
+        return super().close(loss, ntokens)
+
+
+class ZeroTargetWindowSteps(NanoGPTLoop):
+    def train_window(self, window: Sequence[Microbatch]) -> float | None:
+        batches = [self.get_batch(mb) for mb in window]
+        n_tokens = max(sum(int((y != IGNORE).sum()) for *_, y in batches), 1)  # BUG
+        total = 0.0
+        for x, pos, docs, y in batches:
+            loss = self.micro_loss(self.module(x, pos, docs), y, n_tokens, len(batches))
+            self.scaler.scale(loss).backward()
+            total += loss.item()
+        return self.close_window(total)  # steps (weight decay moves) and logs 0.0
+
+
+# -- modes and evaluation (E1, L5) ------------------------------------------------------
+
+
+class TrainsInEvalMode(NanoGPTLoop):
+    def train(self, microbatches: Sequence[Microbatch]) -> list[float | None]:
+        self.module.eval()  # BUG: dropout off while training
+        return [self.train_window(window) for window in self.windows(microbatches)]
+
+
+class EvaluatesInTrainMode(AnnotatedLoop):
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        with torch.no_grad():  # BUG: no model.eval(): dropout stays on
+            batches = [self.batch_type(mb, self.spec.pad_id) for mb in microbatches]
+            loss, tokens = self.run_epoch(batches, "eval")
+        return loss / tokens, math.exp(loss / tokens)
+
+
+class EvalLeavesEvalMode(NanoGPTLoop):
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        loss, ppl = super().evaluate(microbatches)
+        self.module.eval()  # BUG: the caller's train mode is not restored
+        return loss, ppl
+
+
+class EvalReseeds(NanoGPTLoop):
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        torch.manual_seed(0)  # BUG: "deterministic eval" resets the training RNG
+        return super().evaluate(microbatches)
+
+
+class EvalThroughTrainStep(NanoGPTLoop):
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        nll, count = 0.0, 0
+        for mb in microbatches:
+            n = int((self.get_batch(mb)[-1] != IGNORE).sum())
+            nll += self.train_window([mb]) * n  # BUG: the training step scores (and steps)
+            count += n
+        return nll / count, math.exp(nll / count)
+
+
+class PerplexityPerBatch(NanoGPTLoop):
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        self.module.eval()
+        nll, count, ppls = 0.0, 0, []
+        for mb in microbatches:
+            x, pos, docs, y = self.get_batch(mb)
+            logits = self.module(x, pos, docs)
+            s = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
+                                ignore_index=IGNORE, reduction="sum").item()
+            n = int((y != IGNORE).sum())
+            nll, count = nll + s, count + n
+            ppls.append(math.exp(s / n))
+        self.module.train()
+        return nll / count, sum(ppls) / len(ppls)  # BUG: mean of per-batch perplexities
+
+
+class PerplexityOfMeanLoss(AnnotatedLoop):
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        self.module.eval()
+        losses = []
+        with torch.no_grad():
+            for mb in microbatches:
+                loss, tokens = self.run_epoch([self.batch_type(mb, self.spec.pad_id)], "eval")
+                losses.append(loss / tokens)
+        self.module.train()
+        mean = sum(losses) / len(losses)
+        return mean, math.exp(mean)  # BUG: exp of a mean of batch means
+
+
+# -- resume (S2) ------------------------------------------------------------------------
+
+
+class ResumeWithoutOptimizer(NanoGPTLoop):
+    def load(self, path) -> None:  # noqa: ANN001
+        state = torch.load(path, weights_only=False)
+        self.module.load_state_dict(state["model"])  # BUG: Adam moments start from zero
+        self.scaler.load_state_dict(state["scaler"])
+        self.iter_num = state["iter_num"]
+        torch.set_rng_state(state["rng"])
+
+
+class ResumeWithoutRng(NanoGPTLoop):
+    def load(self, path) -> None:  # noqa: ANN001
+        state = torch.load(path, weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.iter_num = state["iter_num"]  # BUG: dropout masks continue from another RNG
+
+
+class ResumeWithoutStepCounter(NanoGPTLoop):
+    def load(self, path) -> None:  # noqa: ANN001
+        state = torch.load(path, weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])  # BUG: iter_num restarts at 0 (warmup again)
+
+
+class ResumeWithoutScheduler(AnnotatedLoop):
+    def load(self, path) -> None:  # noqa: ANN001
+        state = torch.load(path, weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])  # BUG: LambdaLR restarts its warmup
+
+
+# -- targets that break (A1: a per-probe ERROR, never a crash) --------------------------
+
+
+class RaisesInTrain(NanoGPTLoop):
+    def train(self, microbatches: Sequence[Microbatch]) -> list[float | None]:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+class NeverSteps(NanoGPTLoop):
+    def train(self, microbatches: Sequence[Microbatch]) -> list[float | None]:
+        return [1.0 for _ in self.windows(microbatches)]
+
+
+class NaNLogits(NanoGPTLoop):
+    def logits(self, input_ids, position_ids, document_ids) -> torch.Tensor:  # noqa: ANN001
+        return super().logits(input_ids, position_ids, document_ids) * float("nan")
