@@ -140,10 +140,11 @@ def reported(rank: int, text: str, timestamp: int = 100) -> SimpleNamespace:
 
 
 def peer_echo(rank: int, cause: str, timestamp: int = 100) -> SimpleNamespace:
-    """What a rank whose collective failed with ``cause`` records (the real message)."""
+    """What a rank whose collective failed with ``cause`` records (the real message),
+    in a job with ``parallel.timeout_s = 2``."""
     import torch
 
-    ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo", timeout_s=TIMEOUT_S)
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"), "gloo", timeout_s=2.0)
     return reported(rank, str(peer_failure(ctx, RuntimeError(cause))), timestamp)
 
 
