@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from exactstep.audit.examples.annotated import AnnotatedLoop, Batch, LabelSmoothing
-from exactstep.audit.examples.nanogpt import GPT, IGNORE, NanoGPTLoop
+from exactstep.audit.examples.nanogpt import GPT, IGNORE, CausalSelfAttention, NanoGPTLoop
 from exactstep.audit.protocol import Microbatch
 
 # -- the shift (R1) ---------------------------------------------------------------------
@@ -53,6 +53,12 @@ class DropEos(NanoGPTLoop):
 
 
 # -- padding and the denominator (L3) -------------------------------------------------
+
+
+class ProbabilitiesIntoCrossEntropy(NanoGPTLoop):
+    def loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # BUG: F.cross_entropy expects logits; probabilities are normalised once more
+        return super().loss_sum(logits.softmax(-1), y)
 
 
 class PadInLoss(NanoGPTLoop):
@@ -140,6 +146,28 @@ class CausalOnlyGPT(GPT):
 
 class OneCausalMaskOverDocuments(NanoGPTLoop):
     model_type = CausalOnlyGPT
+
+
+class SoftmaxThenMaskAttention(CausalSelfAttention):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))  # [B, h, T, Dh]
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1)
+        weights = weights * mask[:, None]  # BUG: masked after the softmax, so the hidden
+        # keys (the future, other documents) still weigh in every row's normalisation
+        return self.resid_dropout(self.c_proj((weights @ v).transpose(1, 2).reshape(B, T, C)))
+
+
+class MaskAfterSoftmaxGPT(GPT):
+    def __init__(self, spec, block_size: int = 64) -> None:
+        super().__init__(spec, block_size)
+        for block in self.h:  # the same parameters, the attention arithmetic of the bug
+            block.attn.__class__ = SoftmaxThenMaskAttention
+
+
+class MaskAfterSoftmax(NanoGPTLoop):
+    model_type = MaskAfterSoftmaxGPT
 
 
 class PositionsNotReset(NanoGPTLoop):

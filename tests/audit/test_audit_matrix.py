@@ -34,6 +34,7 @@ EXPECTED: dict[str, set[str]] = {
     "DoubleShift": UPDATE,  # its evaluate() does not use the doubly shifted loss
     "LabelsAsDecoderInput": UPDATE | EVAL_VALUES | {"prompt_visible"},  # prompt fed as PAD
     "DropEos": {"eos_target"},
+    "ProbabilitiesIntoCrossEntropy": UPDATE,  # its evaluate() scores the logits themselves
     # padding and the denominator (L3)
     "PadInLoss": {"padding", "label_smoothing"},  # the smoothing probe has padded rows
     "NormBT": {"padding", "packed_documents", "chat_ownership", "label_smoothing",
@@ -55,6 +56,9 @@ EXPECTED: dict[str, set[str]] = {
     "CrossDocumentTarget": {"packed_documents"},
     "MaskIgnoresDocuments": {"cross_document_attention", "packed_documents"},
     "PaddingOnlyMask": {"causal_attention", "cross_document_attention", "packed_documents"},
+    # hidden keys left in the softmax's denominator: the future and other documents move
+    # every row's logits, slightly (about 1e-6 to 1e-5) but not zero
+    "MaskAfterSoftmax": {"causal_attention", "cross_document_attention", "packed_documents"},
     # chat ownership (R2, R5)
     "UnshiftedOwnership": UPDATE | EVAL_VALUES,  # text rows lose their first target too
     "LossMaskAsAttentionMask": {"chat_ownership", "prompt_visible"},
