@@ -182,3 +182,31 @@ def kill_when_ledger_has(proc: subprocess.Popen, run_dir: Path, lines: int) -> N
     kill_once_ledger_has(proc, run_dir, lines, timeout=240)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+def check_mid_run_evaluation_changes_nothing(tmp_path: Path, train_run: Any,
+                                             monkeypatch: Any) -> None:
+    """E1 through whole runs: ``train_run(tmp_path, name, eval_every)`` (returning the
+    final state's two halves and the ledger lines) with ``eval_every=2`` against none
+    gives bitwise-identical weights, optimizer, schedule, scaler, counters, RNG streams,
+    data cursor and ledger; only the manifest digest (``train.eval_every`` is in it)
+    and the metrics line count differ. Negative control: with evaluation's RNG
+    isolation disabled the mid-run evaluations move the streams and the runs part."""
+    import contextlib
+
+    import exactstep.eval as eval_module
+    from exactstep.state.compare import state_differences
+
+    plain = train_run(tmp_path, "plain", 0)
+    evaluated = train_run(tmp_path, "evaluated", 2)
+    metrics = (tmp_path / "evaluated" / "metrics.jsonl").read_text()
+    assert metrics.count('"eval_loss"') == 2  # windows 2 and 4 were evaluated mid-run
+    assert state_differences(plain[0], evaluated[0]) == []
+    assert state_differences(plain[1], evaluated[1]) == [
+        "progress.manifest_digest", "progress.journals.metrics.jsonl.lines"]
+    assert plain[2] == evaluated[2]
+
+    monkeypatch.setattr(eval_module, "isolated_rng", contextlib.nullcontext)
+    leaky = train_run(tmp_path, "leaky", 2)
+    assert state_differences(plain[0], leaky[0]) != []
+    assert plain[2] != leaky[2]

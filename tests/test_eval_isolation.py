@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from run_support import check_mid_run_evaluation_changes_nothing
 from torch import nn
 from update.update_support import HIDDEN, PAD, TinyLM, random_batch
 
@@ -342,18 +343,4 @@ def test_mid_run_evaluation_changes_nothing_in_training(tmp_path, monkeypatch) -
     ledger. Negative control: with evaluation's RNG isolation disabled the mid-run
     evaluations move the streams and the two runs part ways."""
     stochastic_decoder_forward(monkeypatch)
-    plain = train_run(tmp_path, "plain", 0)
-    evaluated = train_run(tmp_path, "evaluated", 2)
-    metrics = (tmp_path / "evaluated" / "metrics.jsonl").read_text()
-    assert metrics.count('"eval_loss"') == 2  # windows 2 and 4 were evaluated mid-run
-    assert state_differences(plain[0], evaluated[0]) == []
-    # train.eval_every is part of the manifest, and the evaluations are metrics lines:
-    # those two progress marks may differ, nothing else
-    assert state_differences(plain[1], evaluated[1]) == [
-        "progress.manifest_digest", "progress.journals.metrics.jsonl.lines"]
-    assert plain[2] == evaluated[2]
-
-    monkeypatch.setattr(eval_module, "isolated_rng", contextlib.nullcontext)
-    leaky = train_run(tmp_path, "leaky", 2)
-    assert state_differences(plain[0], leaky[0]) != []
-    assert plain[2] != leaky[2]
+    check_mid_run_evaluation_changes_nothing(tmp_path, train_run, monkeypatch)

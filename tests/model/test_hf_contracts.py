@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -32,8 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hf_support import FAMILIES, hf_model  # noqa: E402
 from model_batches import fill_rows, packed_batch  # noqa: E402
+from run_support import check_mid_run_evaluation_changes_nothing  # noqa: E402
 
-import exactstep.eval as eval_module  # noqa: E402
 from exactstep.config import load_config  # noqa: E402
 from exactstep.eval import evaluate  # noqa: E402
 from exactstep.model.hf import HFCausalLM  # noqa: E402
@@ -286,15 +285,4 @@ def train_run(tmp_path, name: str, eval_every: int):
 
 def test_hf_mid_run_evaluation_changes_nothing_in_training_e1(tmp_path, monkeypatch):
     stochastic_hf_forward(monkeypatch)
-    plain = train_run(tmp_path, "plain", 0)
-    evaluated = train_run(tmp_path, "evaluated", 2)
-    assert (tmp_path / "evaluated" / "metrics.jsonl").read_text().count('"eval_loss"') == 2
-    assert state_differences(plain[0], evaluated[0]) == []
-    assert state_differences(plain[1], evaluated[1]) == [
-        "progress.manifest_digest", "progress.journals.metrics.jsonl.lines"]
-    assert plain[2] == evaluated[2]
-
-    monkeypatch.setattr(eval_module, "isolated_rng", contextlib.nullcontext)
-    leaky = train_run(tmp_path, "leaky", 2)
-    assert state_differences(plain[0], leaky[0]) != []
-    assert plain[2] != leaky[2]
+    check_mid_run_evaluation_changes_nothing(tmp_path, train_run, monkeypatch)
