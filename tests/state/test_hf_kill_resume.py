@@ -18,14 +18,11 @@ import copy
 import json
 import shutil
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from run_support import kill_once_ledger_has
-from text_corpus import write_corpus
+from state.test_kill_resume import Harness
 
 from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
@@ -39,75 +36,37 @@ TABLE = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 64, "tie_word_embeddings": True}
 
-LAUNCHER = r"""
-import os, signal, sys
-from exactstep.update.window import UpdateEngine
 
-kill_at, defect, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-run_window = UpdateEngine.run_window
-
-def probed(self, batches, window, *args, **kwargs):
-    result = run_window(self, batches, window, *args, **kwargs)
-    if kill_at == f"window_end:{window}":   # update applied in memory, not logged
-        os.kill(os.getpid(), signal.SIGKILL)
-    return result
-
-UpdateEngine.run_window = probed
-if defect == "no_cursor":
-    from exactstep.rows.stream import RowStream
-    RowStream.load_state_dict = lambda self, state: None
-
-from exactstep.cli import main
-sys.exit(main(argv))
-"""
+def hf_settings(corpus: Path) -> list[str]:
+    pairs = {"seed": 3, "data.source": corpus, "data.val_fraction": 0.2,
+             "batch.seq_len": 32, "batch.rows": 2, "model.source": "hf",
+             "model.hf_config": json.dumps(TABLE), "update.accum": 2,
+             "update.warmup": 2, "train.steps": WINDOWS, "train.eval_tokens": 64,
+             "train.threads": 1, "train.device": "cpu", "checkpoint.every": 2,
+             "checkpoint.keep": 2}
+    return [arg for key, value in pairs.items() for arg in ("--set", f"{key}={value}")]
 
 
-class Harness:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.launcher = root / "launch.py"
-        self.launcher.write_text(LAUNCHER)
-        self.corpus = root / "corpus.jsonl"
-        write_corpus(self.corpus)
-
-    def settings(self) -> list[str]:
-        pairs = {"seed": 3, "data.source": self.corpus, "data.val_fraction": 0.2,
-                 "batch.seq_len": 32, "batch.rows": 2, "model.source": "hf",
-                 "model.hf_config": json.dumps(TABLE), "update.accum": 2,
-                 "update.warmup": 2, "train.steps": WINDOWS, "train.eval_tokens": 64,
-                 "train.threads": 1, "train.device": "cpu", "checkpoint.every": 2,
-                 "checkpoint.keep": 2}
-        return [arg for key, value in pairs.items() for arg in ("--set", f"{key}={value}")]
-
-    def launch(self, command: list[str], run_dir: Path, *, kill_at: str = "none",
-               defect: str = "none", kill_after_lines: int = 0) -> int:
-        proc = subprocess.Popen([sys.executable, str(self.launcher), kill_at, defect, *command],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.root)
-        if kill_after_lines:
-            kill_once_ledger_has(proc, run_dir, kill_after_lines)
-        output, _ = proc.communicate(timeout=300)
-        self.last_output = output.decode(errors="replace")
-        return proc.returncode
+class HFHarness(Harness):
+    """The kill-resume harness of ``state.test_kill_resume`` (its launcher kills at a
+    window's end and injects the defects), training an HF Llama instead."""
 
     def train(self, run_dir: Path, **kw) -> int:
-        return self.launch(["train", "--no-progress", "--out", str(run_dir), *self.settings()],
-                           run_dir, **kw)
-
-    def resume(self, run_dir: Path, **kw) -> int:
-        return self.launch(["resume", "--no-progress", str(run_dir)], run_dir, **kw)
+        return self.launch(["train", "--no-progress", "--out", str(run_dir),
+                            *hf_settings(self.corpus)], run_dir=run_dir, **kw)
 
 
 def lines(run_dir: Path) -> int:
     return (run_dir / "ledger.jsonl").read_bytes().count(b"\n")
 
 
-def straight_run(h: Harness) -> Path:
+def straight_run(h: HFHarness) -> Path:
     run_dir = h.root / "straight"
     assert h.train(run_dir) == 0, h.last_output
     return run_dir
 
 
-def killed_lineage(h: Harness) -> tuple[Path, Path]:
+def killed_lineage(h: HFHarness) -> tuple[Path, Path]:
     run_dir = h.root / "killed"
     assert h.train(run_dir, kill_at="window_end:3") == -signal.SIGKILL, h.last_output
     defective = h.root / "no_cursor"
@@ -123,7 +82,7 @@ def killed_lineage(h: Harness) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    h = Harness(tmp_path_factory.mktemp("hf_s5"))
+    h = HFHarness(tmp_path_factory.mktemp("hf_s5"))
     with ThreadPoolExecutor(max_workers=2) as pool:
         straight = pool.submit(straight_run, copy.copy(h))  # same files, own last_output
         lineage = pool.submit(killed_lineage, copy.copy(h))
