@@ -11,10 +11,12 @@ through public entry points (``load_checkpoint``, ``latest_checkpoint``,
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import time
@@ -22,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -210,3 +213,43 @@ def check_mid_run_evaluation_changes_nothing(tmp_path: Path, train_run: Any,
     leaky = train_run(tmp_path, "leaky", 2)
     assert state_differences(plain[0], leaky[0]) != []
     assert plain[2] != leaky[2]
+
+
+# ------------------------------------------------------------ what evaluation may not touch (E1)
+
+
+def python_stream() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def numpy_stream() -> list:
+    """The legacy global generator's whole state: key array *and* position."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]
+
+
+def observe(engine: Any) -> dict:
+    """Everything evaluation must leave bitwise unchanged, read independently."""
+    model = engine.model
+    return {
+        "parameters": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "grads": [p.grad is None for p in model.parameters()],
+        "modes": {name or "<model>": m.training for name, m in model.named_modules()},
+        "python_rng": python_stream(),
+        "numpy_rng": numpy_stream(),
+        "torch_rng": torch.get_rng_state().clone(),
+        "engine": copy.deepcopy(engine.state_dict()),  # optimizer, schedule, scaler, counters
+        "lr": engine.schedule.lr(),
+        "group_lrs": [g["lr"] for g in engine.optimizer.param_groups],
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+
+
+def changes(engine: Any, evaluation: Any) -> list[str]:
+    """The paths evaluation changed (``[]``: untouched)."""
+    from exactstep.state.compare import state_differences
+
+    before = observe(engine)
+    evaluation(engine)
+    return state_differences(before, observe(engine))

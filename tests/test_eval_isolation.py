@@ -18,7 +18,6 @@ negative control is the same comparison with the RNG isolation disabled.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import random
 from pathlib import Path
@@ -26,7 +25,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from run_support import check_mid_run_evaluation_changes_nothing
+from run_support import (
+    changes,
+    check_mid_run_evaluation_changes_nothing,
+    numpy_stream,
+    python_stream,
+)
 from torch import nn
 from update.update_support import HIDDEN, PAD, TinyLM, random_batch
 
@@ -112,41 +116,6 @@ def held_out_batches():
 def run_evaluate(engine: UpdateEngine):
     return evaluate(engine.model, held_out_batches(), device=torch.device("cpu"),
                     max_tokens=10**9, pad_id=PAD, autocast=engine.precision.autocast)
-
-
-def python_stream() -> list:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-def numpy_stream() -> list:
-    """The legacy global generator's whole state: key array *and* position."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss]
-
-
-def observe(engine: UpdateEngine) -> dict:
-    """Everything evaluation must leave bitwise unchanged, read independently."""
-    model = engine.model
-    return {
-        "parameters": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "grads": [p.grad is None for p in model.parameters()],
-        "modes": {name or "<model>": m.training for name, m in model.named_modules()},
-        "python_rng": python_stream(),
-        "numpy_rng": numpy_stream(),
-        "torch_rng": torch.get_rng_state().clone(),
-        "engine": copy.deepcopy(engine.state_dict()),  # optimizer, schedule, scaler, counters
-        "lr": engine.schedule.lr(),
-        "group_lrs": [g["lr"] for g in engine.optimizer.param_groups],
-        "grad_enabled": torch.is_grad_enabled(),
-    }
-
-
-def changes(engine: UpdateEngine, evaluation) -> list[str]:
-    """The paths evaluation changed (``[]``: untouched)."""
-    before = observe(engine)
-    evaluation(engine)
-    return state_differences(before, observe(engine))
 
 
 # ------------------------------------------------------------------- the real evaluate

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
@@ -31,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hf_support import FAMILIES, hf_model  # noqa: E402
 from model_batches import fill_rows, packed_batch  # noqa: E402
-from run_support import check_mid_run_evaluation_changes_nothing  # noqa: E402
+from run_support import changes, check_mid_run_evaluation_changes_nothing  # noqa: E402
 
 from exactstep.config import load_config  # noqa: E402
 from exactstep.eval import evaluate  # noqa: E402
@@ -39,7 +38,6 @@ from exactstep.model.hf import HFCausalLM  # noqa: E402
 from exactstep.objective import plan_window  # noqa: E402
 from exactstep.objective.config import ObjectiveConfig  # noqa: E402
 from exactstep.state import latest_checkpoint, load_checkpoint  # noqa: E402
-from exactstep.state.compare import state_differences  # noqa: E402
 from exactstep.update.config import NumericsConfig, UpdateConfig  # noqa: E402
 from exactstep.update.disposition import Outcome  # noqa: E402
 from exactstep.update.groups import build_optimizer  # noqa: E402
@@ -184,26 +182,6 @@ def held_out_batches():
 def run_evaluate(engine: UpdateEngine):
     return evaluate(engine.model, held_out_batches(), device=torch.device("cpu"),
                     max_tokens=10**9, pad_id=PAD)
-
-
-def observe(engine: UpdateEngine) -> dict:
-    model = engine.model
-    return {
-        "parameters": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "grads": [p.grad is None for p in model.parameters()],
-        "modes": {name or "<model>": m.training for name, m in model.named_modules()},
-        "python_rng": list(random.getstate()[1]),
-        "numpy_rng": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
-        "torch_rng": torch.get_rng_state().clone(),
-        "engine": copy.deepcopy(engine.state_dict()),
-        "lr": engine.schedule.lr(),
-    }
-
-
-def changes(engine: UpdateEngine, evaluation) -> list[str]:
-    before = observe(engine)
-    evaluation(engine)
-    return state_differences(before, observe(engine))
 
 
 @pytest.mark.parametrize("family", ["llama"])
