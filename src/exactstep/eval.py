@@ -32,6 +32,7 @@ from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.cross_entropy import fused_row_losses
 from exactstep.objective.perplexity import NotAvailable, perplexity
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+from exactstep.rows.compiler import CAUSAL, RowCompiler
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.stream import eval_batches
@@ -192,10 +193,11 @@ class Validator:
     max_tokens: int
     autocast: Callable[[], AbstractContextManager] | None = None
     byte_lengths: np.ndarray | None = None  # the tokenizer's ``byte_lengths()``
+    compiler: RowCompiler = CAUSAL  # the objective family's (R8)
 
     def evaluate(self) -> EvalResult:
         batches = eval_batches(self.val, self.batch, pad_id=self.pad_id,
-                               vocab_size=self.vocab_size)
+                               vocab_size=self.vocab_size, compiler=self.compiler)
         return evaluate(self.model, batches, device=self.device, max_tokens=self.max_tokens,
                         pad_id=self.pad_id, autocast=self.autocast,
                         byte_lengths=self.byte_lengths)
@@ -213,7 +215,7 @@ class Validator:
 
     def baseline_bits(self) -> float | None:
         """Unigram (token-frequency) bits per target on the same validation targets."""
-        val = eval_batches(self.val, self.batch, pad_id=self.pad_id)
+        val = eval_batches(self.val, self.batch, pad_id=self.pad_id, compiler=self.compiler)
         return unigram_bits(self.train, val, self.vocab_size, self.max_tokens)
 
     def summary(self) -> dict[str, Any]:
@@ -369,13 +371,11 @@ def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalR
     checkpoint a resume would choose (``LATEST``, or the newest that verifies).
     """
     from exactstep.config import config_from_manifest
-    from exactstep.data.tokenizer import build_tokenizer
     from exactstep.errors import ResumeError
+    from exactstep.families import open_family
     from exactstep.manifest import read_manifest
-    from exactstep.model.decoder import build_model
     from exactstep.parallel.checkpoint import DcpFormat
     from exactstep.parallel.process_group import resolve_rank_device, single_process
-    from exactstep.rows.sources import load_bundle
     from exactstep.state.checkpointer import load_weights
     from exactstep.state.resume import choose_resume_point
 
@@ -385,11 +385,11 @@ def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalR
     if point.path is None:
         raise ResumeError(f"{run_dir} has no checkpoint to evaluate yet; train or resume it first")
     device = resolve_rank_device(cfg.train.device, 0)
-    tokenizer = build_tokenizer(cfg)
-    data = load_bundle(cfg, tokenizer)
-    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed).to(device)
+    parts = open_family(cfg)
+    tokenizer, data = parts.tokenizer, parts.data
+    model = parts.family.build_model(cfg, tokenizer.vocab_size).to(device)
     load_weights(point.path, model, DcpFormat(single_process(device)))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, device, cfg.train.eval_tokens,
-                          byte_lengths=tokenizer.byte_lengths())
+                          byte_lengths=tokenizer.byte_lengths(), compiler=parts.compiler)
     return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits())

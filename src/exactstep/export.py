@@ -44,6 +44,8 @@ LOGIT_TOLERANCE = 1e-5
 PASSPORT = "passport.json"
 CHECK_DOCUMENTS = 8
 CHECK_TOKENS = 256
+#: Objective families whose models export as Hugging Face causal LMs (R8).
+EXPORTABLE_FAMILIES = ("causal", "chat")
 
 # The byte chat template (data/chat.py's exactstep-bytes-chat-v1) in Jinja, with
 # generation markers around what an assistant turn owns (content, tool calls, EOS).
@@ -150,6 +152,7 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     from exactstep.config import config_from_manifest
     from exactstep.data.tokenizer import build_tokenizer
     from exactstep.errors import ResumeError
+    from exactstep.families import family_name
     from exactstep.manifest import read_manifest
     from exactstep.model.decoder import build_model
     from exactstep.parallel.checkpoint import DcpFormat
@@ -165,6 +168,13 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     check_out(out)
     manifest = read_manifest(run_dir)
     cfg = config_from_manifest(manifest)
+    family = family_name(cfg)
+    if family not in EXPORTABLE_FAMILIES:
+        raise ConfigError(
+            f"{run_dir} trained objective.family = {family!r}; exactstep export writes "
+            f"Hugging Face causal LMs, from runs of the {' or '.join(EXPORTABLE_FAMILIES)} "
+            "family"
+        )
     point = choose_resume_point(run_dir / "checkpoints", from_checkpoint)
     if point.path is None:
         raise ResumeError(f"{run_dir} has no checkpoint to export yet; train or resume it first")

@@ -202,28 +202,33 @@ PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.threads")
 
 
 def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
-                 parent: dict | None = None, model: dict | None = None) -> dict[str, Any]:
+                 parent: dict | None = None, model: dict | None = None,
+                 objective: dict | None = None) -> dict[str, Any]:
     """The S1 sections a training run declares, from its ``RunConfig`` and ``DataBundle``.
 
     The resolved configuration is recorded whole (X2) but for ``PRESENTATION_KEYS``;
     ``parent`` (a warm start's origin, S4) becomes its own section, and so does
     ``model``, a model's own ``describe()`` where it has one (a Hugging Face model's
-    resolved architecture, initial weights and library version).
+    resolved architecture, initial weights and library version). ``objective`` is
+    the objective family's own description (R8: family, shift owner, ownership,
+    estimator); without one it is derived from ``data.kind``.
     """
     config = cfg.to_dict()
     for key in PRESENTATION_KEYS:
         section, name = key.split(".")
         config[section].pop(name, None)
-    family = "chat_sft" if cfg.data.kind == "chat" else "causal_lm"
+    if objective is None:
+        family = "chat_sft" if cfg.data.kind == "chat" else "causal_lm"
+        objective = {"family": family, "shift_owner": "collator",
+                     "ownership": "assistant_targets" if family == "chat_sft"
+                     else "all_next_tokens"}
     sections: dict[str, Any] = {
         "config": config,
         "data": data.section,
         "representation": data.representation,
         "batch": config["batch"],
         "objective": {
-            "family": family,
-            "shift_owner": "collator",
-            "ownership": "assistant_targets" if family == "chat_sft" else "all_next_tokens",
+            **objective,
             "ignore_index": -100,
             "smoothing": cfg.objective.smoothing,
             "label_smoothing": cfg.objective.label_smoothing,

@@ -28,10 +28,12 @@ import torch
 
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
 from exactstep.data.chat import template_for
-from exactstep.data.tokenizer import ByteTokenizer, build_tokenizer
+from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.durable import Journal, ensure_writable_dir
 from exactstep.errors import DistributedError, Interrupted, ResumeError
 from exactstep.eval import Validator, greedy_answer_accuracy
+from exactstep.families import open_family
+from exactstep.families import resolve as resolve_family
 from exactstep.manifest import (
     Manifest,
     build_manifest,
@@ -40,7 +42,7 @@ from exactstep.manifest import (
     run_sections,
     write_manifest,
 )
-from exactstep.model.decoder import build_model, model_section
+from exactstep.model.decoder import model_section
 from exactstep.parallel.checkpoint import DcpFormat
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
@@ -49,7 +51,7 @@ from exactstep.parallel.window import agreed_stop, agreed_windows, distribute_en
 from exactstep.parallel.wrap import shard_model
 from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
 from exactstep.rows.example import DataBundle
-from exactstep.rows.sources import arith_spec_of, load_bundle
+from exactstep.rows.sources import arith_spec_of
 from exactstep.rows.stream import RowStream
 from exactstep.state.checkpointer import Checkpointer, load_weights
 from exactstep.state.resume import (
@@ -106,12 +108,14 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
     # "auto" numerics become what this device runs, before the manifest records them (S1)
     cfg = replace(cfg, numerics=resolve_device_numerics(cfg.numerics, ctx.device))
+    cfg = resolve_family(cfg)  # the objective family explicit before the manifest (R8)
     apply_fp32_matmul(cfg.numerics, ctx.device)
-    tokenizer = build_tokenizer(cfg)
-    data = load_bundle(cfg, tokenizer)
+    parts = open_family(cfg)
+    tokenizer, data = parts.tokenizer, parts.data
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
-                       vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size)
-    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
+                       vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size,
+                       compiler=parts.compiler)
+    model = parts.family.build_model(cfg, tokenizer.vocab_size)
     model.check_rows(cfg.batch.seq_len)  # refused before anything is written
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
                         precision=cfg.numerics.precision)
@@ -122,10 +126,10 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx))
     distribute_engine(engine, ctx, cfg.parallel)
     manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent,
-                                           model_section(model)))
+                                           model_section(model), parts.family.objective(cfg)))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, ctx.device, cfg.train.eval_tokens,
-                          precision.autocast, tokenizer.byte_lengths())
+                          precision.autocast, tokenizer.byte_lengths(), parts.compiler)
     checkpointer = Checkpointer(out_dir / "checkpoints", keep=cfg.checkpoint.keep, model=model,
                                 engine=engine, stream=stream, ctx=ctx,
                                 manifest_digest=manifest.digest, multi_rank=DcpFormat(ctx))

@@ -5,7 +5,10 @@ Invariants:
 - ``encode`` maps text to its UTF-8 bytes, one id per byte, and never emits a special
   id; ``decode(encode(s)) == s`` for every string ``s``.
 - Special ids sit above the byte range (``bos_id = 256``, ``eos_id = 257``,
-  ``pad_id = 258``), so no byte can be mistaken for a special token.
+  ``pad_id = 258``), so no byte can be mistaken for a special token. An objective
+  family that needs more specials (a mask token, span sentinels; R8) asks for them
+  by name: they get the ids ``259, 260, ...`` in the order given, and the
+  fingerprint changes with them (it is unchanged without any).
 - ``fingerprint()`` is a sha256 over a canonical description of the tokenizer, so a
   manifest can tell two representations apart (S1). It changes whenever the mapping
   would change (vocabulary size, special ids, byte encoding, version).
@@ -55,14 +58,29 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids, with three special ids above the byte range."""
+    """UTF-8 bytes as token ids, with three special ids above the byte range, then
+    the ``extra`` specials a family asked for (``extra_id(name)`` finds one)."""
 
     kind: str = "bytes"
-    vocab_size: int = 259
     bos_id: int = 256
     eos_id: int = 257
     pad_id: int = 258
     version: int = 1
+    BASE_VOCAB: int = 259
+
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        reserved = {"bos", "eos", "pad"}
+        if len(set(extra)) != len(extra) or reserved & set(extra):
+            raise ConfigError(f"extra special tokens must be distinct and not bos/eos/pad; "
+                              f"got {list(extra)}")
+        self.extra = tuple(extra)
+        self.vocab_size = self.BASE_VOCAB + len(self.extra)
+
+    def extra_id(self, name: str) -> int:
+        """The id of the extra special ``name``; ``ConfigError`` if it was not asked for."""
+        if name not in self.extra:
+            raise ConfigError(f"the byte tokenizer has no special token {name!r}")
+        return self.BASE_VOCAB + self.extra.index(name)
 
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of ``text`` as ids in ``[0, 256)``; no special ids are added."""
@@ -117,8 +135,11 @@ class ByteTokenizer:
         return f"\\x{token:02x}"
 
     def special_ids(self) -> dict[str, int]:
-        """``{"bos": 256, "eos": 257, "pad": 258}`` (recorded in the manifest, S1)."""
-        return {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id}
+        """``{"bos": 256, "eos": 257, "pad": 258}`` and the extras by name (recorded in
+        the manifest, S1)."""
+        ids = {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id}
+        ids.update({name: self.BASE_VOCAB + k for k, name in enumerate(self.extra)})
+        return ids
 
     def special_names(self) -> dict[int, str]:
         return {token: name for name, token in self.special_ids().items()}
@@ -148,17 +169,23 @@ class ByteTokenizer:
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def build_tokenizer(cfg: Any) -> Tokenizer:
+def build_tokenizer(cfg: Any, extra_specials: tuple[str, ...] = ()) -> Tokenizer:
     """The run's tokenizer, from its ``data`` section (S1, H2).
 
-    ``data.tokenizer = "bytes"``: a ``ByteTokenizer``. ``"hf"``: the Hugging Face
+    ``data.tokenizer = "bytes"``: a ``ByteTokenizer`` with the ``extra_specials`` the
+    run's objective family needs (R8). ``"hf"``: the Hugging Face
     tokenizer in ``data.tokenizer_path``, which defaults to ``model.path`` when the
     configuration has that key; ``ConfigError`` when neither is set, and whatever
     ``load_hf_tokenizer`` refuses (a missing directory, a missing BOS/EOS/PAD, ...).
     """
     data = cfg.data
     if data.tokenizer == "bytes":
-        return ByteTokenizer()
+        return ByteTokenizer(extra_specials)
+    if extra_specials:
+        raise ConfigError(
+            f"this objective family needs the special tokens {list(extra_specials)}, which "
+            "only the built-in byte tokenizer provides so far; set data.tokenizer = 'bytes'"
+        )
     from exactstep.data.hf_tokenizer import load_hf_tokenizer
 
     path, key = data.tokenizer_path, "data.tokenizer_path"

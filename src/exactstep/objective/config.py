@@ -12,10 +12,16 @@ from exactstep.ranges import UNIT, at_least, check
 class ObjectiveConfig:
     """How row losses become one objective S / D.
 
-    ``reduction``: L3 reductions. ``smoothing``/``label_smoothing``: L2 convention and
+    ``family``: the objective family (R8; ``exactstep.families``): which compiler
+    turns examples into rows and which model trains on them. ``auto`` is ``chat``
+    when ``data.kind = "chat"``, else ``causal``. ``reduction``: L3 reductions. ``smoothing``/``label_smoothing``: L2 convention and
     eps. ``chunk_rows``: rows per cross-entropy chunk (L1); 0 = unchunked.
     """
 
+    family: Literal[
+        "auto", "causal", "chat", "prefix", "encdec", "mlm", "span", "permutation",
+        "scheduled_sampling",
+    ] = "auto"
     reduction: Literal[
         "token_mean", "sequence_mean", "microbatch_mean", "weighted", "weighted_count"
     ] = "token_mean"

@@ -11,6 +11,13 @@ Invariants (checked by ``rows.invariants``):
 - ``segments[b]`` lists row ``b``'s segments with their addresses (R6); it is host
   data, so a device path can realise visibility without a device-to-host sync.
 - Nothing here is a dense ``[T, T]`` mask: visibility is structural.
+- Families (R8) add structure, never a mask: ``causal = False`` (bidirectional
+  encoders), ``prefix_len`` (prefix LM: a bidirectional prefix per segment),
+  ``source`` (encoder-decoder: the encoder side, whose segment ``s`` is what the
+  decoder's segment ``s`` of the same row cross-attends to) and ``order``
+  (permutation LM: each column's rank in its segment's factorisation order, over the
+  natural token order). The family's compiler fills them; ``labels`` stay the
+  targets of the rows they sit on.
 """
 
 from __future__ import annotations
@@ -45,6 +52,31 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class SourceSide:
+    """The encoder side of an encoder-decoder batch (R8): B rows of S tokens.
+
+    ``segment_ids`` 0 on padding, 1, 2, ... per row in order; decoder segment ``s``
+    of row ``b`` cross-attends exactly to encoder segment ``s`` of row ``b`` (the
+    same example), and encoder attention is bidirectional within a segment.
+    ``segments[b]`` are the encoder segments' addresses (R6), host data.
+    """
+
+    input_ids: torch.Tensor  # [B, S] int64
+    position_ids: torch.Tensor  # [B, S] int64
+    segment_ids: torch.Tensor  # [B, S] int32, 0 = padding
+    segments: tuple[tuple[Segment, ...], ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    def map(self, fn) -> SourceSide:
+        """The same side with ``fn`` applied to every tensor (device moves, pinning)."""
+        return replace(self, input_ids=fn(self.input_ids), position_ids=fn(self.position_ids),
+                       segment_ids=fn(self.segment_ids))
+
+
+@dataclass(frozen=True)
 class Batch:
     """Row-aligned inputs and targets for B rows of T tokens."""
 
@@ -56,6 +88,8 @@ class Batch:
     causal: bool = True
     prefix_len: torch.Tensor | None = None  # [B, n_seg] bidirectional prefix (R8)
     weights: torch.Tensor | None = None  # [B, T] float per-row weights (L3 weighted)
+    source: SourceSide | None = None  # encoder side (encoder-decoder families, R8)
+    order: torch.Tensor | None = None  # [B, T] int64 factorisation rank (permutation LM)
     shift_owner: Literal["collator"] = "collator"
     meta: dict = field(default_factory=dict, compare=False)
 
@@ -71,28 +105,27 @@ class Batch:
         """The same batch in page-locked host memory (needs CUDA), so that a following
         ``to(cuda, non_blocking=True)`` does not make the host wait (U7)."""
         def pin(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None or t.device.type != "cpu" else t.pin_memory()
+            return t if t is None or t.device.type != "cpu" else t.pin_memory()
 
-        return replace(
-            self,
-            input_ids=pin(self.input_ids),
-            labels=pin(self.labels),
-            position_ids=pin(self.position_ids),
-            segment_ids=pin(self.segment_ids),
-            prefix_len=pin(self.prefix_len),
-            weights=pin(self.weights),
-        )
+        return self.map(pin)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
+        return self.map(move)
+
+    def map(self, fn) -> Batch:
+        """The same batch with ``fn`` (``Tensor | None -> Tensor | None``) applied to
+        every tensor, the encoder side's included; host data (``segments``) is kept."""
         return replace(
             self,
-            input_ids=move(self.input_ids),
-            labels=move(self.labels),
-            position_ids=move(self.position_ids),
-            segment_ids=move(self.segment_ids),
-            prefix_len=move(self.prefix_len),
-            weights=move(self.weights),
+            input_ids=fn(self.input_ids),
+            labels=fn(self.labels),
+            position_ids=fn(self.position_ids),
+            segment_ids=fn(self.segment_ids),
+            prefix_len=fn(self.prefix_len),
+            weights=fn(self.weights),
+            order=fn(self.order),
+            source=None if self.source is None else self.source.map(fn),
         )

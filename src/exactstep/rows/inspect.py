@@ -110,17 +110,17 @@ def inspect_rows(cfg: Any, rows: range, *, split: str = "train") -> str:
 
     Raises ``ConfigError`` when ``rows`` reaches past the microbatch.
     """
-    from exactstep.data.tokenizer import build_tokenizer
-    from exactstep.rows.sources import load_bundle
+    from exactstep.families import open_family, resolve
     from exactstep.rows.stream import RowStream, eval_batches
 
-    tokenizer = build_tokenizer(cfg)
-    data = load_bundle(cfg, tokenizer)
+    parts = open_family(resolve(cfg))
+    tokenizer, data, compiler = parts.tokenizer, parts.data, parts.compiler
     if split == "train":
         batch = next(iter(RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id,
-                                    seed=cfg.seed)))
+                                    seed=cfg.seed, compiler=compiler)))
     else:
-        batch = next(iter(eval_batches(data.val, cfg.batch, pad_id=tokenizer.pad_id)))
+        batch = next(iter(eval_batches(data.val, cfg.batch, pad_id=tokenizer.pad_id,
+                                       compiler=compiler)))
     if rows.stop > batch.input_ids.shape[0]:
         raise ConfigError(f"--rows {rows.start}:{rows.stop} is outside the microbatch's "
                           f"{batch.input_ids.shape[0]} rows")

@@ -54,12 +54,17 @@ _AFTER_ALL = 1 << 62  # sorts after every arrival number
 class Piece:
     """A contiguous run ``[offset, offset + length)`` of example ``example`` (an index
     into the planner's example list); ``piece`` is 0 for the first run of an example and
-    ``k`` for the ``k``-th continuation after a split (R6)."""
+    ``k`` for the ``k``-th continuation after a split (R6). ``epoch`` is the epoch that
+    admitted it: stochastic compilers (masked LM, span corruption, permutation LM, R8)
+    address their random draws by ``(seed, epoch, example id, piece)``, so packing,
+    sharding and resume never change them. It is not part of the saved state: the
+    epoch barrier means every pending piece belongs to the planner's current epoch."""
 
     example: int
     offset: int
     length: int
     piece: int
+    epoch: int = 0
 
 
 @dataclass
@@ -238,14 +243,15 @@ class PackPlanner:
             c.documents += 1
             c.tokens += n
             c.targets += int(self._targets[index])
-            self._push(Piece(example=index, offset=0, length=n, piece=0))
+            self._push(Piece(example=index, offset=0, length=n, piece=0, epoch=self.epoch))
             self._admitted_this_epoch += 1
             return
         example = self.table[index]
         runs, lost = cut_example(example, self.seq_len, self.overlong, self.overlap_split)
         self._count_admission(example, runs, lost)
         for k, (offset, length) in enumerate(runs):
-            self._push(Piece(example=index, offset=offset, length=length, piece=k))
+            self._push(Piece(example=index, offset=offset, length=length, piece=k,
+                             epoch=self.epoch))
         self._admitted_this_epoch += len(runs)
 
     def _count_admission(self, example: Example, runs: list[tuple[int, int]], lost: int) -> None:
@@ -393,7 +399,9 @@ class PackPlanner:
         self._admitted_this_epoch = int(state["admitted_this_epoch"])
         self._next_arrival = int(state["next_arrival"])
         self._pending = {
-            int(a): Piece(example=int(e), offset=int(o), length=int(n), piece=int(k))
+            # pending pieces are all of the saved epoch (the epoch barrier)
+            int(a): Piece(example=int(e), offset=int(o), length=int(n), piece=int(k),
+                          epoch=self.epoch)
             for a, e, o, n, k in state["pending"]
         }
         self._keys = sorted((p.length, a) for a, p in self._pending.items())

@@ -1,8 +1,9 @@
-"""Causal-LM batches from examples, with an exact, resumable cursor (R1-R4, R7, D3, S2).
+"""Batches from examples, with an exact, resumable cursor (R1-R4, R7, R8, D3, S2).
 
-``RowStream`` composes the packing plan (``rows.packing``), the causal compiler
-(``rows.causal``) and the boundary checks (``rows.invariants``). Other objective
-families reuse the planner with their own compiler (R8).
+``RowStream`` composes the packing plan (``rows.packing``), a family's compiler
+(``rows.compiler``: the causal one by default, ``rows.causal``) and that family's
+R7 checks. Every objective family (R8) uses the same planner and cursor with its
+own compiler, so the resume contract is the same for all of them.
 
 Invariants:
 
@@ -26,15 +27,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from exactstep.rows.batch import Batch
-from exactstep.rows.causal import compile_causal_batch
+from exactstep.rows.compiler import CAUSAL, RowCompiler
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example, all_weighted
-from exactstep.rows.invariants import check_batch
 from exactstep.rows.packing import PackPlanner
 
 
 class RowStream:
-    """Causal LM rows packed from ``examples`` (see module doc).
+    """Rows packed from ``examples`` and compiled by ``compiler`` (see module doc).
 
     ``seed`` and the epoch fix the permutation; ``rank``/``world`` shard it (D3).
     ``vocab_size``, when given, bounds every id in the R7 checks (pass the
@@ -55,14 +55,16 @@ class RowStream:
         rank: int = 0,
         world: int = 1,
         vocab_size: int | None = None,
+        compiler: RowCompiler = CAUSAL,
     ) -> None:
         self.examples = examples
         self.cfg = cfg
         self.pad_id = pad_id
         self.vocab_size = vocab_size
+        self.compiler = compiler
         self.planner = PackPlanner(
             examples,
-            seq_len=cfg.seq_len,
+            seq_len=compiler.capacity(cfg),
             buffer=cfg.buffer,
             overlong=cfg.overlong,
             seed=seed,
@@ -88,9 +90,8 @@ class RowStream:
         rows = self.planner.next_rows(self.cfg.rows)
         if not rows:
             return None
-        batch = compile_rows(
-            rows, self.examples, self.cfg, self.pad_id, self.vocab_size, weighted=self.weighted
-        )
+        batch = compile_rows(rows, self.examples, self.cfg, self.pad_id, self.vocab_size,
+                             weighted=self.weighted, compiler=self.compiler)
         self.batches += 1
         self.supervised_rows += batch.num_targets()
         if self.cfg.boundary == "keep":
@@ -130,18 +131,13 @@ def compile_rows(
     vocab_size: int | None,
     *,
     weighted: bool = False,
+    compiler: RowCompiler = CAUSAL,
 ) -> Batch:
-    batch = compile_causal_batch(
-        rows,
-        examples,
-        seq_len=cfg.seq_len,
-        pad_id=pad_id,
-        boundary=cfg.boundary,
-        positions=cfg.positions,
-        weighted=weighted,
-    )
+    """``compiler``'s batch of ``rows``, checked by its R7 checks when
+    ``cfg.check_invariants``."""
+    batch = compiler.compile(rows, examples, cfg, pad_id=pad_id, weighted=weighted)
     if cfg.check_invariants:
-        check_batch(batch, vocab_size, cfg.boundary, next_token_targets=True)
+        compiler.check(batch, vocab_size, cfg)
     return batch
 
 
@@ -152,8 +148,10 @@ def data_report(
     supervised_rows: int,
     boundary_targets: int,
 ) -> dict:
+    """Counts of ``planner`` (R4); slots and efficiency are in planner tokens
+    (``planner.seq_len`` per row: the compiler's capacity)."""
     c = planner.counts
-    slots = c.rows * cfg.seq_len
+    slots = c.rows * planner.seq_len
     return {
         "documents": c.documents,
         "tokens": c.tokens,
@@ -183,7 +181,12 @@ def data_report(
 
 
 def eval_batches(
-    examples: Sequence[Example], cfg: BatchConfig, *, pad_id: int, vocab_size: int | None = None
+    examples: Sequence[Example],
+    cfg: BatchConfig,
+    *,
+    pad_id: int,
+    vocab_size: int | None = None,
+    compiler: RowCompiler = CAUSAL,
 ) -> Iterator[Batch]:
     """Held-out batches: unshuffled, packed deterministically, every example once.
 
@@ -193,7 +196,7 @@ def eval_batches(
     """
     planner = PackPlanner(
         examples,
-        seq_len=cfg.seq_len,
+        seq_len=compiler.capacity(cfg),
         buffer=cfg.buffer,
         overlong="split",
         seed=0,
@@ -205,4 +208,4 @@ def eval_batches(
         rows = planner.next_rows(cfg.rows)
         if not rows:
             return
-        yield compile_rows(rows, examples, cfg, pad_id, vocab_size)
+        yield compile_rows(rows, examples, cfg, pad_id, vocab_size, compiler=compiler)

@@ -1,0 +1,165 @@
+"""Objective families (R8): which examples, which compiler, which model.
+
+A family is a compiler from examples to the one ``Batch`` seam (``rows.compiler``)
+plus the model it needs and the data it reads; every other stage (the objective
+plan, the window transaction, checkpoints and resume, evaluation) is the same for
+all of them, so every existing contract holds for every family.
+
+``objective.family`` names the family; ``auto`` is ``chat`` for ``data.kind =
+"chat"`` and ``causal`` otherwise. ``resolve(cfg)`` makes the choice explicit
+before the manifest records it (S1) and points a family at its built-in data when
+the run did not choose any (``data.source`` left at ``"stdlib"``), so
+``exactstep train --set objective.family=X`` alone is a working run.
+
+Each ``Family`` declares:
+
+- ``model`` and ``build_model(cfg, vocab_size)``: ``"decoder"`` (the built-in
+  decoder or a Hugging Face causal LM), ``"encoder"`` (the built-in stack run
+  bidirectionally: the visibility comes from ``Batch.causal``) or ``"encdec"`` (an
+  encoder-decoder), with weights that depend only on ``(cfg.model, vocab, seed)``;
+- ``data_kind``, ``default_source`` and ``load(cfg, tokenizer)``: what it reads and
+  how its examples are made (``rows.sources.load_bundle`` unless the family makes
+  its own);
+- ``specials(cfg)``: the extra special tokens it needs from the byte tokenizer;
+- ``compiler(cfg, tokenizer)``: its ``RowCompiler``;
+- ``objective(cfg)``: the manifest's ``objective`` section (S1): the family, who
+  owns the shift, what is owned, and the estimator when it is not teacher-forced
+  maximum likelihood.
+
+Families live where their compiler lives; ``BUILT`` names each one's ``Family``
+object (``module:attribute``), imported only when a run chooses it. A family that is
+specified but not built is refused with a ``ConfigError`` naming the built ones,
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from exactstep.data.tokenizer import Tokenizer, build_tokenizer
+from exactstep.errors import ConfigError
+from exactstep.rows.compiler import CAUSAL, RowCompiler
+from exactstep.rows.example import DataBundle
+from exactstep.rows.sources import load_bundle
+
+#: Every family the specification names (R8), built or not.
+SPECIFIED = ("causal", "chat", "prefix", "encdec", "mlm", "span", "permutation",
+             "scheduled_sampling")
+DEFAULT_SOURCE = "stdlib"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One objective family (see module doc)."""
+
+    name: str
+    model: str  # "decoder" | "encoder" | "encdec"
+    data_kind: str  # "text" | "chat" | "pairs"
+    default_source: str
+    compiler: Callable[[Any, Any], RowCompiler]
+    objective: Callable[[Any], dict[str, Any]]
+    build_model: Callable[[Any, int], Any]
+    specials: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
+    load: Callable[[Any, Any], DataBundle] = load_bundle
+
+
+@dataclass(frozen=True)
+class FamilyParts:
+    """What every entry point (train, eval, inspect) builds the same way for a run."""
+
+    family: Family
+    tokenizer: Tokenizer
+    data: DataBundle
+    compiler: RowCompiler
+
+
+def open_family(cfg: Any) -> FamilyParts:
+    """The run's family, its tokenizer (with the specials it needs), both data splits
+    and its compiler. Nothing is written; raises what each stage refuses."""
+    family = family_of(cfg)
+    tokenizer = build_tokenizer(cfg, family.specials(cfg))
+    data = family.load(cfg, tokenizer)
+    return FamilyParts(family, tokenizer, data, family.compiler(cfg, tokenizer))
+
+
+def causal_objective(cfg: Any) -> dict[str, Any]:
+    return {"family": "causal_lm", "shift_owner": "collator",
+            "ownership": "all_next_tokens", "estimator": "teacher_forced_mle"}
+
+
+def chat_objective(cfg: Any) -> dict[str, Any]:
+    return {"family": "chat_sft", "shift_owner": "collator",
+            "ownership": "assistant_targets", "estimator": "teacher_forced_mle"}
+
+
+def build_decoder(cfg: Any, vocab_size: int) -> Any:
+    from exactstep.model.decoder import build_model
+
+    return build_model(cfg.model, vocab_size, seed=cfg.seed)
+
+
+def build_encoder(cfg: Any, vocab_size: int) -> Any:
+    """The built-in block stack as a bidirectional encoder (its batches are not causal)."""
+    if cfg.model.source != "builtin":
+        raise ConfigError(
+            f"objective.family = {cfg.objective.family!r} trains the built-in bidirectional "
+            "encoder; set model.source = 'builtin' (Hugging Face models are causal LMs here)"
+        )
+    return build_decoder(cfg, vocab_size)
+
+
+def causal_compiler(cfg: Any, tokenizer: Any) -> RowCompiler:
+    return CAUSAL
+
+
+CAUSAL_FAMILY = Family("causal", "decoder", "text", DEFAULT_SOURCE, causal_compiler,
+                       causal_objective, build_decoder)
+CHAT_FAMILY = Family("chat", "decoder", "chat", "arith", causal_compiler, chat_objective,
+                     build_decoder)
+
+#: The built families: name -> ``"module:attribute"`` of its ``Family``.
+BUILT: dict[str, str] = {
+    "causal": "exactstep.families:CAUSAL_FAMILY",
+    "chat": "exactstep.families:CHAT_FAMILY",
+}
+
+
+def family_name(cfg: Any) -> str:
+    """``objective.family`` with ``auto`` decided by ``data.kind``."""
+    name = cfg.objective.family
+    if name == "auto":
+        return "chat" if cfg.data.kind == "chat" else "causal"
+    return name
+
+
+def family_of(cfg: Any) -> Family:
+    """The run's family; ``ConfigError`` for one specified but not built yet."""
+    name = family_name(cfg)
+    where = BUILT.get(name)
+    if where is None:
+        raise ConfigError(
+            f"objective.family = {name!r} is not built yet; choose one of {', '.join(BUILT)}"
+        )
+    module, attribute = where.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def resolve(cfg: Any) -> Any:
+    """``cfg`` with its family explicit and its data pointed at the family's built-in
+    source when the run left ``data.source`` at the default (see module doc).
+
+    A family reads one kind of data: its ``data_kind`` replaces ``data.kind``, so
+    ``objective.family = "chat"`` reads conversations. Raises ``ConfigError`` for a
+    family not built yet.
+    """
+    family = family_of(cfg)
+    data = cfg.data
+    source = data.source
+    if source == DEFAULT_SOURCE and family.default_source != DEFAULT_SOURCE:
+        source = family.default_source
+    kind = family.data_kind if family.data_kind in ("text", "chat") else data.kind
+    data = replace(data, source=source, kind=kind)
+    return replace(cfg, data=data, objective=replace(cfg.objective, family=family.name))
