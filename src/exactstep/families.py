@@ -24,7 +24,9 @@ Each ``Family`` declares:
 - ``compiler(cfg, tokenizer)``: its ``RowCompiler``;
 - ``objective(cfg)``: the manifest's ``objective`` section (S1): the family, who
   owns the shift, what is owned, and the estimator when it is not teacher-forced
-  maximum likelihood.
+  maximum likelihood;
+- ``score(model, parts, cfg, device)``: the family's end-of-run held-out figures
+  beyond the loss (a dict merged into ``summary.json``), e.g. greedy exact match.
 
 Families live where their compiler lives; ``BUILT`` names each one's ``Family``
 object (``module:attribute``), imported only when a run chooses it. A family that is
@@ -64,6 +66,7 @@ class Family:
     build_model: Callable[[Any, int], Any]
     specials: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
     load: Callable[[Any, Any], DataBundle] = load_bundle
+    score: Callable[[Any, Any, Any, Any], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,26 @@ def causal_compiler(cfg: Any, tokenizer: Any) -> RowCompiler:
     return CAUSAL
 
 
+def chat_score(model: Any, parts: FamilyParts, cfg: Any, device: Any) -> dict[str, Any]:
+    """Greedy exact match on the built-in demo's held-out conversations (none for a
+    user's chat data, which has no checkable answer)."""
+    conversations = parts.data.heldout_conversations
+    if conversations is None:
+        return {}
+    from exactstep.data.chat import template_for
+    from exactstep.eval import greedy_answer_accuracy
+    from exactstep.rows.sources import arith_spec_of
+
+    accuracy = greedy_answer_accuracy(
+        model, parts.tokenizer, conversations, device=device,
+        max_new_tokens=arith_spec_of(cfg).max_new_tokens, template=template_for(parts.tokenizer))
+    return {"exact_match": accuracy, "exact_match_n": len(conversations)}
+
+
 CAUSAL_FAMILY = Family("causal", "decoder", "text", DEFAULT_SOURCE, causal_compiler,
                        causal_objective, build_decoder)
 CHAT_FAMILY = Family("chat", "decoder", "chat", "arith", causal_compiler, chat_objective,
-                     build_decoder)
+                     build_decoder, score=chat_score)
 
 #: The built families: name -> ``"module:attribute"`` of its ``Family``.
 BUILT: dict[str, str] = {

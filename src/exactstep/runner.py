@@ -27,12 +27,11 @@ from typing import Any
 import torch
 
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
-from exactstep.data.chat import template_for
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.durable import Journal, ensure_writable_dir
 from exactstep.errors import DistributedError, Interrupted, ResumeError
-from exactstep.eval import Validator, greedy_answer_accuracy
-from exactstep.families import open_family
+from exactstep.eval import Validator
+from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
 from exactstep.manifest import (
     Manifest,
@@ -51,7 +50,6 @@ from exactstep.parallel.window import agreed_stop, agreed_windows, distribute_en
 from exactstep.parallel.wrap import shard_model
 from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
 from exactstep.rows.example import DataBundle
-from exactstep.rows.sources import arith_spec_of
 from exactstep.rows.stream import RowStream
 from exactstep.state.checkpointer import Checkpointer, load_weights
 from exactstep.state.resume import (
@@ -85,6 +83,7 @@ class Run:
     checkpointer: Checkpointer
     manifest: Manifest
     ctx: DistContext
+    parts: FamilyParts
 
     @property
     def checkpoints(self) -> Path:
@@ -134,7 +133,7 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
                                 engine=engine, stream=stream, ctx=ctx,
                                 manifest_digest=manifest.digest, multi_rank=DcpFormat(ctx))
     return Run(cfg, out_dir, tokenizer, data, stream, model, engine, validator, checkpointer,
-               manifest, ctx)
+               manifest, ctx, parts)
 
 
 # --------------------------------------------------------------------------- windows
@@ -197,13 +196,8 @@ def finish(run: Run, started: float) -> dict[str, Any]:
         "data": run.stream.report(),
         "manifest_digest": run.manifest.digest,
     }
-    conversations = run.data.heldout_conversations
-    if conversations is not None:
-        summary["exact_match"] = greedy_answer_accuracy(
-            run.model, run.tokenizer, conversations, device=run.ctx.device,
-            max_new_tokens=arith_spec_of(run.cfg).max_new_tokens,
-            template=template_for(run.tokenizer))
-        summary["exact_match_n"] = len(conversations)
+    if run.parts.family.score is not None:
+        summary.update(run.parts.family.score(run.model, run.parts, run.cfg, run.ctx.device))
     if run.ctx.is_main:
         write_outputs(run.out_dir, summary, run.stream.report())
     return summary

@@ -7,6 +7,11 @@ owns everything the family means: where the shift happens (R1), which positions 
 targets, how visibility is described (``segment_ids``, ``causal``, ``prefix_len``,
 ``source``, ``order``), and which R7 checks its batches must pass.
 
+A compiler may also have ``render(batch, tokenizer, rows) -> str``: what
+``exactstep inspect`` prints for its rows when ``rows.inspect.render_rows`` (input,
+target, visibility span, ownership) does not show everything the family means
+(sentinels, mask marks, the encoder side).
+
 A compiler is also what fixes how many planner tokens one row holds
 (``capacity``): the identity for the decoder families; a family that rewrites a
 piece (span corruption shortens inputs) plans in the units it consumes.

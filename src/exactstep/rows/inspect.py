@@ -124,4 +124,5 @@ def inspect_rows(cfg: Any, rows: range, *, split: str = "train") -> str:
     if rows.stop > batch.input_ids.shape[0]:
         raise ConfigError(f"--rows {rows.start}:{rows.stop} is outside the microbatch's "
                           f"{batch.input_ids.shape[0]} rows")
-    return render_rows(batch, tokenizer, rows)
+    render = getattr(compiler, "render", None)  # a family with more to show (R8)
+    return render(batch, tokenizer, rows) if render else render_rows(batch, tokenizer, rows)
