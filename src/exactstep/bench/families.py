@@ -1,0 +1,85 @@
+"""Objective families (R8): packing efficiency and training throughput against causal LM.
+
+Every built family (``exactstep.families.BUILT``) trains the same model size (the
+built-in blocks at ``d_model`` 64, 2 layers; the encoder-decoder families put that
+many layers on each side) on its built-in data, through the real run (``build_run``:
+its compiler, R7 checks, the window transaction, AdamW), for the same number of
+windows of the same shape (``batch.rows`` x ``batch.seq_len`` planner columns). The
+runs alternate window by window so machine noise hits every family alike; the causal
+family is the baseline measured in the same run.
+
+Figures per family: ``efficiency`` (real planner tokens / slots, from the stream's
+data report), ``tokens_per_s`` (input tokens of the windows per second of training,
+the encoder side included), ``targets_per_s`` (supervised targets per second: what
+each family actually learns from) and ``time_ratio`` (seconds per window / causal's).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from exactstep.bench.common import median
+from exactstep.families import BUILT
+
+SETTINGS = (
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=172",
+    "batch.seq_len=256", "batch.rows=8", "update.accum=1", "train.progress=false",
+    "data.max_docs=400", "data.val_fraction=0.1", "train.threads=0", "train.device=cpu",
+)
+
+
+def family_run(name: str, root: Path):
+    """A built run of family ``name`` (nothing trained yet) and its window iterator."""
+    from exactstep.config import load_config
+    from exactstep.runner import build_run
+
+    cfg = load_config(None, [*SETTINGS, f"objective.family={name}", "train.steps=1000"])
+    run = build_run(cfg, root / name)
+    return run, iter(run.stream)
+
+
+def window_tokens(batch) -> tuple[int, int]:
+    """(input tokens, supervised targets) of one microbatch; the encoder side counts."""
+    inputs = int((batch.segment_ids > 0).sum())
+    if batch.source is not None:
+        inputs += int((batch.source.segment_ids > 0).sum())
+    return inputs, batch.num_targets()
+
+
+def run(quick: bool) -> dict:
+    windows = 4 if quick else 12
+    names = list(BUILT)
+    figures: dict = {"families": ",".join(names), "windows": windows}
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {name: family_run(name, Path(tmp)) for name in names}
+        seconds: dict[str, list[float]] = {name: [] for name in names}
+        counts = {name: [0, 0] for name in names}
+        for w in range(windows + 1):  # window 0 warms up every family
+            order = names if w % 2 == 0 else names[::-1]
+            for name in order:
+                run_, stream = runs[name]
+                batch = next(stream)
+                t0 = time.perf_counter()
+                run_.engine.run_window([batch], w)
+                dt = time.perf_counter() - t0
+                if w:
+                    seconds[name].append(dt)
+                    inputs, targets = window_tokens(batch)
+                    counts[name][0] += inputs
+                    counts[name][1] += targets
+        base = median(seconds["causal"])
+        for name in names:
+            total = sum(seconds[name])
+            figures[f"{name}_efficiency"] = runs[name][0].stream.report()["efficiency"]
+            figures[f"{name}_tokens_per_s"] = counts[name][0] / total
+            figures[f"{name}_targets_per_s"] = counts[name][1] / total
+            figures[f"{name}_time_ratio"] = median(seconds[name]) / base
+    return figures
+
+
+if __name__ == "__main__":
+    from exactstep.bench.common import format_figures
+
+    print(format_figures("families", run(quick=True)))
