@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev,hf]"
+	$(BIN)/pip install --quiet -e ".[dev,hf,track]"
 	touch $(STAMP)
 
 train: $(STAMP)

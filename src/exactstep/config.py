@@ -35,6 +35,7 @@ from exactstep.ranges import INT64_MAX, at_least, between, check, check_finite, 
 from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
 from exactstep.state.config import CheckpointConfig
+from exactstep.tracking import LogConfig
 from exactstep.update.config import NumericsConfig, UpdateConfig
 
 
@@ -82,6 +83,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     chat: ChatPolicy = field(default_factory=ChatPolicy)
     arith: ArithSpec = field(default_factory=ArithSpec)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from exactstep.durable import Journal, read_records, write_json_durably
+from exactstep.tracking import Tracker
 from exactstep.update.disposition import Disposition, Outcome
 
 METRICS_FILE = "metrics.jsonl"
@@ -73,16 +75,19 @@ class Reporter:
     """Progress bar and ``metrics.jsonl`` of one process (rank 0 writes; others count).
 
     ``counts`` are the run's outcome counters so far (a resumed run's restored
-    counters); ``metrics`` is the journal to append to, ``None`` on other ranks.
+    counters); ``metrics`` is the journal to append to, ``None`` on other ranks;
+    ``trackers`` receive the same figures (``exactstep.tracking``; rank 0 only).
     """
 
     def __init__(self, *, total: int, start: int, log_every: int, counts: dict[str, int],
-                 metrics: Journal | None, progress: bool) -> None:
+                 metrics: Journal | None, progress: bool,
+                 trackers: Sequence[Tracker] = ()) -> None:
         from tqdm import tqdm
 
         self.total = total
         self.log_every = log_every
         self.metrics = metrics
+        self.trackers = list(trackers)
         self.meter = Meter(counts=dict(counts))
         self.bar = tqdm(total=total, initial=start, disable=not progress, unit="win",
                         dynamic_ncols=True, file=sys.stderr)
@@ -90,19 +95,27 @@ class Reporter:
     def window(self, disp: Disposition, slots: int, lr: float | None) -> None:
         """Account one finished window (index ``disp.window``)."""
         self.meter.add(disp, slots)
+        for tracker in self.trackers:
+            tracker.window(disp, self.meter.counts)
         done = disp.window + 1
         if done % self.log_every == 0 or done == self.total:
             record = self.meter.flush(done, lr)
             if self.metrics is not None:
                 self.metrics.append(record)
+            for tracker in self.trackers:
+                tracker.interval(record)
             self._update_bar(record)
 
     def evaluation(self, window: int, record: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.append({"window": window, **record})
+        for tracker in self.trackers:
+            tracker.evaluation(window, record)
 
     def close(self) -> None:
         self.bar.close()
+        for tracker in self.trackers:
+            tracker.close()
 
     def _update_bar(self, record: dict[str, Any]) -> None:
         loss = record["loss"]

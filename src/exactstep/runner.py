@@ -61,6 +61,7 @@ from exactstep.state.resume import (
 )
 from exactstep.state.rng import seed_rng
 from exactstep.state.store import clean_uncommitted
+from exactstep.tracking import build_trackers
 from exactstep.update.groups import build_optimizer
 from exactstep.update.ledger import Ledger
 from exactstep.update.precision import Precision, apply_fp32_matmul, resolve_device_numerics
@@ -205,10 +206,11 @@ def finish(run: Run, started: float) -> dict[str, Any]:
 
 def reporter_for(run: Run, start: int, metrics: Journal | None, progress: bool) -> Reporter:
     e = run.engine
+    trackers = build_trackers(run.cfg.log, run.out_dir, start=start) if run.ctx.is_main else []
     return Reporter(total=run.cfg.train.steps, start=start, log_every=run.cfg.train.log_every,
                     counts=outcome_counts(e.committed, e.skipped, e.no_objective),
                     metrics=metrics, progress=progress and run.cfg.train.progress
-                    and run.ctx.is_main)
+                    and run.ctx.is_main, trackers=trackers)
 
 
 # --------------------------------------------------------------------------- entry points
