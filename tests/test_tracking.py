@@ -99,3 +99,28 @@ def test_tensorboard_missing_is_one_config_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ConfigError, match="log.tensorboard = true needs the tensorboard package"):
         TensorBoardTracker(tmp_path / "tb", start=0)
+
+
+def test_loss_plot_marks_skipped_and_no_objective_windows(tmp_path, monkeypatch):
+    """``loss.png`` (X3): a skipped and two no-objective windows appear as marks with
+    their counts, at their windows; the committed curve leaves them out."""
+    import matplotlib.pyplot as plt
+
+    from exactstep.report import plot_loss
+
+    lines = [{"window": 0, "disposition": "COMMITTED", "loss": 2.0},
+             {"window": 1, "disposition": "SKIPPED_NONFINITE", "loss": None},
+             {"window": 2, "disposition": "NO_OBJECTIVE", "loss": None},
+             {"window": 3, "disposition": "COMMITTED", "loss": 1.5},
+             {"window": 4, "disposition": "NO_OBJECTIVE", "loss": None}]
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "metrics.jsonl").write_text("")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot_loss(tmp_path)
+    (ax,) = figures[0].axes
+    drawn = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()}
+    assert drawn["train (window S/D)"] == [0, 3]
+    assert drawn["skipped (non-finite): 1"] == [1]
+    assert drawn["no objective: 2"] == [2, 4]
+    assert (tmp_path / "loss.png").stat().st_size > 0

@@ -148,7 +148,9 @@ def write_outputs(run_dir: Path, summary: dict[str, Any], data_report: dict[str,
 
 
 def plot_loss(run_dir: Path) -> None:
-    """``loss.png``: committed window losses, a moving average, and evaluations.
+    """``loss.png``: committed window losses, a moving average, evaluations, and a
+    mark at the foot of the plot for every skipped (non-finite) and every
+    no-objective window, so a gap in the curve is never silent (U4, L4).
 
     Reads only complete, parseable journal lines (a damaged line is skipped, never a
     traceback after the final checkpoint).
@@ -159,10 +161,13 @@ def plot_loss(run_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     windows, losses, evals = [], [], []
+    uncommitted: dict[str, list[int]] = {"SKIPPED_NONFINITE": [], "NO_OBJECTIVE": []}
     for rec in read_records(run_dir / LEDGER_FILE):
         if rec.get("disposition") == "COMMITTED" and isinstance(rec.get("loss"), float):
             windows.append(rec["window"])
             losses.append(rec["loss"])
+        elif rec.get("disposition") in uncommitted and isinstance(rec.get("window"), int):
+            uncommitted[rec["disposition"]].append(rec["window"])
     for rec in read_records(run_dir / METRICS_FILE):
         if isinstance(rec.get("eval_loss"), float):
             evals.append((rec["window"], rec["eval_loss"]))
@@ -175,6 +180,14 @@ def plot_loss(run_dir: Path) -> None:
         ax.plot(windows, smooth, lw=1.5, label=f"train, mean of {k + 1}")
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="held-out")
+    styles = {"SKIPPED_NONFINITE": ("x", "red", "skipped (non-finite)"),
+              "NO_OBJECTIVE": ("|", "gray", "no objective")}
+    for outcome, marked in uncommitted.items():
+        marker, color, label = styles[outcome]
+        if marked:  # at the foot of the axes, whatever the loss scale
+            ax.plot(marked, [0.0] * len(marked), marker, color=color, ls="none",
+                    transform=ax.get_xaxis_transform(), clip_on=False,
+                    label=f"{label}: {len(marked)}")
     ax.set_xlabel("window")
     ax.set_ylabel("loss (nats / target)")
     ax.grid(alpha=0.3)
