@@ -30,6 +30,7 @@ from exactstep.data.config import DataConfig
 from exactstep.errors import ConfigError
 from exactstep.model.config import ModelConfig
 from exactstep.objective.config import ObjectiveConfig
+from exactstep.objective.scheduled_sampling import ScheduledSamplingConfig
 from exactstep.parallel.config import ParallelConfig
 from exactstep.ranges import INT64_MAX, at_least, between, check, check_finite, check_int
 from exactstep.rows.chat import ChatPolicy
@@ -84,6 +85,7 @@ class RunConfig:
     chat: ChatPolicy = field(default_factory=ChatPolicy)
     arith: ArithSpec = field(default_factory=ArithSpec)
     log: LogConfig = field(default_factory=LogConfig)
+    scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)
 
     def __post_init__(self) -> None:
         # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits

@@ -26,7 +26,9 @@ Each ``Family`` declares:
   owns the shift, what is owned, and the estimator when it is not teacher-forced
   maximum likelihood;
 - ``score(model, parts, cfg, device)``: the family's end-of-run held-out figures
-  beyond the loss (a dict merged into ``summary.json``), e.g. greedy exact match.
+  beyond the loss (a dict merged into ``summary.json``), e.g. greedy exact match;
+- ``inputs(cfg)``: an input program (``update.window.InputProgram``) when the
+  model's own outputs feed its inputs (scheduled sampling), else ``None``.
 
 Families live where their compiler lives; ``BUILT`` names each one's ``Family``
 object (``module:attribute``), imported only when a run chooses it. A family that is
@@ -67,6 +69,7 @@ class Family:
     specials: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
     load: Callable[[Any, Any], DataBundle] = load_bundle
     score: Callable[[Any, Any, Any, Any], dict[str, Any]] | None = None
+    inputs: Callable[[Any], Any] = lambda cfg: None
 
 
 @dataclass(frozen=True)
@@ -139,10 +142,29 @@ CAUSAL_FAMILY = Family("causal", "decoder", "text", DEFAULT_SOURCE, causal_compi
 CHAT_FAMILY = Family("chat", "decoder", "chat", "arith", causal_compiler, chat_objective,
                      build_decoder, score=chat_score)
 
+def scheduled_objective(cfg: Any) -> dict[str, Any]:
+    return {"family": "scheduled_sampling", "shift_owner": "collator",
+            "ownership": "all_next_tokens",
+            "estimator": "scheduled_sampling (not teacher-forced maximum likelihood)",
+            "inputs": cfg.scheduled_sampling.describe()}
+
+
+def scheduled_inputs(cfg: Any) -> Any:
+    from exactstep.objective.scheduled_sampling import ScheduledSampling
+
+    return ScheduledSampling(cfg.scheduled_sampling, seed=cfg.seed)
+
+
+#: Scheduled sampling on the built-in decoder over text (``objective.scheduled_sampling``).
+SCHEDULED_SAMPLING_FAMILY = Family(
+    "scheduled_sampling", "decoder", "text", DEFAULT_SOURCE, causal_compiler,
+    scheduled_objective, build_decoder, inputs=scheduled_inputs)
+
 #: The built families: name -> ``"module:attribute"`` of its ``Family``.
 BUILT: dict[str, str] = {
     "causal": "exactstep.families:CAUSAL_FAMILY",
     "chat": "exactstep.families:CHAT_FAMILY",
+    "scheduled_sampling": "exactstep.families:SCHEDULED_SAMPLING_FAMILY",
 }
 
 

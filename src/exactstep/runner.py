@@ -123,7 +123,8 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     schedule = build_schedule(cfg.update, total_windows=cfg.train.steps)
     precision = Precision(cfg.numerics, ctx.device)
     engine = UpdateEngine(model, optimizer, schedule, precision, cfg.update, cfg.objective,
-                          device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx))
+                          device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),
+                          inputs=parts.family.inputs(cfg))
     distribute_engine(engine, ctx, cfg.parallel)
     manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent,
                                            model_section(model), parts.family.objective(cfg)))

@@ -35,6 +35,7 @@ class Disposition:
     tokens: int
     gold_nll_sum: float = 0.0
     microbatches: int = 0
+    inputs: dict | None = None  # what an input program did (scheduled sampling, R8)
 
     @property
     def gold_loss(self) -> float | None:
@@ -58,7 +59,9 @@ class Disposition:
         """The U4 ledger line. Non-finite floats are written as strings, JSON stays valid.
 
         ``loss`` is the optimized objective S / D; ``gold_nll`` beside it is
-        ``gold_loss``, the unsmoothed NLL per supervised target token (L2).
+        ``gold_loss``, the unsmoothed NLL per supervised target token (L2). A window
+        whose inputs an input program rewrote (R8) also records ``inputs``: the gold
+        input probability and how many inputs were the model's.
         """
 
         def num(x: float | None) -> float | str | None:
@@ -66,7 +69,7 @@ class Disposition:
                 return x
             return str(x)
 
-        return {
+        record = {
             "window": self.window,
             "disposition": self.outcome.value,
             "cause": self.cause,
@@ -78,3 +81,6 @@ class Disposition:
             "tokens": self.tokens,
             "microbatches": self.microbatches,
         }
+        if self.inputs is not None:
+            record["inputs"] = self.inputs
+        return record

@@ -18,6 +18,11 @@ be read top to bottom:
    optimizer state and step count and the schedule stay bitwise unchanged, and
    the scaler backs off.
 
+An objective family whose inputs depend on the model (scheduled sampling, R8)
+plugs in through ``InputProgram``: before each microbatch's forward it rewrites the
+microbatch's inputs from the model at the window's parameters, the committed clock
+and the window index, and the disposition carries what it did (``inputs``).
+
 Distributed training plugs in through ``Reducer`` (D1, D2): it sums the window's
 host-side denominator across ranks, disables gradient sync for all but the last
 microbatch, and sums the finite flag. ``LocalReducer`` is the single-process
@@ -52,6 +57,19 @@ CAUSE_NONFINITE_GRAD = "NONFINITE_GRAD_NORM"
 CAUSE_NONFINITE_LOSS = "NONFINITE_LOSS"
 CAUSE_INJECTED = "INJECTED_FAULT"  # update.fail_window
 CAUSE_OTHER_RANK = "NONFINITE_ON_ANOTHER_RANK"
+
+
+class InputProgram(Protocol):
+    """Rewrites a microbatch's inputs from the model before its forward (R8).
+
+    ``construct(model, host, device_batch, clock=, window=, autocast=)`` returns the
+    batch to train on (labels unchanged) and a dict for the ledger; it must not
+    create gradients and must depend only on its arguments (resume, S5).
+    """
+
+    def construct(self, model: nn.Module, host: Batch, device_batch: Batch, *, clock: int,
+                  window: int, autocast: Callable[[], AbstractContextManager]
+                  ) -> tuple[Batch, dict]: ...
 
 
 @runtime_checkable
@@ -143,8 +161,10 @@ class UpdateEngine:
         reducer: Reducer | None = None,
         plan: PlanFn | None = None,
         terms: TermsFn | None = None,
+        inputs: InputProgram | None = None,
     ) -> None:
         self.model = model
+        self.inputs = inputs
         self.optimizer = optimizer
         self.schedule = schedule
         self.precision = precision
@@ -196,8 +216,12 @@ class UpdateEngine:
         loss_scale = self._loss_scale(denominator)  # 1 / D_W, times R under DDP (D1)
         numerators: list[torch.Tensor] = []
         gold_sums: list[torch.Tensor] = []
+        inputs_info: dict | None = None
         last = len(batches) - 1
         for index, batch in enumerate(batches):
+            if self.inputs is not None:  # every input rewritten before any gradient
+                batch, info = self._construct_inputs(batch, window)
+                inputs_info = _merge_inputs_info(inputs_info, info)
             with self.reducer.no_sync(self.train_module, index == last):
                 numerator, gold_nll_sum = self._forward(
                     batch, coefficients[index], row_indices[index]
@@ -255,9 +279,17 @@ class UpdateEngine:
             tokens=tokens,
             gold_nll_sum=gold_total,
             microbatches=len(batches),
+            inputs=inputs_info,
         )
 
     # -- steps of the transaction ---------------------------------------------------
+
+    def _construct_inputs(self, batch: Batch, window: int) -> tuple[Batch, dict]:
+        """The input program's microbatch, built at the window's parameters on the
+        committed clock (windows committed before this one)."""
+        device_batch = batch_to_device(batch, self.device)
+        return self.inputs.construct(self.model, batch, device_batch, clock=self.committed,
+                                     window=window, autocast=self.precision.autocast)
 
     def _global_totals(self, denominator: float, tokens: int) -> tuple[float, int]:
         """Window denominator and supervised tokens summed over ranks (host values)."""
@@ -351,6 +383,15 @@ class UpdateEngine:
         self.precision.load_state_dict(state["precision"])
         for name, value in state["counters"].items():
             setattr(self, name, int(value))
+
+
+def _merge_inputs_info(total: dict | None, info: dict) -> dict:
+    """One window's input-program record: counts summed over microbatches, the rest
+    (the same for every microbatch of the window) taken once."""
+    if total is None:
+        return dict(info)
+    return {key: total[key] + value if key.endswith("_inputs") else total[key]
+            for key, value in info.items()}
 
 
 def _plan_totals(plan: Any) -> tuple[float, int]:
