@@ -1,0 +1,119 @@
+"""S5 for the objective families whose batches or inputs are drawn (R8), through the
+real command line: ``exactstep train --set objective.family=F`` run straight, against
+the same run SIGKILLed inside a window (after its update, before its ledger line) and
+again from outside while a later window runs, resumed each time. The final checkpoint
+files, the ledger and the manifest are byte-identical. Negative control: a resume that
+drops the data cursor ends with different weights.
+
+Uses the launcher of ``state.test_kill_resume`` (kill moments and defects); each family
+adds its own settings to the tiny run there.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from state.test_kill_resume import Harness, settings
+
+from exactstep.state.checkpoint import load_checkpoint
+from exactstep.state.compare import state_differences
+from exactstep.state.store import latest_checkpoint, verify_checkpoint
+
+pytestmark = pytest.mark.slow
+
+WINDOWS = 10  # the harness's run length (state.test_kill_resume.WINDOWS)
+
+#: Each family's settings on top of the harness's tiny run; the draws must matter.
+FAMILIES = {
+    # gold inputs with probability 1/2: about half of the inputs are the model's
+    "scheduled_sampling": {"objective.family": "scheduled_sampling",
+                           "scheduled_sampling.schedule": "linear",
+                           "scheduled_sampling.slope": 0.1, "scheduled_sampling.floor": 0.5},
+}
+
+
+class FamilyHarness(Harness):
+    def __init__(self, root: Path, family: dict) -> None:
+        super().__init__(root)
+        self.family = family
+
+    def train(self, run_dir: Path, **kw) -> int:
+        extra = [arg for k, v in self.family.items() for arg in ("--set", f"{k}={v}")]
+        return self.launch(["train", "--no-progress", "--out", str(run_dir),
+                            *settings(self.corpus), *extra], run_dir=run_dir, **kw)
+
+
+def lines(run_dir: Path) -> int:
+    return (run_dir / "ledger.jsonl").read_bytes().count(b"\n")
+
+
+def straight_run(h: FamilyHarness) -> Path:
+    run_dir = h.root / "straight"
+    assert h.train(run_dir) == 0, h.last_output
+    return run_dir
+
+
+def killed_lineage(h: FamilyHarness) -> tuple[Path, Path]:
+    run_dir = h.root / "killed"
+    assert h.train(run_dir, kill_at="window_end:3") == -signal.SIGKILL, h.last_output
+    defective = h.root / "no_cursor"
+    shutil.copytree(run_dir, defective)
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    assert latest is not None and verify_checkpoint(latest).ok
+    assert h.resume(run_dir, kill_after_lines=lines(run_dir) + 2) == -signal.SIGKILL, \
+        h.last_output
+    assert h.resume(run_dir) == 0, h.last_output
+    assert h.resume(defective, defect="no_cursor") == 0, h.last_output
+    return run_dir, defective
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def runs(request, tmp_path_factory):
+    name = request.param
+    h = FamilyHarness(tmp_path_factory.mktemp(f"s5_{name}"), FAMILIES[name])
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        straight = pool.submit(straight_run, copy.copy(h))
+        lineage = pool.submit(killed_lineage, copy.copy(h))
+        return name, straight.result(), *lineage.result()
+
+
+def final_state(run_dir: Path) -> tuple[str, dict, dict]:
+    path = latest_checkpoint(run_dir / "checkpoints")
+    model, parts = load_checkpoint(path)
+    files = json.loads((path / "manifest.json").read_bytes())["files"]
+    return path.name, {"model": model, **parts}, files
+
+
+def test_killed_and_resumed_family_run_is_bitwise_identical_s5(runs):
+    name, straight, killed, _ = runs
+    name_a, state_a, files_a = final_state(straight)
+    name_b, state_b, files_b = final_state(killed)
+    assert name_a == name_b == f"window-{WINDOWS:08d}"
+    assert state_differences(state_a, state_b) == []
+    assert files_a == files_b
+    assert (straight / "ledger.jsonl").read_bytes() == (killed / "ledger.jsonl").read_bytes()
+    assert (straight / "manifest.json").read_bytes() == (killed / "manifest.json").read_bytes()
+    manifest = json.loads((straight / "manifest.json").read_bytes())["manifest"]
+    assert manifest["config"]["objective"]["family"] == name
+
+
+def test_the_draws_mattered_scheduled_sampling(runs):
+    name, straight, _, _ = runs
+    if name != "scheduled_sampling":
+        pytest.skip("scheduled sampling's own record")
+    records = [json.loads(line) for line in (straight / "ledger.jsonl").read_text().splitlines()]
+    assert sum(r["inputs"]["model_inputs"] for r in records) > 0
+    assert records[-1]["inputs"]["gold_probability"] == 0.5
+
+
+def test_family_resume_without_cursor_fails_the_comparison_s5(runs):
+    _, straight, _, defective = runs
+    differences = state_differences(final_state(straight)[1], final_state(defective)[1])
+    assert any(d.startswith("model.") for d in differences)
+    assert any(d.startswith("data.") for d in differences)
