@@ -46,6 +46,9 @@ class TrainConfig:
 
     ``steps`` counts windows (committed, skipped or no-objective alike).
     ``eval_every`` (windows, 0 = only at the end) and ``eval_tokens`` bound evaluation.
+    ``prefetch``: batches packed and compiled ahead on a worker thread while the
+    current window trains (``rows.background``; 0 = in line). It changes neither the
+    batches nor the resume state, so a resume may change it.
     """
 
     steps: int = 800
@@ -55,6 +58,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int = 0
     progress: bool = True
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         check("train.steps", self.steps, at_least(1))
@@ -62,6 +66,7 @@ class TrainConfig:
         check("train.eval_tokens", self.eval_tokens, at_least(1))
         check("train.log_every", self.log_every, at_least(1))
         check("train.threads", self.threads, at_least(0))  # 0 = PyTorch's default
+        check("train.prefetch", self.prefetch, between(0, 64))  # 0 = in line
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,7 @@ Disposition``; this module wires the stages and calls three components: the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -49,6 +50,7 @@ from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.window import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.wrap import shard_model
 from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
+from exactstep.rows.background import BackgroundStream
 from exactstep.rows.example import DataBundle
 from exactstep.rows.stream import RowStream
 from exactstep.state.checkpointer import Checkpointer, load_weights
@@ -77,7 +79,7 @@ class Run:
     out_dir: Path
     tokenizer: ByteTokenizer
     data: DataBundle
-    stream: RowStream
+    stream: RowStream | BackgroundStream
     model: torch.nn.Module
     engine: UpdateEngine
     validator: Validator
@@ -115,6 +117,8 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
                        vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size,
                        compiler=parts.compiler)
+    if cfg.train.prefetch:  # the same batches and cursor, prepared ahead (P3)
+        stream = BackgroundStream(stream, cfg.train.prefetch)
     model = parts.family.build_model(cfg, tokenizer.vocab_size)
     model.check_rows(cfg.batch.seq_len)  # refused before anything is written
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
@@ -153,7 +157,8 @@ def run_windows(run: Run, start: int, progress: bool,
     reducer = run.engine.reducer if run.ctx.distributed else None
     windows = agreed_windows(iter(run.stream), cfg.update.accum, reducer, rows=cfg.batch.rows,
                              seq_len=cfg.batch.seq_len, pad_id=run.tokenizer.pad_id)
-    with StopRequest() as stop, collective_guard(run.ctx), run.checkpointer.guard_writes():
+    with StopRequest() as stop, collective_guard(run.ctx), run.checkpointer.guard_writes(), \
+            contextlib.closing(run.stream):  # a background worker stops with the windows
         batches = next(windows, None) if start < steps else None
         ledger, metrics = open_journals()
         reporter = reporter_for(run, start, metrics, progress)

@@ -17,7 +17,13 @@ Figures:
 - ``throughput_ratio``: the two rates' ratio (candidate / baseline);
 - ``rss_small_mb`` / ``rss_large_mb``: peak resident memory of a fresh process that
   trains a tiny decoder for 100 windows from each corpus (``train``, evaluation
-  off); ``rss_ratio`` = large / small (1.0 means the corpus size does not show).
+  off); ``rss_ratio`` = large / small (1.0 means the corpus size does not show);
+- ``step_s_free`` / ``step_s_inline`` / ``step_s_background``: seconds per training
+  window of the same run (the ``RSS_SCRIPT`` model and rows, from the larger corpus)
+  when the batches cost nothing (built beforehand), when they are packed in line,
+  and when they are packed ahead on the worker thread (``train.prefetch = 2``,
+  ``rows.background``), measured in alternating blocks; ``background_step_ratio``
+  and ``inline_step_ratio`` are each against the free data path (1.0 = invisible).
 """
 
 from __future__ import annotations
@@ -158,6 +164,43 @@ def peak_rss_mb(source: Path, out: Path) -> float:
     return json.loads(done.stdout.strip().splitlines()[-1])["maxrss_kb"] / 1024
 
 
+def step_times(source: Path, windows: int, blocks: int) -> dict:
+    """Seconds per window with the data path free, in line and in the background."""
+    from exactstep.config import load_config
+    from exactstep.rows.background import BackgroundStream
+    from exactstep.runner import build_run
+
+    overrides = [f"data.source={source}", "train.steps=100000", "train.device=cpu",
+                 "train.progress=false", "batch.seq_len=256", "batch.rows=8",
+                 "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64"]
+    with tempfile.TemporaryDirectory(prefix="exactstep-steps-") as tmp:
+        run_ = build_run(load_config(None, overrides), Path(tmp) / "run")
+        stream = run_.stream
+        ahead = BackgroundStream(RowStream(run_.data.train, run_.cfg.batch,
+                                           pad_id=run_.tokenizer.pad_id, seed=1,
+                                           vocab_size=run_.tokenizer.vocab_size), 2)
+        free = [stream.next_batch() for _ in range(windows)]
+        sources = {"free": lambda i: free[i], "inline": lambda i: stream.next_batch(),
+                   "background": lambda i: ahead.next_batch()}
+        seconds = {name: [] for name in sources}
+        window = 0
+        for block in range(blocks + 1):  # block 0 warms up
+            order = list(sources) if block % 2 == 0 else list(sources)[::-1]
+            for name in order:
+                t0 = time.perf_counter()
+                for i in range(windows):
+                    run_.engine.run_window([sources[name](i)], window)
+                    window += 1
+                if block:
+                    seconds[name].append((time.perf_counter() - t0) / windows)
+        ahead.close()
+    per = {name: median(v) for name, v in seconds.items()}
+    return {"step_s_free": per["free"], "step_s_inline": per["inline"],
+            "step_s_background": per["background"],
+            "inline_step_ratio": per["inline"] / per["free"],
+            "background_step_ratio": per["background"] / per["free"]}
+
+
 def run(quick: bool) -> dict:
     sizes = QUICK_SIZES_MB if quick else SIZES_MB
     batches = 20 if quick else 60
@@ -169,6 +212,7 @@ def run(quick: bool) -> dict:
         real = packed_tokens(large, batches)
         cand, base = interleaved_times(lambda: packed_tokens(large, batches),
                                        lambda: memmap_tokens(large, real), repeats=3)
+        steps = step_times(large, windows=10 if quick else 20, blocks=2 if quick else 4)
         rss_small = peak_rss_mb(small, root / "run-small")
         rss_large = peak_rss_mb(large, root / "run-large")
         sizes_real = [open_prepared(p, verify=False).splits["train"].info["tokens"] * 2 / 2**20
@@ -184,4 +228,5 @@ def run(quick: bool) -> dict:
         "rss_large_mb": rss_large,
         "rss_ratio": rss_large / rss_small,
         "write_s": write_s,
+        **steps,
     }

@@ -98,6 +98,9 @@ class RowStream:
             self.boundary_targets += sum(max(len(segs) - 1, 0) for segs in batch.segments)
         return batch
 
+    def close(self) -> None:
+        """Nothing to release (``rows.background.BackgroundStream`` has a worker)."""
+
     def state_dict(self) -> dict:
         """JSON-serialisable position after the batches yielded so far (S2)."""
         return {
