@@ -135,7 +135,7 @@ def test_bench_list_is_exactly_the_shipped_benchmarks(capsys) -> None:
     code, out, _ = run_cli(["bench", "list"], capsys)
     assert code == 0
     assert out.split() == ["attention", "checkpoint", "ddp", "families", "gpu", "hf", "loader",
-                           "loss", "packing", "step"]
+                           "loss", "packing", "prepare", "step"]
 
 
 def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
@@ -143,7 +143,7 @@ def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
     assert code == 2
     assert err.strip() == ("error: unknown benchmark 'nosuch'; available: "
                            "attention, checkpoint, ddp, families, gpu, hf, loader, loss, packing, "
-                           "step")
+                           "prepare, step")
 
 
 # ---------------------------------------------------------------- start-up cost (X4)

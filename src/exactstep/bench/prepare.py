@@ -1,0 +1,94 @@
+"""``exactstep prepare`` throughput against the tokenizer's own batch encoder (P1).
+
+The texts: standard-library source files (the built-in corpus, cut into documents
+of at most ``DOC_BYTES`` bytes so the count is fixed), written as one JSONL file. The
+tokenizer: a byte-level BPE of ``VOCAB`` ids trained on the same corpus with
+``exactstep tokenizer train`` (``tokenizers``, offline). Measured in the same run,
+alternating:
+
+- ``prepare_1_tokens_per_s`` / ``prepare_2_tokens_per_s``: tokens written per second
+  by ``prepare`` with 1 and 2 worker processes, end to end (the JSONL streamed, the
+  split, encoding, shards and index written and fsynced, the fingerprint hashed,
+  published atomically; its tokens include each document's BOS and EOS); with 2
+  workers the start-up of the spawned pool (each process imports exactstep and
+  builds the tokenizer) is included;
+- ``encode_batch_tokens_per_s``: the baseline, ``tokenizers.Tokenizer.encode_batch``
+  on the same texts already in memory (Rust, its own thread pool), tokens per second;
+- ``prepare_1_ratio`` / ``prepare_2_ratio``: each against the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from exactstep.bench.common import median
+
+VOCAB = 2048
+DOC_BYTES = 4096
+
+
+def write_texts(path: Path, documents: int) -> list[str]:
+    from exactstep.data.config import DataConfig
+    from exactstep.data.corpus import load_corpus
+
+    corpus = load_corpus(DataConfig(source="stdlib"))
+    texts = [doc.text[:DOC_BYTES] for doc in corpus.train + corpus.val][:documents]
+    with path.open("w", encoding="utf-8") as fh:
+        for text in texts:
+            fh.write(json.dumps({"text": text}) + "\n")
+    return texts
+
+
+def run(quick: bool) -> dict:
+    from exactstep.config import load_config
+    from exactstep.data.bpe import train_bpe_tokenizer
+    from exactstep.data.hf_tokenizer import load_hf_tokenizer
+    from exactstep.prepare import prepare
+
+    documents = 300 if quick else 1500
+    repeats = 1 if quick else 3
+    with tempfile.TemporaryDirectory(prefix="exactstep-bench-prepare-") as tmp:
+        root = Path(tmp)
+        texts = write_texts(root / "texts.jsonl", documents)
+        train_bpe_tokenizer("stdlib", VOCAB, root / "bpe")
+        cfg = load_config(None, ["data.tokenizer=hf", f"data.tokenizer_path={root / 'bpe'}",
+                                 "data.val_fraction=0.05"])
+        hf = load_hf_tokenizer(root / "bpe", path_key="data.tokenizer_path").hf.backend_tokenizer
+        seconds: dict[str, list[float]] = {"prepare_1": [], "prepare_2": [], "encode_batch": []}
+        tokens: dict[str, int] = {}
+        for repeat in range(repeats + 1):  # repeat 0 warms up (page cache, imports)
+            for name in (list(seconds) if repeat % 2 == 0 else list(seconds)[::-1]):
+                out = root / f"out-{name}"
+                shutil.rmtree(out, ignore_errors=True)
+                t0 = time.perf_counter()
+                if name == "encode_batch":
+                    count = sum(len(e.ids) for e in hf.encode_batch(texts,
+                                                                      add_special_tokens=False))
+                else:
+                    meta = prepare(cfg, str(root / "texts.jsonl"), out,
+                                   workers=int(name[-1]), progress=False)
+                    count = sum(s["tokens"] for s in meta["splits"].values())
+                dt = time.perf_counter() - t0
+                if repeat:
+                    seconds[name].append(dt)
+                    tokens[name] = count
+    rates = {name: tokens[name] / median(seconds[name]) for name in seconds}
+    return {
+        "documents": documents, "vocab_size": VOCAB,
+        "tokens": tokens["encode_batch"],
+        "prepare_1_tokens_per_s": rates["prepare_1"],
+        "prepare_2_tokens_per_s": rates["prepare_2"],
+        "encode_batch_tokens_per_s": rates["encode_batch"],
+        "prepare_1_ratio": rates["prepare_1"] / rates["encode_batch"],
+        "prepare_2_ratio": rates["prepare_2"] / rates["encode_batch"],
+    }
+
+
+if __name__ == "__main__":
+    from exactstep.bench.common import format_figures
+
+    print(format_figures("prepare", run(quick=True)))
