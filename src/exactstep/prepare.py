@@ -4,10 +4,12 @@ The source is split exactly as a run splits it (by the hash of each document's
 name, ``data.val_fraction``), each document becomes the example the in-memory path
 would build, and the examples are written in source order into shards of about
 ``shard_tokens`` tokens (a shard closes at the first document boundary at or past
-that size). The layout is ``data.prepared``'s. A JSONL text file is streamed one
-line at a time (with at most ``2 * workers`` chunks in flight), so preparing it
-never holds the corpus in memory; the standard-library corpus, Parquet/Arrow
-sources and chat sources are read by the run's own readers (``data.corpus``,
+that size). The layout is ``data.prepared``'s. A text source other than the
+standard library (a JSONL file; a Parquet or Arrow file; a directory of shards) is
+streamed with at most ``2 * workers`` chunks in flight: a JSONL one line at a time,
+a columnar source one shard file at a time, so preparing it never holds the corpus
+in memory, only the largest shard file. The standard-library corpus (tens of MB)
+and chat sources are read by the run's own readers (``data.corpus``,
 ``rows.sources``), which load them whole.
 
 Invariants:
@@ -48,7 +50,7 @@ import numpy as np
 
 from exactstep.data.chat import template_for
 from exactstep.data.corpus import check_split, iter_jsonl, load_corpus, split_rule, val_bucket
-from exactstep.data.datasets_source import is_dataset_source
+from exactstep.data.datasets_source import is_dataset_source, iter_text_source, shard_files
 from exactstep.data.prepared import (
     FORMAT,
     INDEX_COLUMNS,
@@ -146,13 +148,18 @@ class SourceItems:
 
 
 def read_source(cfg: Any) -> SourceItems:
-    """The source as a run reads it: a JSONL text file streamed line by line (never
-    held in memory), anything else (stdlib, Parquet/Arrow, chat) loaded and split by
-    the run's own readers (``data.corpus``, ``rows.sources``)."""
+    """The source as a run reads it: a text source other than the standard library
+    streamed (``streamed_text``: a JSONL line by line, Parquet/Arrow and shard
+    directories one file at a time); stdlib and chat loaded and split by the run's own
+    readers (``data.corpus``, ``rows.sources``)."""
     path = Path(cfg.data.source)
-    if cfg.data.kind == "text" and cfg.data.source != "stdlib" and path.is_file() \
-            and not is_dataset_source(path):
-        return streamed_jsonl(cfg, path)
+    if cfg.data.kind == "text" and cfg.data.source != "stdlib":
+        if is_dataset_source(path):
+            fmt, _ = shard_files(path)  # refuses a missing path or an unknown format now
+            return streamed_text(cfg, iter_text_source(path, cfg.data.text_field),
+                                 f"{fmt}:{cfg.data.source}")
+        return streamed_text(cfg, iter_jsonl(path, cfg.data.text_field),
+                             f"jsonl:{cfg.data.source}")
     if cfg.data.kind == "chat":
         train, val, rule, _ = split_conversations(cfg)
         info = {"split_rule": rule, "source_fingerprint": conversations_digest(train + val)}
@@ -170,17 +177,17 @@ STREAMED_FINGERPRINT = ("sha256 of, per split (train, val): the split name, its 
                         "UTF-8 text, in file order")
 
 
-def streamed_jsonl(cfg: Any, path: Path) -> SourceItems:
-    """A JSONL text file read one line at a time: empty documents skipped and counted,
-    at most ``data.max_docs`` kept, each split by its name's hash as ``load_corpus``
-    splits it; the fingerprint is ``STREAMED_FINGERPRINT`` (one pass, no list)."""
+def streamed_text(cfg: Any, documents: Iterator[Any], source_name: str) -> SourceItems:
+    """Text documents read one at a time: empty documents skipped and counted, at most
+    ``data.max_docs`` kept, each split by its name's hash as ``load_corpus`` splits it;
+    the fingerprint is ``STREAMED_FINGERPRINT`` (one pass, no list)."""
     data = cfg.data
     hashes = {split: hashlib.sha256() for split in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     skipped = [0]
 
     def pairs() -> Iterator[tuple[str, Any]]:
-        for doc in iter_jsonl(path, data.text_field):
+        for doc in documents:
             if not doc.text:
                 skipped[0] += 1
                 continue
@@ -205,7 +212,7 @@ def streamed_jsonl(cfg: Any, path: Path) -> SourceItems:
         return {"split_rule": split_rule(data.val_fraction),
                 "source_fingerprint": whole.hexdigest(),
                 "source_fingerprint_rule": STREAMED_FINGERPRINT,
-                "skipped_empty": skipped[0], "source_name": f"jsonl:{data.source}"}
+                "skipped_empty": skipped[0], "source_name": source_name}
 
     return SourceItems(pairs(), info, None)
 

@@ -415,11 +415,10 @@ def test_ids_beyond_uint16_are_stored_as_uint32(tmp_path: Path) -> None:
     assert [split.entry(i, 2) for i in range(2)] == [2, 1]  # owned targets after token 0
 
 
-def test_a_streamed_jsonl_gives_the_shards_of_the_runs_own_reader(tmp_path: Path,
-                                                                  monkeypatch) -> None:
+def test_a_streamed_jsonl_gives_the_documents_of_the_runs_own_reader(tmp_path: Path) -> None:
     """The streamed reader (line by line) and ``load_corpus`` (the run's reader, whole
-    file) give the same shard bytes: same documents, same split, same order; empty
-    lines are skipped and ``data.max_docs`` counts kept documents in both."""
+    file) give the same documents, in the same split and order; empty lines are
+    skipped and ``data.max_docs`` counts kept documents in both."""
     from exactstep.data.corpus import load_corpus
 
     items = texts()[:30] + ["", ""] + texts()[30:]
@@ -427,16 +426,52 @@ def test_a_streamed_jsonl_gives_the_shards_of_the_runs_own_reader(tmp_path: Path
     streamed = make(tmp_path, "streamed", items=items, overrides=overrides)
     meta = json.loads((streamed / MANIFEST).read_text())
     assert "source_fingerprint_rule" in meta and meta["skipped_empty"] == 2
-    monkeypatch.setattr(prepare_module, "is_dataset_source", lambda path: True)
-    loaded = make(tmp_path, "loaded", items=items, overrides=overrides)
-    assert "source_fingerprint_rule" not in json.loads((loaded / MANIFEST).read_text())
-    shards = {k: v for k, v in files(streamed).items() if k != MANIFEST}
-    assert shards == {k: v for k, v in files(loaded).items() if k != MANIFEST}
     corpus = load_corpus(load_config(None, [f"data.source={tmp_path / 'corpus.jsonl'}",
                                             "data.val_fraction=0.2", *overrides]).data)
-    docs = PreparedDocuments(open_prepared(streamed).splits["train"], 8)
-    assert [bytes(docs[i].tokens[1:-1].astype(np.uint8)) for i in range(len(docs))] == \
-        [d.text.encode("utf-8") for d in corpus.train]
+    splits = open_prepared(streamed).splits
+    for split, expected in (("train", corpus.train), ("val", corpus.val)):
+        docs = PreparedDocuments(splits[split], 8)
+        assert [bytes(docs[i].tokens[1:-1].astype(np.uint8)) for i in range(len(docs))] == \
+            [d.text.encode("utf-8") for d in expected], split
+
+
+def test_parquet_shards_are_streamed_one_file_at_a_time(tmp_path: Path, monkeypatch) -> None:
+    """A directory of Parquet shards: the prepared documents are ``load_corpus``'s (same
+    names, so the same split), and reading is lazy: when the first document is handed
+    over only the first shard file has been read (P1: memory bounded by one file)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from exactstep.data import datasets_source
+    from exactstep.data.corpus import load_corpus
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    all_texts = texts(60)
+    for k in range(3):
+        pq.write_table(pa.table({"text": all_texts[k * 20:(k + 1) * 20]}),
+                       shards / f"train-{k:05d}-of-00003.parquet")
+    cfg = load_config(None, ["data.val_fraction=0.2"])
+    out = tmp_path / "prepared"
+    prepare(cfg, str(shards), out, shard_tokens=900, block_documents=8, progress=False)
+    meta = json.loads((out / MANIFEST).read_text())
+    assert meta["source_name"] == f"parquet:{shards}"
+    corpus = load_corpus(load_config(None, [f"data.source={shards}",
+                                            "data.val_fraction=0.2"]).data)
+    splits = open_prepared(out).splits
+    for split, expected in (("train", corpus.train), ("val", corpus.val)):
+        docs = PreparedDocuments(splits[split], 8)
+        assert [bytes(docs[i].tokens[1:-1].astype(np.uint8)).decode() for i in range(len(docs))] \
+            == [d.text for d in expected], split
+    read = []
+    real_load = datasets_source.load_file
+    monkeypatch.setattr(datasets_source, "load_file",
+                        lambda ds, file, fmt, cache: read.append(file.name)
+                        or real_load(ds, file, fmt, cache))
+    documents = datasets_source.iter_text_source(shards)
+    first = next(documents)
+    assert first.name == "train-00000-of-00003.parquet#0"
+    assert read == ["train-00000-of-00003.parquet"]
+    assert sum(1 for _ in documents) == 59 and len(read) == 3
 
 
 def test_parallel_encoding_keeps_a_bounded_number_of_chunks_in_flight() -> None:

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from exactstep.data.chat import Conversation, parse_conversation
-from exactstep.data.corpus import Document, read_jsonl
+from exactstep.data.corpus import Document, iter_jsonl, read_jsonl
 from exactstep.data.jsonl import records, unicode_text
 from exactstep.data.weights import WEIGHT_FIELD, parse_weight
 from exactstep.errors import ConfigError, DataError
@@ -170,6 +170,26 @@ def read_text_source(path: Path, text_field: str = "text") -> tuple[str, list[Do
                     documents += table_documents(table, file, label_of(file, path), text_field)
     require_rows(path, fmt, files, len(documents))
     return fmt, documents
+
+
+def iter_text_source(path: Path, text_field: str = "text") -> Iterator[Document]:
+    """The documents ``read_text_source`` returns, in the same order and with the same
+    names, holding one shard file in memory at a time (``exactstep prepare``, P1).
+
+    Unlike ``read_text_source`` it cannot refuse a source whose every file is empty
+    before the first document: the caller counts what it was given.
+    """
+    fmt, files = shard_files(path)
+    if fmt == "jsonl":
+        for file in files:
+            yield from iter_jsonl(file, text_field, label=label_of(file, path))
+        return
+    with columnar_reader() as read:
+        for file in files:
+            table = read(file, fmt)
+            if table is not None:
+                yield from table_documents(table, file, label_of(file, path), text_field)
+                del table  # the next file replaces it, never joins it
 
 
 def table_documents(table: Table, file: Path, label: str, field: str) -> list[Document]:
