@@ -129,6 +129,7 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("arith.min_follow_ups", (0, 1), (-1,), ">= 0", ()),
     ("arith.max_follow_ups", (1, 9), (0,), ">= arith.min_follow_ups (1)", ()),
     ("arith.max_new_tokens", (1,), (0,), ">= 1", ()),
+    ("permutation.predict_one_in", (1,), (0, -1), ">= 1", ()),
 ]
 
 

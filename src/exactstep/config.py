@@ -35,6 +35,7 @@ from exactstep.parallel.config import ParallelConfig
 from exactstep.ranges import INT64_MAX, at_least, between, check, check_finite, check_int
 from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
+from exactstep.rows.permutation import PermutationConfig
 from exactstep.state.config import CheckpointConfig
 from exactstep.tracking import LogConfig
 from exactstep.update.config import NumericsConfig, UpdateConfig
@@ -74,7 +75,8 @@ class RunConfig:
     """The whole run. ``seed`` seeds every stream (data order, init, dropout).
 
     ``chat`` (ownership policy, R5) and ``arith`` (the built-in SFT demo) only matter
-    when ``data.kind = "chat"``.
+    when ``data.kind = "chat"``. ``permutation`` (the partial-prediction cutoff,
+    ``rows.permutation``) only matters when ``objective.family = "permutation"``.
     """
 
     seed: int = 0
@@ -91,6 +93,7 @@ class RunConfig:
     arith: ArithSpec = field(default_factory=ArithSpec)
     log: LogConfig = field(default_factory=LogConfig)
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)
+    permutation: PermutationConfig = field(default_factory=PermutationConfig)
 
     def __post_init__(self) -> None:
         # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits

@@ -165,6 +165,7 @@ BUILT: dict[str, str] = {
     "causal": "exactstep.families:CAUSAL_FAMILY",
     "chat": "exactstep.families:CHAT_FAMILY",
     "scheduled_sampling": "exactstep.families:SCHEDULED_SAMPLING_FAMILY",
+    "permutation": "exactstep.rows.permutation:FAMILY",
 }
 
 

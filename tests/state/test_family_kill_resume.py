@@ -35,6 +35,8 @@ FAMILIES = {
     "scheduled_sampling": {"objective.family": "scheduled_sampling",
                            "scheduled_sampling.schedule": "linear",
                            "scheduled_sampling.slope": 0.1, "scheduled_sampling.floor": 0.5},
+    # every piece's factorisation order is drawn; half of each order is predicted
+    "permutation": {"objective.family": "permutation", "permutation.predict_one_in": 2},
 }
 
 

@@ -1,0 +1,309 @@
+"""The permutation-LM compiler (XLNet-style, R8): factorisation orders over natural positions.
+
+A permutation language model factorises ``p(x) = prod_t p(x_(z_t) | x_(z_<t))`` over a
+sampled order ``z`` of a segment's positions. The tokens are never moved: the input
+ids, positions and segment ids of a row are exactly those of the causal compiler
+(``rows.causal``: positions restart per segment under ``batch.positions = "reset"``),
+and the order is carried as ``Batch.order[b, i]``, column ``i``'s rank in its
+segment's order. The model (``model.permutation``) realises it with two streams whose
+visibility is a function of ``segment_ids`` and ``order`` only.
+
+One segment holding tokens ``[a, a + L)`` of an example, at columns ``[c, c + L)``:
+
+- **context and free tokens.** A token that is not an owned target of its example
+  (``Example.owned``; for text: token 0, the BOS, of the example's first piece) is
+  *context*: it is placed first in the order, in natural order, and never predicted.
+  Every other token is *free*.
+- **the order.** ``z`` = the context columns in natural order, then the free columns
+  in a uniformly random order drawn by ``draw_order`` from
+  ``numpy.random.default_rng([seed, ORDER_TAG, piece.epoch, example_id, piece])``
+  (PCG64; ``Generator.permutation``), so packing, sharding over ranks, evaluation
+  and resume never change an example's order (the draw depends on nothing else).
+  ``order[c + k]`` = the rank of column ``c + k`` in ``z``: a permutation of
+  ``0 .. L-1`` per segment.
+- **the cutoff (partial prediction).** The last ``n = min(ceil(F / K), L - 1)`` columns
+  of ``z`` are predicted, where ``F`` is the number of free tokens and ``K =
+  permutation.predict_one_in`` (XLNet's K; 6 by default, 1 = every free token). The
+  ``L - 1`` cap keeps rank 0 unpredicted, so every prediction has context (for a
+  continuation piece, which has no BOS, its first token in ``z`` is context).
+- **labels.** ``labels[c + k]`` = the token at that column itself when it is
+  predicted (no shift: the target is the token at the position, predicted by the
+  query stream, which never sees its own content), else ``IGNORE_INDEX``. So BOS is
+  never predicted, EOS is a free token like any other (predictable), and padding
+  (input ``pad_id``, position 0, segment 0, order 0) owns nothing.
+- **weights** (L3): every column of the segment carries its example's weight.
+
+``batch.boundary = "keep"`` has no meaning here (no target crosses a segment) and is
+refused by ``PermutationCompiler`` when it is built.
+
+``check`` adds to the R7 checks: every segment's ``order`` is a permutation of its
+ranks, every supervised label is the token at its own column, rank 0 is never
+supervised, and the supervised columns are exactly the last ones of the order.
+
+The family (``FAMILY``) trains ``model.permutation.TwoStreamDecoder`` on text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from exactstep.errors import BatchInvariantError, ConfigError
+from exactstep.families import DEFAULT_SOURCE, Family
+from exactstep.ranges import at_least, check
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+from exactstep.rows.causal import example_weight
+from exactstep.rows.config import BatchConfig
+from exactstep.rows.example import Example
+from exactstep.rows.invariants import check_batch, fail_at, where
+from exactstep.rows.packing import Piece
+
+#: The second word of every order draw's address: ``b"perm"`` as an integer, so these
+#: draws never coincide with another family's draws at the same (seed, epoch, example).
+ORDER_TAG = 0x7065726D
+
+
+@dataclass(frozen=True, kw_only=True)
+class PermutationConfig:
+    """The ``[permutation]`` section (R8): the permutation LM's partial prediction.
+
+    ``predict_one_in`` (K >= 1): the last ``ceil(F / K)`` free tokens of each
+    segment's factorisation order are predicted (F: the segment's free tokens, i.e.
+    its owned targets; capped at ``length - 1`` so the first token of the order is
+    always context). 6 is XLNet's K; 1 predicts every free token.
+    """
+
+    predict_one_in: int = 6
+
+    def __post_init__(self) -> None:
+        check("permutation.predict_one_in", self.predict_one_in, at_least(1))
+
+
+def settings_of(cfg: Any) -> PermutationConfig:
+    """The run's ``permutation`` section, or the defaults when the config has none."""
+    return getattr(cfg, "permutation", None) or PermutationConfig()
+
+
+def draw_order(n: int, *, seed: int, epoch: int, example_id: int, piece: int) -> np.ndarray:
+    """The random order of a segment's ``n`` free tokens: ``int64 [n]``, a permutation of
+    ``0 .. n-1`` from a generator addressed by ``(seed, ORDER_TAG, epoch, example_id,
+    piece)`` alone (see module doc)."""
+    rng = np.random.default_rng([seed, ORDER_TAG, epoch, example_id, piece])
+    return rng.permutation(n).astype(np.int64)
+
+
+def predicted_count(free: int, length: int, predict_one_in: int) -> int:
+    """``min(ceil(free / K), length - 1)``, in integers (never below 0)."""
+    return max(0, min(-(-free // predict_one_in), length - 1))
+
+
+def segment_order(
+    example: Example, piece: Piece, *, seed: int, predict_one_in: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(rank [L], predicted [L] bool)`` of one segment, indexed by its columns."""
+    a, length = piece.offset, piece.length
+    if example.owned is None:
+        free = np.arange(a, a + length) >= 1  # every token but the example's first
+    else:
+        free = np.asarray(example.owned[a : a + length], dtype=bool)
+    context_cols = np.flatnonzero(~free)
+    free_cols = np.flatnonzero(free)
+    shuffled = free_cols[draw_order(len(free_cols), seed=seed, epoch=piece.epoch,
+                                    example_id=example.example_id, piece=piece.piece)]
+    z = np.concatenate([context_cols, shuffled])  # [L] columns in factorisation order
+    rank = np.empty(length, dtype=np.int64)
+    rank[z] = np.arange(length, dtype=np.int64)
+    n = predicted_count(len(free_cols), length, predict_one_in)
+    predicted = rank >= length - n
+    return rank, predicted
+
+
+class PermutationCompiler:
+    """Rows of pieces -> a permutation-LM ``Batch`` (see module doc)."""
+
+    name = "permutation"
+
+    def __init__(self, *, seed: int, predict_one_in: int = 6) -> None:
+        check("permutation.predict_one_in", predict_one_in, at_least(1))
+        self.seed = seed
+        self.predict_one_in = predict_one_in
+
+    def capacity(self, cfg: BatchConfig) -> int:
+        return cfg.seq_len
+
+    def compile(
+        self,
+        rows: Sequence[Sequence[Piece]],
+        examples: Sequence[Example],
+        cfg: BatchConfig,
+        *,
+        pad_id: int,
+        weighted: bool,
+    ) -> Batch:
+        require_ignore_boundary(cfg)
+        n_rows, seq_len = len(rows), cfg.seq_len
+        input_ids = np.full((n_rows, seq_len), pad_id, dtype=np.int64)  # [B, T]
+        labels = np.full((n_rows, seq_len), IGNORE_INDEX, dtype=np.int64)  # [B, T]
+        position_ids = np.zeros((n_rows, seq_len), dtype=np.int64)  # [B, T]
+        segment_ids = np.zeros((n_rows, seq_len), dtype=np.int32)  # [B, T]
+        order = np.zeros((n_rows, seq_len), dtype=np.int64)  # [B, T]
+        weights = np.zeros((n_rows, seq_len), dtype=np.float32) if weighted else None
+        columns = np.arange(seq_len, dtype=np.int64)  # [T]
+        all_segments = []
+        for r, row in enumerate(rows):
+            segments, start = [], 0
+            for s, piece in enumerate(row, start=1):
+                example = examples[piece.example]
+                a, length, stop = piece.offset, piece.length, start + piece.length
+                tokens = example.tokens[a : a + length]
+                rank, predicted = segment_order(example, piece, seed=self.seed,
+                                                predict_one_in=self.predict_one_in)
+                input_ids[r, start:stop] = tokens
+                labels[r, start:stop] = np.where(predicted, tokens, IGNORE_INDEX)
+                order[r, start:stop] = rank
+                position_ids[r, start:stop] = (
+                    columns[:length] if cfg.positions == "reset" else columns[start:stop])
+                segment_ids[r, start:stop] = s
+                if weights is not None:
+                    weights[r, start:stop] = example_weight(example)
+                segments.append(Segment(example.example_id, piece.piece, a, start, length))
+                start = stop
+            all_segments.append(tuple(segments))
+        return Batch(
+            input_ids=torch.from_numpy(input_ids),
+            labels=torch.from_numpy(labels),
+            position_ids=torch.from_numpy(position_ids),
+            segment_ids=torch.from_numpy(segment_ids),
+            segments=tuple(all_segments),
+            weights=None if weights is None else torch.from_numpy(weights),
+            order=torch.from_numpy(order),
+        )
+
+    def check(self, batch: Batch, vocab_size: int | None, cfg: BatchConfig) -> None:
+        """R7 plus the permutation checks of the module doc; ``BatchInvariantError``
+        naming the row address."""
+        check_batch(batch, vocab_size, "keep")  # no target crosses a segment here
+        check_order(batch)
+
+    def render(self, batch: Batch, tokenizer: Any, rows: range) -> str:
+        """``exactstep inspect``: each column's rank in its segment's order, its target,
+        and the ranks each stream sees."""
+        from exactstep.rows.inspect import token_label
+
+        chosen = [b for b in rows if 0 <= b < batch.shape[0]]
+        if not chosen:
+            return f"no rows in {rows.start}:{rows.stop}; the batch has rows 0:{batch.shape[0]}"
+        return "\n\n".join(render_row(batch, b, lambda t: token_label(tokenizer, t))
+                           for b in chosen)
+
+
+def require_ignore_boundary(cfg: BatchConfig) -> None:
+    if cfg.boundary != "ignore":
+        raise ConfigError(
+            "objective.family = 'permutation' predicts tokens inside their own segment; "
+            "batch.boundary = 'keep' has no meaning there: set batch.boundary = 'ignore'"
+        )
+
+
+def check_order(batch: Batch) -> None:
+    """The permutation checks of ``PermutationCompiler.check`` (see module doc)."""
+    order = batch.order
+    if order is None or tuple(order.shape) != batch.shape:
+        shape = None if order is None else tuple(order.shape)
+        raise BatchInvariantError(
+            f"a permutation-LM batch needs order of shape {batch.shape}; got {shape}")
+    supervised = batch.labels != IGNORE_INDEX  # [B, T]
+    fail_at(batch, supervised & (batch.labels != batch.input_ids),
+            "label {value} is not the token at its own column (a permutation-LM target is "
+            "the token at the predicted position)", batch.labels)
+    fail_at(batch, supervised & (order == 0),
+            "the first token of the factorisation order is supervised (label {value}): it "
+            "would be predicted with no context", batch.labels)
+    ranks_of, owned_of = order.numpy(), supervised.numpy()  # host tensors: no copy
+    for b, segments in enumerate(batch.segments):
+        for seg in segments:
+            ranks = ranks_of[b, seg.start : seg.stop]
+            owned = owned_of[b, seg.start : seg.stop]
+            if not np.array_equal(np.sort(ranks), np.arange(seg.length)):
+                raise BatchInvariantError(
+                    f"{where(batch, b, seg.start)}: the segment's order {ranks.tolist()} is "
+                    f"not a permutation of 0..{seg.length - 1}")
+            n = int(owned.sum())
+            if n and not np.array_equal(owned, ranks >= seg.length - n):
+                raise BatchInvariantError(
+                    f"{where(batch, b, seg.start)}: the supervised columns are not the last "
+                    f"{n} of the factorisation order (the partial-prediction cutoff)")
+
+
+def render_row(batch: Batch, b: int, show) -> str:
+    """One row of ``render``: per column its segment, position, rank, input, target."""
+    inputs, labels = batch.input_ids[b].tolist(), batch.labels[b].tolist()
+    ranks, positions = batch.order[b].tolist(), batch.position_ids[b].tolist()
+    segment_ids = batch.segment_ids[b].tolist()
+    segments = batch.segments[b]
+    lines = [f"row {b}: {len(segments)} segment(s), "
+             f"{sum(label != IGNORE_INDEX for label in labels)} predicted tokens "
+             "(target = the token at its own column; tokens stay in natural order)"]
+    for s, seg in enumerate(segments, start=1):
+        z = sorted(range(seg.start, seg.stop), key=lambda col: ranks[col])
+        lines.append(f"  segment {s}: example {seg.example_id} piece {seg.piece} tokens "
+                     f"{seg.offset}..{seg.offset + seg.length - 1} at cols "
+                     f"{seg.start}..{seg.stop - 1}; order (columns) {' '.join(map(str, z))}")
+    shown = [show(t) for t in inputs]
+    targets = ["·" if label == IGNORE_INDEX else show(label) for label in labels]
+    w = max(8, *map(len, shown), *map(len, targets))
+    lines.append(f"  {'col':>4} {'seg':>3} {'pos':>4} {'rank':>4}  {'input':<{w}}   "
+                 f"{'target':<{w}} content sees / query sees (same segment)")
+    for col in range(len(labels)):
+        if segment_ids[col] == 0:
+            seen = "itself / nothing (padding)"
+        elif ranks[col] == 0:
+            seen = "rank 0 / nothing"
+        else:
+            seen = f"ranks <= {ranks[col]} / ranks < {ranks[col]}"
+        lines.append(f"  {col:>4} {segment_ids[col]:>3} {positions[col]:>4} {ranks[col]:>4}  "
+                     f"{shown[col]:<{w}} → {targets[col]:<{w}} {seen}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the family
+
+
+def permutation_compiler(cfg: Any, tokenizer: Any) -> PermutationCompiler:
+    """The run's compiler; refuses settings the family cannot honour (``ConfigError``)."""
+    require_ignore_boundary(cfg.batch)
+    return PermutationCompiler(seed=cfg.seed, predict_one_in=settings_of(cfg).predict_one_in)
+
+
+def permutation_objective(cfg: Any) -> dict[str, Any]:
+    """The manifest's ``objective`` section (S1): what identifies the objective (the
+    factorisation program, its cutoff and RNG address, the streams, no memory)."""
+    k = settings_of(cfg).predict_one_in
+    return {
+        "family": "permutation_lm",
+        "shift_owner": "collator",
+        "ownership": f"last ceil(free/{k}) tokens of each segment's factorisation order",
+        "estimator": "teacher_forced_mle",
+        "predict_one_in": k,
+        "factorisation": "context tokens first in natural order, then a uniform "
+                         "permutation of the free tokens",
+        "order_rng": f"numpy PCG64 default_rng([seed, {ORDER_TAG:#x}, epoch, example_id, "
+                     "piece]).permutation",
+        "positions": "natural",
+        "streams": "two_stream (content: ranks <= own; query: ranks < own; shared weights)",
+        "memory": "none",
+    }
+
+
+def build_permutation_model(cfg: Any, vocab_size: int) -> Any:
+    from exactstep.model.permutation import build_two_stream
+
+    return build_two_stream(cfg.model, vocab_size, seed=cfg.seed)
+
+
+FAMILY = Family("permutation", "decoder", "text", DEFAULT_SOURCE, permutation_compiler,
+                permutation_objective, build_permutation_model)
