@@ -68,6 +68,7 @@ def test_one_probe_can_be_run_alone(capsys) -> None:
     ("python:collections:OrderedDict", "without build, logits, train"),
     ("python:broken_target:make", "does not import: ZeroDivisionError"),
     ("hf-trainer:bogus", "hf-trainer"),  # an unknown collator (or no transformers)
+    ("trl-sft:bogus", "trl-sft"),  # an unknown variant (or no trl)
 ])
 def test_a_target_that_cannot_be_had_is_one_error_line(target, needle, tmp_path,
                                                       monkeypatch, capsys) -> None:
