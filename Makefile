@@ -31,13 +31,17 @@ gpu-smoke-dry-run: $(STAMP)
 	$(BIN)/exactstep bench gpu --dry-run --json
 
 # Conformance probes (A1) on the engine, the two example loops and Hugging Face Trainer
-# (the [hf] extra); AUDIT.md holds the HF table. The HF targets fail probes: not an error here.
+# and trl's SFTTrainer (the [hf] extra); AUDIT.md holds their table. The HF targets fail probes: not an error here.
 audit: $(STAMP)
 	$(BIN)/exactstep audit --target exactstep
 	$(BIN)/exactstep audit --target python:exactstep.audit.examples.nanogpt:make
 	$(BIN)/exactstep audit --target python:exactstep.audit.examples.annotated:make
 	-$(BIN)/exactstep audit --target hf-trainer
 	-$(BIN)/exactstep audit --target hf-trainer:flattening
+	-$(BIN)/exactstep audit --target trl-sft
+	-$(BIN)/exactstep audit --target trl-sft:assistant_only_loss
+	-$(BIN)/exactstep audit --target trl-sft:padding_free
+	-$(BIN)/exactstep audit --target trl-sft:packing
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -96,8 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="conformance probes against a training step (A1)")
     audit.add_argument("--target", required=True, metavar="T",
                        help="exactstep (this engine), python:MODULE:FUNCTION (FUNCTION() "
-                            "returns an exactstep.audit.TrainingStep), or hf-trainer"
-                            "[:padding|flattening] (Hugging Face Trainer and its collator)")
+                            "returns an exactstep.audit.TrainingStep), hf-trainer"
+                            "[:padding|flattening] (Hugging Face Trainer and its collator), "
+                            "or trl-sft[:completion_only_loss|assistant_only_loss|"
+                            "padding_free|packing] (trl's SFTTrainer)")
     audit.add_argument("--json", action="store_true", help="print one JSON object")
     audit.add_argument("--report", metavar="FILE.html",
                        help="also write a self-contained HTML report")

@@ -99,6 +99,11 @@ class MeanOfMicrobatchMeans(NanoGPTLoop):
         return self.loss_sum(logits, y) / (y != IGNORE).sum() / n_micro
 
 
+class RankLocalTokenMean(NanoGPTLoop):
+    def global_count(self, n: int) -> int:
+        return n  # BUG: each rank divides by its own targets; DDP then averages the means
+
+
 class FirstMicrobatchSteps(AnnotatedLoop):
     @staticmethod
     def closes(i: int, n: int, accum_iter: int) -> bool:
@@ -365,15 +370,9 @@ class LambdaLRStepsOnSkip(AnnotatedLoop):
 
 
 class ZeroTargetWindowSteps(NanoGPTLoop):
-    def train_window(self, window: Sequence[Microbatch]) -> float | None:
-        batches = [self.get_batch(mb) for mb in window]
-        n_tokens = max(sum(int((y != IGNORE).sum()) for *_, y in batches), 1)  # BUG
-        total = 0.0
-        for x, pos, docs, y in batches:
-            loss = self.micro_loss(self.module(x, pos, docs), y, n_tokens, len(batches))
-            self.scaler.scale(loss).backward()
-            total += loss.item()
-        return self.close_window(total)  # steps (weight decay moves) and logs 0.0
+    def global_count(self, n: int) -> int:
+        # BUG: "avoid 0 / 0": a window without targets steps (weight decay moves) and logs 0.0
+        return max(super().global_count(n), 1)
 
 
 # -- modes and evaluation (E1, L5) ------------------------------------------------------

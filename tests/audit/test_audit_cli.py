@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from exactstep.audit.probes import PROBES
 from exactstep.cli import main
 
 WRONG = "python:audit_wrong_loops:"  # tests/audit is importable under pytest
@@ -25,7 +26,7 @@ def test_the_engine_passes_and_json_is_one_object(capsys) -> None:
     assert len(out.strip().splitlines()) == 1
     report = json.loads(out)
     assert report["ok"] is True and report["target"] == "exactstep"
-    assert report["counts"] == {"PASS": 20, "FAIL": 0, "N/A": 2, "ERROR": 0}
+    assert report["counts"] == {"PASS": 21, "FAIL": 0, "N/A": 2, "ERROR": 0}
     first = report["probes"][0]
     assert {"probe", "contract", "status", "expected", "observed", "fix"} <= set(first)
 
@@ -46,7 +47,7 @@ def test_the_html_report_is_self_contained_with_plots(tmp_path, capsys) -> None:
                           str(page)], capsys)
     assert code == 1
     text = page.read_text(encoding="utf-8")
-    assert text.startswith("<!DOCTYPE html>") and text.count("<tr class=") == 22
+    assert text.startswith("<!DOCTYPE html>") and text.count("<tr class=") == len(PROBES)
     assert text.count("<svg") >= 10  # one plot per numeric probe
     assert "fix: clip once by the global norm" in text
     # nothing is fetched: the only URL is the SVG namespace
@@ -68,6 +69,7 @@ def test_one_probe_can_be_run_alone(capsys) -> None:
     ("python:collections:OrderedDict", "without build, logits, train"),
     ("python:broken_target:make", "does not import: ZeroDivisionError"),
     ("hf-trainer:bogus", "hf-trainer"),  # an unknown collator (or no transformers)
+    ("trl-sft:bogus", "trl-sft"),  # an unknown variant (or no trl)
 ])
 def test_a_target_that_cannot_be_had_is_one_error_line(target, needle, tmp_path,
                                                       monkeypatch, capsys) -> None:

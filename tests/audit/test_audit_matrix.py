@@ -21,7 +21,9 @@ from exactstep.audit.run import run_audit
 # Probes whose expectation is the declared update itself: any loss bug moves them.
 UPDATE = {"shift", "eos_target", "padding", "accumulation", "remainder", "packed_documents",
           "chat_ownership", "label_smoothing", "clip_global_norm", "scaled_clip",
-          "adamw_decoupled", "nonfinite_skip"}
+          "adamw_decoupled", "nonfinite_skip", "ddp_token_mean"}
+# The Annotated-Transformer loop does not declare data-parallel training: N/A there.
+DATA_PARALLEL = {"ddp_token_mean"}
 # Probes that compare evaluate()'s numbers with the declared loss.
 EVAL_VALUES = {"eval_mode", "perplexity"}
 # A loop that never changes a parameter: every probe that needs an update.
@@ -32,7 +34,8 @@ EXPECTED: dict[str, set[str]] = {
     "NoShift": UPDATE | EVAL_VALUES,
     "ReversedShift": UPDATE | EVAL_VALUES,
     "DoubleShift": UPDATE,  # its evaluate() does not use the doubly shifted loss
-    "LabelsAsDecoderInput": UPDATE | EVAL_VALUES | {"prompt_visible"},  # prompt fed as PAD
+    "LabelsAsDecoderInput": UPDATE - DATA_PARALLEL | EVAL_VALUES | {"prompt_visible"},  # prompt
+    # fed as PAD
     "DropEos": {"eos_target"},
     "ProbabilitiesIntoCrossEntropy": UPDATE,  # its evaluate() scores the logits themselves
     # padding and the denominator (L3)
@@ -42,7 +45,8 @@ EXPECTED: dict[str, set[str]] = {
     "CountsTgt": {"padding", "packed_documents", "chat_ownership", "label_smoothing",
                   "zero_target_window"},
     # the window (U1)
-    "MeanOfMicrobatchMeans": {"accumulation"},
+    "MeanOfMicrobatchMeans": {"accumulation", "ddp_token_mean"},  # a rank is a microbatch
+    "RankLocalTokenMean": {"ddp_token_mean"},
     "FirstMicrobatchSteps": {"accumulation", "remainder"},
     "DropRemainder": {"remainder"},
     "NoRemainderClose": {"remainder"},
@@ -109,8 +113,16 @@ def failing(report) -> set[str]:
 
 @pytest.mark.parametrize("name", sorted(CORRECT))
 def test_a_correct_example_loop_passes_every_probe(name: str) -> None:
+    """The Annotated-Transformer loop declares no data-parallel training: that probe is
+    N/A with its reason, every other passes."""
     report = run_audit(CORRECT[name]())
-    assert [(r.probe, r.status, r.observed) for r in report.results if r.status != PASS] == []
+    not_passed = {r.probe: r.observed for r in report.results if r.status != PASS}
+    if name == "annotated":
+        assert set(not_passed) == DATA_PARALLEL, not_passed
+        assert "does not declare data-parallel" in not_passed["ddp_token_mean"]
+        assert all(r.status == NA for r in report.results if r.probe in DATA_PARALLEL)
+    else:
+        assert not_passed == {}
     assert report.ok
 
 

@@ -5,7 +5,9 @@ Everything the probes measure runs through the production path: documents become
 shift, ownership, position reset, segment ids; R1-R3, R5), the built-in ``Decoder``,
 the window transaction ``UpdateEngine.run_window`` (plan, token mean, unscale, clip,
 skip, schedule; U1-U6), ``exactstep.eval.evaluate`` (E1, L5) and the checkpoint
-store with RNG capture (S2). The adapter only translates data and settings.
+store with RNG capture (S2); under a process group (the data-parallel probe) the
+engine is one rank of a DDP job through ``distribute_engine`` (D1, D5). The adapter
+only translates data and settings.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from exactstep.audit.protocol import Microbatch, ProbeSpec
 from exactstep.eval import evaluate
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig
+from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.process_group import DistContext
+from exactstep.parallel.window import distribute_engine
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.causal import compile_causal_batch
 from exactstep.rows.example import Example
@@ -41,6 +47,7 @@ class ExactstepStep:
     """``TrainingStep`` over ``UpdateEngine`` and the built-in decoder."""
 
     smoothing_convention = "harvard"
+    data_parallel = True  # under a process group: one rank, distribute_engine (D1, D5)
 
     def build(self, spec: ProbeSpec) -> None:
         self.spec = spec
@@ -62,6 +69,10 @@ class ExactstepStep:
             ObjectiveConfig(label_smoothing=spec.label_smoothing, smoothing="harvard"),
             device=DEVICE, pad_id=spec.pad_id,
         )
+        if dist.is_initialized():  # a rank of the audit's data-parallel probe
+            ctx = DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                              local_rank=dist.get_rank(), device=DEVICE, backend="gloo")
+            distribute_engine(self.engine, ctx, ParallelConfig())
         self.window = 0
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -72,8 +72,18 @@ class HFTrainerStep:
 
     def make_trainer(self, spec: ProbeSpec):  # noqa: ANN201
         from transformers import TrainingArguments
+        from transformers.trainer_callback import PrinterCallback
 
-        args = TrainingArguments(
+        args = TrainingArguments(**self.arguments(spec))
+        trainer = probe_trainer_class()(model=self.module, args=args,
+                                        data_collator=self.data_collator())
+        trainer.remove_callback(PrinterCallback)  # the audit prints its own table
+        return trainer
+
+    def arguments(self, spec: ProbeSpec) -> dict:
+        """``TrainingArguments`` for ``spec``, as users set them (the ``trl`` target
+        passes the same to ``SFTConfig``)."""
+        return dict(
             output_dir=self.workdir.name, per_device_train_batch_size=1,
             gradient_accumulation_steps=spec.accum, learning_rate=spec.lr,
             lr_scheduler_type="constant_with_warmup" if spec.warmup else "constant",
@@ -87,12 +97,6 @@ class HFTrainerStep:
             dataloader_num_workers=0, remove_unused_columns=False,
             fp16=spec.loss_scale is not None and torch.cuda.is_available(),
         )
-        from transformers.trainer_callback import PrinterCallback
-
-        trainer = probe_trainer_class()(model=self.module, args=args,
-                                        data_collator=self.data_collator())
-        trainer.remove_callback(PrinterCallback)  # the audit prints its own table
-        return trainer
 
     def data_collator(self):  # noqa: ANN201
         from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening

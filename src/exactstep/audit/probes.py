@@ -14,6 +14,7 @@ expected parameter change; a probe that allows mixed precision says so.
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 import time
@@ -199,6 +200,105 @@ def accumulation(step: TrainingStep) -> Measure:
 def remainder(step: TrainingStep) -> Measure:
     mbs = [plain_rows(seed=10 + i, n=1, length=6) for i in range(3)]
     return update_probe(step, replace(SPEC, accum=2), mbs)
+
+
+WORLD = 2  # ranks of the data-parallel probe (gloo, one host)
+DDP_TIMEOUT_S = 60.0
+
+
+def ddp_token_mean(step: TrainingStep) -> Measure:
+    """Two ranks with unequal target counts (18 and 3) take one window each: the update
+    must be one process's over both microbatches as one window (D5, D1)."""
+    if not getattr(step, "data_parallel", False):
+        raise NotApplicable("the target does not declare data-parallel training "
+                            "(TrainingStep.data_parallel)")
+    g = gen(40)
+    ranks = [data.single([data.text(g, 10, SPEC) for _ in range(2)], SPEC),
+             data.single([data.text(g, 4, SPEC)], SPEC)]
+    step.build(SPEC)
+    before = ref.snapshot(step.module)
+    expected = ref.reference_sgd(step, ranks, replace(SPEC, accum=WORLD))
+    observed = run_ranks(step, SPEC, ranks)
+    for rank, params in enumerate(observed[1:], start=1):
+        if any(not torch.equal(params[n], observed[0][n]) for n in params):
+            return Measure(False, "every rank holds the same parameters",
+                           f"rank {rank}'s parameters differ from rank 0's")
+    err, e, o = deviation(before, expected, observed[0])
+    return Measure(err <= RTOL, f"update within {RTOL:.0e} of one process over the "
+                   "global window", f"deviation {err:.2e}", e, o)
+
+
+def run_ranks(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Microbatch]
+              ) -> list[dict[str, torch.Tensor]]:
+    """Each rank ``r`` (a forked process in a gloo group) builds ``step`` from ``spec``
+    and trains on ``[microbatches[r]]``; their parameters afterwards, by rank.
+
+    A rank that raises, or a job that exceeds ``DDP_TIMEOUT_S``, is a ``TargetFault``
+    naming the rank's error."""
+    import torch.multiprocessing as mp
+
+    from exactstep.parallel.process_group import free_port
+
+    with tempfile.TemporaryDirectory(prefix="exactstep-audit-ddp-") as tmp:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        if method == "fork":
+            warm_ddp()
+        job = mp.start_processes(rank_worker, args=(len(microbatches), free_port(), step,
+                                                    spec, list(microbatches), tmp),
+                                 nprocs=len(microbatches), join=False, start_method=method)
+        deadline = time.monotonic() + DDP_TIMEOUT_S
+        try:
+            while not job.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TargetFault(f"the {len(microbatches)} ranks did not finish within "
+                                      f"{DDP_TIMEOUT_S:g} s (a collective never matched)")
+        except mp.ProcessRaisedException as exc:
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            raise TargetFault(f"a rank raised: {lines[-1].strip()}") from None
+        except mp.ProcessExitedException as exc:
+            raise TargetFault(f"a rank died: {exc}") from None
+        finally:
+            for process in job.processes:
+                if process.is_alive():
+                    process.kill()
+        return [torch.load(Path(tmp) / f"{r}.pt") for r in range(len(microbatches))]
+
+
+@functools.cache
+def warm_ddp() -> None:
+    """Construct DDP once in this process (a world-1 gloo group, torn down after), so
+    forked ranks inherit what DDP imports on first use (seconds) instead of each
+    importing it again. Skipped inside a job that already has a process group."""
+    import torch.distributed as dist
+
+    from exactstep.parallel.process_group import free_port
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_worker(rank: int, world: int, port: int, step: TrainingStep, spec: ProbeSpec,
+                microbatches: list[Microbatch], out: str) -> None:
+    """One rank of ``run_ranks``: join the group, build, train, publish parameters."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=DDP_TIMEOUT_S))
+    try:
+        step.build(spec)
+        check_logs(train(step, [microbatches[rank]]))
+        torch.save(ref.snapshot(step.module), Path(out) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
 
 
 def packed_documents(step: TrainingStep) -> Measure:
@@ -528,6 +628,9 @@ PROBES: tuple[Probe, ...] = (
           "(i + 1) % accum == 0", accumulation),
     Probe("remainder", "U1", "close the last, shorter window too, normalized by its own "
           "tokens; zero the gradients after each step", remainder),
+    Probe("ddp_token_mean", "D5", "under DDP all-reduce the window's target count and "
+          "scale each micro-loss by world_size / global count (DDP averages gradients); "
+          "a mean of rank-local token means weighs ranks, not tokens", ddp_token_mean),
     Probe("packed_documents", "R3", "packed documents: reset positions per document, mask "
           "attention to the document and drop the EOS -> next-BOS target", packed_documents),
     Probe("causal_attention", "R2", "the model must not see later tokens: a causal "

@@ -28,6 +28,13 @@ A hand-written loop is wrapped in about 30 lines (see ``exactstep.audit.examples
   (``uniform`` for ``F.cross_entropy(label_smoothing=...)``, ``harvard`` for the
   Annotated Transformer's criterion; L2).
 
+Optional: ``data_parallel = True`` declares that, when a default process group is
+initialized (``torch.distributed.is_initialized()``), ``build`` and ``train`` run as
+one rank of a data-parallel job: every rank builds the same model, trains on its own
+microbatches, and each window's update is the token mean over every rank's targets
+(D1, D5). The ``ddp_token_mean`` probe then forks two gloo ranks; a target without
+the attribute gets N/A there.
+
 A microbatch holds *documents* (``Microbatch``): the loop decides the shift, the
 masks and the normalization, which is what is audited. ``spec`` declares the
 objective a correct step implements; ``ProbeSpec`` documents each choice.
@@ -130,6 +137,7 @@ class TrainingStep(Protocol):
 
     module: nn.Module
     smoothing_convention: SmoothingConvention
+    # optional: data_parallel = True (see the module docstring)
 
     def build(self, spec: ProbeSpec) -> None: ...
 

@@ -3,7 +3,8 @@
 Targets: ``exactstep`` (the engine, ``exactstep.audit.engine``),
 ``python:MODULE:FUNCTION`` (``FUNCTION()`` returns a ``TrainingStep``; the current
 directory is importable, as with ``python -m``) and ``hf-trainer[:COLLATOR]``
-(Hugging Face ``Trainer``, ``exactstep.audit.hf_trainer``). A target that cannot be resolved is
+(Hugging Face ``Trainer``, ``exactstep.audit.hf_trainer``) and ``trl-sft[:VARIANT]``
+(``trl``'s ``SFTTrainer``, ``exactstep.audit.trl_sft``). A target that cannot be resolved is
 a ``ConfigError`` (one ``error:`` line, exit 2); a target that fails while probed is
 that probe's ``ERROR``.
 """
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 
 from exactstep.errors import ConfigError
 
-TARGETS = ("exactstep", "python:MODULE:FUNCTION", "hf-trainer", "hf-trainer:flattening")
+TARGETS = ("exactstep", "python:MODULE:FUNCTION", "hf-trainer", "hf-trainer:flattening",
+           "trl-sft", "trl-sft:assistant_only_loss", "trl-sft:padding_free", "trl-sft:packing")
 METHODS = ("build", "logits", "train", "evaluate", "save", "load")
 
 
@@ -56,6 +58,8 @@ def resolve_target(target: str) -> object:
         return python_target(target)
     if target == "hf-trainer" or target.startswith("hf-trainer:"):
         return hf_trainer_target(target)
+    if target == "trl-sft" or target.startswith("trl-sft:"):
+        return trl_sft_target(target)
     raise ConfigError(f"unknown audit target {target!r}; use one of: {', '.join(TARGETS)}")
 
 
@@ -71,6 +75,20 @@ def hf_trainer_target(target: str) -> object:
     from exactstep.audit.hf_trainer import make
 
     return make(collator)
+
+
+def trl_sft_target(target: str) -> object:
+    """``trl-sft[:VARIANT]`` (``exactstep.audit.trl_sft``); needs trl and the ``hf`` extra."""
+    variant = target.partition(":")[2] or "completion_only_loss"
+    for package in ("transformers", "accelerate", "datasets", "trl"):
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise ConfigError(f"--target trl-sft needs {package}: pip install "
+                              "'exactstep[hf]'") from None
+    from exactstep.audit.trl_sft import make
+
+    return make(variant)
 
 
 def python_target(target: str) -> object:

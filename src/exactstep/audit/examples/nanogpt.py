@@ -17,11 +17,13 @@ one of them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -97,6 +99,7 @@ class NanoGPTLoop:
 
     smoothing_convention = "uniform"  # F.cross_entropy(label_smoothing=...) (L2)
     model_type = GPT
+    data_parallel = True  # train() under a process group is one rank of a DDP job
 
     def build(self, spec: ProbeSpec) -> None:
         torch.manual_seed(spec.seed)
@@ -107,6 +110,9 @@ class NanoGPTLoop:
                                            growth_interval=10**9,
                                            enabled=spec.loss_scale is not None)
         self.iter_num = 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.model = (nn.parallel.DistributedDataParallel(self.module) if self.world > 1
+                      else self.module)  # what training calls; self.module is the model
 
     def configure_optimizer(self) -> torch.optim.Optimizer:
         embeddings = {id(m.weight) for m in self.module.modules() if isinstance(m, nn.Embedding)}
@@ -150,20 +156,37 @@ class NanoGPTLoop:
 
     def train_window(self, window: Sequence[Microbatch]) -> float | None:
         batches = [self.get_batch(mb) for mb in window]
-        n_tokens = sum(int((y != IGNORE).sum()) for *_, y in batches)
+        n_tokens = self.global_count(sum(int((y != IGNORE).sum()) for *_, y in batches))
         if n_tokens == 0:
             return None  # no objective: nothing to step, nothing to log (L4)
         total = 0.0
-        for x, pos, docs, y in batches:
-            loss = self.micro_loss(self.module(x, pos, docs), y, n_tokens, len(batches))
-            self.scaler.scale(loss).backward()
+        for i, (x, pos, docs, y) in enumerate(batches):
+            with self.sync(last=i == len(batches) - 1):
+                loss = self.micro_loss(self.model(x, pos, docs), y, n_tokens, len(batches))
+                self.scaler.scale(loss).backward()
             total += loss.item()
         return self.close_window(total)
 
+    def global_count(self, n: int) -> int:
+        """The window's supervised targets summed over ranks: its denominator (D1)."""
+        if self.world == 1:
+            return n
+        count = torch.tensor([n])
+        dist.all_reduce(count)
+        return int(count)
+
+    def sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """DDP syncs gradients on the window's last micro-step only (forward and
+        backward of the others under ``no_sync``)."""
+        if self.world == 1 or last:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
     def micro_loss(self, logits: torch.Tensor, y: torch.Tensor, n_tokens: int,
                    n_micro: int) -> torch.Tensor:
-        """This micro-step's share of the window's token mean (U1)."""
-        return self.loss_sum(logits, y) / n_tokens
+        """This micro-step's share of the window's token mean (U1); times the world
+        size because DDP averages over ranks (D1)."""
+        return self.loss_sum(logits, y) * self.world / n_tokens
 
     def clip(self) -> torch.Tensor:
         max_norm = self.spec.clip if self.spec.clip > 0 else math.inf
