@@ -391,6 +391,11 @@ def _choose_buckets(lengths: list[int]) -> list[int]:
     return sorted(cuts)
 
 
+#: Public name of the bucket choice, for other attention layouts built on the same
+#: cost model (the encoder-decoder's per-pair cross-attention, ``model.encdec``).
+choose_buckets = _choose_buckets
+
+
 def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
     B, T = batch.shape
     starts = [b * T + s.start for b, row in enumerate(batch.segments) for s in row if s.length]
