@@ -46,6 +46,7 @@ and leaves the global RNG untouched (S5).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,7 @@ from exactstep.errors import ConfigError, ModelError
 from exactstep.model.attention import Visibility, choose_buckets, prepare_visibility
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import Attention, Block, SwiGLU, rope_tables
-from exactstep.rows.batch import IGNORE_INDEX, Batch, SourceSide
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide
 from exactstep.transfer import host_to_device
 
 CROSS_IMPLEMENTATIONS = ("dense", "pairs")
@@ -444,3 +445,53 @@ def build_encoder_decoder(cfg: Any, vocab_size: int) -> EncoderDecoder:
         decoder_layers=getattr(encdec, "decoder_layers", 0) or None,
         share_embeddings=getattr(encdec, "share_embeddings", True),
     )
+
+
+# ------------------------------------------------------------------ greedy decoding
+
+
+def source_rows(sources: Sequence[Sequence[int]], pad_id: int) -> SourceSide:
+    """``G`` sources, one per row, left-aligned and padded with ``pad_id`` to the
+    longest: one segment each (example 0, as ``eval.single_segment_batch`` addresses
+    the decoder rows), positions from 0, padding segment 0."""
+    width = max(len(s) for s in sources)
+    ids = torch.full((len(sources), width), pad_id, dtype=torch.int64)
+    seg = torch.zeros((len(sources), width), dtype=torch.int32)
+    for b, s in enumerate(sources):
+        ids[b, :len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
+        seg[b, :len(s)] = 1
+    pos = torch.arange(width, dtype=torch.int64).expand(len(sources), width) * (seg > 0)
+    segments = tuple((Segment(0, 0, 0, 0, len(s)),) for s in sources)
+    return SourceSide(ids, pos, seg, segments)
+
+
+@torch.no_grad()
+def greedy_decode(model: EncoderDecoder, sources: Sequence[Sequence[int]], *, bos_id: int,
+                  eos_id: int, source_pad_id: int, max_new_tokens: int,
+                  device: torch.device | str = "cpu", batch_size: int = 64) -> list[list[int]]:
+    """The greedy answer to each source: decoded from ``[BOS]``, one argmax token per
+    step, without a KV cache, each answer cut before its first ``EOS`` (an answer
+    that never ends within ``max_new_tokens`` gets a trailing ``-1``, so it matches no
+    target). The source is encoded once per chunk of ``batch_size``; sources of
+    different lengths share a chunk (padding is never attended). Runs under
+    ``no_grad``; the caller chooses the model's mode and RNG isolation (E1)."""
+    from exactstep.eval import single_segment_batch
+
+    answers: list[list[int]] = []
+    for start in range(0, len(sources), batch_size):
+        chunk = sources[start:start + batch_size]
+        source = source_rows(chunk, source_pad_id).map(lambda t: t.to(device))
+        memory = model.encode(source)  # [G, S, H]
+        tokens = torch.full((len(chunk), 1), bos_id, dtype=torch.int64, device=device)
+        finished = torch.zeros(len(chunk), dtype=torch.bool, device=device)
+        for _ in range(max_new_tokens):
+            hidden = model.decode(single_segment_batch(tokens), memory, source)  # [G, L, H]
+            next_ids = model.logits(hidden[:, -1:, :])[:, -1].argmax(dim=-1)  # [G]
+            next_ids = torch.where(finished, torch.full_like(next_ids, eos_id), next_ids)
+            tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
+            finished |= next_ids == eos_id
+            if bool(finished.all()):
+                break
+        for row in tokens[:, 1:].tolist():
+            answers.append(row[: row.index(eos_id)] if eos_id in row else row + [-1])
+    return answers
