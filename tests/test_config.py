@@ -130,6 +130,14 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("arith.max_follow_ups", (1, 9), (0,), ">= arith.min_follow_ups (1)", ()),
     ("arith.max_new_tokens", (1,), (0,), ">= 1", ()),
     ("permutation.predict_one_in", (1,), (0, -1), ">= 1", ()),
+    ("encdec.encoder_layers", (0, 3), (-1,), ">= 0", ()),
+    ("encdec.decoder_layers", (0, 3), (-1,), ">= 0", ()),
+    ("encdec.source_len", (0, 64), (-1,), ">= 0", ()),
+    ("encdec.source_pad_id", (-1, 0), (-2,), ">= -1", ()),
+    ("encdec.n_train", (1,), (0,), ">= 1", ()),
+    ("encdec.n_heldout", (1,), (0,), ">= 1", ()),
+    ("encdec.max_value", (0,), (-1,), ">= 0", ()),
+    ("encdec.max_new_tokens", (1,), (0,), ">= 1", ()),
 ]
 
 

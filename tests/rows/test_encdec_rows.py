@@ -282,3 +282,16 @@ def test_compile_pair_batch_refuses_an_overflowing_row():
     with pytest.raises(DataError, match="overflows the row"):
         compile_pair_batch([[piece, piece]], seq_len=8, source_len=8, pad_id=PAD,
                            source_pad_id=PAD)
+
+
+def test_weighted_pairs_carry_their_weight_on_every_decoder_column_l3():
+    pairs = [Pair("1", "one", weight=2.5), Pair("2", "two", weight=0.5)]
+    examples, _ = encode_pairs(pairs, TOK, seq_len=12, source_len=6, overlong="split")
+    rows = [[whole(examples[0]), whole(examples[1])]]
+    batch = compiler(6).compile(rows, examples, BatchConfig(seq_len=12, rows=1), pad_id=PAD,
+                                weighted=True)
+    assert batch.weights.tolist() == [[2.5] * 4 + [0.5] * 4 + [0.0] * 4]
+    unweighted = [replace(examples[0], weight=None), examples[1]]
+    with pytest.raises(DataError, match="has no \"weight\""):
+        compiler(6).compile(rows, unweighted, BatchConfig(seq_len=12, rows=1), pad_id=PAD,
+                            weighted=True)

@@ -354,6 +354,11 @@ class EncoderDecoder(nn.Module):
         return self.embed.weight if self.head is None else self.head.weight
 
     @property
+    def layers(self) -> list[nn.Module]:
+        """Every block, encoder then decoder (what FSDP shards one by one, D4)."""
+        return [*self.encoder, *self.decoder]
+
+    @property
     def head_dim(self) -> int:
         return self.cfg.d_model // self.cfg.n_heads
 
