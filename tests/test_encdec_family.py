@@ -292,3 +292,16 @@ def test_inspect_shows_both_sides(capsys):
     assert "encoder side (row 0)" in out and "cross-attend to source cols" in out
     assert "source segment 1: example" in out and "never attended, never scored" in out
     assert "→" in out  # the decoder's input -> target columns
+
+
+def test_the_shipped_demo_config_resolves_to_the_family():
+    from importlib import resources
+
+    path = resources.files("exactstep") / "configs" / "encdec_numwords.toml"
+    cfg = resolve(load_config(str(path), ["encdec.n_train=20"]))
+    assert (cfg.objective.family, cfg.data.source) == ("encdec", "numwords")
+    assert (cfg.objective.smoothing, cfg.objective.label_smoothing) == ("harvard", 0.1)
+    parts = open_family(cfg)
+    assert len(parts.data.val) == cfg.encdec.n_heldout == 200
+    longest = max(len(e.tokens) - 2 for e in parts.data.val)  # the answer between BOS/EOS
+    assert longest < cfg.encdec.max_new_tokens
