@@ -54,9 +54,7 @@ class EncDecHarness(Harness):
                            run_dir=run_dir, **kw)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    h = EncDecHarness(tmp_path_factory.mktemp("encdec-s5"))
+def train_killed_resumed_and_control(h: EncDecHarness) -> tuple[Path, Path, Path]:
     straight = h.root / "straight"
     assert h.train(straight) == 0, h.last_output
     run_dir = h.root / "killed"
@@ -68,8 +66,10 @@ def runs(tmp_path_factory):
     return straight, run_dir, control
 
 
-def test_a_killed_encdec_run_resumes_bitwise(runs) -> None:
-    straight, run_dir, _ = runs
+def test_a_killed_encdec_run_resumes_bitwise_and_a_cursorless_resume_does_not(tmp_path):
+    """One test (not a module fixture shared by several), so a parallel test run
+    starts these processes once."""
+    straight, run_dir, control = train_killed_resumed_and_control(EncDecHarness(tmp_path))
     name_a, state_a = final_state(straight)
     name_b, state_b = final_state(run_dir)
     assert name_a == name_b == "window-00000004"
@@ -77,10 +77,7 @@ def test_a_killed_encdec_run_resumes_bitwise(runs) -> None:
     assert (straight / "ledger.jsonl").read_bytes() == (run_dir / "ledger.jsonl").read_bytes()
     assert (straight / "manifest.json").read_bytes() == (run_dir / "manifest.json").read_bytes()
     assert any(k.startswith("encoder.") for k in state_a["model"])  # the encoder-decoder
-
-
-def test_the_run_records_the_family_and_scores_exact_match(runs) -> None:
-    straight, _, _ = runs
+    # the run records the family and scores exact match
     manifest = json.loads((straight / "manifest.json").read_text())["manifest"]
     assert manifest["objective"]["family"] == "encoder_decoder"
     assert manifest["objective"]["decoder_input"] == "tgt[:-1]"
@@ -88,12 +85,7 @@ def test_the_run_records_the_family_and_scores_exact_match(runs) -> None:
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["exact_match_n"] == 4 and 0.0 <= summary["exact_match"] <= 1.0
     assert summary["heldout_tokens"] > 0
-
-
-def test_a_resume_without_the_cursor_fails_the_comparison(runs) -> None:
-    straight, _, control = runs
-    _, state_a = final_state(straight)
-    _, state_b = final_state(control)
-    differences = state_differences(state_a, state_b)
+    # negative control: a resume without the data cursor ends elsewhere
+    differences = state_differences(state_a, final_state(control)[1])
     assert any(d.startswith("model.") for d in differences)
     assert any(d.startswith("data.") for d in differences)
