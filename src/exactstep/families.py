@@ -31,7 +31,9 @@ Each ``Family`` declares:
   model's own outputs feed its inputs (scheduled sampling), else ``None``.
 
 Families live where their compiler lives; ``BUILT`` names each one's ``Family``
-object (``module:attribute``), imported only when a run chooses it. A family that is
+object (``module:attribute``), or a function of the run's configuration returning
+one (a family built over another, as scheduled sampling over its base), imported
+only when a run chooses it. A family that is
 specified but not built is refused with a ``ConfigError`` naming the built ones,
 before anything is written.
 """
@@ -142,29 +144,33 @@ CAUSAL_FAMILY = Family("causal", "decoder", "text", DEFAULT_SOURCE, causal_compi
 CHAT_FAMILY = Family("chat", "decoder", "chat", "arith", causal_compiler, chat_objective,
                      build_decoder, score=chat_score)
 
-def scheduled_objective(cfg: Any) -> dict[str, Any]:
-    return {"family": "scheduled_sampling", "shift_owner": "collator",
-            "ownership": "all_next_tokens",
-            "estimator": "scheduled_sampling (not teacher-forced maximum likelihood)",
-            "inputs": cfg.scheduled_sampling.describe()}
-
-
 def scheduled_inputs(cfg: Any) -> Any:
     from exactstep.objective.scheduled_sampling import ScheduledSampling
 
     return ScheduledSampling(cfg.scheduled_sampling, seed=cfg.seed)
 
 
-#: Scheduled sampling on the built-in decoder over text (``objective.scheduled_sampling``).
-SCHEDULED_SAMPLING_FAMILY = Family(
-    "scheduled_sampling", "decoder", "text", DEFAULT_SOURCE, causal_compiler,
-    scheduled_objective, build_decoder, inputs=scheduled_inputs)
+def scheduled_sampling_family(cfg: Any) -> Family:
+    """Scheduled sampling over its base family (``scheduled_sampling.over``: the causal
+    decoder on text, or the encoder-decoder on pairs): the base's data, compiler, model
+    and score, with the input program and the manifest saying the estimator changed."""
+    base = family_of(replace(cfg, objective=replace(cfg.objective,
+                                                    family=cfg.scheduled_sampling.over)))
+
+    def objective(cfg: Any) -> dict[str, Any]:
+        family = base.objective(cfg)["family"]
+        return {**base.objective(cfg), "family": f"scheduled_sampling_{family}",
+                "estimator": "scheduled_sampling (not teacher-forced maximum likelihood)",
+                "inputs": cfg.scheduled_sampling.describe()}
+
+    return replace(base, name="scheduled_sampling", objective=objective,
+                   inputs=scheduled_inputs)
 
 #: The built families: name -> ``"module:attribute"`` of its ``Family``.
 BUILT: dict[str, str] = {
     "causal": "exactstep.families:CAUSAL_FAMILY",
     "chat": "exactstep.families:CHAT_FAMILY",
-    "scheduled_sampling": "exactstep.families:SCHEDULED_SAMPLING_FAMILY",
+    "scheduled_sampling": "exactstep.families:scheduled_sampling_family",
     "permutation": "exactstep.rows.permutation:FAMILY",
     "encdec": "exactstep.rows.encdec:FAMILY",
 }
@@ -187,7 +193,8 @@ def family_of(cfg: Any) -> Family:
             f"objective.family = {name!r} is not built yet; choose one of {', '.join(BUILT)}"
         )
     module, attribute = where.split(":")
-    return getattr(importlib.import_module(module), attribute)
+    family = getattr(importlib.import_module(module), attribute)
+    return family if isinstance(family, Family) else family(cfg)  # one built per run
 
 
 def resolve(cfg: Any) -> Any:

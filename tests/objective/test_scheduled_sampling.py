@@ -200,3 +200,40 @@ def test_the_clock_is_committed_windows_and_the_ledger_says_what_was_fed():
                                             window=w).sum()) for b in windows(exs)[0])
         assert r["inputs"]["model_inputs"] == expected
     assert records[0]["inputs"]["model_inputs"] == 0 < records[3]["inputs"]["model_inputs"]
+
+
+def test_over_the_encoder_decoder_all_model_inputs_are_greedy_decoding():
+    """``scheduled_sampling.over = "encdec"``: with eps = 0 every decoder input after the
+    start token is the model's own previous argmax, built sequentially; that is greedy
+    decoding of each pair's source, which ``greedy_decode`` computes independently
+    (each source alone, encoded once, one token per step)."""
+    from exactstep.config import load_config
+    from exactstep.families import open_family, resolve
+    from exactstep.model.encdec import greedy_decode
+    from exactstep.rows.stream import RowStream
+
+    cfg = resolve(load_config(None, [
+        "objective.family=scheduled_sampling", "scheduled_sampling.over=encdec",
+        "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ff=32",
+        "batch.seq_len=48", "batch.rows=2", "encdec.n_train=40", "encdec.n_heldout=8"]))
+    parts = open_family(cfg)
+    assert parts.family.name == "scheduled_sampling" and cfg.data.source == "numwords"
+    m = parts.family.build_model(cfg, parts.tokenizer.vocab_size)
+    batch = RowStream(parts.data.train, cfg.batch, pad_id=parts.tokenizer.pad_id, seed=0,
+                      compiler=parts.compiler).next_batch()
+    mask = model_input_mask(batch, 0.0, seed=0, window=0)
+    built = construct_inputs(m, batch, mask, autocast=contextlib.nullcontext)
+    tok = parts.tokenizer
+    checked = 0
+    for b, row in enumerate(batch.segments):
+        for seg, src in zip(row, batch.source.segments[b], strict=True):
+            source = batch.source.input_ids[b, src.start:src.stop].tolist()
+            (answer,) = greedy_decode(m, [source], bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                      source_pad_id=tok.pad_id, max_new_tokens=seg.length)
+            inputs = built[b, seg.start:seg.stop].tolist()
+            assert inputs[0] == batch.input_ids[b, seg.start]  # the start token is kept
+            n = min(len(answer), seg.length - 1)
+            assert inputs[1:1 + n] == answer[:n]
+            checked += 1
+    assert checked >= 2
+    assert built.shape == batch.input_ids.shape  # decoder inputs only: the source stays

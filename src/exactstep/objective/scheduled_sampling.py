@@ -32,7 +32,9 @@ replacement are visited in increasing order; at each, one no-grad forward of the
 batch truncated to its first ``c`` columns (exact under causal visibility: column
 ``c - 1`` sees nothing later) gives the predictions for every row at once. The cost
 is one forward of the growing prefix per such column (about ``T / 2`` full forwards
-per microbatch when replacements are dense). The construction runs the model as it
+per microbatch when replacements are dense). An encoder-decoder batch is not cut (a
+decoder segment is only valid with its source segment), so it costs up to ``T``
+full forwards. The construction runs the model as it
 trains (train mode, the window's autocast), without gradients; the built-in decoder
 has no dropout, so it draws from no RNG.
 """
@@ -59,8 +61,12 @@ RNG_TAG = 0x55  # the scheduled-sampling coin stream (distinct from other addres
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduledSamplingConfig:
-    """The declared schedule of the gold-input probability (see module doc)."""
+    """The declared schedule of the gold-input probability (see module doc), and the
+    family it samples over: ``over = "causal"`` (the built-in decoder on text) or
+    ``"encdec"`` (the encoder-decoder on pairs; the decoder side's inputs are the
+    ones replaced, the source is never touched)."""
 
+    over: Literal["causal", "encdec"] = "causal"
     schedule: Literal["inverse_sigmoid", "linear", "exponential", "constant"] = \
         "inverse_sigmoid"
     k: float = 100.0
@@ -91,7 +97,7 @@ class ScheduledSamplingConfig:
 
     def describe(self) -> dict:
         """The manifest's record of the estimator (S1)."""
-        return {"schedule": self.schedule, "k": self.k, "slope": self.slope, "base": self.base,
+        return {"over": self.over, "schedule": self.schedule, "k": self.k, "slope": self.slope, "base": self.base,
                 "probability": self.probability, "floor": self.floor,
                 "clock": "committed_windows", "model_token": "argmax",
                 "construction": "sequential"}
@@ -149,8 +155,13 @@ def construct_inputs(model: nn.Module, batch: Batch, mask: np.ndarray,
     where = host_to_device(torch.from_numpy(mask), ids.device)  # [B, T] bool
     head = model.head_weight
     for c in np.flatnonzero(mask.any(axis=0)).tolist():
+        current = replace(batch, input_ids=ids)
+        # the decoder side cut to c columns; an encoder-decoder batch keeps every row's
+        # pairs whole (each decoder segment must meet its source), still exact: the
+        # decoder is causal, so column c - 1 sees no later column either way
+        step = current if batch.source is not None else prefix_batch(current, c)
         with autocast():
-            hidden = model(prefix_batch(replace(batch, input_ids=ids), c))  # [B, c, H]
+            hidden = model(step)  # [B, c or T, H]
         predicted = F.linear(hidden[:, c - 1].float(), head.float()).argmax(dim=-1)  # [B]
         ids[:, c] = torch.where(where[:, c], predicted, ids[:, c])
     return ids
