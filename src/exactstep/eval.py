@@ -253,34 +253,42 @@ class DecoderLike(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [B, T, V]
 
 
-def single_segment_batch(prompts: torch.Tensor) -> Batch:
-    """A batch of ``G`` equal-length prompts, one segment each, positions ``0..L-1``."""
+def single_segment_batch(prompts: torch.Tensor, prefix_len: int | None = None) -> Batch:
+    """A batch of ``G`` equal-length prompts, one segment each, positions ``0..L-1``;
+    with ``prefix_len`` every row's first ``prefix_len`` columns are a bidirectional
+    prefix (prefix LM, R8), the rest causal."""
     rows, length = prompts.shape  # [G, L]
     positions = torch.arange(length, dtype=torch.int64).expand(rows, length)
     segment = (Segment(example_id=0, piece=0, offset=0, start=0, length=length),)
+    prefix = None if prefix_len is None else torch.full((rows, 1), prefix_len, dtype=torch.int64)
     return Batch(
         input_ids=prompts,
         labels=torch.full_like(prompts, IGNORE_INDEX),
         position_ids=positions.to(prompts.device),
         segment_ids=torch.ones(rows, length, dtype=torch.int32, device=prompts.device),
         segments=tuple(segment for _ in range(rows)),
+        prefix_len=prefix,
     )
 
 
 @torch.no_grad()
 def _greedy_continue(
-    model: DecoderLike, prompts: torch.Tensor, eos_id: int, max_new_tokens: int
+    model: DecoderLike, prompts: torch.Tensor, eos_id: int, max_new_tokens: int,
+    prefix_len: int | None = None,
 ) -> list[list[int]]:
     """Greedy decoding without a KV cache; each list stops before its first EOS.
 
     Every step's batch is whole rows (one document per row), so attention runs as one
     plain causal SDPA under ``auto`` and ``flex`` alike: a length that grows by one per
-    step never reaches (and never recompiles) FlexAttention.
+    step never reaches (and never recompiles) FlexAttention. With ``prefix_len`` (at
+    most the prompt's length) the prompt's first ``prefix_len`` tokens stay one
+    bidirectional prefix at every step and every generated token is causal: one
+    masked SDPA per step, still never FlexAttention.
     """
     tokens = prompts  # [G, L]
     finished = torch.zeros(prompts.shape[0], dtype=torch.bool, device=prompts.device)
     for _ in range(max_new_tokens):
-        hidden = model(single_segment_batch(tokens))  # [G, L', H]
+        hidden = model(single_segment_batch(tokens, prefix_len))  # [G, L', H]
         next_ids = model.logits(hidden[:, -1:, :])[:, -1, :].argmax(dim=-1)  # [G]
         next_ids = torch.where(finished, torch.full_like(next_ids, eos_id), next_ids)
         tokens = torch.cat([tokens, next_ids[:, None]], dim=1)
@@ -300,33 +308,39 @@ def greedy_answer_accuracy(
     max_new_tokens: int = 16,
     batch_size: int = 64,
     template: ChatTemplate = DEFAULT_TEMPLATE,
+    prefix_of: Callable[[Conversation, list[int]], int] | None = None,
 ) -> float:
     """Exact-match accuracy of greedy answers to each conversation's LAST assistant turn.
 
     The prompt is every earlier message plus the assistant header; an answer counts
     only if the model emits exactly the expected tokens and then the end-of-turn
-    marker within ``max_new_tokens``. Runs in eval mode under ``no_grad`` inside
+    marker within ``max_new_tokens``. ``prefix_of(conversation, prompt)`` (prefix LM,
+    R8) gives the bidirectional prefix of the decoding row, at most ``len(prompt)``;
+    without it decoding is causal. Runs in eval mode under ``no_grad`` inside
     ``isolated_rng`` (every RNG stream is restored afterwards) and restores the model's
     previous mode (E1). Raises ``DataError`` on an empty set.
     """
     if not conversations:
         raise DataError("greedy_answer_accuracy needs at least one held-out conversation")
-    by_length: dict[int, list[tuple[list[int], list[int]]]] = {}
+    by_length: dict[tuple[int, int | None], list[tuple[list[int], list[int]]]] = {}
     for conversation in conversations:
         messages, expected = last_turn_prompt(conversation)
         prompt = template.render_prompt(messages, tokenizer).tokens.tolist()
-        by_length.setdefault(len(prompt), []).append((prompt, tokenizer.encode(expected)))
+        prefix = None if prefix_of is None else prefix_of(conversation, prompt)
+        by_length.setdefault((len(prompt), prefix), []).append(
+            (prompt, tokenizer.encode(expected)))
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
     try:
         correct = 0
         with isolated_rng():  # a stochastic layer must not move the run's streams (E1)
-            for group in by_length.values():
+            for (_, prefix), group in by_length.items():
                 for start in range(0, len(group), batch_size):
                     chunk = group[start : start + batch_size]
                     prompts = torch.tensor([p for p, _ in chunk], dtype=torch.int64, device=device)
-                    answers = _greedy_continue(model, prompts, tokenizer.eos_id, max_new_tokens)
+                    answers = _greedy_continue(model, prompts, tokenizer.eos_id, max_new_tokens,
+                                               prefix)
                     correct += sum(
                         got == want for got, (_, want) in zip(answers, chunk, strict=True)
                     )

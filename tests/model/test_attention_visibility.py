@@ -212,13 +212,6 @@ def test_auto_picks_segments_on_cpu_and_unknown_impl_is_refused():
         prepare_visibility(batch_for([[3]], 4), "triangle", CPU)
 
 
-def test_prefix_lm_is_refused_until_supported():
-    batch = dataclasses.replace(batch_for([[3]], 4), prefix_len=torch.tensor([[1]]))
-    for impl in ("dense", "segments"):
-        with pytest.raises(ModelError, match="prefix_len"):
-            prepare_visibility(batch, impl, CPU)
-
-
 def test_segments_disagreeing_with_segment_ids_are_refused():
     batch = batch_for([[3, 4]], 8)
     wrong = dataclasses.replace(batch, segments=(batch.segments[0][:1],))  # forgets a document

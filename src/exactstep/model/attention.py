@@ -2,14 +2,24 @@
 
 Visibility rule, shared by every implementation: query ``i`` of a row may see key
 ``j`` iff ``segment_ids[i] == segment_ids[j] != 0`` and, when ``batch.causal``,
-``j <= i``. A padding query (``segment_ids == 0``) sees only itself, so its output
-is its own value vector: finite, never NaN, and it never feeds a real row because
-no real query can see a padding key (R2 key validity). Loss ownership (``labels``)
-never enters here (R2).
+``j <= i`` or ``j`` lies in its segment's bidirectional prefix (prefix LM, R8:
+``batch.prefix_len[b, k]`` columns from the start of segment ``k`` of row ``b``,
+``prefix_keys``). A padding query (``segment_ids == 0``) sees only itself, so its
+output is its own value vector: finite, never NaN, and it never feeds a real row
+because no real query can see a padding key (R2 key validity). Loss ownership
+(``labels``) never enters here (R2).
+
+With a prefix, a query inside the prefix sees the whole prefix and nothing after
+it; a query after the prefix sees the prefix and every earlier key. A prefix of 0
+or 1 column is plain causal visibility. ``prefix_len`` needs ``batch.causal`` (a
+bidirectional batch has no prefix to declare) and is ``[B, n_seg]`` with ``n_seg``
+at least the most segments of any row, ``0 <= prefix_len[b, k] <= length`` of
+segment ``k``; entries past a row's segments are ignored.
 
 Implementations (``impl``):
 
-- ``"dense"``: one boolean mask ``[B, 1, T, T]`` handed to SDPA. The reference.
+- ``"dense"``: one boolean mask ``[B, 1, T, T]`` handed to SDPA. The reference
+  (``dense_visibility_mask``).
 - ``"segments"``: per-document SDPA. Segments are read from ``batch.segments`` (host
   data, so preparing needs no device-to-host sync) and grouped into a few length
   buckets (an exact dynamic programme over a cost model). One gather per layer
@@ -21,17 +31,28 @@ Implementations (``impl``):
   zero gradient. When every row is one document filling the row (what splitting
   long documents produces, i.e. the default training data) it is a single plain
   causal SDPA over the batch. Equal to ``"dense"`` to 1e-5 in fp32, forward and
-  backward (issue 3 item 6).
+  backward (issue 3 item 6). A prefix-LM batch cannot use ``is_causal``: each of its
+  buckets gets an explicit ``[n, 1, L, L]`` mask (causal, or key in the segment's
+  prefix), built once per forward on the device from ``prefix_len`` (no host read);
+  right-padding stays exact because a prefix never reaches past its segment, so no
+  real query sees a padded column. Whole rows with a prefix take this path too.
 - ``"flex"``: FlexAttention with a block mask built on the host from ``batch.segments``
   (``segment_block_mask``: block-level work only, never a dense ``[B, 1, T, T]``
   mask, no device sync) and a ``mask_mod`` over ``segment_ids`` for the partial
   blocks. CUDA only for training (no FlexAttention backward on CPU); on CPU it is
   allowed only with gradients disabled. Compiled FlexAttention on CUDA needs a head
   dimension of at least 16 (Triton's ``tl.dot``); ``"flex"`` below that is refused.
+  With a prefix the ``mask_mod`` also reads ``prefix_keys`` (device data), and the
+  host block mask, which knows segments but not prefix lengths, marks every tile of
+  a segment's square that is not wholly below the causal diagonal as partial: exact
+  (the ``mask_mod`` decides those pairs), at most the tiles of a bidirectional
+  segment.
 - Whole rows (every row one document filling it, e.g. greedy decoding or split long
-  documents) run as one plain causal SDPA under ``"segments"``, ``"flex"`` and
-  ``"auto"`` alike: the visibility is exactly causal, so no mask and no compiled
-  kernel are needed (and a growing decoding length never recompiles FlexAttention).
+  documents) without a prefix run as one plain causal SDPA under ``"segments"``,
+  ``"flex"`` and ``"auto"`` alike: the visibility is exactly causal, so no mask and
+  no compiled kernel are needed (and a growing decoding length never recompiles
+  FlexAttention). Whole rows with a prefix run as one masked SDPA (the per-document
+  path with one bucket) under those three, for the same reason.
 - ``"auto"``: ``"flex"`` on CUDA when the head dimension is at least 16, otherwise
   (and on CPU) ``"segments"``; ``resolve_impl`` is the decision. Measured with
   ``exactstep bench attention`` (forward + backward, same run): on whole rows at
@@ -43,9 +64,6 @@ Implementations (``impl``):
 
 Host data reaches the device without a hidden sync (U7): index tensors built on the
 host are pinned and copied with ``non_blocking=True`` when the target is CUDA.
-
-``prefix_len`` (prefix LM, R8) is reserved: a batch carrying it is refused with a
-``ModelError`` until the bidirectional-prefix rule is implemented.
 """
 
 from __future__ import annotations
@@ -86,6 +104,12 @@ class _Bucket:
     length: int
     count: int
     key_mask: torch.Tensor | None  # [count, 1, 1, length] bool, only when not causal
+    prefix_mask: torch.Tensor | None = None  # [count, 1, length, length] bool, prefix LM
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """The explicit SDPA mask of this bucket, or ``None`` (then ``is_causal`` decides)."""
+        return self.key_mask if self.key_mask is not None else self.prefix_mask
 
 
 @dataclass(frozen=True)
@@ -103,7 +127,7 @@ class Visibility:
 
     impl: str  # "segments" | "dense" | "flex"
     batch_shape: tuple[int, int]  # (B, T)
-    causal: bool
+    causal: bool  # batch.causal; with a prefix the buckets carry explicit masks
     dense_mask: torch.Tensor | None = None  # [B, 1, T, T] bool (dense)
     buckets: tuple[_Bucket, ...] = ()  # segments
     slot_sizes: tuple[int, ...] = ()  # segments: count * length per bucket, then padding
@@ -145,22 +169,21 @@ def prepare_visibility(
     """Build the visibility of ``batch`` for ``impl`` on ``device`` (once per forward).
 
     ``head_dim`` (the model's ``d_model / n_heads``) lets ``"auto"`` avoid FlexAttention
-    where it cannot run (``resolve_impl``). Whole rows take the plain causal SDPA
-    path under every implementation but ``"dense"`` (the reference).
+    where it cannot run (``resolve_impl``). Whole rows without a prefix take the plain
+    causal SDPA path under every implementation but ``"dense"`` (the reference); with
+    one, the per-document path.
 
     Failure modes: unknown ``impl``; ``"flex"`` on CPU with gradients enabled (no
     FlexAttention backward there) or on CUDA below the minimum head dimension; a
-    batch with ``prefix_len`` (not yet supported); for every path but ``"dense"``,
-    ``batch.segments`` disagreeing with ``segment_ids`` (checked only when
-    ``segment_ids`` is on the CPU, where the check costs no sync).
+    ``prefix_len`` on a bidirectional batch, or (checked when it is on the CPU) of
+    the wrong shape or outside ``[0, segment length]``; for every path but
+    ``"dense"``, ``batch.segments`` disagreeing with ``segment_ids`` (checked only
+    when ``segment_ids`` is on the CPU, where the check costs no sync).
     """
     device = torch.device(device)
     chosen = resolve_impl(impl, device, head_dim)
     if batch.prefix_len is not None:
-        raise ModelError(
-            "batch.prefix_len (prefix LM) is not supported by the built-in attention yet; "
-            "use a causal or fully bidirectional objective"
-        )
+        check_prefix_len(batch)
     if chosen == "flex" and device.type != "cuda" and torch.is_grad_enabled():
         raise ModelError(
             "model.attention = 'flex' cannot train on CPU (FlexAttention has no CPU "
@@ -170,13 +193,68 @@ def prepare_visibility(
         return _prepare_dense(batch, device)
     if batch.segment_ids.device.type == "cpu":
         _check_segments_match_ids(batch)  # the other paths read batch.segments (R3)
-    if _whole_rows(batch):
+    if batch.prefix_len is None and _whole_rows(batch):
         # every row is one document filling it: exactly causal (or full) visibility
         return Visibility(impl="segments", batch_shape=batch.shape, causal=batch.causal,
                           whole_rows=True)
-    if chosen == "flex":
+    if chosen == "flex" and not _whole_rows(batch):
         return _prepare_flex(batch, device)
-    return _prepare_segments(batch, device)
+    return _prepare_segments(batch, device)  # whole rows with a prefix: one masked SDPA
+
+
+def check_prefix_len(batch: Batch) -> None:
+    """Refuse a ``prefix_len`` the visibility rule cannot read (see module doc).
+
+    Always: on a bidirectional batch. When ``prefix_len`` is on the CPU (no sync):
+    a shape other than ``[B, n_seg]`` with ``n_seg`` at least the most segments of
+    any row, a non-integer dtype, or a value outside ``[0, length]`` of its segment.
+    Raises ``ModelError`` naming the row and segment.
+    """
+    prefix = batch.prefix_len
+    if not batch.causal:
+        raise ModelError(
+            "batch.prefix_len declares a bidirectional prefix on a batch that is already "
+            "bidirectional (causal = False); drop prefix_len or make the batch causal"
+        )
+    if prefix.device.type != "cpu":
+        return
+    B = batch.shape[0]
+    most = max((len(row) for row in batch.segments), default=0)
+    if (prefix.dim() != 2 or prefix.shape[0] != B or prefix.shape[1] < max(most, 1)
+            or prefix.dtype.is_floating_point or prefix.dtype == torch.bool):
+        raise ModelError(
+            f"batch.prefix_len must be an integer [B, n_seg] tensor with B = {B} and n_seg "
+            f">= {max(most, 1)} (one entry per segment); got {prefix.dtype} "
+            f"{tuple(prefix.shape)}"
+        )
+    values = prefix.tolist()
+    for b, row in enumerate(batch.segments):
+        for k, seg in enumerate(row):
+            if not 0 <= values[b][k] <= seg.length:
+                raise ModelError(
+                    f"batch row {b} segment {k + 1}: prefix_len {values[b][k]} is outside "
+                    f"[0, {seg.length}] (the segment's length); rebuild the batch with the "
+                    "prefix compiler"
+                )
+
+
+def prefix_keys(segment_ids: torch.Tensor, prefix_len: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: column ``j`` lies inside its segment's bidirectional prefix.
+
+    Column ``j`` of segment ``k`` (id ``k + 1``) starting at column ``s`` is a prefix
+    key iff ``j - s < prefix_len[b, k]``; padding never is. Computed on the device of
+    ``segment_ids`` from the ids alone (segments are contiguous runs of one id), so
+    no host read is needed.
+    """
+    B, T = segment_ids.shape
+    device = segment_ids.device
+    columns = torch.arange(T, device=device).expand(B, T)  # [B, T]
+    starts = torch.ones(B, T, dtype=torch.bool, device=device)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]  # a run begins here
+    first = torch.where(starts, columns, 0).cummax(dim=1).values  # [B, T] its first column
+    which = (segment_ids.long() - 1).clamp(min=0)  # [B, T] segment index (padding -> 0)
+    length = prefix_len.to(device=device, dtype=torch.int64).gather(1, which)  # [B, T]
+    return (segment_ids != 0) & (columns - first < length)
 
 
 def _whole_rows(batch: Batch) -> bool:
@@ -229,25 +307,36 @@ def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibil
 # ----------------------------------------------------------------------------- dense
 
 
-def dense_visibility_mask(segment_ids: torch.Tensor, causal: bool) -> torch.Tensor:
-    """The reference mask ``[B, 1, T, T]``: True where query i may see key j (R2, R3)."""
+def dense_visibility_mask(
+    segment_ids: torch.Tensor, causal: bool, prefix_len: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference mask ``[B, 1, T, T]``: True where query i may see key j (R2, R3, R8).
+
+    Same real segment, and when ``causal`` either ``j <= i`` or ``j`` a key of its
+    segment's prefix (``prefix_keys``, when ``prefix_len`` is given); every query
+    sees itself.
+    """
     seg_q = segment_ids[:, :, None]  # [B, T, 1]
     seg_k = segment_ids[:, None, :]  # [B, 1, T]
     T = segment_ids.shape[1]
     allowed = (seg_q == seg_k) & (seg_q != 0)  # [B, T, T] same real segment
     if causal:
-        allowed &= torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+        order = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()
+        if prefix_len is not None:
+            order = order | prefix_keys(segment_ids, prefix_len)[:, None, :]  # [B, T, T]
+        allowed &= order
     allowed |= torch.eye(T, dtype=torch.bool, device=segment_ids.device)  # padding: self
     return allowed[:, None]  # [B, 1, T, T]
 
 
 def _prepare_dense(batch: Batch, device: torch.device) -> Visibility:
     seg = host_to_device(batch.segment_ids, device)
+    prefix = None if batch.prefix_len is None else host_to_device(batch.prefix_len, device)
     return Visibility(
         impl="dense",
         batch_shape=tuple(seg.shape),
         causal=batch.causal,
-        dense_mask=dense_visibility_mask(seg, batch.causal),
+        dense_mask=dense_visibility_mask(seg, batch.causal, prefix),
     )
 
 
@@ -267,7 +356,8 @@ def _flex_attention():  # pragma: no cover - exercised on CUDA only
 
 
 def segment_block_mask(
-    segments: tuple[tuple, ...], T: int, causal: bool, block: int = FLEX_BLOCK_SIZE
+    segments: tuple[tuple, ...], T: int, causal: bool, block: int = FLEX_BLOCK_SIZE,
+    *, prefix: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Which ``block x block`` tiles of each row's ``[T, T]`` visibility are needed.
 
@@ -279,7 +369,10 @@ def segment_block_mask(
     (the columns past ``T`` count as invisible), as ``create_block_mask`` has it.
 
     Visibility (the module rule): ``i`` sees ``j`` iff both are in one segment (and
-    ``j <= i`` when causal), or ``i == j``.
+    ``j <= i`` when causal), or ``i == j``. With ``prefix`` (a causal batch whose
+    segments may have bidirectional prefixes of lengths the host does not know) any
+    tile of a segment's square may hold a visible pair, so all are needed; full ones
+    are still only the wholly causal ones, which every prefix leaves fully visible.
     """
     B, n = len(segments), -(-T // block)
     start = np.arange(n) * block  # [n] first column of each tile
@@ -295,7 +388,7 @@ def segment_block_mask(
             s0, s1 = seg.start, seg.start + seg.length
             tiles = np.arange(s0 // block, (s1 - 1) // block + 1)  # tiles touching it
             q0, q1 = start[tiles], stop[tiles]
-            if causal:  # some j <= i: the segment's first key <= its last query
+            if causal and not prefix:  # some j <= i: the segment's first key <= its last query
                 seen = np.maximum(s0, q0)[None, :] <= np.minimum(s1, q1)[:, None] - 1
             else:
                 seen = np.ones((tiles.size, tiles.size), dtype=bool)
@@ -325,14 +418,21 @@ def _prepare_flex(batch: Batch, device: torch.device) -> Visibility:
     seg = host_to_device(batch.segment_ids, device)  # [B, T]
     B, T = batch.shape
     causal = batch.causal
+    in_prefix = (None if batch.prefix_len is None
+                 else prefix_keys(seg, host_to_device(batch.prefix_len, device)))  # [B, T]
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = (seg[b, q_idx] == seg[b, kv_idx]) & (seg[b, q_idx] != 0)
-        if causal:
+        if causal and in_prefix is None:
             same = same & (kv_idx <= q_idx)
+        elif causal:
+            same = same & ((kv_idx <= q_idx) | in_prefix[b, kv_idx])
         return same | (q_idx == kv_idx)
 
-    partial, full = segment_block_mask(batch.segments, T, causal)
+    # the host knows no prefix lengths: a prefix segment's tiles are planned as if it
+    # were bidirectional, and only wholly causal tiles count as full (exact, see doc)
+    partial, full = segment_block_mask(batch.segments, T, causal,
+                                       prefix=in_prefix is not None)
     parts = [*ordered_blocks(partial), *ordered_blocks(full),
              *ordered_blocks(partial.swapaxes(-1, -2)), *ordered_blocks(full.swapaxes(-1, -2))]
     tensors = [host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for a in parts]
@@ -400,6 +500,12 @@ def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
     B, T = batch.shape
     starts = [b * T + s.start for b, row in enumerate(batch.segments) for s in row if s.length]
     lengths = [s.length for row in batch.segments for s in row if s.length]
+    prefix = None  # [B * n_seg] on the device: each segment's prefix length (prefix LM)
+    if batch.prefix_len is not None:
+        n_seg = batch.prefix_len.shape[1]
+        entries = [b * n_seg + k for b, row in enumerate(batch.segments)
+                   for k, s in enumerate(row) if s.length]  # parallel to starts/lengths
+        prefix = host_to_device(batch.prefix_len, device).reshape(-1).to(torch.int64)
 
     none = B * T
     slot_of = np.full(B * T, -1, dtype=np.int64)
@@ -423,10 +529,14 @@ def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
             slot_of[reads[real]] = offset + np.flatnonzero(real.reshape(-1))
             position_of.append(np.where(real, reads, first[:, None]).reshape(-1))
             position_or_none.append(np.where(real, reads, none).reshape(-1))
-            key_mask = None
+            key_mask = prefix_mask = None
             if not batch.causal:
                 key_mask = host_to_device(torch.from_numpy(real[:, None, None, :]), device)
-            buckets.append(_Bucket(length=int(L), count=int(members.size), key_mask=key_mask))
+            elif prefix is not None:
+                chosen = host_to_device(torch.from_numpy(np.asarray(entries)[members]), device)
+                prefix_mask = _bucket_prefix_mask(prefix.index_select(0, chosen), int(L))
+            buckets.append(_Bucket(length=int(L), count=int(members.size), key_mask=key_mask,
+                                   prefix_mask=prefix_mask))
             sizes.append(int(members.size * L))
             offset += members.size * L
     padding = np.flatnonzero(slot_of < 0)  # uncovered positions see only themselves
@@ -450,14 +560,27 @@ def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
     )
 
 
+def _bucket_prefix_mask(prefix: torch.Tensor, L: int) -> torch.Tensor:
+    """``[n, 1, L, L]`` bool for ``n`` segments right-padded to ``L`` columns: query
+    ``i`` sees key ``j`` iff ``j <= i`` or ``j < prefix`` of its segment.
+
+    A prefix never passes its segment's length, so no real query sees a padded key;
+    a padded query sees earlier keys only (finite, discarded, zero gradient).
+    """
+    cols = torch.arange(L, device=prefix.device)
+    causal = cols[None, :] <= cols[:, None]  # [L, L]
+    in_prefix = cols[None, :] < prefix[:, None]  # [n, L] keys
+    return (causal[None] | in_prefix[:, None, :])[:, None]  # [n, 1, L, L]
+
+
 class _Relayout(torch.autograd.Function):
     """``out = x[index]`` whose backward is the gather ``grad[inverse]`` (no scatter).
 
     Exact because every element of ``x`` is read by exactly one slot whose gradient
     matters: the other reads (bucket padding) carry an exactly zero gradient, since
-    causal or key-masked attention gives them zero probability and their outputs are
-    discarded. With ``zero_row``, ``inverse`` may hold ``len(grad)`` to mean "no
-    source": that gradient row is zero.
+    causal, prefix-masked or key-masked attention gives them zero probability and
+    their outputs are discarded. With ``zero_row``, ``inverse`` may hold ``len(grad)``
+    to mean "no source": that gradient row is zero.
     """
 
     @staticmethod
@@ -487,8 +610,9 @@ def _attend_segments(qkv: torch.Tensor, vis: Visibility) -> torch.Tensor:
         q, k, v = (  # [n, nH, L, Dh] each
             x.transpose(1, 2) for x in part.view(n, L, three, nH, Dh).unbind(2)
         )
+        mask = bucket.mask
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bucket.key_mask, is_causal=vis.causal
+            q, k, v, attn_mask=mask, is_causal=vis.causal and mask is None
         )  # [n, nH, L, Dh]
         results.append(out.transpose(1, 2).reshape(n * L, nH, Dh))
     results.append(parts[-1][:, 2])  # padding sees itself only: its output is its value
