@@ -173,6 +173,7 @@ BUILT: dict[str, str] = {
     "scheduled_sampling": "exactstep.families:scheduled_sampling_family",
     "permutation": "exactstep.rows.permutation:FAMILY",
     "encdec": "exactstep.rows.encdec:FAMILY",
+    "span": "exactstep.rows.span:SPAN_FAMILY",
 }
 
 
