@@ -49,6 +49,28 @@ def test_the_family_opens_text_with_descending_sentinels(parts):
     assert p.compiler.sentinels.tolist() == [264, 263, 262, 261, 260, 259]
 
 
+def test_a_boundary_policy_that_means_nothing_here_is_refused(corpus):
+    cfg = resolve(load_config(None, SMALL + corpus + ["batch.boundary=keep"]))
+    with pytest.raises(ConfigError, match="batch.boundary = 'keep' has no meaning"):
+        open_family(cfg)
+
+
+def test_weighted_examples_carry_their_weight_on_every_decoder_column(parts):
+    from dataclasses import replace
+
+    from exactstep.rows.stream import RowStream
+
+    cfg, p = parts
+    weighted = [replace(e, weight=0.5 + e.example_id) for e in p.data.train]
+    batch = next(iter(RowStream(weighted, cfg.batch, pad_id=p.tokenizer.pad_id, seed=0,
+                                compiler=p.compiler)))
+    for b, segments in enumerate(batch.segments):
+        for seg in segments:
+            assert batch.weights[b, seg.start:seg.stop].tolist() == [0.5 + seg.example_id] * \
+                seg.length
+    assert float(batch.weights[batch.segment_ids == 0].abs().sum()) == 0.0
+
+
 def test_the_manifest_section_records_how_rows_are_made(parts):
     cfg, _ = parts
     section = span_objective(cfg)

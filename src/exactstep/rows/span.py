@@ -387,6 +387,14 @@ def span_specials(cfg: Any) -> tuple[str, ...]:
 
 
 def span_compiler(cfg: Any, tokenizer: Any) -> SpanCompiler:
+    """The run's compiler; ``ConfigError`` for a setting that means nothing here
+    (``batch.boundary = "keep"``: a piece's target never continues into the next) and
+    for rows too short or too few sentinels (``row_shape``)."""
+    if cfg.batch.boundary != "ignore":
+        raise ConfigError(
+            "batch.boundary = 'keep' has no meaning for span corruption (each piece has its "
+            "own target, ending with EOS); leave batch.boundary = 'ignore'"
+        )
     span = span_config_of(cfg)
     ids = [tokenizer.extra_id(f"{SENTINEL_PREFIX}{k}") for k in range(span.sentinels)]
     compiler = SpanCompiler(span, seed=cfg.seed, bos_id=tokenizer.bos_id,
