@@ -138,6 +138,9 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("encdec.n_heldout", (1,), (0,), ">= 1", ()),
     ("encdec.max_value", (0,), (-1,), ">= 0", ()),
     ("encdec.max_new_tokens", (1,), (0,), ">= 1", ()),
+    ("span.noise_density", (0.01, 0.5, 0.99), (0, 1, -0.1), "in (0, 1)", ()),
+    ("span.mean_noise_span_length", (1, 3.0), (0.5, 0, -1), ">= 1", ()),
+    ("span.sentinels", (1, 100), (0, -1), ">= 1", ()),
 ]
 
 

@@ -37,6 +37,7 @@ from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.encdec_config import EncDecConfig
 from exactstep.rows.permutation import PermutationConfig
+from exactstep.rows.span_config import SpanConfig
 from exactstep.state.config import CheckpointConfig
 from exactstep.tracking import LogConfig
 from exactstep.update.config import NumericsConfig, UpdateConfig
@@ -98,6 +99,7 @@ class RunConfig:
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)
     permutation: PermutationConfig = field(default_factory=PermutationConfig)
     encdec: EncDecConfig = field(default_factory=EncDecConfig)
+    span: SpanConfig = field(default_factory=SpanConfig)  # family "span" (rows.span_config)
 
     def __post_init__(self) -> None:
         # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits

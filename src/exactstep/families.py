@@ -174,6 +174,7 @@ BUILT: dict[str, str] = {
     "permutation": "exactstep.rows.permutation:FAMILY",
     "encdec": "exactstep.rows.encdec:FAMILY",
     "prefix": "exactstep.rows.prefix:FAMILY",
+    "span": "exactstep.rows.span:SPAN_FAMILY",
 }
 
 

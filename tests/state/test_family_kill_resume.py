@@ -37,6 +37,8 @@ FAMILIES = {
                            "scheduled_sampling.slope": 0.1, "scheduled_sampling.floor": 0.5},
     # every piece's factorisation order is drawn; half of each order is predicted
     "permutation": {"objective.family": "permutation", "permutation.predict_one_in": 2},
+    # every piece's noise spans are drawn; 8 sentinels (a full 32-column row uses 2)
+    "span": {"objective.family": "span", "span.sentinels": 8},
 }
 
 

@@ -14,7 +14,10 @@ target, visibility span, ownership) does not show everything the family means
 
 A compiler is also what fixes how many planner tokens one row holds
 (``capacity``): the identity for the decoder families; a family that rewrites a
-piece (span corruption shortens inputs) plans in the units it consumes.
+piece (span corruption shortens inputs) plans in the units it consumes. Such a
+compiler may also have ``piece_cost(cfg) -> (length -> int)``: what a piece of a
+given length is charged of the capacity when rows are filled (``rows.packing``,
+"Charges"), so that rewritten pieces always fit their row.
 
 Invariants every compiler keeps (checked by the tests of each family):
 

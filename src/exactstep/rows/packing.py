@@ -27,6 +27,14 @@ Over-long examples (``len > seq_len``), each outcome counted (R4):
 - ``truncate``: the first ``seq_len`` tokens are kept, the tail dropped.
 - ``drop``: the example is skipped.
 
+Charges (R8): a compiler that rewrites pieces (span corruption adds sentinels and
+an EOS, so a short piece takes more of a row than its length) may give the planner
+a ``cost``: the capacity a piece of ``length`` tokens takes. Rows are then filled so
+that the costs of their pieces sum to at most ``seq_len``, and the best fit is the
+piece with the largest cost that fits. ``cost`` must be non-decreasing with
+``cost(seq_len) <= seq_len``, so that every piece fits an empty row; cuts are still
+made in tokens. Without one, a piece costs its length.
+
 Determinism: the rows produced depend only on (examples, settings, seed) and the
 number of rows already taken; ``state_dict`` captures the epoch, the cursor in the
 permuted shard, the pending buffer and the counters, so that ``load_state_dict`` and
@@ -37,7 +45,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -170,6 +178,8 @@ class ExampleTable:
 class PackPlanner:
     """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
 
+    ``cost`` (optional): the capacity a piece of a given length takes (module doc,
+    "Charges"); ``real_tokens`` still counts tokens.
     Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
     every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
     """
@@ -187,6 +197,7 @@ class PackPlanner:
         rank: int = 0,
         world: int = 1,
         overlap_split: bool = False,
+        cost: Callable[[int], int] | None = None,
     ) -> None:
         if world < 1 or not 0 <= rank < world:
             raise DistributedError(f"rank {rank} is not in [0, world = {world}); check the launch")
@@ -219,6 +230,10 @@ class PackPlanner:
         self.rank = rank
         self.world = world
         self.overlap_split = overlap_split
+        self.cost = cost or (lambda length: length)
+        if self.cost(seq_len) > seq_len:
+            raise DataError(f"a piece of {seq_len} tokens costs {self.cost(seq_len)} > "
+                            f"{seq_len}: the compiler's charges do not fit its own rows")
         self.counts = PackCounts()
         self._keys: list[tuple[int, int]] = []  # sorted (length, arrival)
         self._pending: dict[int, Piece] = {}  # arrival -> piece
@@ -297,10 +312,11 @@ class PackPlanner:
         arrival = self._next_arrival
         self._next_arrival += 1
         self._pending[arrival] = piece
-        bisect.insort(self._keys, (piece.length, arrival))
+        bisect.insort(self._keys, (self.cost(piece.length), arrival))
 
     def _take_longest_fitting(self, space: int) -> Piece | None:
-        """The longest pending piece of length <= ``space`` (earliest arrival on ties)."""
+        """The longest pending piece (largest cost) of cost <= ``space`` (earliest
+        arrival on ties)."""
         idx = bisect.bisect_right(self._keys, (space, _AFTER_ALL)) - 1
         if idx < 0:
             return None
@@ -323,9 +339,9 @@ class PackPlanner:
             if piece is None:
                 break
             row.append(piece)
-            space -= piece.length
+            space -= self.cost(piece.length)
         self.counts.rows += 1
-        self.counts.real_tokens += self.seq_len - space
+        self.counts.real_tokens += sum(piece.length for piece in row)
         return row
 
     def next_rows(self, k: int) -> list[list[Piece]]:
@@ -404,5 +420,5 @@ class PackPlanner:
                           epoch=self.epoch)
             for a, e, o, n, k in state["pending"]
         }
-        self._keys = sorted((p.length, a) for a, p in self._pending.items())
+        self._keys = sorted((self.cost(p.length), a) for a, p in self._pending.items())
         self.counts = PackCounts(**state["counts"])

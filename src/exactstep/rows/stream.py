@@ -72,6 +72,7 @@ class RowStream:
             repeat=repeat,
             rank=rank,
             world=world,
+            cost=piece_cost(compiler, cfg),
         )
         self.weighted = all_weighted(examples)  # batches carry weights (L3)
         self.batches = 0
@@ -124,6 +125,13 @@ class RowStream:
         return data_report(
             self.planner, self.cfg, self.batches, self.supervised_rows, self.boundary_targets
         )
+
+
+def piece_cost(compiler: RowCompiler, cfg: BatchConfig):
+    """The compiler's charge per piece length (``piece_cost(cfg)``), or ``None`` for a
+    compiler whose pieces take their length (``rows.packing``, "Charges")."""
+    charges = getattr(compiler, "piece_cost", None)
+    return None if charges is None else charges(cfg)
 
 
 def compile_rows(
@@ -206,6 +214,7 @@ def eval_batches(
         shuffle=False,
         repeat=False,
         overlap_split=True,
+        cost=piece_cost(compiler, cfg),
     )
     while True:
         rows = planner.next_rows(cfg.rows)

@@ -1,0 +1,482 @@
+"""T5 span corruption: rows of text pieces -> encoder-decoder batches (R1, R3, R6-R8).
+
+One planned piece of a text example (``BOS + bytes + EOS``) becomes one segment on
+each side of a row, exactly as T5's ``span_corruption`` treats one chunk of text:
+
+- the piece's *raw* tokens are its tokens without the example's BOS and EOS markers
+  (T5's raw stream has neither; the BOS is this family's decoder start token, the EOS
+  is appended to both sides below);
+- a noise mask over the ``r`` raw tokens, T5's ``random_spans_noise_mask``:
+  ``N`` noise tokens in ``K`` spans (``SpanConfig.noise_counts``); the noise span
+  lengths are a uniformly random composition of ``N`` into ``K`` positive parts and
+  the non-noise span lengths one of ``r - N`` into ``K`` (T5's
+  ``_random_segmentation``: the first ``K - 1`` gaps of a random permutation of the
+  ``items - 1`` gaps are the cuts), interleaved starting with non-noise, so the last
+  raw token is always noise (T5's default, no random roll);
+- the input (encoder side) is the raw tokens with the ``k``-th noise span replaced by
+  sentinel ``extra_id_k``, then EOS (T5's ``noise_span_to_unique_sentinel``); the
+  target is ``extra_id_0, span 0, extra_id_1, span 1, ..., EOS`` (T5's
+  ``nonnoise_span_to_unique_sentinel``): every non-noise span replaced by the
+  sentinel that marks where the following noise span was cut. So the input with each
+  sentinel replaced by the target's tokens after that sentinel is the raw piece again
+  (the defining invariant). Sentinel ids descend from the top of the vocabulary:
+  ``extra_id_k = vocab_size - 1 - k``, T5's convention;
+- the decoder input is the target shifted right with BOS as the start token, and
+  ``labels`` are the target: the shift happens here, once (R1). Every target token is
+  supervised, sentinels and EOS included (T5 trains on all of them);
+- randomness: one NumPy generator per piece, ``default_rng([seed, SPAN_STREAM, epoch,
+  example_id, piece])``, drawing the noise composition then the non-noise one. An
+  example's corruption depends on nothing else, so packing, sharding over ranks and
+  resuming never change it (the compiler keeps no state, S5); a new epoch draws anew.
+
+Rows. The encoder side has ``batch.seq_len`` columns (T5's ``inputs_length``), the
+decoder side ``targets_length`` columns, and the planner packs ``capacity`` raw
+tokens per row: T5's ``random_spans_helper`` (``rows.span_config``). The planner
+fills rows by ``piece_cost``: a piece of ``l`` tokens is charged
+``max(ceil(f(l) * C / S), ceil(g(l) * C / T))`` of the capacity ``C``, where ``f``
+and ``g`` are the input and target lengths of ``l`` raw tokens and ``S``/``T`` the
+two widths, so that every row fits both sides whatever it holds (a short piece costs
+more than its length: its sentinels and EOS are a larger share of it). A full piece
+of ``C`` raw tokens costs exactly ``C``.
+
+What fills exactly: a row holding one piece of ``C`` raw tokens (the middle pieces
+of a document split by the planner) fills both sides exactly, ``S`` and ``T``
+columns, no padding -- T5's guarantee. The first piece of a split document carries
+the BOS, so it has ``C - 1`` raw tokens and may leave one encoder column and up to
+two decoder columns empty. A row shared by several documents (whole short documents
+and split documents' last pieces) never overflows, but is filled only as far as the
+charges allow: each piece is charged as if every token were raw (a whole document's
+BOS and EOS are not) and at the rate of the more crowded side, so such rows carry
+some padding on at least one side.
+
+Each piece has its own segment id on both sides, in the same order (decoder segment
+``s`` cross-attends to encoder segment ``s``: the same example and piece); positions
+restart per segment on both sides (``batch.positions = "reset"``) or follow the
+column (``"continue"``). ``Segment.offset`` on both sides is the piece's first token
+in its example; the columns hold the corrupted sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from exactstep.errors import BatchInvariantError, ConfigError, DataError
+from exactstep.families import Family
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide
+from exactstep.rows.causal import example_weight
+from exactstep.rows.config import BatchConfig
+from exactstep.rows.example import Example
+from exactstep.rows.invariants import check_batch, fail_at
+from exactstep.rows.packing import Piece
+from exactstep.rows.span_config import SpanConfig, row_shape
+
+SPAN_STREAM = 0x5350414E  # "SPAN": this family's tag in every corruption generator's seed
+SENTINEL_PREFIX = "extra_id_"
+
+
+# --------------------------------------------------------------------------- one piece
+
+
+def piece_generator(seed: int, epoch: int, example_id: int, piece: int) -> np.random.Generator:
+    """The generator of one piece's corruption, addressed by its identity alone."""
+    return np.random.default_rng([seed, SPAN_STREAM, epoch, example_id, piece])
+
+
+def segment_lengths(items: int, segments: int, rng: np.random.Generator) -> np.ndarray:
+    """T5's ``_random_segmentation``: ``segments`` positive lengths summing to ``items``,
+    every composition equally likely. One draw: ``rng.permutation(items - 1)``, whose
+    first ``segments - 1`` entries are the gaps cut (gap ``j`` lies after item ``j``)."""
+    cuts = np.sort(rng.permutation(items - 1)[: segments - 1]) + 1
+    return np.diff(np.concatenate([[0], cuts, [items]]))
+
+
+def noise_mask(r: int, span: SpanConfig, rng: np.random.Generator) -> np.ndarray:
+    """T5's ``random_spans_noise_mask`` over ``r`` raw tokens (bool ``[r]``, True =
+    noise): see module doc. Draws nothing below two tokens."""
+    noise, spans = span.noise_counts(r)
+    if spans == 0:
+        return np.zeros(r, dtype=bool)
+    noise_lengths = segment_lengths(noise, spans, rng)
+    kept_lengths = segment_lengths(r - noise, spans, rng)
+    interleaved = np.stack([kept_lengths, noise_lengths], axis=1).reshape(-1)  # [2K]
+    return np.repeat(np.tile(np.array([False, True]), spans), interleaved)
+
+
+def replace_runs(tokens: np.ndarray, marked: np.ndarray, sentinels: np.ndarray) -> np.ndarray:
+    """``tokens`` with the ``k``-th run of ``marked`` tokens replaced by ``sentinels[k]``
+    (T5's ``noise_span_to_unique_sentinel``)."""
+    previous = np.zeros_like(marked)
+    previous[1:] = marked[:-1]
+    first, later = marked & ~previous, marked & previous
+    runs = int(first.sum())
+    if runs > len(sentinels):
+        raise DataError(f"a piece needs {runs} sentinels but only {len(sentinels)} exist; "
+                        "raise span.sentinels")
+    if runs == 0:
+        return tokens
+    run_index = np.maximum(np.cumsum(first) - 1, 0)  # [r] the run each token is in
+    return np.where(first, sentinels[run_index], tokens)[~later]
+
+
+def corrupt(raw: np.ndarray, mask: np.ndarray, sentinels: np.ndarray,
+            eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(input, target)`` of raw tokens under a noise mask, each ending with EOS."""
+    eos = np.array([eos_id], dtype=np.int64)
+    inputs = np.concatenate([replace_runs(raw, mask, sentinels), eos])
+    targets = np.concatenate([replace_runs(raw, ~mask, sentinels), eos])
+    return inputs, targets
+
+
+def raw_tokens(example: Example, piece: Piece, bos_id: int, eos_id: int) -> np.ndarray:
+    """The piece's tokens without the example's BOS (first token) and EOS (last one).
+
+    Raises ``DataError`` when the example is not ``BOS ... EOS`` text.
+    """
+    tokens = example.tokens
+    n = len(tokens)
+    if n < 2 or int(tokens[0]) != bos_id or int(tokens[-1]) != eos_id:
+        raise DataError(
+            f"example {example.example_id} is not BOS + text + EOS; span corruption reads "
+            "text examples (data.kind = 'text')"
+        )
+    start, stop = max(piece.offset, 1), min(piece.offset + piece.length, n - 1)
+    return tokens[start:stop] if stop > start else tokens[:0]
+
+
+# --------------------------------------------------------------------------- the compiler
+
+
+@dataclass(frozen=True)
+class CompiledPiece:
+    """One piece corrupted: encoder tokens and decoder targets (both end with EOS)."""
+
+    example: Example
+    piece: Piece
+    inputs: np.ndarray  # [f] int64
+    targets: np.ndarray  # [g] int64
+
+
+class SpanCompiler:
+    """T5 span corruption (see module doc). ``sentinel_ids[k]`` is ``extra_id_k``."""
+
+    name = "span"
+
+    def __init__(self, span: SpanConfig, *, seed: int, bos_id: int, eos_id: int,
+                 sentinel_ids: Sequence[int]) -> None:
+        if len(sentinel_ids) != span.sentinels:
+            raise ConfigError(f"span.sentinels = {span.sentinels} but {len(sentinel_ids)} "
+                              "sentinel ids were given")
+        self.span = span
+        self.seed = seed
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.sentinels = np.asarray(sentinel_ids, dtype=np.int64)
+
+    # -- planning
+
+    def capacity(self, cfg: BatchConfig) -> int:
+        """Raw tokens one row holds: T5's ``tokens_length`` for ``seq_len`` inputs."""
+        return row_shape(self.span, cfg.seq_len)[0]
+
+    def widths(self, cfg: BatchConfig) -> tuple[int, int]:
+        """``(encoder columns, decoder columns)``: ``seq_len`` and T5's targets length."""
+        _, encoder, decoder = row_shape(self.span, cfg.seq_len)
+        return encoder, decoder
+
+    def piece_cost(self, cfg: BatchConfig) -> Callable[[int], int]:
+        """What a piece of ``length`` tokens is charged of a row's capacity (module doc):
+        monotone, ``cost(capacity) == capacity``, and any pieces whose charges sum to at
+        most the capacity fit both sides."""
+        capacity, encoder, decoder = row_shape(self.span, cfg.seq_len)
+        span = self.span
+
+        def cost(length: int) -> int:
+            f, g = span.corrupted_lengths(length)
+            return max(-(-f * capacity // encoder), -(-g * capacity // decoder))
+
+        return cost
+
+    # -- compiling
+
+    def corrupt_piece(self, example: Example, piece: Piece) -> CompiledPiece:
+        """The piece's input and target, drawn from its own generator."""
+        raw = raw_tokens(example, piece, self.bos_id, self.eos_id)
+        rng = piece_generator(self.seed, piece.epoch, example.example_id, piece.piece)
+        inputs, targets = corrupt(raw, noise_mask(len(raw), self.span, rng), self.sentinels,
+                                  self.eos_id)
+        return CompiledPiece(example, piece, inputs, targets)
+
+    def compile(
+        self,
+        rows: Sequence[Sequence[Piece]],
+        examples: Sequence[Example],
+        cfg: BatchConfig,
+        *,
+        pad_id: int,
+        weighted: bool,
+    ) -> Batch:
+        """Both sides of ``rows`` (module doc). Raises ``BatchInvariantError`` when a
+        row's pieces do not fit (rows planned without ``piece_cost``)."""
+        encoder, decoder = self.widths(cfg)
+        compiled = [[self.corrupt_piece(examples[p.example], p) for p in row] for row in rows]
+        enc = SideArrays(len(rows), encoder, pad_id)
+        dec = SideArrays(len(rows), decoder, pad_id, labels=True, weights=weighted)
+        for b, row in enumerate(compiled):
+            for s, item in enumerate(row, start=1):
+                enc.place(b, s, item, item.inputs, cfg.positions)
+                shifted = np.concatenate([[self.bos_id], item.targets[:-1]])
+                dec.place(b, s, item, shifted, cfg.positions, labels=item.targets)
+        source = SourceSide(*enc.tensors()[:3], segments=enc.all_segments())
+        input_ids, position_ids, segment_ids, labels, weights = dec.tensors()
+        return Batch(input_ids=input_ids, labels=labels, position_ids=position_ids,
+                     segment_ids=segment_ids, segments=dec.all_segments(), source=source,
+                     weights=weights)
+
+    # -- checking (R7)
+
+    def check(self, batch: Batch, vocab_size: int | None, cfg: BatchConfig) -> None:
+        """R7 for span rows: the decoder side's ids and labels (``check_batch``; a
+        segment's last row is supervised here: its target is the EOS), the encoder
+        side's shape and ids, both sides' segments paired (same example and piece), and
+        the shift (R1): each decoder segment starts with BOS, every later input is the
+        previous column's label, every real column is supervised and the last one's
+        label is EOS, and each encoder segment ends with EOS."""
+        check_batch(batch, vocab_size, boundary="keep")
+        source = batch.source
+        if source is None:
+            raise BatchInvariantError("a span batch has no encoder side (batch.source)")
+        check_source(source, batch, vocab_size)
+        inputs, labels, segs = batch.input_ids, batch.labels, batch.segment_ids
+        real = segs > 0
+        first = real.clone()
+        first[:, 1:] &= segs[:, 1:] != segs[:, :-1]
+        last = real.clone()
+        last[:, :-1] &= segs[:, :-1] != segs[:, 1:]
+        fail_at(batch, real & (labels == IGNORE_INDEX),
+                "a decoder column of a segment has no target (label {value})", labels)
+        fail_at(batch, first & (inputs != self.bos_id),
+                "a decoder segment starts with {value}, not the BOS start token", inputs)
+        follows = torch.zeros_like(real)
+        follows[:, 1:] = real[:, 1:] & ~first[:, 1:]
+        previous_label = torch.full_like(labels, IGNORE_INDEX)
+        previous_label[:, 1:] = labels[:, :-1]
+        fail_at(batch, follows & (inputs != previous_label),
+                "decoder input {value} is not the previous column's target: the shift is "
+                "missing or doubled", inputs)
+        fail_at(batch, last & (labels != self.eos_id),
+                "a decoder segment's last target is {value}, not EOS", labels)
+        enc_segs = source.segment_ids
+        enc_last = enc_segs > 0
+        enc_last[:, :-1] &= enc_segs[:, :-1] != enc_segs[:, 1:]
+        fail_source_at(source, enc_last & (source.input_ids != self.eos_id),
+                       "an encoder segment ends with {value}, not EOS", source.input_ids)
+
+    # -- showing (R6)
+
+    def render(self, batch: Batch, tokenizer: Any, rows: range) -> str:
+        """Both sides of each requested row, sentinels by name (``exactstep inspect``)."""
+        from exactstep.rows.span_render import render_span_rows
+
+        return render_span_rows(batch, tokenizer, rows)
+
+
+class SideArrays:
+    """The arrays of one side of a batch being filled (NumPy, handed to torch)."""
+
+    def __init__(self, rows: int, width: int, pad_id: int, *, labels: bool = False,
+                 weights: bool = False) -> None:
+        self.width = width
+        self.ids = np.full((rows, width), pad_id, dtype=np.int64)  # [B, W]
+        self.positions = np.zeros((rows, width), dtype=np.int64)  # [B, W]
+        self.segment_ids = np.zeros((rows, width), dtype=np.int32)  # [B, W]
+        self.labels = np.full((rows, width), IGNORE_INDEX, dtype=np.int64) if labels else None
+        self.weights = np.zeros((rows, width), dtype=np.float32) if weights else None
+        self.segments: list[list[Segment]] = [[] for _ in range(rows)]
+        self.used = [0] * rows
+
+    def place(self, b: int, s: int, item: CompiledPiece, ids: np.ndarray, positions: str,
+              *, labels: np.ndarray | None = None) -> None:
+        start, n = self.used[b], len(ids)
+        stop = start + n
+        if stop > self.width:
+            raise BatchInvariantError(
+                f"row {b} (example {item.example.example_id}, piece {item.piece.piece}): the "
+                f"corrupted pieces take more than the {self.width} columns of a side; plan "
+                "span rows with the compiler's piece_cost"
+            )
+        self.ids[b, start:stop] = ids
+        self.positions[b, start:stop] = (np.arange(n) if positions == "reset"
+                                         else np.arange(start, stop))
+        self.segment_ids[b, start:stop] = s
+        if self.labels is not None and labels is not None:
+            self.labels[b, start:stop] = labels
+        if self.weights is not None:
+            self.weights[b, start:stop] = example_weight(item.example)
+        self.segments[b].append(Segment(item.example.example_id, item.piece.piece,
+                                        item.piece.offset, start, n))
+        self.used[b] = stop
+
+    def all_segments(self) -> tuple[tuple[Segment, ...], ...]:
+        return tuple(tuple(row) for row in self.segments)
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """``(ids, positions, segment ids, labels, weights)``; the last two may be None."""
+        def wrap(a: np.ndarray | None) -> torch.Tensor | None:
+            return None if a is None else torch.from_numpy(a)
+
+        return (wrap(self.ids), wrap(self.positions), wrap(self.segment_ids),
+                wrap(self.labels), wrap(self.weights))
+
+
+def check_source(source: SourceSide, batch: Batch, vocab_size: int | None) -> None:
+    """The encoder side's shapes, ids and pairing with the decoder side (R7, R8)."""
+    rows = batch.shape[0]
+    for name in ("input_ids", "position_ids", "segment_ids"):
+        shape = tuple(getattr(source, name).shape)
+        if len(shape) != 2 or shape[0] != rows or 0 in shape:
+            raise BatchInvariantError(f"source.{name} has shape {shape}; expected "
+                                      f"[{rows}, S > 0] like the decoder side's rows")
+    if tuple(source.position_ids.shape) != source.shape or \
+            tuple(source.segment_ids.shape) != source.shape:
+        raise BatchInvariantError("the encoder side's tensors differ in shape")
+    ids = source.input_ids
+    bad = (ids < 0) if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+    fail_source_at(source, bad, "encoder input id {value} is outside the vocabulary", ids)
+    if len(source.segments) != rows:
+        raise BatchInvariantError(f"the encoder side lists {len(source.segments)} rows of "
+                                  f"segments, the decoder side {rows}")
+    for b, (dec, enc) in enumerate(zip(batch.segments, source.segments, strict=True)):
+        pairs = [(d.example_id, d.piece) for d in dec]
+        if pairs != [(e.example_id, e.piece) for e in enc]:
+            raise BatchInvariantError(
+                f"row {b}: decoder segments {pairs} are not paired with the encoder's "
+                f"{[(e.example_id, e.piece) for e in enc]} (segment s must be the same piece)"
+            )
+
+
+def fail_source_at(source: SourceSide, bad: torch.Tensor, what: str,
+                   values: torch.Tensor) -> None:
+    """``fail_at`` for the encoder side: names the row, column and piece."""
+    if not bool(bad.any()):
+        return
+    flat = int(torch.nonzero(bad.reshape(-1))[0, 0])
+    b, i = divmod(flat, bad.shape[1])
+    piece = next((f"example {s.example_id}, piece {s.piece}" for s in source.segments[b]
+                  if s.start <= i < s.stop), "padding")
+    raise BatchInvariantError(f"encoder row {b} column {i} ({piece}): "
+                              f"{what.format(value=int(values[b, i]))}")
+
+
+# --------------------------------------------------------------------------- the family
+
+
+def span_config_of(cfg: Any) -> SpanConfig:
+    """The run's ``span`` section, or the T5 defaults when the config has none."""
+    return getattr(cfg, "span", None) or SpanConfig()
+
+
+def span_specials(cfg: Any) -> tuple[str, ...]:
+    """``extra_id_{n-1}, ..., extra_id_0``: the byte tokenizer numbers extras upwards in
+    the order asked, so ``extra_id_k`` gets ``vocab_size - 1 - k`` (T5's descending ids)."""
+    return tuple(f"{SENTINEL_PREFIX}{k}" for k in reversed(range(span_config_of(cfg).sentinels)))
+
+
+def span_compiler(cfg: Any, tokenizer: Any) -> SpanCompiler:
+    """The run's compiler; ``ConfigError`` for a setting that means nothing here
+    (``batch.boundary = "keep"``: a piece's target never continues into the next) and
+    for rows too short or too few sentinels (``row_shape``)."""
+    if cfg.batch.boundary != "ignore":
+        raise ConfigError(
+            "batch.boundary = 'keep' has no meaning for span corruption (each piece has its "
+            "own target, ending with EOS); leave batch.boundary = 'ignore'"
+        )
+    span = span_config_of(cfg)
+    ids = [tokenizer.extra_id(f"{SENTINEL_PREFIX}{k}") for k in range(span.sentinels)]
+    compiler = SpanCompiler(span, seed=cfg.seed, bos_id=tokenizer.bos_id,
+                            eos_id=tokenizer.eos_id, sentinel_ids=ids)
+    compiler.capacity(cfg.batch)  # refuses a row too short, or too few sentinels, now
+    return compiler
+
+
+def span_objective(cfg: Any) -> dict[str, Any]:
+    """The manifest's ``objective`` section (S1): what the family optimises and how its
+    rows are made, so two runs with other corruption settings cannot be confused."""
+    span = span_config_of(cfg)
+    capacity, encoder, decoder = row_shape(span, cfg.batch.seq_len)
+    return {"family": "span_corruption", "shift_owner": "collator",
+            "ownership": "compact_sentinel_span_targets", "estimator": "teacher_forced_mle",
+            "noise_density": span.noise_density,
+            "mean_noise_span_length": span.mean_noise_span_length,
+            "sentinels": span.sentinels, "sentinel_ids": "extra_id_k = vocab_size - 1 - k",
+            "decoder_start": "bos", "raw_tokens_per_row": capacity,
+            "encoder_columns": encoder, "decoder_columns": decoder,
+            "corruption_rng": f"numpy default_rng([seed, {SPAN_STREAM:#x}, epoch, example_id, "
+                              "piece])"}
+
+
+def build_span_model(cfg: Any, vocab_size: int) -> Any:
+    """The built-in encoder-decoder (``model.encdec``)."""
+    from exactstep.model.encdec import build_encoder_decoder
+
+    return build_encoder_decoder(cfg, vocab_size)
+
+
+def target_counts(batches: Any, vocab_size: int, limit: int) -> tuple[np.ndarray, int]:
+    """Add-one counts of the supervised labels of ``batches``, until ``limit`` are seen."""
+    counts, seen = np.ones(vocab_size, dtype=np.float64), 0
+    for batch in batches:
+        if seen >= limit:
+            break
+        labels = batch.labels[batch.labels != IGNORE_INDEX].numpy()
+        counts += np.bincount(labels, minlength=vocab_size)[:vocab_size]
+        seen += len(labels)
+    return counts, seen
+
+
+def unigram_bits_on(batches: Any, counts: np.ndarray, max_tokens: int) -> tuple[float, int]:
+    """Bits per target of the unigram ``counts`` on the targets ``evaluate`` scores
+    (the same batches and the same stopping rule)."""
+    log2p = np.log2(counts / counts.sum())
+    bits, tokens = 0.0, 0
+    for batch in batches:
+        if tokens >= max_tokens:
+            break
+        labels = batch.labels[batch.labels != IGNORE_INDEX].numpy()
+        if not len(labels):
+            continue
+        bits -= float(log2p[labels].sum())
+        tokens += len(labels)
+    return (bits / tokens if tokens else float("nan")), tokens
+
+
+TRAIN_TARGETS_FOR_UNIGRAM = 250_000
+
+
+def span_score(model: Any, parts: Any, cfg: Any, device: Any) -> dict[str, Any]:
+    """The baseline for this family's held-out figure: a unigram fit on span targets of
+    the training split (sentinels and EOS included, add-one, up to 250,000 targets) and
+    scored on the very held-out targets of ``heldout_bits_per_token`` (the same
+    batches, the same stopping rule). Judge the run by ``heldout_bits_per_token /
+    span_unigram_bits_per_token``. The summary's generic unigram is fit on raw text,
+    which holds no sentinel, so it is not this family's baseline."""
+    from exactstep.rows.stream import eval_batches
+
+    tokenizer, vocab = parts.tokenizer, parts.tokenizer.vocab_size
+
+    def batches(examples: Any) -> Any:
+        return eval_batches(examples, cfg.batch, pad_id=tokenizer.pad_id, vocab_size=vocab,
+                            compiler=parts.compiler)
+
+    counts, fitted = target_counts(batches(parts.data.train), vocab, TRAIN_TARGETS_FOR_UNIGRAM)
+    unigram, scored = unigram_bits_on(batches(parts.data.val), counts, cfg.train.eval_tokens)
+    return {"span_unigram_bits_per_token": unigram, "span_unigram_fit_targets": fitted,
+            "span_unigram_scored_targets": scored}
+
+
+SPAN_FAMILY = Family("span", "encdec", "text", "stdlib", span_compiler, span_objective,
+                     build_span_model, specials=span_specials, score=span_score)
