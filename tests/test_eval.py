@@ -120,3 +120,40 @@ def test_unigram_baseline_matches_hand_count() -> None:
     expected = -np.log2(p[targets]).mean()
     got = unigram_bits(train, batches(val), TOK.vocab_size, max_tokens=10**9)
     assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_baseline_of_a_family_that_rewrites_targets_is_fit_on_its_targets():
+    """R8: span corruption's targets hold sentinels, which raw text never does; the
+    summary's unigram is fit on the compiled training labels, counted here by hand.
+    Negative control: the raw-text fit (the causal families') is a different figure."""
+    import numpy as np
+
+    from exactstep.config import load_config
+    from exactstep.eval import Validator, unigram_bits
+    from exactstep.families import open_family, resolve
+    from exactstep.rows.stream import eval_batches
+
+    cfg = resolve(load_config(None, ["objective.family=span", "data.max_docs=60",
+                                     "data.val_fraction=0.2", "batch.seq_len=64",
+                                     "batch.rows=4", "train.eval_tokens=400"]))
+    p = open_family(cfg)
+    vocab = p.tokenizer.vocab_size
+    validator = Validator(None, p.data.train, p.data.val, cfg.batch, p.tokenizer.pad_id, vocab,
+                          "cpu", cfg.train.eval_tokens, compiler=p.compiler)
+    counts = np.ones(vocab)
+    for batch in eval_batches(p.data.train, cfg.batch, pad_id=p.tokenizer.pad_id,
+                              compiler=p.compiler):
+        for t in batch.labels[batch.labels >= 0].tolist():
+            counts[t] += 1
+    log2p = np.log2(counts / counts.sum())
+    held = []
+    for batch in eval_batches(p.data.val, cfg.batch, pad_id=p.tokenizer.pad_id,
+                              compiler=p.compiler):
+        if len(held) >= cfg.train.eval_tokens:
+            break
+        held += batch.labels[batch.labels >= 0].tolist()
+    expected = -sum(log2p[t] for t in held) / len(held)
+    assert validator.baseline_bits() == pytest.approx(expected, rel=1e-12)
+    raw = unigram_bits(p.data.train, eval_batches(p.data.val, cfg.batch, pad_id=p.tokenizer.pad_id,
+                                                  compiler=p.compiler), vocab, cfg.train.eval_tokens)
+    assert raw > expected + 0.5  # sentinels are rare under a raw-text fit

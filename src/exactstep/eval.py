@@ -140,21 +140,41 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def unigram_bits(
-    train_examples: Sequence[Example], val_batches: Iterable[Batch], vocab_size: int,
-    max_tokens: int,
-) -> float | None:
-    """Bits per target of a unigram (token-frequency) model fit on the training
-    examples' supervised targets (add-one smoothing), scored on the same validation
-    targets ``evaluate`` scores. The baseline the summary compares bits per byte to."""
+#: Training targets a compiled unigram fit reads at most (families other than causal).
+COMPILED_FIT_TARGETS = 250_000
+
+
+def example_target_counts(train_examples: Sequence[Example], vocab_size: int) -> np.ndarray:
+    """Add-one counts of the training examples' supervised targets (causal and chat:
+    every owned token, which is what their compiler supervises)."""
     counts = np.ones(vocab_size, dtype=np.float64)
     histogram = getattr(train_examples, "target_histogram", None)
     if histogram is not None and histogram(vocab_size) is not None:
-        counts += histogram(vocab_size)  # prepared shards: counted once by prepare (P2)
-    else:
-        for ex in train_examples:
-            targets = ex.tokens[1:] if ex.owned is None else ex.tokens[ex.owned]
-            counts += np.bincount(targets, minlength=vocab_size)[:vocab_size]
+        return counts + histogram(vocab_size)  # prepared shards: counted once by prepare (P2)
+    for ex in train_examples:
+        targets = ex.tokens[1:] if ex.owned is None else ex.tokens[ex.owned]
+        counts += np.bincount(targets, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def target_counts(batches: Iterable[Batch], vocab_size: int, limit: int) -> tuple[np.ndarray, int]:
+    """Add-one counts of the supervised labels of ``batches`` until ``limit`` are seen,
+    and how many were counted: the fit for a family whose compiler rewrites targets
+    (span corruption's sentinels, masked positions, a factorisation's predictions)."""
+    counts, seen = np.ones(vocab_size, dtype=np.float64), 0
+    for batch in batches:
+        if seen >= limit:
+            break
+        labels = batch.labels[batch.labels != IGNORE_INDEX].numpy()
+        counts += np.bincount(labels, minlength=vocab_size)[:vocab_size]
+        seen += len(labels)
+    return counts, seen
+
+
+def unigram_bits_on(val_batches: Iterable[Batch], counts: np.ndarray,
+                    max_tokens: int) -> float | None:
+    """Bits per target of the unigram ``counts`` on the validation targets ``evaluate``
+    scores (the same batches and the same stopping rule)."""
     log2p = torch.from_numpy(np.log2(counts / counts.sum()))
     bits, tokens = 0.0, 0
     for batch in val_batches:
@@ -166,6 +186,17 @@ def unigram_bits(
         bits -= float(log2p[labels].sum())
         tokens += labels.numel()
     return bits / tokens if tokens else None
+
+
+def unigram_bits(
+    train_examples: Sequence[Example], val_batches: Iterable[Batch], vocab_size: int,
+    max_tokens: int,
+) -> float | None:
+    """Bits per target of a unigram (token-frequency) model fit on the training
+    examples' supervised targets (add-one smoothing), scored on the same validation
+    targets ``evaluate`` scores. The baseline the summary compares bits per byte to."""
+    return unigram_bits_on(val_batches, example_target_counts(train_examples, vocab_size),
+                           max_tokens)
 
 
 def _head_weight(model: torch.nn.Module) -> torch.Tensor:
@@ -214,9 +245,16 @@ class Validator:
         }
 
     def baseline_bits(self) -> float | None:
-        """Unigram (token-frequency) bits per target on the same validation targets."""
+        """Unigram (token-frequency) bits per target on the same validation targets,
+        fit on the training targets this family supervises: the examples' owned tokens
+        for the causal compiler, the compiled training labels (at most
+        ``COMPILED_FIT_TARGETS``) for a family that rewrites them (R8)."""
         val = eval_batches(self.val, self.batch, pad_id=self.pad_id, compiler=self.compiler)
-        return unigram_bits(self.train, val, self.vocab_size, self.max_tokens)
+        if self.compiler is CAUSAL:
+            return unigram_bits(self.train, val, self.vocab_size, self.max_tokens)
+        train = eval_batches(self.train, self.batch, pad_id=self.pad_id, compiler=self.compiler)
+        counts, _ = target_counts(train, self.vocab_size, COMPILED_FIT_TARGETS)
+        return unigram_bits_on(val, counts, self.max_tokens)
 
     def summary(self) -> dict[str, Any]:
         """The held-out figures of the end-of-run summary: bits per token and, where

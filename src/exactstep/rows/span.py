@@ -426,57 +426,5 @@ def build_span_model(cfg: Any, vocab_size: int) -> Any:
     return build_encoder_decoder(cfg, vocab_size)
 
 
-def target_counts(batches: Any, vocab_size: int, limit: int) -> tuple[np.ndarray, int]:
-    """Add-one counts of the supervised labels of ``batches``, until ``limit`` are seen."""
-    counts, seen = np.ones(vocab_size, dtype=np.float64), 0
-    for batch in batches:
-        if seen >= limit:
-            break
-        labels = batch.labels[batch.labels != IGNORE_INDEX].numpy()
-        counts += np.bincount(labels, minlength=vocab_size)[:vocab_size]
-        seen += len(labels)
-    return counts, seen
-
-
-def unigram_bits_on(batches: Any, counts: np.ndarray, max_tokens: int) -> tuple[float, int]:
-    """Bits per target of the unigram ``counts`` on the targets ``evaluate`` scores
-    (the same batches and the same stopping rule)."""
-    log2p = np.log2(counts / counts.sum())
-    bits, tokens = 0.0, 0
-    for batch in batches:
-        if tokens >= max_tokens:
-            break
-        labels = batch.labels[batch.labels != IGNORE_INDEX].numpy()
-        if not len(labels):
-            continue
-        bits -= float(log2p[labels].sum())
-        tokens += len(labels)
-    return (bits / tokens if tokens else float("nan")), tokens
-
-
-TRAIN_TARGETS_FOR_UNIGRAM = 250_000
-
-
-def span_score(model: Any, parts: Any, cfg: Any, device: Any) -> dict[str, Any]:
-    """The baseline for this family's held-out figure: a unigram fit on span targets of
-    the training split (sentinels and EOS included, add-one, up to 250,000 targets) and
-    scored on the very held-out targets of ``heldout_bits_per_token`` (the same
-    batches, the same stopping rule). Judge the run by ``heldout_bits_per_token /
-    span_unigram_bits_per_token``. The summary's generic unigram is fit on raw text,
-    which holds no sentinel, so it is not this family's baseline."""
-    from exactstep.rows.stream import eval_batches
-
-    tokenizer, vocab = parts.tokenizer, parts.tokenizer.vocab_size
-
-    def batches(examples: Any) -> Any:
-        return eval_batches(examples, cfg.batch, pad_id=tokenizer.pad_id, vocab_size=vocab,
-                            compiler=parts.compiler)
-
-    counts, fitted = target_counts(batches(parts.data.train), vocab, TRAIN_TARGETS_FOR_UNIGRAM)
-    unigram, scored = unigram_bits_on(batches(parts.data.val), counts, cfg.train.eval_tokens)
-    return {"span_unigram_bits_per_token": unigram, "span_unigram_fit_targets": fitted,
-            "span_unigram_scored_targets": scored}
-
-
 SPAN_FAMILY = Family("span", "encdec", "text", "stdlib", span_compiler, span_objective,
-                     build_span_model, specials=span_specials, score=span_score)
+                     build_span_model, specials=span_specials)
