@@ -35,6 +35,7 @@ from exactstep.parallel.config import ParallelConfig
 from exactstep.ranges import INT64_MAX, at_least, between, check, check_finite, check_int
 from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
+from exactstep.rows.mlm_config import MLMConfig
 from exactstep.rows.permutation import PermutationConfig
 from exactstep.state.config import CheckpointConfig
 from exactstep.tracking import LogConfig
@@ -76,7 +77,8 @@ class RunConfig:
 
     ``chat`` (ownership policy, R5) and ``arith`` (the built-in SFT demo) only matter
     when ``data.kind = "chat"``. ``permutation`` (the partial-prediction cutoff,
-    ``rows.permutation``) only matters when ``objective.family = "permutation"``.
+    ``rows.permutation``) only matters when ``objective.family = "permutation"``, and
+    ``mlm`` (selection and replacement rates, ``rows.mlm``) when it is ``"mlm"``.
     """
 
     seed: int = 0
@@ -94,6 +96,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)
     permutation: PermutationConfig = field(default_factory=PermutationConfig)
+    mlm: MLMConfig = field(default_factory=MLMConfig)
 
     def __post_init__(self) -> None:
         # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits

@@ -166,6 +166,7 @@ BUILT: dict[str, str] = {
     "chat": "exactstep.families:CHAT_FAMILY",
     "scheduled_sampling": "exactstep.families:SCHEDULED_SAMPLING_FAMILY",
     "permutation": "exactstep.rows.permutation:FAMILY",
+    "mlm": "exactstep.rows.mlm:FAMILY",
 }
 
 
