@@ -456,3 +456,16 @@ def test_inspect_shows_original_input_target_and_the_mask_marks(tmp_path, capsys
     assert "original" in out and "input" in out and "target" in out and "bidirectional" in out
     assert "<mask>" in out and " mask " in out
     assert out.count("row ") >= 2
+
+
+def test_weighted_examples_weigh_every_column_of_their_pieces_l3():
+    examples = [dataclasses.replace(e, weight=float(e.example_id + 1))
+                for e in random_examples(8, seed=3, lo=5, hi=30)]
+    rows = plan(examples, 32, 4)
+    batch = compiler(0).compile(rows, examples, BatchConfig(seq_len=32, rows=4), pad_id=PAD,
+                                weighted=True)
+    expected = torch.zeros(batch.shape)
+    for b, row in enumerate(batch.segments):
+        for seg in row:
+            expected[b, seg.start : seg.stop] = seg.example_id + 1
+    assert torch.equal(batch.weights, expected)
