@@ -130,6 +130,9 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("arith.max_follow_ups", (1, 9), (0,), ">= arith.min_follow_ups (1)", ()),
     ("arith.max_new_tokens", (1,), (0,), ">= 1", ()),
     ("permutation.predict_one_in", (1,), (0, -1), ">= 1", ()),
+    ("mlm.mask_rate", (1e-9, 0.15, 1), (0, -0.1, 1.5), "in (0, 1]", ()),
+    ("mlm.replace_mask", (0, 1), (-0.1, 1.5), "in [0, 1]", ("mlm.replace_random=0",)),
+    ("mlm.replace_random", (0, 1), (-0.1, 1.5), "in [0, 1]", ("mlm.replace_mask=0",)),
 ]
 
 

@@ -37,6 +37,8 @@ FAMILIES = {
                            "scheduled_sampling.slope": 0.1, "scheduled_sampling.floor": 0.5},
     # every piece's factorisation order is drawn; half of each order is predicted
     "permutation": {"objective.family": "permutation", "permutation.predict_one_in": 2},
+    # 15% of every piece selected, 80/10/10, drawn by (seed, epoch, example, piece)
+    "mlm": {"objective.family": "mlm"},
 }
 
 
@@ -112,6 +114,21 @@ def test_the_draws_mattered_scheduled_sampling(runs):
     records = [json.loads(line) for line in (straight / "ledger.jsonl").read_text().splitlines()]
     assert sum(r["inputs"]["model_inputs"] for r in records) > 0
     assert records[-1]["inputs"]["gold_probability"] == 0.5
+
+
+def test_the_draws_mattered_mlm(runs):
+    name, straight, _, _ = runs
+    if name != "mlm":
+        pytest.skip("the masked LM's own record")
+    manifest = json.loads((straight / "manifest.json").read_bytes())["manifest"]
+    assert manifest["objective"]["family"] == "masked_lm"
+    assert manifest["config"]["mlm"] == {"mask_rate": 0.15, "replace_mask": 0.8,
+                                         "replace_random": 0.1}
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["masked_targets"] == summary["heldout_tokens"] > 0
+    assert summary["masked_targets_mask"] > 0 and 0.0 <= summary["masked_accuracy"] <= 1.0
+    assert summary["masked_targets_mask"] + summary["masked_targets_random"] + \
+        summary["masked_targets_keep"] == summary["masked_targets"]
 
 
 def test_family_resume_without_cursor_fails_the_comparison_s5(runs):
