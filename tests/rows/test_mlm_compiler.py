@@ -469,3 +469,13 @@ def test_weighted_examples_weigh_every_column_of_their_pieces_l3():
         for seg in row:
             expected[b, seg.start : seg.stop] = seg.example_id + 1
     assert torch.equal(batch.weights, expected)
+
+
+def test_the_shipped_demo_is_a_masked_lm_run_at_berts_rates():
+    from importlib import resources
+
+    from exactstep.rows.mlm_config import MLMConfig
+
+    cfg = load_config(str(resources.files("exactstep") / "configs" / "mlm_stdlib.toml"))
+    assert cfg.objective.family == "mlm" and cfg.mlm == MLMConfig()
+    assert (cfg.mlm.mask_rate, cfg.mlm.replace_mask, cfg.mlm.replace_random) == (0.15, 0.8, 0.1)
