@@ -141,6 +141,9 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("span.noise_density", (0.01, 0.5, 0.99), (0, 1, -0.1), "in (0, 1)", ()),
     ("span.mean_noise_span_length", (1, 3.0), (0.5, 0, -1), ">= 1", ()),
     ("span.sentinels", (1, 100), (0, -1), ">= 1", ()),
+    ("mlm.mask_rate", (1e-9, 0.15, 1), (0, -0.1, 1.5), "in (0, 1]", ()),
+    ("mlm.replace_mask", (0, 1), (-0.1, 1.5), "in [0, 1]", ("mlm.replace_random=0",)),
+    ("mlm.replace_random", (0, 1), (-0.1, 1.5), "in [0, 1]", ("mlm.replace_mask=0",)),
 ]
 
 

@@ -36,6 +36,7 @@ from exactstep.ranges import INT64_MAX, at_least, between, check, check_finite, 
 from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.encdec_config import EncDecConfig
+from exactstep.rows.mlm_config import MLMConfig
 from exactstep.rows.permutation import PermutationConfig
 from exactstep.rows.span_config import SpanConfig
 from exactstep.state.config import CheckpointConfig
@@ -80,7 +81,9 @@ class RunConfig:
     when ``data.kind = "chat"``. ``permutation`` (the partial-prediction cutoff,
     ``rows.permutation``) only matters when ``objective.family = "permutation"``;
     ``encdec`` (model depths, encoder columns, the built-in ``numwords`` pairs) only
-    for the encoder-decoder families (R8).
+    for the encoder-decoder families, ``span`` for ``"span"``, ``mlm`` (selection and
+    replacement rates, ``rows.mlm``) for ``"mlm"`` and ``scheduled_sampling`` for
+    ``"scheduled_sampling"`` (R8).
     """
 
     seed: int = 0
@@ -100,6 +103,7 @@ class RunConfig:
     permutation: PermutationConfig = field(default_factory=PermutationConfig)
     encdec: EncDecConfig = field(default_factory=EncDecConfig)
     span: SpanConfig = field(default_factory=SpanConfig)  # family "span" (rows.span_config)
+    mlm: MLMConfig = field(default_factory=MLMConfig)
 
     def __post_init__(self) -> None:
         # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits

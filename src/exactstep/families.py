@@ -175,6 +175,7 @@ BUILT: dict[str, str] = {
     "encdec": "exactstep.rows.encdec:FAMILY",
     "prefix": "exactstep.rows.prefix:FAMILY",
     "span": "exactstep.rows.span:SPAN_FAMILY",
+    "mlm": "exactstep.rows.mlm:FAMILY",
 }
 
 

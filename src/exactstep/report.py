@@ -237,4 +237,9 @@ def format_summary(s: dict[str, Any]) -> str:
     if "exact_match" in s:
         lines.append(f"  exact match         {f(s['exact_match'], '.3f')} "
                      f"on {s['exact_match_n']} held-out conversations")
+    if "masked_accuracy" in s:
+        lines.append(f"  masked accuracy     {f(s['masked_accuracy'], '.3f')} on "
+                     f"{s['masked_targets']} held-out selected tokens ([mask] only: "
+                     f"{f(s['masked_accuracy_mask'], '.3f')}; unigram "
+                     f"{f(s['unigram_accuracy'], '.3f')})")
     return "\n".join(lines)

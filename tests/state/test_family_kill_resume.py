@@ -39,6 +39,8 @@ FAMILIES = {
     "permutation": {"objective.family": "permutation", "permutation.predict_one_in": 2},
     # every piece's noise spans are drawn; 8 sentinels (a full 32-column row uses 2)
     "span": {"objective.family": "span", "span.sentinels": 8},
+    # 15% of every piece selected, 80/10/10, drawn by (seed, epoch, example, piece)
+    "mlm": {"objective.family": "mlm"},
 }
 
 
@@ -90,6 +92,16 @@ def check_draws_mattered(name: str, run_dir: Path) -> None:
         records = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
         assert sum(r["inputs"]["model_inputs"] for r in records) > 0
         assert records[-1]["inputs"]["gold_probability"] == 0.5
+    if name == "mlm":
+        manifest = json.loads((run_dir / "manifest.json").read_bytes())["manifest"]
+        assert manifest["objective"]["family"] == "masked_lm"
+        assert manifest["config"]["mlm"] == {"mask_rate": 0.15, "replace_mask": 0.8,
+                                             "replace_random": 0.1}
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["masked_targets"] == summary["heldout_tokens"] > 0
+        assert summary["masked_targets_mask"] > 0 and 0.0 <= summary["masked_accuracy"] <= 1.0
+        assert summary["masked_targets_mask"] + summary["masked_targets_random"] + \
+            summary["masked_targets_keep"] == summary["masked_targets"]
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
