@@ -102,7 +102,7 @@ def evaluate(
     lengths = torch.from_numpy(np.asarray(byte_lengths, dtype=np.int64)) \
         if byte_lengths is not None else None
     target_bytes = 0
-    with _eval_mode(model):
+    with eval_mode(model):
         with isolated_rng(), torch.no_grad():
             for batch in batches:
                 if tokens >= max_tokens:
@@ -129,8 +129,9 @@ def evaluate(
 
 
 @contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Every module in eval mode inside; each module's own prior mode restored after."""
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Every module in eval mode inside; each module's own prior mode restored after
+    (E1: a submodule frozen in eval mode inside a training model stays so)."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from state.test_family_kill_resume import killed_lineage, lines, straight_run
 from state.test_kill_resume import Harness
 
 from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
-from exactstep.state.store import latest_checkpoint, verify_checkpoint
+from exactstep.state.store import latest_checkpoint
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -54,30 +53,6 @@ class HFHarness(Harness):
     def train(self, run_dir: Path, **kw) -> int:
         return self.launch(["train", "--no-progress", "--out", str(run_dir),
                             *hf_settings(self.corpus)], run_dir=run_dir, **kw)
-
-
-def lines(run_dir: Path) -> int:
-    return (run_dir / "ledger.jsonl").read_bytes().count(b"\n")
-
-
-def straight_run(h: HFHarness) -> Path:
-    run_dir = h.root / "straight"
-    assert h.train(run_dir) == 0, h.last_output
-    return run_dir
-
-
-def killed_lineage(h: HFHarness) -> tuple[Path, Path]:
-    run_dir = h.root / "killed"
-    assert h.train(run_dir, kill_at="window_end:3") == -signal.SIGKILL, h.last_output
-    defective = h.root / "no_cursor"
-    shutil.copytree(run_dir, defective)
-    latest = latest_checkpoint(run_dir / "checkpoints")
-    assert latest is not None and verify_checkpoint(latest).ok
-    status = h.resume(run_dir, kill_after_lines=lines(run_dir) + 2)
-    assert status == -signal.SIGKILL, h.last_output
-    assert h.resume(run_dir) == 0, h.last_output
-    assert h.resume(defective, defect="no_cursor") == 0, h.last_output
-    return run_dir, defective
 
 
 @pytest.fixture(scope="module")

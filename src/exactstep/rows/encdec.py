@@ -41,8 +41,7 @@ pairing one to one with the decoder's by example.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -426,6 +425,7 @@ def greedy_exact_match(model: Any, examples: Sequence[PairExample], tokenizer: A
     """The fraction of ``examples`` whose greedy answer (from ``BOS``, until ``EOS``,
     at most ``max_new_tokens`` tokens) is exactly the target. Isolated (E1): eval mode,
     no gradient, every RNG stream restored, the model's modes restored."""
+    from exactstep.eval import eval_mode
     from exactstep.model.encdec import greedy_decode
     from exactstep.state.rng import isolated_rng
 
@@ -436,18 +436,6 @@ def greedy_exact_match(model: Any, examples: Sequence[PairExample], tokenizer: A
                                 max_new_tokens=max_new_tokens, device=device)
     wanted = [e.tokens[1:-1].tolist() for e in examples]
     return sum(a == w for a, w in zip(answers, wanted, strict=True)) / len(examples)
-
-
-@contextlib.contextmanager
-def eval_mode(model: Any) -> Iterator[None]:
-    """Every module in eval mode inside; each module's own prior mode restored after."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 def encdec_score(model: Any, parts: Any, cfg: Any, device: Any) -> dict[str, Any]:
