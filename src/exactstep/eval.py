@@ -35,7 +35,7 @@ from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.compiler import CAUSAL, RowCompiler
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
-from exactstep.rows.stream import eval_batches
+from exactstep.rows.stream import RowStream, eval_batches
 from exactstep.state.rng import isolated_rng
 
 LN2 = math.log(2.0)
@@ -143,6 +143,7 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 #: Training targets a compiled unigram fit reads at most (families other than causal).
 COMPILED_FIT_TARGETS = 250_000
+FIT_SEED = 0  # the order in which those targets are read (a fixed, declared shuffle)
 
 
 def example_target_counts(train_examples: Sequence[Example], vocab_size: int) -> np.ndarray:
@@ -248,12 +249,16 @@ class Validator:
     def baseline_bits(self) -> float | None:
         """Unigram (token-frequency) bits per target on the same validation targets,
         fit on the training targets this family supervises: the examples' owned tokens
-        for the causal compiler, the compiled training labels (at most
-        ``COMPILED_FIT_TARGETS``) for a family that rewrites them (R8)."""
+        for the causal compiler, the compiled training labels for a family that rewrites
+        them (R8): one epoch of the split in a seeded order (``FIT_SEED``), at most
+        ``COMPILED_FIT_TARGETS`` of them."""
         val = eval_batches(self.val, self.batch, pad_id=self.pad_id, compiler=self.compiler)
         if self.compiler is CAUSAL:
             return unigram_bits(self.train, val, self.vocab_size, self.max_tokens)
-        train = eval_batches(self.train, self.batch, pad_id=self.pad_id, compiler=self.compiler)
+        # a seeded shuffle of the whole split, one epoch: the first targets of the corpus
+        # in file order would be a biased sample of it
+        train = RowStream(self.train, self.batch, pad_id=self.pad_id, seed=FIT_SEED,
+                          repeat=False, shuffle=True, compiler=self.compiler)
         counts, _ = target_counts(train, self.vocab_size, COMPILED_FIT_TARGETS)
         return unigram_bits_on(val, counts, self.max_tokens)
 
