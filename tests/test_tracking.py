@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
 
 from exactstep.config import load_config  # noqa: E402
 from exactstep.errors import ConfigError  # noqa: E402
-from exactstep.tracking import TensorBoardTracker  # noqa: E402
+from exactstep.tracking.tensorboard import TensorBoardTracker  # noqa: E402
 from exactstep.update.disposition import Disposition, Outcome  # noqa: E402
 
 

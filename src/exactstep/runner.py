@@ -63,7 +63,7 @@ from exactstep.state.resume import (
 )
 from exactstep.state.rng import seed_rng
 from exactstep.state.store import clean_uncommitted
-from exactstep.tracking import build_trackers
+from exactstep.tracking import RunIdentity, Tracker, build_trackers
 from exactstep.update.groups import build_optimizer
 from exactstep.update.ledger import Ledger
 from exactstep.update.precision import Precision, apply_fp32_matmul, resolve_device_numerics
@@ -149,8 +149,9 @@ def run_windows(run: Run, start: int, progress: bool,
                 open_journals: Callable[[], tuple[Ledger | None, Journal | None]]) -> None:
     """Drive windows ``start .. train.steps-1``; checkpoint on cadence, on signals, at the end.
 
-    The first window is built before ``open_journals`` writes or announces anything,
-    so a setting this machine cannot hold fails with the run directory untouched.
+    The first window is built, and the trackers are opened, before ``open_journals``
+    writes or announces anything, so a setting this machine cannot hold (or a tracker
+    that cannot start) fails with the run's manifest and journals untouched.
     """
     cfg = run.cfg
     steps, every = cfg.train.steps, cfg.checkpoint.every
@@ -160,8 +161,14 @@ def run_windows(run: Run, start: int, progress: bool,
     with StopRequest() as stop, collective_guard(run.ctx), run.checkpointer.guard_writes(), \
             contextlib.closing(run.stream):  # a background worker stops with the windows
         batches = next(windows, None) if start < steps else None
-        ledger, metrics = open_journals()
-        reporter = reporter_for(run, start, metrics, progress)
+        trackers = trackers_for(run, start)
+        try:
+            ledger, metrics = open_journals()
+        except BaseException:
+            for tracker in trackers:
+                tracker.close()
+            raise
+        reporter = reporter_for(run, start, metrics, progress, trackers)
         window = start
         while batches is not None:
             disp = run.engine.run_window(batches, window)
@@ -210,13 +217,26 @@ def finish(run: Run, started: float) -> dict[str, Any]:
     return summary
 
 
-def reporter_for(run: Run, start: int, metrics: Journal | None, progress: bool) -> Reporter:
+def trackers_for(run: Run, start: int) -> list[Tracker]:
+    """Rank 0's trackers for this start of the run (none on other ranks)."""
+    if not run.ctx.is_main:
+        return []
+    return build_trackers(run.cfg.log, run.out_dir, identity_of(run, start))
+
+
+def reporter_for(run: Run, start: int, metrics: Journal | None, progress: bool,
+                 trackers: Sequence[Tracker]) -> Reporter:
     e = run.engine
-    trackers = build_trackers(run.cfg.log, run.out_dir, start=start) if run.ctx.is_main else []
     return Reporter(total=run.cfg.train.steps, start=start, log_every=run.cfg.train.log_every,
                     counts=outcome_counts(e.committed, e.skipped, e.no_objective),
                     metrics=metrics, progress=progress and run.cfg.train.progress
                     and run.ctx.is_main, trackers=trackers)
+
+
+def identity_of(run: Run, start: int) -> RunIdentity:
+    """What the trackers name this start of the run by (``exactstep.tracking``)."""
+    return RunIdentity(name=Path(run.out_dir).resolve().name, digest=run.manifest.digest,
+                       config=run.manifest.to_dict()["config"], start=start)
 
 
 # --------------------------------------------------------------------------- entry points

@@ -1,0 +1,112 @@
+"""MLflow (X3): ``log.mlflow = DIR`` logs the run into a local MLflow file store at
+``DIR`` (``mlflow ui --backend-store-uri DIR``); a URI (``sqlite:///...``,
+``http://...``) logs there instead.
+
+Each start of an exactstep run is one MLflow run (a *segment*) in the experiment
+``log.mlflow_experiment``, named ``NAME@START``, tagged ``exactstep.run`` (the run's
+identity, ``NAME-DIGEST12``), ``exactstep.start_window`` and
+``exactstep.manifest_digest``, with the resolved configuration as parameters
+(dotted keys). When a resume opens its segment at window ``s``, every earlier
+segment of the run gets ``exactstep.superseded_after = s`` (the smallest such ``s``
+it has seen) and, if it was left running by a kill, the status ``KILLED``: its
+figures after step ``s`` are the ones the resumed run recomputed
+(``exactstep.tracking.segment_curve``).
+
+MLflow 3 refuses a local file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set; the
+tracker sets it (when unset) for a directory the user named, which is the
+documented opt-out. The client is an ``MlflowClient`` of its own: MLflow's global
+active-run state is not touched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from exactstep.errors import ConfigError
+from exactstep.tracking import FigureTracker, RunIdentity
+
+PARAMS_PER_BATCH = 100  # MLflow's limit on parameters per log_batch call
+PARAM_CHARS = 6000  # MLflow's limit on a parameter's value
+
+
+def tracking_uri(where: str) -> str:
+    """``where`` as an MLflow tracking URI: a URI as it is, a directory as ``file:``."""
+    if "://" in where or where.startswith("file:"):
+        return where
+    path = Path(where).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"log.mlflow: cannot create {path} ({exc.strerror or exc}); choose a "
+                          "writable directory or set log.mlflow = \"\"") from exc
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return path.as_uri()
+
+
+def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted ``section.key`` parameters of a nested configuration."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)[:PARAM_CHARS]
+    return out
+
+
+class MlflowTracker(FigureTracker):
+    """One MLflow run per start of the exactstep run (see the module doc)."""
+
+    def __init__(self, where: str, identity: RunIdentity, *, experiment: str) -> None:
+        try:
+            from mlflow.entities import Param
+            from mlflow.tracking import MlflowClient
+        except ImportError as exc:
+            raise ConfigError(
+                "log.mlflow needs the mlflow-skinny package; install the 'track' extra "
+                "(pip install 'exactstep[track]') or set log.mlflow = \"\"") from exc
+        try:
+            self.client = MlflowClient(tracking_uri=tracking_uri(where))
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = (found.experiment_id if found is not None
+                             else self.client.create_experiment(experiment))
+            self.supersede(experiment_id, identity)
+            run = self.client.create_run(
+                experiment_id, run_name=f"{identity.name}@{identity.start}",
+                tags={"exactstep.run": identity.key,
+                      "exactstep.start_window": str(identity.start),
+                      "exactstep.manifest_digest": identity.digest})
+            self.run_id = run.info.run_id
+            params = [Param(k, v) for k, v in flat_params(identity.config).items()]
+            for i in range(0, len(params), PARAMS_PER_BATCH):
+                self.client.log_batch(self.run_id, params=params[i:i + PARAMS_PER_BATCH])
+        except ConfigError:
+            raise
+        except Exception as exc:  # MLflow's own errors: a store it cannot open or write
+            raise ConfigError(f"log.mlflow = {where!r}: MLflow could not start a run ({exc}); "
+                              "choose a writable directory or set log.mlflow = \"\"") from exc
+
+    def supersede(self, experiment_id: str, identity: RunIdentity) -> None:
+        """Mark the run's earlier segments: their figures after this start are stale."""
+        earlier = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`exactstep.run` = '{identity.key}'")
+        for seg in earlier:
+            seen = seg.data.tags.get("exactstep.superseded_after")
+            if seen is None or int(seen) > identity.start:
+                self.client.set_tag(seg.info.run_id, "exactstep.superseded_after",
+                                    str(identity.start))
+            if seg.info.status == "RUNNING":
+                self.client.set_terminated(seg.info.run_id, status="KILLED")
+
+    def write(self, figures: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, stamp, step)
+                                                    for k, v in figures.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED")
