@@ -4,13 +4,13 @@ The source is split exactly as a run splits it (by the hash of each document's
 name, ``data.val_fraction``), each document becomes the example the in-memory path
 would build, and the examples are written in source order into shards of about
 ``shard_tokens`` tokens (a shard closes at the first document boundary at or past
-that size). The layout is ``data.prepared``'s. A text source other than the
-standard library (a JSONL file; a Parquet or Arrow file; a directory of shards) is
-streamed with at most ``2 * workers`` chunks in flight: a JSONL one line at a time,
-a columnar source one shard file at a time, so preparing it never holds the corpus
-in memory, only the largest shard file. The standard-library corpus (tens of MB)
-and chat sources are read by the run's own readers (``data.corpus``,
-``rows.sources``), which load them whole.
+that size). The layout is ``data.prepared``'s. A text or chat source (a JSONL file;
+a Parquet or Arrow file; a directory of shards) is streamed with at most
+``2 * workers`` chunks in flight: a JSONL one line at a time, a columnar source one
+shard file at a time, so preparing it never holds the corpus in memory, only the
+largest shard file. The standard-library corpus (tens of MB) and the generated
+``arith`` conversations are read by the run's own readers (``data.corpus``,
+``rows.sources``), which build them whole.
 
 Invariants:
 
@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, fields, replace
 from multiprocessing import get_context
@@ -48,9 +49,14 @@ from typing import Any
 
 import numpy as np
 
-from exactstep.data.chat import template_for
+from exactstep.data.chat import iter_chat_jsonl, template_for
 from exactstep.data.corpus import check_split, iter_jsonl, load_corpus, split_rule, val_bucket
-from exactstep.data.datasets_source import is_dataset_source, iter_text_source, shard_files
+from exactstep.data.datasets_source import (
+    is_dataset_source,
+    iter_chat_source,
+    iter_text_source,
+    shard_files,
+)
 from exactstep.data.prepared import (
     FORMAT,
     INDEX_COLUMNS,
@@ -69,8 +75,11 @@ from exactstep.rows.chat import ChatReport, chat_example
 from exactstep.rows.example import encode_documents
 from exactstep.rows.prepared import ORDER_RULE
 from exactstep.rows.sources import (
+    ARITH_SOURCE,
     chat_policy_of,
+    chat_split_rule,
     conversations_digest,
+    is_val,
     representation_of,
     split_conversations,
 )
@@ -148,10 +157,11 @@ class SourceItems:
 
 
 def read_source(cfg: Any) -> SourceItems:
-    """The source as a run reads it: a text source other than the standard library
-    streamed (``streamed_text``: a JSONL line by line, Parquet/Arrow and shard
-    directories one file at a time); stdlib and chat loaded and split by the run's own
-    readers (``data.corpus``, ``rows.sources``)."""
+    """The source as a run reads it, streamed: a text JSONL line by line, Parquet/Arrow
+    and shard directories one file at a time (``streamed_text``), chat JSONL and chat
+    shard directories likewise (``streamed_chat``). The standard-library corpus and the
+    generated ``arith`` conversations are loaded and split by the run's own readers
+    (``data.corpus``, ``rows.sources``)."""
     path = Path(cfg.data.source)
     if cfg.data.kind == "text" and cfg.data.source != "stdlib":
         if is_dataset_source(path):
@@ -160,6 +170,12 @@ def read_source(cfg: Any) -> SourceItems:
                                  f"{fmt}:{cfg.data.source}")
         return streamed_text(cfg, iter_jsonl(path, cfg.data.text_field),
                              f"jsonl:{cfg.data.source}")
+    if cfg.data.kind == "chat" and cfg.data.source != ARITH_SOURCE:
+        field = cfg.data.messages_field
+        if is_dataset_source(path):
+            fmt, _ = shard_files(path)
+            return streamed_chat(cfg, iter_chat_source(path, field), f"{fmt}:{cfg.data.source}")
+        return streamed_chat(cfg, iter_chat_jsonl(path, field), f"jsonl:{cfg.data.source}")
     if cfg.data.kind == "chat":
         train, val, rule, _ = split_conversations(cfg)
         info = {"split_rule": rule, "source_fingerprint": conversations_digest(train + val)}
@@ -175,43 +191,79 @@ def read_source(cfg: Any) -> SourceItems:
 STREAMED_FINGERPRINT = ("sha256 of, per split (train, val): the split name, its document "
                         "count and the sha256 of every document's length-prefixed name and "
                         "UTF-8 text, in file order")
+STREAMED_CHAT_FINGERPRINT = ("sha256 of, per split (train, val): the split name, its "
+                             "conversation count and the sha256 of every conversation's "
+                             "length-prefixed canonical JSON (sorted keys), in file order")
 
 
 def streamed_text(cfg: Any, documents: Iterator[Any], source_name: str) -> SourceItems:
-    """Text documents read one at a time: empty documents skipped and counted, at most
-    ``data.max_docs`` kept, each split by its name's hash as ``load_corpus`` splits it;
-    the fingerprint is ``STREAMED_FINGERPRINT`` (one pass, no list)."""
+    """Text documents read one at a time: empty documents skipped and counted, each
+    split by its name's hash as ``load_corpus`` splits it; the fingerprint is
+    ``STREAMED_FINGERPRINT``."""
+    frac = cfg.data.val_fraction
+    return streamed(
+        cfg, documents, source_name,
+        fields_of=lambda doc: (doc.name.encode("utf-8"), doc.text.encode("utf-8"))
+        if doc.text else None,
+        in_val=lambda doc: val_bucket(doc.name) < frac,
+        rule=split_rule(frac), fingerprint_rule=STREAMED_FINGERPRINT,
+        empty=f"data.source {cfg.data.source!r} holds no non-empty document; point "
+              "data.source at a file with text")
+
+
+def streamed_chat(cfg: Any, conversations: Iterator[Any], source_name: str) -> SourceItems:
+    """Conversations read one at a time, each split by its content's hash as
+    ``split_conversations`` splits it (the same train and val, in file order); the
+    fingerprint is ``STREAMED_CHAT_FINGERPRINT``."""
+    frac = cfg.data.val_fraction
+    return streamed(
+        cfg, conversations, source_name,
+        fields_of=lambda c: (json.dumps(c.to_json(), sort_keys=True,
+                                        ensure_ascii=False).encode("utf-8"),),
+        in_val=lambda c: is_val(c, frac), rule=chat_split_rule(frac),
+        fingerprint_rule=STREAMED_CHAT_FINGERPRINT,
+        empty=f"chat data {cfg.data.source!r} holds no conversation; point data.source at "
+              "a file with conversations")
+
+
+def streamed(cfg: Any, items: Iterator[Any], source_name: str, *,
+             fields_of: Callable[[Any], tuple[bytes, ...] | None],
+             in_val: Callable[[Any], bool], rule: str, fingerprint_rule: str,
+             empty: str) -> SourceItems:
+    """Items read one at a time (one pass, no list): an item whose ``fields_of`` is
+    ``None`` is skipped and counted, at most ``data.max_docs`` kept, each put in its
+    split by ``in_val``; the fingerprint hashes each split's kept items' fields,
+    length-prefixed, in order (``fingerprint_rule`` says so in the manifest)."""
     data = cfg.data
     hashes = {split: hashlib.sha256() for split in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     skipped = [0]
 
     def pairs() -> Iterator[tuple[str, Any]]:
-        for doc in documents:
-            if not doc.text:
+        for item in items:
+            fields = fields_of(item)
+            if fields is None:
                 skipped[0] += 1
                 continue
             if data.max_docs and sum(counts.values()) == data.max_docs:
                 return
-            split = "val" if val_bucket(doc.name) < data.val_fraction else "train"
-            for field in (doc.name.encode("utf-8"), doc.text.encode("utf-8")):
+            split = "val" if in_val(item) else "train"
+            for field in fields:
                 hashes[split].update(len(field).to_bytes(8, "big"))
                 hashes[split].update(field)
             counts[split] += 1
-            yield split, doc
+            yield split, item
 
     def info() -> dict[str, Any]:
         if not sum(counts.values()):
-            raise DataError(f"data.source {data.source!r} holds no non-empty document; "
-                            "point data.source at a file with text")
+            raise DataError(empty)
         check_split(range(counts["train"]), range(counts["val"]), data)
         whole = hashlib.sha256()
         for split in SPLITS:
             whole.update(split.encode() + counts[split].to_bytes(8, "big"))
             whole.update(hashes[split].digest())
-        return {"split_rule": split_rule(data.val_fraction),
-                "source_fingerprint": whole.hexdigest(),
-                "source_fingerprint_rule": STREAMED_FINGERPRINT,
+        return {"split_rule": rule, "source_fingerprint": whole.hexdigest(),
+                "source_fingerprint_rule": fingerprint_rule,
                 "skipped_empty": skipped[0], "source_name": source_name}
 
     return SourceItems(pairs(), info, None)

@@ -522,3 +522,63 @@ def test_a_hugging_face_tokenizer_prepares_identically_in_worker_processes(
         ids = docs[i].tokens.tolist()
         assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
         assert tuple(ids[1:-1]) in by_ids
+
+
+def chat_lines(n: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"what is {i} + {i % 7}?"},
+                          {"role": "assistant", "content": f"{i + i % 7}"}]} for i in range(n)]
+
+
+def test_a_streamed_chat_jsonl_gives_the_runs_own_split_and_ownership(tmp_path: Path) -> None:
+    """P1, R5: chat JSONL is read a line at a time, and the prepared documents of each
+    split are, in order, the examples the in-memory path builds from
+    ``split_conversations`` (the content-hash split, ``data.max_docs`` counted before
+    it), ownership bit for bit."""
+    from exactstep.data.chat import template_for
+    from exactstep.rows.chat import ChatPolicy, chat_examples
+    from exactstep.rows.sources import split_conversations
+
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in chat_lines(70)))
+    overrides = ["data.kind=chat", "data.val_fraction=0.25", "batch.seq_len=64",
+                 "data.max_docs=60", f"data.source={source}"]
+    cfg = load_config(None, overrides)
+    out = tmp_path / "chat"
+    prepare(cfg, str(source), out, workers=1, shard_tokens=300, block_documents=4,
+            progress=False)
+    meta = json.loads((out / MANIFEST).read_text())
+    assert meta["source_name"] == f"jsonl:{source}" and "source_fingerprint_rule" in meta
+    train, val, rule, _ = split_conversations(cfg)
+    assert meta["split_rule"] == rule and len(train) + len(val) == 60
+    splits = open_prepared(out).splits
+    for split, conversations in (("train", train), ("val", val)):
+        expected, _ = chat_examples(conversations, TOK, ChatPolicy(), max_len=64,
+                                    template=template_for(TOK))
+        docs = PreparedDocuments(splits[split], 4)
+        assert len(docs) == len(expected), split
+        for i, example in enumerate(expected):
+            assert docs[i].tokens.tolist() == example.tokens.tolist(), (split, i)
+            assert docs[i].owned.tolist() == example.owned.tolist(), (split, i)
+
+
+def test_chat_jsonl_is_read_one_line_at_a_time(tmp_path: Path) -> None:
+    """The streamed reader hands over the conversations before a later malformed line
+    is reached (nothing reads the whole file first), then names that line."""
+    from exactstep.data.chat import iter_chat_jsonl
+
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in chat_lines(4)) + "{not json\n")
+    conversations = iter_chat_jsonl(source)
+    got = [next(conversations) for _ in range(4)]
+    assert [c.messages[1].content for c in got] == ["0", "2", "4", "6"]
+    with pytest.raises(DataError, match=r"chat.jsonl:5"):
+        next(conversations)
+
+
+def test_a_chat_source_without_conversations_is_one_error(tmp_path: Path) -> None:
+    source = tmp_path / "chat.jsonl"
+    source.write_text("\n\n")
+    cfg = load_config(None, ["data.kind=chat", f"data.source={source}"])
+    with pytest.raises(DataError, match="holds no conversation"):
+        prepare(cfg, str(source), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -354,14 +354,21 @@ def load_chat_jsonl(path: str | Path, messages_field: str = "messages") -> list[
     path = Path(path)
     if datasets_source.is_dataset_source(path):
         return datasets_source.read_chat_source(path, messages_field)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise DataError(f"chat data file {path} {what}; point data.source at a .jsonl file")
-    conversations = [parse_conversation(line.value, line.where, messages_field)
-                     for line in records(path, strict=True)]
+    conversations = list(iter_chat_jsonl(path, messages_field))
     if not conversations:
         raise DataError(f"chat data file {path} holds no conversation")
     return conversations
+
+
+def iter_chat_jsonl(path: str | Path, messages_field: str = "messages") -> Iterator[Conversation]:
+    """``load_chat_jsonl``'s conversations one line at a time (the file is checked
+    before the first); the caller counts them."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise DataError(f"chat data file {path} {what}; point data.source at a .jsonl file")
+    return (parse_conversation(line.value, line.where, messages_field)
+            for line in records(path, strict=True))
 
 
 def write_chat_jsonl(conversations: Iterable[Conversation], path: str | Path) -> Path:

@@ -226,19 +226,26 @@ def read_chat_source(path: Path, messages_field: str = "messages") -> list[Conve
     """Conversations of a Parquet/Arrow file or a shard directory, validated as chat
     JSONL is (``data.chat.parse_conversation``)."""
     fmt, files = shard_files(path)
-    conversations: list[Conversation] = []
-    if fmt == "jsonl":
-        for file in files:
-            conversations += [parse_conversation(line.value, line.where, messages_field)
-                              for line in records(file, strict=True)]
-    else:
-        with columnar_reader() as read:
-            for file in files:
-                table = read(file, fmt)
-                if table is not None:
-                    conversations += table_conversations(table, file, messages_field)
+    conversations = list(iter_chat_source(path, messages_field))
     require_rows(path, fmt, files, len(conversations))
     return conversations
+
+
+def iter_chat_source(path: Path, messages_field: str = "messages") -> Iterator[Conversation]:
+    """``read_chat_source``'s conversations in the same order, holding one shard file
+    in memory at a time (``exactstep prepare``, P1); the caller counts them."""
+    fmt, files = shard_files(path)
+    if fmt == "jsonl":
+        for file in files:
+            for line in records(file, strict=True):
+                yield parse_conversation(line.value, line.where, messages_field)
+        return
+    with columnar_reader() as read:
+        for file in files:
+            table = read(file, fmt)
+            if table is not None:
+                yield from table_conversations(table, file, messages_field)
+                del table  # the next file replaces it, never joins it
 
 
 def table_conversations(table: Table, file: Path, field: str) -> list[Conversation]:

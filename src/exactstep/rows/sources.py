@@ -81,8 +81,12 @@ def split_conversations(
     train = [c for c in conversations if not is_val(c, data.val_fraction)]
     val = [c for c in conversations if is_val(c, data.val_fraction)]
     check_split(train, val, data)
-    rule = f"sha256(conversation json) / 2^64 < {data.val_fraction} is val"
-    return train, val, rule, None
+    return train, val, chat_split_rule(data.val_fraction), None
+
+
+def chat_split_rule(val_fraction: float) -> str:
+    """The manifest's words for ``is_val``'s split."""
+    return f"sha256(conversation json) / 2^64 < {val_fraction} is val"
 
 
 def load_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
