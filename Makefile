@@ -20,7 +20,7 @@ train: $(STAMP)
 	$(BIN)/exactstep train --out $(OUT)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --timeout 900 tests
+	$(BIN)/python -m pytest -n 2 --timeout 900 -rX tests
 
 # The GPU smoke test (one CUDA device, a few minutes; install a CUDA build of PyTorch
 # with TORCH_SPEC). gpu-smoke-dry-run runs the same checks, tiny, on the CPU.
