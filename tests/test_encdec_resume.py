@@ -84,6 +84,7 @@ def test_a_killed_encdec_run_resumes_bitwise_and_a_cursorless_resume_does_not(tm
     assert manifest["data"]["source"] == "numwords" and manifest["data"]["kind"] == "pairs"
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["exact_match_n"] == 4 and 0.0 <= summary["exact_match"] <= 1.0
+    assert summary["exact_match_of"] == "held-out pairs"
     assert summary["heldout_tokens"] > 0
     # negative control: a resume without the data cursor ends elsewhere
     differences = state_differences(state_a, final_state(control)[1])

@@ -136,7 +136,8 @@ def chat_score(model: Any, parts: FamilyParts, cfg: Any, device: Any) -> dict[st
     accuracy = greedy_answer_accuracy(
         model, parts.tokenizer, conversations, device=device,
         max_new_tokens=arith_spec_of(cfg).max_new_tokens, template=template_for(parts.tokenizer))
-    return {"exact_match": accuracy, "exact_match_n": len(conversations)}
+    return {"exact_match": accuracy, "exact_match_n": len(conversations),
+            "exact_match_of": "held-out conversations"}
 
 
 CAUSAL_FAMILY = Family("causal", "decoder", "text", DEFAULT_SOURCE, causal_compiler,

@@ -236,7 +236,7 @@ def format_summary(s: dict[str, Any]) -> str:
             lines.append(f"  {key.replace('_', ' '):<19} {data[key]}")
     if "exact_match" in s:
         lines.append(f"  exact match         {f(s['exact_match'], '.3f')} "
-                     f"on {s['exact_match_n']} held-out conversations")
+                     f"on {s['exact_match_n']} {s.get('exact_match_of', 'held-out examples')}")
     if "masked_accuracy" in s:
         lines.append(f"  masked accuracy     {f(s['masked_accuracy'], '.3f')} on "
                      f"{s['masked_targets']} held-out selected tokens ([mask] only: "

@@ -445,7 +445,8 @@ def encdec_score(model: Any, parts: Any, cfg: Any, device: Any) -> dict[str, Any
     accuracy = greedy_exact_match(model, examples, parts.tokenizer, device=device,
                                   max_new_tokens=spec.max_new_tokens,
                                   source_pad_id=source_pad_of(cfg, parts.tokenizer))
-    return {"exact_match": accuracy, "exact_match_n": len(examples)}
+    return {"exact_match": accuracy, "exact_match_n": len(examples),
+            "exact_match_of": "held-out pairs"}
 
 
 FAMILY = Family("encdec", "encdec", "pairs", NUMWORDS_SOURCE, encdec_compiler,

@@ -213,7 +213,8 @@ def prefix_score(model: Any, parts: FamilyParts, cfg: Any, device: Any) -> dict[
         model, parts.tokenizer, conversations, device=device,
         max_new_tokens=arith_spec_of(cfg).max_new_tokens, template=template,
         prefix_of=prefix_of)
-    return {"exact_match": accuracy, "exact_match_n": len(conversations)}
+    return {"exact_match": accuracy, "exact_match_n": len(conversations),
+            "exact_match_of": "held-out conversations"}
 
 
 FAMILY = Family("prefix", "decoder", "chat", "arith", prefix_compiler, prefix_objective,
