@@ -88,9 +88,16 @@ def open_family(cfg: Any) -> FamilyParts:
     """The run's family, its tokenizer (with the specials it needs), both data splits
     and its compiler. Nothing is written; raises what each stage refuses."""
     family = family_of(cfg)
-    tokenizer = build_tokenizer(cfg, family.specials(cfg))
+    tokenizer = family_tokenizer(cfg)
     data = family.load(cfg, tokenizer)
     return FamilyParts(family, tokenizer, data, family.compiler(cfg, tokenizer))
+
+
+def family_tokenizer(cfg: Any) -> Tokenizer:
+    """``data.tokenizer`` with the specials ``cfg``'s family needs (``<mask>``,
+    sentinels): the tokenizer every entry point of the run, and ``prepare``, encode
+    with, so prepared shards carry the run's tokenizer hash (S1)."""
+    return build_tokenizer(cfg, family_of(cfg).specials(cfg))
 
 
 def causal_objective(cfg: Any) -> dict[str, Any]:

@@ -68,9 +68,9 @@ from exactstep.data.prepared import (
     shard_names,
     token_dtype,
 )
-from exactstep.data.tokenizer import build_tokenizer
 from exactstep.durable import fsync_path, sha256_file, write_durably
 from exactstep.errors import ConfigError, DataError, ExactstepError
+from exactstep.families import family_tokenizer
 from exactstep.rows.chat import ChatReport, chat_example
 from exactstep.rows.example import encode_documents
 from exactstep.rows.prepared import ORDER_RULE
@@ -105,7 +105,7 @@ def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
         raise ConfigError(f"--out {out} already exists and is not empty; choose a new --out "
                           "or remove it")
     cfg = replace(cfg, data=replace(cfg.data, source=source))
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = family_tokenizer(cfg)
     chat = cfg.data.kind == "chat"
     template = template_for(tokenizer) if chat else None
     source_items = read_source(cfg)
@@ -296,7 +296,7 @@ _WORKER: dict[str, Any] = {}
 
 def init_worker(cfg: Any) -> None:
     """Build the tokenizer (and template) once per process."""
-    tokenizer = build_tokenizer(cfg)
+    tokenizer = family_tokenizer(cfg)
     _WORKER.update(cfg=cfg, tokenizer=tokenizer,
                    template=template_for(tokenizer) if cfg.data.kind == "chat" else None)
 

@@ -582,3 +582,31 @@ def test_a_chat_source_without_conversations_is_one_error(tmp_path: Path) -> Non
     with pytest.raises(DataError, match="holds no conversation"):
         prepare(cfg, str(source), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_family_prepares_with_its_own_specials_and_trains_from_its_shards(tmp_path: Path
+                                                                            ) -> None:
+    """R8, S1: ``prepare`` encodes with the tokenizer the family's run uses (the byte
+    tokenizer plus ``<mask>`` for the masked LM), so the masked-LM run accepts the
+    shards and trains; shards prepared without the family carry the plain byte
+    tokenizer and are refused, naming both hashes (the negative control)."""
+    from exactstep.errors import ConfigError
+    from exactstep.runner import train
+
+    source = write_texts(tmp_path / "docs.jsonl", texts(40))
+    family = ["objective.family=mlm", "data.val_fraction=0.2"]
+    with_family, without = tmp_path / "mlm", tmp_path / "plain"
+    prepare(load_config(None, family), str(source), with_family, progress=False)
+    prepare(load_config(None, family[1:]), str(source), without, progress=False)
+    run = family + ["model.d_model=16", "model.n_layers=1", "model.n_heads=2",
+                    "model.d_ff=32", "batch.seq_len=64", "batch.rows=2", "train.steps=2",
+                    "train.eval_tokens=200", "train.device=cpu", "train.progress=false"]
+    summary = train(load_config(None, run + [f"data.source={with_family}"]), tmp_path / "r1",
+                    progress=False)
+    assert summary["windows"]["committed"] == 2
+    meta = json.loads((with_family / MANIFEST).read_text())
+    plain = json.loads((without / MANIFEST).read_text())
+    assert meta["representation"]["tokenizer_hash"] != plain["representation"]["tokenizer_hash"]
+    with pytest.raises(ConfigError, match=r"different tokenizer .*objective.family"):
+        train(load_config(None, run + [f"data.source={without}"]), tmp_path / "r2",
+              progress=False)

@@ -182,5 +182,6 @@ def check_representation(source: str, prepared: dict[str, Any], run: dict[str, A
             raise ConfigError(
                 f"{source} was prepared with a different {what} ({key} {prepared.get(key)}) "
                 f"than this run's ({run.get(key)}); prepare it again with the run's "
-                f"data.tokenizer settings, or use the ones it was prepared with"
+                f"data.tokenizer and objective.family settings (a family's special tokens "
+                f"are part of the tokenizer), or use the ones it was prepared with"
             )
