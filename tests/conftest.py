@@ -1,2 +1,10 @@
 """Test-suite root: puts ``tests/`` on ``sys.path`` so shared helpers (``text_corpus``)
-import from any test directory."""
+import from any test directory, and keeps the tracking libraries' own caches (W&B's
+service logs, its settings) in a temporary directory instead of the user's home."""
+
+import os
+import tempfile
+
+_TRACKING_HOME = tempfile.mkdtemp(prefix="exactstep-tests-tracking-")
+for _name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+    os.environ.setdefault(_name, os.path.join(_TRACKING_HOME, _name.lower()))
