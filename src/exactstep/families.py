@@ -69,7 +69,7 @@ class Family:
     objective: Callable[[Any], dict[str, Any]]
     build_model: Callable[[Any, int], Any]
     specials: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
-    load: Callable[[Any, Any], DataBundle] = load_bundle
+    load: Callable[..., DataBundle] = load_bundle  # (cfg, tokenizer, *, share)
     score: Callable[[Any, Any, Any, Any], dict[str, Any]] | None = None
     inputs: Callable[[Any], Any] = lambda cfg: None
 
@@ -84,12 +84,16 @@ class FamilyParts:
     compiler: RowCompiler
 
 
-def open_family(cfg: Any) -> FamilyParts:
+def open_family(cfg: Any, *, share: tuple[int, int] = (0, 1)) -> FamilyParts:
     """The run's family, its tokenizer (with the specials it needs), both data splits
-    and its compiler. Nothing is written; raises what each stage refuses."""
+    and its compiler. Nothing is written; raises what each stage refuses.
+
+    ``share = (rank, world)``: the part of a prepared directory's files whose sha256
+    this process checks (``data.prepared.open_prepared``); a data-parallel run
+    passes its rank, so the job reads the corpus once, not once per rank."""
     family = family_of(cfg)
     tokenizer = family_tokenizer(cfg)
-    data = family.load(cfg, tokenizer)
+    data = family.load(cfg, tokenizer, share=share)
     return FamilyParts(family, tokenizer, data, family.compiler(cfg, tokenizer))
 
 

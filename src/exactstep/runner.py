@@ -112,7 +112,7 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     cfg = replace(cfg, numerics=resolve_device_numerics(cfg.numerics, ctx.device))
     cfg = resolve_family(cfg)  # the objective family explicit before the manifest (R8)
     apply_fp32_matmul(cfg.numerics, ctx.device)
-    parts = open_family(cfg)
+    parts = open_family(cfg, share=(ctx.rank, ctx.world_size))  # each rank hashes a share
     tokenizer, data = parts.tokenizer, parts.data
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
                        vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size,

@@ -610,3 +610,71 @@ def test_a_family_prepares_with_its_own_specials_and_trains_from_its_shards(tmp_
     with pytest.raises(ConfigError, match=r"different tokenizer .*objective.family"):
         train(load_config(None, run + [f"data.source={without}"]), tmp_path / "r2",
               progress=False)
+
+
+def test_each_rank_hashes_its_share_and_the_shares_cover_every_file(
+        prepared: Path, tmp_path: Path, monkeypatch) -> None:
+    """S6 at scale: ``share = (rank, world)`` hashes files ``rank, rank + world, ...``
+    in name order, so the ranks of a job hash disjoint parts that cover every file;
+    damage is found by the rank whose share holds the file (sizes are checked by all)."""
+    import shutil
+
+    import exactstep.data.prepared as prepared_module
+
+    names = sorted(json.loads((prepared / MANIFEST).read_text())["files"])
+    hashed: list[str] = []
+    real = prepared_module.sha256_file
+    monkeypatch.setattr(prepared_module, "sha256_file",
+                        lambda path: hashed.append(path.name) or real(path))
+    shares = []
+    for rank in range(3):
+        hashed.clear()
+        open_prepared(prepared, share=(rank, 3))
+        shares.append(set(hashed))
+        assert sorted(hashed) == names[rank::3]
+    assert set().union(*shares) == set(names) and sum(map(len, shares)) == len(names)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    victim = names.index("train-00001.tokens")
+    data = bytearray((copy / names[victim]).read_bytes())
+    data[len(data) // 2] ^= 1  # same size: only a digest finds it
+    (copy / names[victim]).write_bytes(bytes(data))
+    for rank in range(3):
+        if rank == victim % 3:
+            with pytest.raises(DataError, match="train-00001.tokens"):
+                open_prepared(copy, share=(rank, 3))
+        else:
+            open_prepared(copy, share=(rank, 3))  # not its file: it opens
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_refuses_a_damaged_shard_in_one_line(prepared: Path,
+                                                             tmp_path: Path) -> None:
+    """``exactstep train --nproc 2`` from a directory with one altered shard: the rank
+    that hashes it stops the job, and the user reads one line naming the file."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    victim = copy / "train-00001.tokens"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    args = [sys.executable, "-m", "exactstep", "train", "--nproc", "2", "--no-progress",
+            "--out", str(tmp_path / "run")]
+    for pair in (f"data.source={copy}", "batch.seq_len=64", "batch.rows=2", "model.d_model=16",
+                 "model.n_layers=1", "model.n_heads=2", "model.d_ff=32", "train.steps=2",
+                 "train.threads=1", "train.device=cpu"):
+        args += ["--set", pair]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(errors) == 1 and "train-00001.tokens" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

@@ -358,10 +358,12 @@ def split_pairs(cfg: Any) -> tuple[list[Pair], list[Pair], str]:
     return train, val, f"sha256([source, target]) / 2^64 < {data.val_fraction} is val"
 
 
-def load_pair_bundle(cfg: Any, tokenizer: Any) -> DataBundle:
+def load_pair_bundle(cfg: Any, tokenizer: Any, *, share: tuple[int, int] = (0, 1)
+                     ) -> DataBundle:
     """Both splits as ``PairExample``s, with the manifest's data and representation
     sections (S1). Raises ``DataError`` for bad pairs (file and line named) or a pair
-    that does not fit a row (see ``encode_pairs``)."""
+    that does not fit a row (see ``encode_pairs``). ``share`` is unused: pairs are
+    never prepared shards."""
     from exactstep.rows.sources import representation_of
 
     train_pairs, val_pairs, rule = split_pairs(cfg)

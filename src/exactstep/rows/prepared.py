@@ -128,13 +128,15 @@ class _Column(Sequence[int]):
         return self.split.entry(doc, self.column)
 
 
-def load_prepared_bundle(cfg: Any, tokenizer: Any, representation: dict[str, Any]) -> DataBundle:
+def load_prepared_bundle(cfg: Any, tokenizer: Any, representation: dict[str, Any], *,
+                         share: tuple[int, int] = (0, 1)) -> DataBundle:
     """Both splits of the prepared directory ``cfg.data.source`` (P2), checked against
     the run: same tokenizer hash and template hash (``representation`` is the run's
     own, S1), same ``data.kind``, no weighted reduction; for chat, the run's
-    ``batch.seq_len`` must be the length the conversations were truncated to."""
+    ``batch.seq_len`` must be the length the conversations were truncated to.
+    ``share``: the files whose sha256 this process checks (``open_prepared``)."""
     source = cfg.data.source
-    prepared = open_prepared(source)
+    prepared = open_prepared(source, share=share)
     meta = prepared.meta
     if meta["kind"] != cfg.data.kind:
         raise ConfigError(f"{source} was prepared as data.kind = {meta['kind']!r} but the run "

@@ -89,17 +89,20 @@ def chat_split_rule(val_fraction: float) -> str:
     return f"sha256(conversation json) / 2^64 < {val_fraction} is val"
 
 
-def load_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
+def load_bundle(cfg: Any, tokenizer: Tokenizer, *, share: tuple[int, int] = (0, 1)
+                ) -> DataBundle:
     """Load and encode both splits of the run's data (text or chat, by ``data.kind``),
     or open a prepared directory (``rows.prepared``: memory-mapped, nothing encoded).
 
     Raises ``DataError`` for a missing, malformed or empty source (file and line
     named where there is one), and ``ConfigError`` when a weighted reduction meets
-    examples without a ``weight`` (L3), before anything is written.
+    examples without a ``weight`` (L3), before anything is written. ``share``: which
+    prepared files this process hashes (``open_family``).
     """
     if is_prepared(cfg.data.source):  # a directory written by ``exactstep prepare`` (P2)
         template = template_for(tokenizer) if cfg.data.kind == "chat" else None
-        return load_prepared_bundle(cfg, tokenizer, representation_of(tokenizer, template))
+        return load_prepared_bundle(cfg, tokenizer, representation_of(tokenizer, template),
+                                    share=share)
     bundle = (load_chat_bundle(cfg, tokenizer) if cfg.data.kind == "chat"
               else load_text_bundle(cfg, tokenizer))
     bundle.require_weights(cfg.objective.reduction)
