@@ -455,6 +455,7 @@ class ResumeWithoutOptimizer(NanoGPTLoop):
         self.scaler.load_state_dict(state["scaler"])
         self.iter_num = state["iter_num"]
         torch.set_rng_state(state["rng"])
+        self.load_data_position(state["data"])
 
 
 class ResumeWithoutRng(NanoGPTLoop):
@@ -464,6 +465,7 @@ class ResumeWithoutRng(NanoGPTLoop):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self.iter_num = state["iter_num"]  # BUG: dropout masks continue from another RNG
+        self.load_data_position(state["data"])
 
 
 class ResumeWithoutStepCounter(NanoGPTLoop):
@@ -473,6 +475,7 @@ class ResumeWithoutStepCounter(NanoGPTLoop):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])  # BUG: iter_num restarts at 0 (warmup again)
+        self.load_data_position(state["data"])
 
 
 class ResumeWithoutScheduler(AnnotatedLoop):
@@ -482,6 +485,33 @@ class ResumeWithoutScheduler(AnnotatedLoop):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])  # BUG: LambdaLR restarts its warmup
+        self.epoch, self.index = state["data"]
+
+
+class ResumeWithoutScaler(NanoGPTLoop):
+    def load(self, path) -> None:  # noqa: ANN001
+        state = torch.load(path, weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.iter_num = state["iter_num"]  # BUG: the loss scale restarts at init_scale
+        torch.set_rng_state(state["rng"])
+        self.load_data_position(state["data"])
+
+
+class ResumeWithoutDataCursor(NanoGPTLoop):
+    def load(self, path) -> None:  # noqa: ANN001
+        state = torch.load(path, weights_only=False)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.iter_num = state["iter_num"]
+        torch.set_rng_state(state["rng"])  # BUG: the data restarts at its first window
+
+
+class ResumeReshufflesData(NanoGPTLoop):
+    def load(self, path) -> None:  # noqa: ANN001
+        super().load(path)
+        self.data_seed += 1  # BUG: the reload re-seeds the shuffle (another order)
 
 
 # -- targets that break (A1: a per-probe ERROR, never a crash) --------------------------

@@ -27,7 +27,8 @@ DATA_PARALLEL = {"ddp_token_mean"}
 # Probes that compare evaluate()'s numbers with the declared loss.
 EVAL_VALUES = {"eval_mode", "perplexity"}
 # A loop that never changes a parameter: every probe that needs an update.
-NEVER_STEPS = UPDATE | {"prompt_visible", "decay_groups", "resume", "train_mode"}
+NEVER_STEPS = UPDATE | {"prompt_visible", "decay_groups", "resume", "train_mode",
+                        "resume_scaler", "resume_data"}
 
 EXPECTED: dict[str, set[str]] = {
     # the shift (R1)
@@ -50,7 +51,8 @@ EXPECTED: dict[str, set[str]] = {
     "FirstMicrobatchSteps": {"accumulation", "remainder"},
     "DropRemainder": {"remainder"},
     "NoRemainderClose": {"remainder"},
-    "NoZeroGrad": {"remainder", "resume", "nonfinite_skip"},  # the NaN gradient stays
+    # the NaN (and the overflowed) gradient stays; resumed windows start from zero grads
+    "NoZeroGrad": {"remainder", "resume", "nonfinite_skip", "resume_scaler", "resume_data"},
     "ZeroGradBeforeStep": NEVER_STEPS,
     "ZeroGradEveryMicrobatch": {"accumulation", "remainder"},
     # packed documents (R2, R3)
@@ -74,7 +76,7 @@ EXPECTED: dict[str, set[str]] = {
     "PerTensorClip": {"clip_global_norm", "scaled_clip"},
     "TiedCountedTwice": {"clip_global_norm", "scaled_clip"},
     "ClipBeforeUnscale": {"scaled_clip"},
-    "DoubleUnscale": {"scaled_clip"},  # GradScaler raises: an ERROR
+    "DoubleUnscale": {"scaled_clip", "resume_scaler"},  # GradScaler raises: an ERROR
     # the optimizer (U6); decay_groups is N/A when the step is not AdamW's
     "L2InLossWithAdam": {"adamw_decoupled"},
     "DecayOnEverything": {"decay_groups"},
@@ -97,9 +99,13 @@ EXPECTED: dict[str, set[str]] = {
     "ResumeWithoutRng": {"resume"},
     "ResumeWithoutStepCounter": {"resume"},
     "ResumeWithoutScheduler": {"resume"},
+    "ResumeWithoutScaler": {"resume_scaler"},  # the probe's back-off is lost
+    "ResumeWithoutDataCursor": {"resume_data"},
+    "ResumeReshufflesData": {"resume_data"},
 }
 # Where the target's own exception (not a wrong value) is what the probe reports.
-ERRORS = {"ZeroGradBeforeStep": NEVER_STEPS, "DoubleUnscale": {"scaled_clip"},
+ERRORS = {"ZeroGradBeforeStep": NEVER_STEPS,
+          "DoubleUnscale": {"scaled_clip", "resume_scaler"},
           "NoZeroGrad": {"nonfinite_skip"}}
 # LambdaLRStepsOnSkip steps its scheduler without an optimizer step: PyTorch warns, rightly
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")

@@ -8,6 +8,13 @@ skip, schedule; U1-U6), ``exactstep.eval.evaluate`` (E1, L5) and the checkpoint
 store with RNG capture (S2); under a process group (the data-parallel probe) the
 engine is one rank of a DDP job through ``distribute_engine`` (D1, D5). The adapter
 only translates data and settings.
+
+Its own data order (``set_data``/``train_steps``, the optional cursor capability of
+``exactstep.audit.protocol``) is a minimal cursor with the row stream's permutation
+law (``rows.packing.ExampleTable``: ``numpy.random.default_rng([seed, epoch])``
+permutes each epoch): the position ``(epoch, index)`` is saved with the checkpoint,
+so the order itself is recomputed, never stored. The probe's windows are already
+packed, so they do not go through ``RowStream``'s packer.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class ExactstepStep:
                               local_rank=dist.get_rank(), device=DEVICE, backend="gloo")
             distribute_engine(self.engine, ctx, ParallelConfig())
         self.window = 0
+        self.dataset: list[Sequence[Microbatch]] = []
+        self.epoch, self.index = 0, 0
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                document_ids: torch.Tensor) -> torch.Tensor:
@@ -111,6 +120,29 @@ class ExactstepStep:
             logs.append(disposition.loss if disposition.outcome is Outcome.COMMITTED else None)
         return logs
 
+    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
+        """The adapter's own dataset: one update per window, each epoch a permutation."""
+        self.dataset = [list(w) for w in windows]
+        self.epoch, self.index = 0, 0
+
+    def epoch_order(self) -> list[int]:
+        """The epoch's order: ``rows.packing``'s law, drawn from ``(seed, epoch)``."""
+        return np.random.default_rng([self.spec.seed, self.epoch]).permutation(
+            len(self.dataset)).tolist()
+
+    def train_steps(self, n: int) -> list[float | None]:
+        """The next ``n`` windows of the dataset, continuing from the saved position."""
+        if not self.dataset:
+            raise ValueError("train_steps() needs set_data() first")
+        logs: list[float | None] = []
+        for _ in range(n):
+            if self.index == len(self.dataset):
+                self.epoch, self.index = self.epoch + 1, 0
+            window = self.dataset[self.epoch_order()[self.index]]
+            self.index += 1
+            logs += self.train(window)
+        return logs
+
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
         result = evaluate(self.module, [self.batch(mb) for mb in microbatches], device=DEVICE,
                           max_tokens=1 << 62, pad_id=self.spec.pad_id)
@@ -118,7 +150,7 @@ class ExactstepStep:
 
     def save(self, path: Path) -> None:
         parts = {"engine": self.engine.state_dict(), "rng": capture_rng(),
-                 "window": self.window}
+                 "window": self.window, "data": {"epoch": self.epoch, "index": self.index}}
         publish_checkpoint(path, "state", self.module.state_dict(), parts, keep=1)
 
     def load(self, path: Path) -> None:
@@ -127,6 +159,7 @@ class ExactstepStep:
         self.engine.load_state_dict(parts["engine"])
         restore_rng(parts["rng"])
         self.window = int(parts["window"])
+        self.epoch, self.index = int(parts["data"]["epoch"]), int(parts["data"]["index"])
 
 
 def segments_of(document_ids: torch.Tensor) -> tuple[tuple[Segment, ...], ...]:

@@ -587,6 +587,31 @@ def perplexity(step: TrainingStep) -> Measure:
                    f"{float(ppl):.5f}", [want], [float(ppl)])
 
 
+def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def bitwise(straight: dict[str, torch.Tensor], resumed: dict[str, torch.Tensor]) -> Measure:
+    """PASS when the resumed parameters equal the uninterrupted ones bitwise (S2, S5)."""
+    off = [n for n in straight if not torch.equal(straight[n], resumed[n])]
+    worst = max((float((straight[n] - resumed[n]).abs().max()) for n in off), default=0.0)
+    return Measure(not off, "resumed == uninterrupted, bitwise",
+                   "bitwise equal" if not off else
+                   f"{len(off)} parameters differ (max {worst:.2e})")
+
+
+def reload(step: TrainingStep, spec: ProbeSpec, tmp: str,
+           after_build: Callable[[], None] = lambda: None) -> None:
+    """Save, then continue as another process would: a fresh build under another RNG
+    state (``after_build`` hands it its data), then ``load`` (S2)."""
+    step.save(Path(tmp) / "state")
+    torch.manual_seed(987654)  # another process: the RNG is not the one saved
+    step.build(spec)
+    after_build()
+    torch.manual_seed(4242)
+    step.load(Path(tmp) / "state")
+
+
 RESUME = replace(ADAMW, warmup=3, dropout=0.5, eps=1e-8)
 
 
@@ -600,20 +625,155 @@ def resume_exact(step: TrainingStep) -> Measure:
     with tempfile.TemporaryDirectory() as tmp:
         step.build(RESUME)
         train(step, mbs[:2])
-        step.save(Path(tmp) / "state")
-        torch.manual_seed(987654)  # another process: the RNG is not the one saved
-        step.build(RESUME)
-        torch.manual_seed(4242)
-        step.load(Path(tmp) / "state")
+        reload(step, RESUME, tmp)
         train(step, mbs[2:])
-    resumed = ref.snapshot(step.module)
-    if all(torch.equal(start[n], straight[n]) for n in start):
+    if not moved(start, straight):
         raise TargetFault("train() changed no parameter: the loop never stepped")
-    off = [n for n in straight if not torch.equal(straight[n], resumed[n])]
-    worst = max((float((straight[n] - resumed[n]).abs().max()) for n in off), default=0.0)
-    return Measure(not off, "resumed == uninterrupted, bitwise",
-                   "bitwise equal" if not off else
-                   f"{len(off)} parameters differ (max {worst:.2e})")
+    return bitwise(straight, ref.snapshot(step.module))
+
+
+# -- resume without the loss scaler (S2, U2) ----------------------------------------------
+
+def repeated_rows(token: int, spec: ProbeSpec = SPEC) -> Microbatch:
+    """Two rows ``BOS t t ... t`` (12 tokens): every target is ``t``, so the gradient of
+    ``t``'s embedding and head rows is a mean of aligned terms, the largest gradient a
+    token mean gives (O(1) at initialization): the window a fp32 scale can overflow."""
+    tokens = torch.full((2, 12), token, dtype=torch.int64)
+    tokens[:, 0] = spec.bos_id
+    owned = torch.ones_like(tokens, dtype=torch.bool)
+    owned[:, 0] = False
+    return Microbatch(tokens=tokens, documents=torch.ones_like(tokens),
+                      positions=torch.arange(12).repeat(2, 1), owned=owned)
+
+
+def overflow_window(step: TrainingStep) -> tuple[Microbatch, int | None]:
+    """The candidate window (one per content token) with the largest reference gradient
+    at initialization, and the reference's overflow exponent for it (``None``: no fp32
+    power-of-two scale overflows its declared scaled gradient)."""
+    step.build(SPEC)
+    best, largest = None, -1.0
+    for token in range(3, SPEC.vocab_size):
+        window = repeated_rows(token)
+        grads, _ = ref.window_gradient(step, [window], SPEC)
+        peak = max(float(g.abs().max()) for g in grads.values())
+        if peak > largest:
+            best, largest = window, peak
+    return best, ref.overflow_exponent(step, [best], SPEC)
+
+
+def scaled(exponent: int) -> ProbeSpec:
+    """The probe's loop under a ``GradScaler`` of initial scale ``2**exponent`` (growth
+    disabled, back-off 0.5; ``ProbeSpec.loss_scale``)."""
+    return replace(SPEC, loss_scale=2.0 ** exponent)
+
+
+def commits(step: TrainingStep, window: Microbatch, exponent: int) -> bool:
+    """Whether the target, freshly built at scale ``2**exponent``, commits ``window``."""
+    step.build(scaled(exponent))
+    before = ref.snapshot(step.module)
+    train(step, [window])
+    return moved(before, ref.snapshot(step.module))
+
+
+def target_exponent(step: TrainingStep, window: Microbatch, guess: int | None) -> int:
+    """The smallest ``k`` at which the target skips ``window`` from a fresh build at
+    scale ``2**k``, observed, with the bracket verified (commits at ``2**(k-1)``).
+
+    The target's own threshold, not the reference's: a loop that scales the loss *sum*
+    and divides after unscaling, or that autocasts its forward to fp16 (exactstep's
+    engine on CPU), overflows at a smaller scale than the declared fp32 token mean; the
+    reference's exponent ``guess`` is tried first."""
+    if guess is not None and guess > 0 and not commits(step, window, guess) \
+            and commits(step, window, guess - 1):
+        return guess
+    if not commits(step, window, 0):
+        raise TargetFault("train() changed no parameter at loss scale 2^0: the loop never "
+                          "stepped")
+    top = ref.MAX_SCALE_EXPONENT
+    if commits(step, window, top):
+        raise NotApplicable(f"the target commits the probe's window even at loss scale "
+                            f"2^{top} (no fp32 scale overflows its gradient), so a lost "
+                            "scale cannot be observed")
+    finite, overflows = 0, top
+    while overflows - finite > 1:
+        mid = (finite + overflows) // 2
+        if commits(step, window, mid):
+            finite = mid
+        else:
+            overflows = mid
+    return overflows
+
+
+def resume_scaler(step: TrainingStep) -> Measure:
+    """At the target's overflow threshold ``2**k``: window 1 overflows and is skipped,
+    the scale backs off to ``2**(k-1)``; save, reload; the same window then commits.
+    A loop that does not save the scaler restarts at ``2**k`` and skips it again."""
+    window, guess = overflow_window(step)
+    k = target_exponent(step, window, guess)
+    spec = scaled(k)
+    step.build(spec)
+    start = ref.snapshot(step.module)
+    train(step, [window])
+    if moved(start, ref.snapshot(step.module)):
+        raise TargetFault(f"the loop committed at 2^{k} a window it skipped from the same "
+                          "build before (not deterministic)")
+    check_logs(train(step, [window]))
+    straight = ref.snapshot(step.module)
+    expected = f"skip at 2^{k}, back off, commit at 2^{k - 1} after the reload"
+    if guess is not None:
+        expected += f" (reference overflow at 2^{guess})"
+    if not moved(start, straight):
+        return Measure(False, expected, f"the uninterrupted run skipped the window again "
+                       f"after the skip at 2^{k}: no back-off, or the overflowed gradient "
+                       "was kept")
+    with tempfile.TemporaryDirectory() as tmp:
+        step.build(spec)
+        train(step, [window])
+        reload(step, spec, tmp)
+        train(step, [window])
+    resumed = ref.snapshot(step.module)
+    if not moved(start, resumed):
+        return Measure(False, expected, f"the resumed window was skipped: the scale "
+                       f"restarted at 2^{k} instead of 2^{k - 1}")
+    m = bitwise(straight, resumed)
+    m.expected = expected
+    return m
+
+
+# -- resume without the data cursor (S2) --------------------------------------------------
+
+def require_cursor(step: TrainingStep) -> None:
+    if not (callable(getattr(step, "set_data", None))
+            and callable(getattr(step, "train_steps", None))):
+        raise NotApplicable("the target takes its microbatches from the caller; it does not "
+                            "iterate a dataset of its own (TrainingStep.set_data / "
+                            "train_steps)")
+
+
+def train_steps(step: TrainingStep, n: int) -> list[float | None]:
+    logs = step.train_steps(n)
+    return list(logs) if logs is not None else []
+
+
+def resume_data(step: TrainingStep) -> Measure:
+    """Four windows from the loop's own iterator straight, against two, save, a fresh
+    build with the same dataset, load, two more: bitwise equal parameters (S2)."""
+    require_cursor(step)
+    dataset = [[plain_rows(seed=60 + i)] for i in range(6)]
+    step.build(SPEC)
+    step.set_data(dataset)
+    start = ref.snapshot(step.module)
+    check_logs(train_steps(step, 4))
+    straight = ref.snapshot(step.module)
+    if not moved(start, straight):
+        raise TargetFault("train_steps() changed no parameter: the loop never stepped")
+    with tempfile.TemporaryDirectory() as tmp:
+        step.build(SPEC)
+        step.set_data(dataset)
+        train_steps(step, 2)
+        reload(step, SPEC, tmp, lambda: step.set_data(dataset))
+        train_steps(step, 2)
+    return bitwise(straight, ref.snapshot(step.module))
 
 
 PROBES: tuple[Probe, ...] = (
@@ -665,6 +825,11 @@ PROBES: tuple[Probe, ...] = (
           "per-batch values", perplexity),
     Probe("resume", "S2", "save and restore model, optimizer, scheduler, scaler and RNG "
           "state", resume_exact),
+    Probe("resume_scaler", "S2", "save scaler.state_dict() with the checkpoint and load it "
+          "on resume: the loss scale after a back-off is state (U2)", resume_scaler),
+    Probe("resume_data", "S2", "save the data position (epoch, index into the epoch's "
+          "order, and the shuffle's seed) and continue from it on resume; do not restart "
+          "or reshuffle the data", resume_data),
 )
 
 

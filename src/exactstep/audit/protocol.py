@@ -35,6 +35,26 @@ microbatches, and each window's update is the token mean over every rank's targe
 (D1, D5). The ``ddp_token_mean`` probe then forks two gloo ranks; a target without
 the attribute gets N/A there.
 
+Optional: the loop's own data order (S2: the sampler cursor). A loop that iterates
+a dataset of its own, rather than taking microbatches from its caller, offers
+
+- ``set_data(windows)`` after ``build``: its dataset, a sequence of windows (each a
+  sequence of microbatches, one update per window). The loop visits them in its own
+  order: in sequence, or a shuffle per epoch that the loop seeds itself;
+- ``train_steps(n)``: the next ``n`` windows of that order, continuing where the
+  previous call stopped (into the next epoch when one ends); returns the logged
+  losses as ``train`` does;
+
+and ``save``/``load`` then carry its position (epoch, index, the shuffle's seed). The
+``resume_data`` probe compares four windows straight with two, a reload into a fresh
+build handed the same dataset, and two more; a target without the two methods gets
+N/A there. The wrapper is a few more lines (see the examples).
+
+Loss scale: under ``ProbeSpec.loss_scale`` the loop trains as it would in mixed
+precision (an fp16 autocast, or fp32 under the ``GradScaler`` only). The
+``resume_scaler`` probe observes the target's own overflow threshold (the scale at
+which a fresh build skips a window), so neither needs declaring.
+
 A microbatch holds *documents* (``Microbatch``): the loop decides the shift, the
 masks and the normalization, which is what is audited. ``spec`` declares the
 objective a correct step implements; ``ProbeSpec`` documents each choice.
@@ -137,7 +157,8 @@ class TrainingStep(Protocol):
 
     module: nn.Module
     smoothing_convention: SmoothingConvention
-    # optional: data_parallel = True (see the module docstring)
+    # optional: data_parallel = True; set_data(windows) and train_steps(n) (see the
+    # module docstring)
 
     def build(self, spec: ProbeSpec) -> None: ...
 

@@ -150,9 +150,12 @@ def _unsmoothed(spec: ProbeSpec) -> ProbeSpec:
 
 
 def window_gradient(step: TrainingStep, window: Sequence[Microbatch], spec: ProbeSpec,
-                    align: Alignment = shifted) -> tuple[dict[str, torch.Tensor], int]:
+                    align: Alignment = shifted, *, scale: float = 1.0
+                    ) -> tuple[dict[str, torch.Tensor], int]:
     """The gradient of the window's token-mean loss (U1) at the current parameters,
-    computed without dropout, and the window's supervised target count."""
+    computed without dropout, and the window's supervised target count. ``scale``
+    multiplies the loss before the backward, as a loss scaler does (U2): the gradient
+    is then ``scale`` times the unscaled one, not unscaled again."""
     params = named_parameters(step.module)
     with eval_mode(step.module):
         total = torch.zeros(())
@@ -163,11 +166,47 @@ def window_gradient(step: TrainingStep, window: Sequence[Microbatch], spec: Prob
             count += n
         if count == 0:
             return {n: torch.zeros_like(p) for n, p in params}, 0
-        grads = torch.autograd.grad(total / count, [p for _, p in params], allow_unused=True)
+        grads = torch.autograd.grad(total / count * scale, [p for _, p in params],
+                                    allow_unused=True)
     return {
         n: torch.zeros_like(p) if g is None else g.detach()
         for (n, p), g in zip(params, grads, strict=True)
     }, count
+
+
+MAX_SCALE_EXPONENT = 127  # 2**127: the largest power-of-two fp32 loss scale
+
+
+def scaled_gradient_finite(step: TrainingStep, window: Sequence[Microbatch],
+                           spec: ProbeSpec, exponent: int) -> bool:
+    """Whether the backward of ``2**exponent`` times the window's token-mean loss,
+    through the target's ``logits`` without dropout, leaves every unique parameter's
+    gradient finite (U2, U4). An activation's gradient that overflows first reaches the
+    parameters behind it as inf or NaN, so this is the whole backward's overflow."""
+    grads, _ = window_gradient(step, window, spec, scale=2.0 ** exponent)
+    return all(bool(torch.isfinite(g).all()) for g in grads.values())
+
+
+def overflow_exponent(step: TrainingStep, window: Sequence[Microbatch], spec: ProbeSpec,
+                      top: int = MAX_SCALE_EXPONENT) -> int | None:
+    """The smallest ``k`` in ``0..top`` at which ``scaled_gradient_finite`` is False, or
+    ``None`` when the scaled gradient is finite even at ``2**top``.
+
+    A power-of-two scale is exact in floating point, so the scaled backward is exactly
+    ``2**k`` times the unscaled one until some value overflows; overflow is therefore
+    monotone in ``k`` and a bisection finds the threshold (``log2(top)`` backwards)."""
+    if scaled_gradient_finite(step, window, spec, top):
+        return None
+    if not scaled_gradient_finite(step, window, spec, 0):
+        return 0
+    finite, overflows = 0, top  # invariant: finite at 2**finite, overflow at 2**overflows
+    while overflows - finite > 1:
+        mid = (finite + overflows) // 2
+        if scaled_gradient_finite(step, window, spec, mid):
+            finite = mid
+        else:
+            overflows = mid
+    return overflows
 
 
 def clip_global(grads: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:

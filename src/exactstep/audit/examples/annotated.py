@@ -15,7 +15,9 @@ Corrected where the historical code is only right for one batch per step: the wi
 closes on ``(i + 1) % accum_iter == 0`` or on the last batch, and its gradient is
 divided by the window's ``ntokens`` at the close (one token mean, U1); a window with no
 target or a non-finite gradient neither steps the optimizer nor the scheduler (L4,
-U4). ``tgt_mask`` also separates packed documents (R3).
+U4). ``tgt_mask`` also separates packed documents (R3). The loop's own data
+(``set_data``/``train_steps``) is drawn by a ``RandomSampler`` with a generator seeded
+per epoch; the checkpoint keeps the epoch and the index into it (S2).
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ class AnnotatedLoop:
         warmup = max(spec.warmup, 1)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda=lambda step: min(1.0, (step + 1) / warmup))
+        self.dataset, self.epoch, self.index = [], 0, 0
         self.scaler = torch.amp.GradScaler("cpu", init_scale=spec.loss_scale or 1.0,
                                            growth_interval=10**9,
                                            enabled=spec.loss_scale is not None)
@@ -246,6 +249,26 @@ class AnnotatedLoop:
         batches = [self.batch_type(mb, self.spec.pad_id) for mb in microbatches]
         return self.run_epoch(batches, "train", accum_iter=self.spec.accum)
 
+    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
+        self.dataset, self.epoch, self.index = [list(w) for w in windows], 0, 0
+
+    def sampler(self) -> list[int]:
+        """This epoch's order: a ``RandomSampler`` seeded by the spec's seed and the epoch."""
+        g = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + self.epoch)
+        return list(torch.utils.data.RandomSampler(self.dataset, generator=g))
+
+    def train_steps(self, n: int) -> list[float | None]:
+        """The next ``n`` windows of the loop's own data (one ``run_epoch`` window each)."""
+        if not self.dataset:
+            raise ValueError("train_steps() needs set_data() first")
+        logs: list[float | None] = []
+        for _ in range(n):
+            if self.index == len(self.dataset):
+                self.epoch, self.index = self.epoch + 1, 0
+            logs += self.train(self.dataset[self.sampler()[self.index]])
+            self.index += 1
+        return logs
+
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
         was_training = self.module.training
         self.module.eval()
@@ -258,7 +281,8 @@ class AnnotatedLoop:
     def save(self, path: Path) -> None:
         torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "lr_scheduler": self.lr_scheduler.state_dict(),
-                    "scaler": self.scaler.state_dict(), "rng": torch.get_rng_state()}, path)
+                    "scaler": self.scaler.state_dict(), "rng": torch.get_rng_state(),
+                    "data": (self.epoch, self.index)}, path)
 
     def load(self, path: Path) -> None:
         state = torch.load(path, weights_only=False)
@@ -267,6 +291,7 @@ class AnnotatedLoop:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
+        self.epoch, self.index = state["data"]
 
 
 def make() -> AnnotatedLoop:

@@ -9,7 +9,10 @@ under an optional ``GradScaler``, unscale, clip, ``scaler.step``, ``zero_grad``,
 learning rate set per iteration. What makes it exact: the loss of every micro-step is
 its target *sum* divided by the window's target count (one token mean, U1), the
 remainder window is closed, a window with no target or a non-finite gradient does
-not step or advance ``iter_num`` (L4, U4), and ``save`` keeps everything (S2).
+not step or advance ``iter_num`` (L4, U4), and ``save`` keeps everything (S2),
+including the loss scale and the position in the loop's own data order
+(``set_data``/``train_steps``: each epoch a permutation seeded by ``data_seed`` and
+the epoch).
 
 Each step is a small method, so a wrong variant (tests/audit/wrong_loops.py) changes
 one of them.
@@ -110,6 +113,7 @@ class NanoGPTLoop:
                                            growth_interval=10**9,
                                            enabled=spec.loss_scale is not None)
         self.iter_num = 0
+        self.dataset, self.data_seed, self.epoch, self.index = [], spec.seed, 0, 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.model = (nn.parallel.DistributedDataParallel(self.module) if self.world > 1
                       else self.module)  # what training calls; self.module is the model
@@ -216,6 +220,26 @@ class NanoGPTLoop:
         self.iter_num += 1
         return loss
 
+    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
+        self.dataset, self.epoch, self.index = [list(w) for w in windows], 0, 0
+
+    def epoch_order(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.data_seed * 1_000_003 + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
+    def train_steps(self, n: int) -> list[float | None]:
+        """The next ``n`` windows of the loop's own data, where the last call stopped."""
+        if not self.dataset:
+            raise ValueError("train_steps() needs set_data() first")
+        logs: list[float | None] = []
+        for _ in range(n):
+            if self.index == len(self.dataset):
+                self.epoch, self.index = self.epoch + 1, 0
+            window = self.dataset[self.epoch_order()[self.index]]
+            self.index += 1
+            logs += self.train(window)
+        return logs
+
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
         was_training = self.module.training
@@ -233,7 +257,14 @@ class NanoGPTLoop:
     def save(self, path: Path) -> None:
         torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "scaler": self.scaler.state_dict(), "iter_num": self.iter_num,
-                    "rng": torch.get_rng_state()}, path)
+                    "rng": torch.get_rng_state(), "data": self.data_position()}, path)
+
+    def data_position(self) -> dict:
+        return {"seed": self.data_seed, "epoch": self.epoch, "index": self.index}
+
+    def load_data_position(self, position: dict) -> None:
+        self.data_seed, self.epoch, self.index = (position["seed"], position["epoch"],
+                                                  position["index"])
 
     def load(self, path: Path) -> None:
         state = torch.load(path, weights_only=False)
@@ -242,6 +273,7 @@ class NanoGPTLoop:
         self.scaler.load_state_dict(state["scaler"])
         self.iter_num = state["iter_num"]
         torch.set_rng_state(state["rng"])
+        self.load_data_position(state["data"])
 
 
 def make() -> NanoGPTLoop:
