@@ -127,3 +127,17 @@ def test_losing_the_data_position_fails_with_the_fix(name: str) -> None:
     (result,) = run_audit(getattr(wrong, name)(), probes=["resume_data"]).results
     assert result.status == FAIL and "parameters differ" in result.observed
     assert "data position" in result.fix
+
+
+@pytest.mark.parametrize(("ignore_data_skip", "status"), [(False, PASS), (True, FAIL)])
+def test_the_trainer_resumes_its_data_only_by_skipping_batches(ignore_data_skip: bool,
+                                                                status: str) -> None:
+    """``hf-trainer``'s own data order: the default skips the batches trained before the
+    checkpoint (PASS); ``ignore_data_skip=True`` restarts the epoch (AUDIT.md)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from exactstep.audit.hf_trainer import HFTrainerStep
+
+    step = HFTrainerStep(ignore_data_skip=ignore_data_skip)
+    (result,) = run_audit(step, probes=["resume_data"]).results
+    assert result.status == status, result.observed

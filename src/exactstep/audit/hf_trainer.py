@@ -18,16 +18,27 @@ Collators (``hf-trainer:NAME``):
 - ``flattening``: ``DataCollatorWithFlattening``: every document is an example; a
   microbatch becomes one row with ``position_ids`` restarting per document.
 
-``save``/``load`` are not offered: the Trainer resumes only by replaying its own
-dataset from a checkpoint directory (``resume_from_checkpoint``), which the probe's
-protocol (new data after the reload) cannot express; the resume probe is N/A.
+The Trainer continues a run only through its own checkpoint directory
+(``resume_from_checkpoint``), replaying its own dataset, so ``save``/``load`` are
+offered only for the loop's own data (``set_data``/``train_steps``, the optional
+cursor of ``exactstep.audit.protocol``): the dataset is the Trainer's
+``train_dataset``, its stock dataloader and sampler (``train_sampling_strategy =
+random``, one probe microbatch's rows per batch) give the order, each
+``train_steps(n)`` is one ``Trainer.train`` to ``max_steps`` = the steps so far +
+``n``, resuming from the Trainer's latest checkpoint (``save_steps = 1``), and on
+resume the Trainer skips the batches already trained (``ignore_data_skip=False``, its
+default; ``ignore_data_skip`` on the adapter turns it off). ``resume``, which hands
+new microbatches after the reload, stays N/A.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -43,14 +54,16 @@ class HFTrainerStep:
 
     smoothing_convention = "uniform"  # TrainingArguments.label_smoothing_factor
 
-    def __init__(self, collator: str = "padding") -> None:
+    def __init__(self, collator: str = "padding", *, ignore_data_skip: bool = False) -> None:
         if collator not in COLLATORS:
             from exactstep.errors import ConfigError
 
             raise ConfigError(f"unknown hf-trainer collator {collator!r}; use one of "
                               f"{', '.join(COLLATORS)}")
         self.collator = collator
+        self.ignore_data_skip = ignore_data_skip
         self.workdir = tempfile.TemporaryDirectory(prefix="exactstep-audit-hf-")
+        self.builds = 0
 
     def build(self, spec: ProbeSpec) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,12 +82,15 @@ class HFTrainerStep:
         )
         self.module = LlamaForCausalLM(config)
         self.trainer = self.make_trainer(spec)
+        self.builds += 1  # each build its own checkpoint directory
+        self.data_rows: list[dict] | None = None
+        self.steps_done, self.resume_from = 0, None
 
-    def make_trainer(self, spec: ProbeSpec):  # noqa: ANN201
+    def make_trainer(self, spec: ProbeSpec, **overrides: object):  # noqa: ANN201
         from transformers import TrainingArguments
         from transformers.trainer_callback import PrinterCallback
 
-        args = TrainingArguments(**self.arguments(spec))
+        args = TrainingArguments(**{**self.arguments(spec), **overrides})
         trainer = probe_trainer_class()(model=self.module, args=args,
                                         data_collator=self.data_collator())
         trainer.remove_callback(PrinterCallback)  # the audit prints its own table
@@ -155,12 +171,67 @@ class HFTrainerStep:
         loss = float(self.trainer.evaluate(eval_dataset=rows)["eval_loss"])
         return loss, math.exp(loss)
 
+    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
+        """The Trainer's own ``train_dataset``: every row of every window's microbatches;
+        its sampler batches them ``rows per microbatch`` at a time (one window each with
+        ``accum`` 1)."""
+        microbatches = [mb for window in windows for mb in window]
+        self.data_rows, _ = self.examples(microbatches)
+        self.data_batch = microbatches[0].tokens.shape[0]
+        self.steps_done, self.resume_from = 0, None
+
+    def checkpoints(self) -> Path:
+        return Path(self.workdir.name) / f"build-{self.builds}"
+
+    def train_steps(self, n: int) -> list[float | None]:
+        """``Trainer.train`` up to ``max_steps = steps so far + n``, from the Trainer's
+        latest checkpoint (or the loaded one) when there is one."""
+        if self.data_rows is None:
+            raise ValueError("train_steps() needs set_data() first")
+        resume = self.resume_from
+        if resume is None and self.steps_done:
+            resume = str(self.checkpoints() / f"checkpoint-{self.steps_done}")
+        self.trainer = self.make_trainer(
+            self.spec, output_dir=str(self.checkpoints()), max_steps=self.steps_done + n,
+            save_strategy="steps", save_steps=1, train_sampling_strategy="random",
+            per_device_train_batch_size=self.data_batch,
+            ignore_data_skip=self.ignore_data_skip)
+        self.trainer.train_dataset = self.data_rows
+        self.trainer.probe_batches = None  # the stock dataloader and sampler
+        before = self.steps_done
+        with quiet_checkpoints():
+            self.trainer.train(resume_from_checkpoint=resume)
+        self.module.train()
+        self.steps_done, self.resume_from = self.trainer.state.global_step, None
+        return [entry["loss"] for entry in self.trainer.state.log_history
+                if "loss" in entry and entry["step"] > before]
+
     def save(self, path: Path) -> None:
-        raise NotApplicable("Trainer resumes only by replaying its own dataset from a "
-                            "checkpoint (resume_from_checkpoint)")
+        if self.data_rows is None or not self.steps_done:
+            raise NotApplicable("Trainer resumes only by replaying its own dataset from a "
+                                "checkpoint (resume_from_checkpoint)")
+        shutil.copytree(self.checkpoints() / f"checkpoint-{self.steps_done}", path)
 
     def load(self, path: Path) -> None:
-        raise NotApplicable("Trainer resumes only from its own checkpoint directory")
+        if self.data_rows is None:
+            raise NotApplicable("Trainer resumes only from its own checkpoint directory")
+        state = json.loads((Path(path) / "trainer_state.json").read_text())
+        self.steps_done, self.resume_from = int(state["global_step"]), str(path)
+
+
+@contextlib.contextmanager
+def quiet_checkpoints() -> Iterator[None]:
+    """No progress bar while the Trainer writes its checkpoints (the audit prints its
+    own table); the caller's setting is restored."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def probe_trainer_class() -> type:
@@ -173,6 +244,8 @@ def probe_trainer_class() -> type:
         probe_batches: list[list[int]] = []
 
         def get_train_dataloader(self) -> DataLoader:
+            if self.probe_batches is None:  # the loop's own data: the stock dataloader
+                return super().get_train_dataloader()
             loader = DataLoader(self.train_dataset, batch_sampler=self.probe_batches,
                                 collate_fn=self.data_collator)
             return self.accelerator.prepare(loader)

@@ -28,7 +28,9 @@ Variants (``trl-sft[:VARIANT]``):
   strategy, which implies padding-free rows). trl decides which documents share a
   packed row; a probe whose microbatches trl packs together is N/A.
 
-Resume is N/A, as for ``hf-trainer`` (the Trainer resumes only from its own checkpoint).
+Resume is N/A, as for ``hf-trainer`` (the Trainer resumes only from its own checkpoint),
+and so is the loop's own data order (``set_data``): ``SFTTrainer`` prepares its dataset
+on every call, so the Trainer's data skip on resume is measured by ``hf-trainer`` only.
 """
 
 from __future__ import annotations
@@ -121,6 +123,15 @@ class TRLSFTStep(HFTrainerStep):
         self.module.train()
         self.optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
         return [entry["loss"] for entry in self.trainer.state.log_history if "loss" in entry]
+
+    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
+        raise NotApplicable("not driven for SFTTrainer: it prepares its dataset per "
+                            "train() (datasets.map, packing) and resumes only from its "
+                            "checkpoint directory; hf-trainer measures the Trainer's data "
+                            "skip on resume")
+
+    def train_steps(self, n: int) -> list[float | None]:
+        raise NotApplicable("not driven for SFTTrainer (see set_data)")
 
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
         """``SFTTrainer.evaluate`` prepares the rows (trl requires a train dataset to
