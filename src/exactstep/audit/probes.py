@@ -734,7 +734,8 @@ def resume_scaler(step: TrainingStep) -> Measure:
     resumed = ref.snapshot(step.module)
     if not moved(start, resumed):
         return Measure(False, expected, f"the resumed window was skipped: the scale "
-                       f"restarted at 2^{k} instead of 2^{k - 1}")
+                       f"restarted at 2^{k} instead of 2^{k - 1} (the checkpoint lacks the "
+                       "scaler's state)")
     m = bitwise(straight, resumed)
     m.expected = expected
     return m

@@ -97,7 +97,8 @@ class ProbeSpec:
     updates is ``lr * min(1, (k + 1) / warmup)`` (``warmup`` 0: constant); a window
     with a non-finite loss or gradient is skipped and advances nothing (U4).
     ``loss_scale``: when set, the loop scales the loss with a ``GradScaler`` of that
-    initial scale (growth disabled); ``None``: no scaling.
+    initial scale (growth disabled; a skipped window halves it, ``GradScaler``'s
+    back-off, and the scale is checkpoint state, S2); ``None``: no scaling.
     """
 
     vocab_size: int = 16
