@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from exactstep.audit import probes
 from exactstep.audit import reference as ref
+from exactstep.audit.engine import ExactstepStep
 from exactstep.audit.examples.annotated import AnnotatedLoop
 from exactstep.audit.examples.nanogpt import IGNORE, NanoGPTLoop
 from exactstep.audit.probes import ERROR, FAIL, NA, PASS
@@ -141,3 +142,20 @@ def test_the_trainer_resumes_its_data_only_by_skipping_batches(ignore_data_skip:
     step = HFTrainerStep(ignore_data_skip=ignore_data_skip)
     (result,) = run_audit(step, probes=["resume_data"]).results
     assert result.status == status, result.observed
+
+
+class EngineForgetsScaler(ExactstepStep):
+    def load(self, path) -> None:  # noqa: ANN001
+        super().load(path)
+        self.engine.precision.scaler = torch.amp.GradScaler(  # BUG: back to init_scale
+            "cpu", init_scale=self.spec.loss_scale)
+
+
+def test_the_engine_keeps_its_fp16_scale_and_a_variant_that_drops_it_fails() -> None:
+    """The engine autocasts to fp16 on the CPU: it overflows far below the fp32
+    reference's scale, and the probe follows it there (negative control: the same
+    engine with a fresh scaler after ``load``)."""
+    (ok,) = run_audit(ExactstepStep(), probes=["resume_scaler"]).results
+    assert ok.status == PASS, ok.observed
+    (bad,) = run_audit(EngineForgetsScaler(), probes=["resume_scaler"]).results
+    assert bad.status == FAIL and "the resumed window was skipped" in bad.observed
