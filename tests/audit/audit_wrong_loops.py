@@ -2,18 +2,52 @@
 
 Every class is a correct example loop (``exactstep.audit.examples``) with one method
 changed; the line marked ``# BUG`` is the whole difference. ``test_audit_matrix``
-states, for each, exactly which probes must fail.
+states, for each, exactly which probes must fail, and which of those report the
+target's own exception (an ERROR per probe, never an audit crash). The last sections
+cover the shape-correct failure list item by item (AUDIT.md maps each item to its loop
+and probes).
+
+Four entries pass every probe, on purpose, and the matrix says so:
+
+- two benign variants, the same objective by another route (``LogProbsIntoCrossEntropy``:
+  ``log_softmax`` is idempotent; ``BackwardInsideNoSync``: DDP all-reduces every
+  micro-step, the same average);
+- two blind spots of this protocol, each shown to be a real bug by a test of its own:
+  ``PadMaskWrongAxis`` and ``CheckpointRecomputesDropout``.
+
+Why the padding mask's axis is not observable here: a ``Microbatch`` is right-padded,
+so every padded key lies after every real query of its row and the causal triangle
+hides it whatever the padding mask says. ``[B, T, 1]`` instead of ``[B, 1, T]`` then
+changes only the padded *query* rows; they carry no target, and no real row attends to
+them in any layer (they are in its future), so the real rows' logits and every
+gradient are the correct loop's, bitwise. A protocol that allowed left padding, or
+padding between the documents of a row, would put padded keys in the past of real
+queries; ``[B, T, 1]`` leaves them visible there, and a probe comparing a padded row's
+real logits with the unpadded document's would see it.
+
+Why recomputed checkpoint dropout is not observable here: the dropout masks live
+inside the target's forward; a probe sees a dropout update (as a correct one is) and a
+resume that replays the same draws. Seeing it needs a protocol that replays the
+target's forward under a given RNG state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from exactstep.audit.examples.annotated import AnnotatedLoop, Batch, LabelSmoothing
+from exactstep.audit.examples.annotated import (
+    AnnotatedLoop,
+    Batch,
+    LabelSmoothing,
+    SimpleLossCompute,
+    subsequent_mask,
+)
 from exactstep.audit.examples.nanogpt import GPT, IGNORE, CausalSelfAttention, NanoGPTLoop
 from exactstep.audit.protocol import Microbatch
 
@@ -356,6 +390,8 @@ class SchedulerAdvancesOnSkip(NanoGPTLoop):
 class NoFiniteCheck(NanoGPTLoop):
     def close_window(self, loss: float) -> float | None:
         self.unscale_and_clip()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_lr(self.iter_num)
         self.step_optimizer()  # BUG: steps on a non-finite gradient (no scaler to skip it)
         self.zero_grad()
         self.iter_num += 1
@@ -530,3 +566,314 @@ class NeverSteps(NanoGPTLoop):
 class NaNLogits(NanoGPTLoop):
     def logits(self, input_ids, position_ids, document_ids) -> torch.Tensor:  # noqa: ANN001
         return super().logits(input_ids, position_ids, document_ids) * float("nan")
+
+
+# == the shape-correct failure list: what the sections above did not yet cover =========
+# Each loop below is one item of that list (AUDIT.md, "The wrong-loop catalogue against
+# the shape-correct failure list"); the sections keep the topics of the ones above.
+
+# -- masks (R2) -------------------------------------------------------------------------
+
+
+class BatchInvertedTriangle(Batch):
+    @staticmethod
+    def make_std_mask(documents: torch.Tensor) -> torch.Tensor:
+        same = documents.unsqueeze(-1) == documents.unsqueeze(-2)
+        size = documents.size(-1)
+        # BUG: the triangle is inverted: the future is visible, the past hidden
+        return same & (torch.tril(torch.ones(1, size, size), diagonal=-1) == 0)
+
+
+class InvertedTriangle(AnnotatedLoop):
+    batch_type = BatchInvertedTriangle
+
+
+class BatchMaskForFullTarget(Batch):
+    def __init__(self, mb: Microbatch, pad: int) -> None:
+        super().__init__(mb, pad)
+        # BUG: subsequent_mask(full_tgt.size(-1)): built for T_full, the input has T_full - 1
+        self.tgt_mask = self.make_std_mask(mb.documents)
+
+
+class WrongMaskLength(AnnotatedLoop):
+    """Not shape-correct in PyTorch: the [T, T] mask does not broadcast against the
+    [T - 1, T - 1] scores, so every probe that trains or evaluates reports the target's
+    own ``RuntimeError`` (the probes that read only ``logits`` pass: its mask is right)."""
+
+    batch_type = BatchMaskForFullTarget
+
+
+class BatchPadMaskWrongAxis(Batch):
+    @staticmethod
+    def make_std_mask(documents: torch.Tensor) -> torch.Tensor:
+        real = documents != 0
+        same = documents.unsqueeze(-1) == documents.unsqueeze(-2)
+        # BUG: the padding mask broadcast as [B, T, 1] (hides padded query rows) instead of
+        # [B, 1, T] (hides padded key columns)
+        return real.unsqueeze(-1) & same & subsequent_mask(documents.size(-1))
+
+
+class PadMaskWrongAxis(AnnotatedLoop):
+    """Not observable here, and provably so: rows are right-padded, so every padded key
+    lies after every real query and the causal triangle already hides it; the wrong axis
+    changes only the padded query rows (they now attend uniformly to the whole row),
+    which carry no target and which no real row attends to, in any layer. The real rows'
+    logits and every gradient are those of the correct loop, bitwise
+    (``test_the_pad_mask_axis_changes_only_padded_rows``). A protocol with left padding,
+    or padding between the documents of a row, would put padded keys in the past of real
+    queries and make it observable (``[B, T, 1]`` leaves them visible)."""
+
+    batch_type = BatchPadMaskWrongAxis
+
+
+# -- the generator and the criterion (L1, L2) -------------------------------------------
+
+
+class OutAsLogitsLossCompute(SimpleLossCompute):
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
+        # BUG: the decoder's [B, T, d_model] output scored as vocabulary log-probabilities
+        # (the generator is skipped; d_model == V here, so the shapes still agree)
+        sloss = self.criterion(x.contiguous().view(-1, x.size(-1)), y.contiguous().view(-1))
+        return sloss.item(), sloss
+
+
+class OutAsLogits(AnnotatedLoop):
+    def loss_compute(self, smoothing: float) -> SimpleLossCompute:
+        loss = super().loss_compute(smoothing)
+        return OutAsLogitsLossCompute(loss.generator, loss.criterion)
+
+
+class GeneratorTwice(AnnotatedLoop):
+    def forward(self, batch: Batch) -> torch.Tensor:
+        # BUG: generator(out) precomputed, and SimpleLossCompute applies it once more
+        return self.module.generator(super().forward(batch))
+
+
+class FlattenAllAxes(SimpleLossCompute):
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
+        x = self.generator(x)
+        sloss = self.criterion(x.view(-1), y.contiguous().view(-1))  # BUG: no vocabulary axis
+        return sloss.item(), sloss
+
+
+class FlattenDestroysVocabulary(AnnotatedLoop):
+    """Not shape-correct: ``LabelSmoothing`` cannot scatter into a 1-D tensor; every probe
+    that trains or evaluates reports the target's own error."""
+
+    def loss_compute(self, smoothing: float) -> SimpleLossCompute:
+        loss = super().loss_compute(smoothing)
+        return FlattenAllAxes(loss.generator, loss.criterion)
+
+
+class ProbabilitiesLossCompute(SimpleLossCompute):
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
+        x = self.generator(x).exp()  # BUG: probabilities into KLDivLoss, which wants logs
+        sloss = self.criterion(x.contiguous().view(-1, x.size(-1)), y.contiguous().view(-1))
+        return sloss.item(), sloss
+
+
+class ProbabilitiesIntoKLDiv(AnnotatedLoop):
+    def loss_compute(self, smoothing: float) -> SimpleLossCompute:
+        loss = super().loss_compute(smoothing)
+        return ProbabilitiesLossCompute(loss.generator, loss.criterion)
+
+
+class LogProbsIntoCrossEntropy(NanoGPTLoop):
+    """Benign, and the matrix says so: ``log_softmax`` is idempotent, so
+    ``F.cross_entropy(log_softmax(z))`` is ``F.cross_entropy(z)`` (with or without
+    ``label_smoothing``) up to rounding: the same objective, nothing to observe."""
+
+    def loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().loss_sum(logits.log_softmax(-1), y)  # log-probs where logits are due
+
+
+class ScatterAlongRows(LabelSmoothing):
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        true_dist = x.data.clone()
+        true_dist.fill_(self.smoothing / (self.size - 2))
+        # BUG: scatter_ along dim 0: the confidence goes to row target[i] of column 0, not
+        # to column target[i] of row i (and an index past the row count raises)
+        true_dist.scatter_(0, target.data.unsqueeze(1), self.confidence)
+        true_dist[:, self.padding_idx] = 0
+        true_dist[target.data == self.padding_idx] = 0
+        return self.criterion(x, true_dist.clone().detach())
+
+
+class SmoothingScatterWrongDim(AnnotatedLoop):
+    criterion_type = ScatterAlongRows
+
+
+# -- padding and the denominator (L3) ---------------------------------------------------
+
+# A source vocabulary built with the Annotated Transformer's specials order
+# (<s>, </s>, <blank>, <unk>) has its pad <blank> at 2: this target vocabulary's EOS.
+SOURCE_PAD = 2
+
+
+class BatchSourcePad(Batch):
+    def __init__(self, mb: Microbatch, pad: int) -> None:
+        super().__init__(mb, pad)  # the collator pads the labels with the target's pad
+        self.ntokens = int((self.tgt_y != SOURCE_PAD).sum())  # BUG: the source's pad id
+
+
+class SourcePadForTargets(AnnotatedLoop):
+    """The target labels masked with the source vocabulary's pad id: padded labels are
+    counted and scored (as the target's pad class), real EOS targets are dropped."""
+
+    batch_type = BatchSourcePad
+
+    def loss_compute(self, smoothing: float) -> SimpleLossCompute:
+        # BUG (the same id): the criterion's padding_idx is the source's pad
+        criterion = self.criterion_type(self.spec.vocab_size, SOURCE_PAD, smoothing)
+        return SimpleLossCompute(self.module.generator, criterion)
+
+
+class LastPositionOnly(NanoGPTLoop):
+    def loss_sum(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # BUG: inference's out[:, -1] used to train: one position per row is scored
+        return super().loss_sum(logits[:, -1:].contiguous(), y[:, -1:].contiguous())
+
+
+class MeanOfSequenceMeans(NanoGPTLoop):
+    def micro_loss(self, logits: torch.Tensor, y: torch.Tensor, n_tokens: int,
+                   n_micro: int) -> torch.Tensor:
+        per_token = F.cross_entropy(logits.transpose(1, 2), y, ignore_index=IGNORE,
+                                    reduction="none",
+                                    label_smoothing=self.spec.label_smoothing)  # [B, T]
+        counts = (y != IGNORE).sum(1)
+        rows = counts > 0
+        # BUG: a mean of per-sequence means: every sequence weighs the same, whatever
+        # its length, while the window claims a token mean
+        return (per_token.sum(1)[rows] / counts[rows]).mean() * self.world / n_micro
+
+
+# -- the window and the backward (U1, U2, U5) -------------------------------------------
+
+
+class BackwardOfLoggedValue(NanoGPTLoop):
+    """Backpropagates the detached logging value: PyTorch refuses, and every probe that
+    trains reports that as its ERROR (A1: never an audit crash)."""
+
+    def train_window(self, window: Sequence[Microbatch]) -> float | None:
+        batches = [self.get_batch(mb) for mb in window]
+        n_tokens = self.global_count(sum(int((y != IGNORE).sum()) for *_, y in batches))
+        if n_tokens == 0:
+            return None
+        total = 0.0
+        for i, (x, pos, docs, y) in enumerate(batches):
+            with self.sync(last=i == len(batches) - 1):
+                loss_node = self.micro_loss(self.model(x, pos, docs), y, n_tokens, len(batches))
+                loss = loss_node.detach()  # the logging value
+                self.scaler.scale(loss).backward()  # BUG: not loss_node.backward()
+            total += loss.item()
+        return self.close_window(total)
+
+
+class UnscaleEachMicrobatch(NanoGPTLoop):
+    """``scaler.unscale_`` after the window's first micro-step: the later micro-steps add
+    scaled gradients to unscaled ones, and the close must not unscale again (it would
+    raise), so it only clips."""
+
+    def train_window(self, window: Sequence[Microbatch]) -> float | None:
+        batches = [self.get_batch(mb) for mb in window]
+        n_tokens = self.global_count(sum(int((y != IGNORE).sum()) for *_, y in batches))
+        if n_tokens == 0:
+            return None
+        total = 0.0
+        for i, (x, pos, docs, y) in enumerate(batches):
+            with self.sync(last=i == len(batches) - 1):
+                loss = self.micro_loss(self.model(x, pos, docs), y, n_tokens, len(batches))
+                self.scaler.scale(loss).backward()
+            if i == 0:
+                self.scaler.unscale_(self.optimizer)  # BUG: before the window closes
+            total += loss.item()
+        return self.close_window(total)
+
+    def unscale_and_clip(self) -> torch.Tensor:
+        return self.clip()  # already unscaled (once, too early)
+
+
+class ScheduleCountsMicrobatches(NanoGPTLoop):
+    def get_lr(self, it: int) -> float:
+        # BUG: the schedule is indexed by micro-steps (iter_num * accum), not by updates
+        return super().get_lr(it * self.spec.accum)
+
+
+# -- data parallel (D1, D5) -------------------------------------------------------------
+
+
+class ForwardInsideNoSync(NanoGPTLoop):
+    """The last micro-step's forward under ``no_sync()``, its backward outside: DDP
+    decides at the forward whether the backward all-reduces, so no gradient of the window
+    is ever reduced and each rank steps on its own (they diverge)."""
+
+    def train_window(self, window: Sequence[Microbatch]) -> float | None:
+        batches = [self.get_batch(mb) for mb in window]
+        n_tokens = self.global_count(sum(int((y != IGNORE).sum()) for *_, y in batches))
+        if n_tokens == 0:
+            return None
+        total = 0.0
+        for i, (x, pos, docs, y) in enumerate(batches):
+            with self.no_sync():  # BUG: the forward of every micro-step, the last one too
+                logits = self.model(x, pos, docs)
+            loss = self.micro_loss(logits, y, n_tokens, len(batches))
+            with self.sync(last=i == len(batches) - 1):  # ... only the backward syncs
+                self.scaler.scale(loss).backward()
+            total += loss.item()
+        return self.close_window(total)
+
+    def no_sync(self):  # noqa: ANN201
+        return self.model.no_sync() if self.world > 1 else contextlib.nullcontext()
+
+
+class BackwardInsideNoSync(NanoGPTLoop):
+    """Benign, and the matrix says so: the forwards outside ``no_sync()``, the backwards of
+    the early micro-steps inside. DDP then all-reduces every micro-step (its forward
+    armed the reduction): communication every microbatch, against DDP's documented usage,
+    but the same gradients (an average of sums is the sum of averages)."""
+
+    def train_window(self, window: Sequence[Microbatch]) -> float | None:
+        batches = [self.get_batch(mb) for mb in window]
+        n_tokens = self.global_count(sum(int((y != IGNORE).sum()) for *_, y in batches))
+        if n_tokens == 0:
+            return None
+        total = 0.0
+        for i, (x, pos, docs, y) in enumerate(batches):
+            logits = self.model(x, pos, docs)  # the forward outside no_sync()
+            loss = self.micro_loss(logits, y, n_tokens, len(batches))
+            with self.sync(last=i == len(batches) - 1):  # only the backward inside
+                self.scaler.scale(loss).backward()
+            total += loss.item()
+        return self.close_window(total)
+
+
+# -- modes and randomness (E1) ----------------------------------------------------------
+
+
+class CheckpointedGPT(GPT):
+    preserve_rng_state = True
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor,
+                documents: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        mask = self.attention_mask(documents)
+        for block in self.h:
+            x = checkpoint(block, x, mask, use_reentrant=False,
+                           preserve_rng_state=self.preserve_rng_state)
+        return self.lm_head(self.ln_f(x))
+
+
+class CheckpointDropoutFreshRng(CheckpointedGPT):
+    preserve_rng_state = False  # BUG: the recomputation draws new dropout masks
+
+
+class CheckpointRecomputesDropout(NanoGPTLoop):
+    """Activation checkpointing with ``preserve_rng_state=False`` and dropout on: the
+    backward differentiates a forward with other dropout masks than the one whose loss
+    was taken. Not observable through this protocol: the masks live inside the target's
+    forward, the probes see a dropout update (``train_mode``: it differs from the
+    dropout-free one, as a correct one does) and a resume that replays the same draws.
+    The bug is real (``test_checkpointed_dropout_without_the_rng_state_changes_the_update``);
+    seeing it needs a protocol that replays a forward under a given RNG state."""
+
+    model_type = CheckpointDropoutFreshRng

@@ -107,6 +107,23 @@ def test_a_nonfinite_step_is_skipped(tmp_path) -> None:
     assert all(torch.equal(before[n], p) for n, p in params(model).items())
 
 
+def first_update_moves(model, tmp_path, warmup: int) -> bool:  # noqa: ANN001
+    """One SGD update of ``constant_with_warmup``: did it change any parameter?"""
+    t = trainer(model, tmp_path, learning_rate=0.5, weight_decay=0.0, optim="sgd",
+                lr_scheduler_type="constant_with_warmup", warmup_steps=warmup)
+    t.train_dataset = [example([1, 5, 6, 7, 8])] * 2
+    before = params(model)
+    t.train()
+    return any(not torch.equal(before[n], p) for n, p in params(model).items())
+
+
+@finding("the warmup starts at 0: with warmup_steps=N the first optimizer step is taken "
+         "at lr 0 (update k at lr * k / N), one update behind the declared "
+         "lr * (k + 1) / N, so the first update changes nothing under SGD (U5)")
+def test_the_first_warmup_update_is_taken_at_a_nonzero_rate(tmp_path) -> None:
+    assert first_update_moves(tiny_llama(), tmp_path, warmup=4)
+
+
 @finding("Trainer.evaluate draws from the global torch RNG (its DataLoader seeds its "
          "iterator from it) and leaves the model in eval mode (E1)")
 def test_evaluate_leaves_rng_and_mode_as_they_were(tmp_path) -> None:
@@ -228,3 +245,9 @@ def test_control_a_resumed_run_skips_the_batches_it_trained(tmp_path) -> None:
     fails for the option alone."""
     resumed, straight = resumed_and_straight(tmp_path, ignore_data_skip=False)
     assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+
+
+def test_control_the_first_update_moves_without_a_warmup(tmp_path) -> None:
+    """Without a warmup the same single update changes the parameters: the warmup
+    reproduction above fails for the rate alone."""
+    assert first_update_moves(tiny_llama(), tmp_path, warmup=0)

@@ -147,6 +147,18 @@ def test_a_nonfinite_step_is_skipped(tmp_path) -> None:
     assert all(torch.equal(before[n], p) for n, p in params(model).items())
 
 
+@finding("the warmup starts at 0 (Trainer's constant_with_warmup): the first optimizer "
+         "step is taken at lr 0, so it changes nothing under SGD (U5)")
+def test_the_first_warmup_update_is_taken_at_a_nonzero_rate(tmp_path) -> None:
+    model = tiny_llama()
+    t = sft(model, tmp_path, [example([1, 5, 6, 7, 8])] * 2, learning_rate=0.5,
+            weight_decay=0.0, optim="sgd", lr_scheduler_type="constant_with_warmup",
+            warmup_steps=4)
+    before = params(model)
+    t.train()
+    assert any(not torch.equal(before[n], p) for n, p in params(model).items())
+
+
 @finding("SFTTrainer.evaluate draws from the global torch RNG and leaves the model in "
          "eval mode (E1)")
 def test_evaluate_leaves_rng_and_mode_as_they_were(tmp_path) -> None:

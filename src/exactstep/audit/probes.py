@@ -202,23 +202,60 @@ def remainder(step: TrainingStep) -> Measure:
     return update_probe(step, replace(SPEC, accum=2), mbs)
 
 
+def schedule_clock(step: TrainingStep) -> Measure:
+    """Two windows of two equal microbatches under a warmup of 4: the updates are taken
+    at the declared ``lr_at(0)``, ``lr_at(1)`` (lr/4, lr/2): the schedule counts
+    committed updates (U5). A FAIL names the known wrong schedule it matches."""
+    spec = replace(SPEC, accum=2, warmup=4)
+    mbs = [plain_rows(seed=50 + i, n=1, length=6) for i in range(4)]
+    m = update_probe(step, spec, mbs)
+    if not m.passed:
+        m.observed += schedule_diagnosis(step, spec, mbs)
+    return m
+
+
+def schedule_diagnosis(step: TrainingStep, spec: ProbeSpec,
+                       mbs: Sequence[Microbatch]) -> str:
+    """``"; matches <a known wrong schedule>"`` for the update ``train`` makes from a
+    fresh build, or ``""``."""
+    wrong = {
+        "a microbatch clock (update k at lr(k * accum))": lambda k: spec.lr_at(k * spec.accum),
+        "a warmup counted from 0 (update k at lr * k / warmup: the first at lr 0)":
+            lambda k: spec.lr * min(1.0, k / spec.warmup),
+    }
+    step.build(spec)
+    before = ref.snapshot(step.module)
+    expected = {label: ref.reference_sgd(step, mbs, spec, lr_at=lr) for label, lr in
+                wrong.items()}
+    train(step, mbs)
+    after = ref.snapshot(step.module)
+    for label, params in expected.items():
+        if deviation(before, params, after)[0] <= RTOL:
+            return f"; matches {label}"
+    return ""
+
+
 WORLD = 2  # ranks of the data-parallel probe (gloo, one host)
 DDP_TIMEOUT_S = 60.0
 
 
 def ddp_token_mean(step: TrainingStep) -> Measure:
-    """Two ranks with unequal target counts (18 and 3) take one window each: the update
-    must be one process's over both microbatches as one window (D5, D1)."""
+    """Two ranks with unequal target counts (18 and 3) take one window of two
+    microbatches each: the update must be one process's over the four microbatches as
+    one window (D5, D1). Two micro-steps per rank put DDP's ``no_sync`` in play: a
+    reduction that never runs (ranks diverge) or runs on the wrong values fails."""
     if not getattr(step, "data_parallel", False):
         raise NotApplicable("the target does not declare data-parallel training "
                             "(TrainingStep.data_parallel)")
     g = gen(40)
-    ranks = [data.single([data.text(g, 10, SPEC) for _ in range(2)], SPEC),
-             data.single([data.text(g, 4, SPEC)], SPEC)]
-    step.build(SPEC)
+    ranks = [[data.single([data.text(g, 10, SPEC)], SPEC) for _ in range(2)],
+             [data.single([data.text(g, n, SPEC)], SPEC) for n in (2, 3)]]
+    spec = replace(SPEC, accum=2)
+    step.build(spec)
     before = ref.snapshot(step.module)
-    expected = ref.reference_sgd(step, ranks, replace(SPEC, accum=WORLD))
-    observed = run_ranks(step, SPEC, ranks)
+    expected = ref.reference_sgd(step, [mb for rank in ranks for mb in rank],
+                                 replace(spec, accum=2 * WORLD))
+    observed = run_ranks(step, spec, ranks)
     for rank, params in enumerate(observed[1:], start=1):
         if any(not torch.equal(params[n], observed[0][n]) for n in params):
             return Measure(False, "every rank holds the same parameters",
@@ -228,10 +265,10 @@ def ddp_token_mean(step: TrainingStep) -> Measure:
                    "global window", f"deviation {err:.2e}", e, o)
 
 
-def run_ranks(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Microbatch]
-              ) -> list[dict[str, torch.Tensor]]:
+def run_ranks(step: TrainingStep, spec: ProbeSpec,
+              microbatches: Sequence[Sequence[Microbatch]]) -> list[dict[str, torch.Tensor]]:
     """Each rank ``r`` (a forked process in a gloo group) builds ``step`` from ``spec``
-    and trains on ``[microbatches[r]]``; their parameters afterwards, by rank.
+    and trains on ``microbatches[r]``; their parameters afterwards, by rank.
 
     A rank that raises, or a job that exceeds ``DDP_TIMEOUT_S``, is a ``TargetFault``
     naming the rank's error."""
@@ -244,7 +281,8 @@ def run_ranks(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Microb
         if method == "fork":
             warm_ddp()
         job = mp.start_processes(rank_worker, args=(len(microbatches), free_port(), step,
-                                                    spec, list(microbatches), tmp),
+                                                    spec, [list(r) for r in microbatches],
+                                                    tmp),
                                  nprocs=len(microbatches), join=False, start_method=method)
         deadline = time.monotonic() + DDP_TIMEOUT_S
         try:
@@ -284,7 +322,7 @@ def warm_ddp() -> None:
 
 
 def rank_worker(rank: int, world: int, port: int, step: TrainingStep, spec: ProbeSpec,
-                microbatches: list[Microbatch], out: str) -> None:
+                microbatches: list[list[Microbatch]], out: str) -> None:
     """One rank of ``run_ranks``: join the group, build, train, publish parameters."""
     from datetime import timedelta
 
@@ -295,7 +333,7 @@ def rank_worker(rank: int, world: int, port: int, step: TrainingStep, spec: Prob
                             world_size=world, timeout=timedelta(seconds=DDP_TIMEOUT_S))
     try:
         step.build(spec)
-        check_logs(train(step, [microbatches[rank]]))
+        check_logs(train(step, microbatches[rank]))
         torch.save(ref.snapshot(step.module), Path(out) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -387,26 +425,32 @@ def label_smoothing(step: TrainingStep) -> Measure:
     return m
 
 
-def clip_spec(step: TrainingStep, spec: ProbeSpec, mb: Microbatch) -> None:
+def clip_spec(step: TrainingStep, spec: ProbeSpec, window: Sequence[Microbatch]) -> None:
     step.build(spec)
-    grads, _ = ref.window_gradient(step, [mb], spec)
+    grads, _ = ref.window_gradient(step, window, spec)
     norm = float(torch.stack([g.norm() for g in grads.values()]).norm())
     if norm < 10 * spec.clip:
         raise RuntimeError(f"the probe's gradient norm {norm:.2e} is too small to clip")
 
 
 def clip_global_norm(step: TrainingStep) -> Measure:
-    spec = replace(SPEC, clip=1e-3)
+    """A rate large enough that the clipped step (norm ``lr * clip`` = 0.05) dwarfs fp32
+    rounding: at ``lr`` 0.5 the largest change of one parameter was about 8e-5, so one
+    ulp of a weight of 0.2 (1.5e-8) was already 2e-4 of it, a FAIL of rounding alone."""
+    spec = replace(SPEC, clip=1e-3, lr=50.0)
     mb = plain_rows(seed=11)
-    clip_spec(step, spec, mb)
+    clip_spec(step, spec, [mb])
     return update_probe(step, spec, [mb])
 
 
 def scaled_clip(step: TrainingStep) -> Measure:
-    spec = replace(SPEC, clip=1e-3, loss_scale=1024.0)
-    mb = plain_rows(seed=11)
-    clip_spec(step, spec, mb)
-    return update_probe(step, spec, [mb], rtol=AMP_RTOL)
+    """A window of two equal microbatches under one loss scale: unscaled once, at the
+    close (U2), then clipped (U3); unscaling after the first micro-step adds scaled
+    gradients to unscaled ones."""
+    spec = replace(SPEC, clip=1e-3, loss_scale=1024.0, accum=2)
+    window = [plain_rows(seed=11), plain_rows(seed=24)]
+    clip_spec(step, spec, window)
+    return update_probe(step, spec, window, rtol=AMP_RTOL)
 
 
 ADAMW = replace(SPEC, optimizer="adamw", lr=0.01, weight_decay=0.1, eps=1e-3)
@@ -789,6 +833,9 @@ PROBES: tuple[Probe, ...] = (
           "(i + 1) % accum == 0", accumulation),
     Probe("remainder", "U1", "close the last, shorter window too, normalized by its own "
           "tokens; zero the gradients after each step", remainder),
+    Probe("schedule_clock", "U5", "the update taken after k committed updates uses lr(k): "
+          "advance the schedule once per optimizer step (not per microbatch) and take the "
+          "first update at lr(0) = lr / warmup (a warmup from 0 wastes it)", schedule_clock),
     Probe("ddp_token_mean", "D5", "under DDP all-reduce the window's target count and "
           "scale each micro-loss by world_size / global count (DDP averages gradients); "
           "a mean of rank-local token means weighs ranks, not tokens", ddp_token_mean),
@@ -808,7 +855,7 @@ PROBES: tuple[Probe, ...] = (
           "(clip_grad_norm_(model.parameters())), not per tensor, not tied twice",
           clip_global_norm),
     Probe("scaled_clip", "U2", "unscale once (scaler.unscale_) before clipping, at the "
-          "window's close only", scaled_clip),
+          "window's close only (not after a micro-step)", scaled_clip),
     Probe("adamw_decoupled", "U6", "use AdamW's weight_decay (decoupled), do not add an L2 "
           "term to the loss", adamw_decoupled),
     Probe("decay_groups", "U6", "put norms, biases and embeddings in a weight_decay=0 "

@@ -226,9 +226,13 @@ def windows_of(microbatches: Sequence[Microbatch], accum: int) -> list[list[Micr
 
 def reference_sgd(step: TrainingStep, microbatches: Sequence[Microbatch], spec: ProbeSpec,
                   *, start: dict[str, torch.Tensor] | None = None,
-                  align: Alignment = shifted) -> dict[str, torch.Tensor]:
+                  align: Alignment = shifted,
+                  lr_at: Callable[[int], float] | None = None) -> dict[str, torch.Tensor]:
     """The parameters a correct plain-SGD loop reaches from the current (or ``start``)
-    parameters; the live parameters are left as they were."""
+    parameters; the live parameters are left as they were. ``lr_at``: the rate of the
+    update taken after ``k`` committed ones (default the declared ``spec.lr_at``; a
+    diagnosis passes a known wrong schedule)."""
+    lr_at = spec.lr_at if lr_at is None else lr_at
     before = snapshot(step.module)
     if start is not None:
         restore(step.module, start)
@@ -239,7 +243,7 @@ def reference_sgd(step: TrainingStep, microbatches: Sequence[Microbatch], spec: 
             if count == 0:
                 continue  # L4: no objective, nothing advances
             grads = clip_global(grads, spec.clip)
-            lr = spec.lr_at(committed)
+            lr = lr_at(committed)
             with torch.no_grad():
                 for name, param in named_parameters(step.module):
                     param.sub_(lr * grads[name])

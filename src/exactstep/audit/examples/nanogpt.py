@@ -14,7 +14,7 @@ including the loss scale and the position in the loop's own data order
 (``set_data``/``train_steps``: each epoch a permutation seeded by ``data_seed`` and
 the epoch).
 
-Each step is a small method, so a wrong variant (tests/audit/wrong_loops.py) changes
+Each step is a small method, so a wrong variant (tests/audit/audit_wrong_loops.py) changes
 one of them.
 """
 
