@@ -413,7 +413,8 @@ class PackPlanner:
             row.append(piece)
             space -= cost
         self.counts.rows += 1
-        self.counts.real_tokens += sum(piece.length for piece in row)
+        self.counts.real_tokens += (sum(piece.length for piece in row) if self._charged
+                                    else self.seq_len - space)  # uncharged: cost = length
         return row
 
     def next_rows(self, k: int) -> list[list[Piece]]:

@@ -116,6 +116,7 @@ class PreparedDocuments(Sequence[Example]):
         self.targets = _Column(split, 2)
         self.min_length = split.min_length
         self._starts = np.asarray(split.starts, dtype=np.int64)
+        self._chat = any(s.owned is not None for s in split.shards)
 
     def __len__(self) -> int:
         return self.split.documents
@@ -170,9 +171,10 @@ class PreparedDocuments(Sequence[Example]):
         docs = np.fromiter((p.example for p in pieces), dtype=np.int64, count=len(pieces))
         shard_of, rows = self.index_rows(docs)
         shards = self.split.shards
-        chat = any(s.owned is not None for s in shards)
-        tokens, owned = [], [] if chat else None
-        for p, k, start, size in zip(pieces, shard_of.tolist(), rows[:, 0].tolist(),
+        tokens: list[np.ndarray] = []
+        owned: list[np.ndarray] | None = [] if self._chat else None
+        numbers = shard_of.tolist() if len(shards) > 1 else [0] * len(pieces)
+        for p, k, start, size in zip(pieces, numbers, rows[:, 0].tolist(),
                                      rows[:, 1].tolist(), strict=True):
             if p.offset < 0 or p.offset + p.length > size:
                 raise IndexError(f"piece {p} reaches past document {p.example}")
