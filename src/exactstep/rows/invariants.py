@@ -15,6 +15,11 @@ Checked (all vectorised over ``[B, T]``, a few microseconds per thousand slots):
 
 Every failure raises ``BatchInvariantError`` whose message names the row and column
 and the example, piece and token offset there.
+
+A host batch is first screened by ``is_clean``: the union of every condition above,
+in a few NumPy passes over the flattened rows. A batch it clears has no violation;
+any other goes through the checks one by one (``check_each``), which name the first
+violation exactly as they always have.
 """
 
 from __future__ import annotations

@@ -104,7 +104,9 @@ class PreparedDocuments(Sequence[Example]):
     """One prepared split as the planner's ``DocumentTable`` (P2): memory-mapped, lazy.
 
     ``example_id`` of document ``d`` is ``d`` (its global id in the split, R6). As a
-    ``Sequence`` it builds each ``Example`` only when indexed or iterated.
+    ``Sequence`` it builds each ``Example`` only when indexed or iterated. The planner
+    and the causal compiler read it in bulk instead (``columns``: a window of the
+    index; ``piece_slices``: a batch's pieces), with the same values.
     """
 
     def __init__(self, split: PreparedSplit, block: int,
