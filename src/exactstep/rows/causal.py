@@ -158,10 +158,11 @@ class Layout:
 
 
 def concat(parts: list[np.ndarray], dtype, slots: int) -> np.ndarray:
-    """``parts`` back to back as ``dtype`` (``slots`` of them; none when no rows)."""
+    """``parts`` back to back as ``dtype`` (``slots`` of them; none when no rows),
+    cast as assigning them into a ``dtype`` array would."""
     if not parts:
         return np.zeros(slots, dtype=dtype)
-    return np.concatenate(parts, dtype=dtype, casting="safe")
+    return np.concatenate(parts, dtype=dtype, casting="unsafe")
 
 
 def piece_slices(

@@ -250,8 +250,6 @@ class PackPlanner:
             )
         self.examples = examples
         self.table = table
-        self._lengths = table.lengths
-        self._targets = table.targets
         self.seq_len = seq_len
         self.buffer = buffer
         self.overlong = overlong
