@@ -222,6 +222,21 @@ def test_resumed_stream_continues_bitwise(name: str, golden: dict) -> None:
     assert got == golden["streams"][name]["batches"][9:21]
 
 
+def test_state_loaded_into_a_stream_that_ran_on_rewinds_it(golden: dict) -> None:
+    """Loading an earlier state into the same stream (its read-ahead window already
+    past that cursor) yields the golden batches from there again (S2)."""
+    case = CASES["prepared-text-drop-continue"]
+    stream = stream_of(case, table_of(case))
+    for _ in range(9):
+        stream.next_batch()
+    state = json.loads(json.dumps(stream.state_dict()))
+    for _ in range(20):
+        stream.next_batch()
+    stream.load_state_dict(state)
+    got = [digest_batch(stream.next_batch()) for _ in range(12)]
+    assert got == golden["streams"]["prepared-text-drop-continue"]["batches"][9:21]
+
+
 @pytest.mark.parametrize("name", ["prepared-text-split", "prepared-chat-keep-rank1",
                                   "prepared-text-drop-continue", "memory-chat-keep-truncate"])
 def test_batches_hold_what_the_row_contract_says(name: str) -> None:
@@ -242,16 +257,22 @@ def test_batches_hold_what_the_row_contract_says(name: str) -> None:
 
 
 def test_latest_arrival_tie_break_changes_the_digests(golden: dict, monkeypatch) -> None:
-    """Negative control: ties broken by the latest arrival instead of the earliest."""
+    """Negative control: a planner that breaks best-fit ties by the latest arrival
+    instead of the earliest (the look-up of the first key of the chosen cost now
+    answers the last one)."""
+    import bisect
+
     from exactstep.rows import packing
 
-    original = packing.PackPlanner.next_row
+    class LatestOnTies:
+        bisect_right = staticmethod(bisect.bisect_right)
+        insort = staticmethod(bisect.insort)
 
-    def reversed_ties(self):
-        row = original(self)
-        return None if row is None else sorted(row, key=lambda p: (-p.length, -p.example))
+        @staticmethod
+        def bisect_left(keys, key):
+            return bisect.bisect_right(keys, (key[0], 1 << 62)) - 1
 
-    monkeypatch.setattr(packing.PackPlanner, "next_row", reversed_ties)
+    monkeypatch.setattr(packing, "bisect", LatestOnTies)
     got = stream_digests(CASES["prepared-text-split"])
     assert got["batches"] != golden["streams"]["prepared-text-split"]["batches"]
 
