@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100
@@ -98,8 +99,12 @@ class Batch:
         return tuple(self.input_ids.shape)  # type: ignore[return-value]
 
     def num_targets(self) -> int:
-        """Supervised rows. Host-side count: call before moving the batch to a device."""
-        return int((self.labels != IGNORE_INDEX).sum())
+        """Supervised rows. Host-side count: call before moving the batch to a device
+        (host tensors are counted in NumPy, the cheaper call for one batch)."""
+        labels = self.labels
+        if labels.device.type == "cpu" and not labels.requires_grad:
+            return int(np.count_nonzero(labels.numpy() != IGNORE_INDEX))
+        return int((labels != IGNORE_INDEX).sum())
 
     def pin_memory(self) -> Batch:
         """The same batch in page-locked host memory (needs CUDA), so that a following

@@ -50,48 +50,144 @@ def compile_causal_batch(
 
     With ``weighted`` the batch carries ``weights`` [B, T] float32 from the examples'
     ``weight``; an example without one then raises ``DataError``.
+
+    Built over the whole batch at once: the batch read row-major is its pieces'
+    tokens back to back, each row closed by its padding, so every array is one
+    concatenation (or repeat) over ``B * T`` slots, and each label is the next
+    slot's input, set to ``IGNORE_INDEX`` where the module doc says so.
     """
     n_rows = len(rows)
-    input_ids = np.full((n_rows, seq_len), pad_id, dtype=np.int64)  # [B, T]
-    labels = np.full((n_rows, seq_len), IGNORE_INDEX, dtype=np.int64)  # [B, T]
-    position_ids = np.zeros((n_rows, seq_len), dtype=np.int64)  # [B, T]
-    segment_ids = np.zeros((n_rows, seq_len), dtype=np.int32)  # [B, T]
-    weights = np.zeros((n_rows, seq_len), dtype=np.float32) if weighted else None  # [B, T]
-    columns = np.arange(seq_len, dtype=np.int64)  # [T]
-    all_segments = []
-    for r, row in enumerate(rows):
-        segments = []
-        start = 0
-        for s, piece in enumerate(row, start=1):
-            example = examples[piece.example]
-            a, length, stop = piece.offset, piece.length, start + piece.length
-            tokens = example.tokens
-            input_ids[r, start:stop] = tokens[a : a + length]
-            if length > 1:
-                targets = tokens[a + 1 : a + length]
-                if example.owned is not None:
-                    targets = np.where(example.owned[a + 1 : a + length], targets, IGNORE_INDEX)
-                labels[r, start : stop - 1] = targets
-            position_ids[r, start:stop] = (
-                columns[:length] if positions == "reset" else columns[start:stop]
-            )
-            segment_ids[r, start:stop] = s
-            if weights is not None:
-                weights[r, start:stop] = example_weight(example)
-            segments.append(Segment(example.example_id, piece.piece, a, start, length))
-            start = stop
-        if boundary == "keep":
-            for left, right in zip(segments, segments[1:], strict=False):
-                labels[r, left.stop - 1] = input_ids[r, right.start]
-        all_segments.append(tuple(segments))
+    pieces = [piece for row in rows for piece in row]
+    tokens, owned, ids = piece_slices(examples, pieces)
+    layout = Layout(rows, ids, seq_len)
+    slots = n_rows * seq_len
+    ramp = np.arange(seq_len, dtype=np.int64)  # [T]
+    zeros = np.zeros(seq_len, dtype=np.int64)
+    pad = np.full(seq_len, pad_id, dtype=np.int64)
+    input_ids = concat(layout.fill(tokens, pad), np.int64, slots)  # [B*T]
+    labels = np.empty(slots, dtype=np.int64)  # [B*T] the next slot's input ...
+    labels[:-1] = input_ids[1:]
+    labels[-1:] = IGNORE_INDEX
+    if owned is not None:  # ... where that token is an owned target (R5)
+        owner = concat(layout.fill(owned, np.zeros(seq_len, dtype=bool)), np.bool_, slots)
+        labels[:-1][~owner[1:]] = IGNORE_INDEX
+    ends = np.asarray(layout.ends, dtype=np.int64)  # [P] one past each piece's last slot
+    followed = np.asarray(layout.followed, dtype=bool)  # [P] another segment follows
+    if boundary == "keep":
+        kept = ends[followed] - 1
+        labels[kept] = input_ids[kept + 1]  # the next segment's first token, owned or not
+        labels[ends[~followed] - 1] = IGNORE_INDEX
+    else:
+        labels[ends - 1] = IGNORE_INDEX  # no target crosses a boundary (R3)
+    for first, stop in layout.padding:
+        labels[first:stop] = IGNORE_INDEX
+    if positions == "reset":
+        position_ids = concat([(ramp if number else zeros)[:n]
+                               for n, number in zip(layout.lengths, layout.numbers, strict=True)],
+                              np.int64, slots)
+    else:
+        position_ids = concat([part for used in layout.used
+                               for part in (ramp[:used], zeros[: seq_len - used])],
+                              np.int64, slots)
+    segment_ids = np.repeat(np.asarray(layout.numbers, dtype=np.int32),
+                            layout.lengths)  # [B*T]
+    weights = None
+    if weighted:
+        per_piece = iter([example_weight(examples[p.example]) for p in pieces])
+        values = [next(per_piece) if number else 0.0 for number in layout.numbers]
+        weights = np.repeat(np.asarray(values, dtype=np.float32), layout.lengths)
+    shape = (n_rows, seq_len)
     return Batch(
-        input_ids=torch.from_numpy(input_ids),
-        labels=torch.from_numpy(labels),
-        position_ids=torch.from_numpy(position_ids),
-        segment_ids=torch.from_numpy(segment_ids),
-        segments=tuple(all_segments),
-        weights=None if weights is None else torch.from_numpy(weights),
+        input_ids=torch.from_numpy(input_ids.reshape(shape)),
+        labels=torch.from_numpy(labels.reshape(shape)),
+        position_ids=torch.from_numpy(position_ids.reshape(shape)),
+        segment_ids=torch.from_numpy(segment_ids.reshape(shape)),
+        segments=layout.segments,
+        weights=None if weights is None else torch.from_numpy(weights.reshape(shape)),
     )
+
+
+class Layout:
+    """Where a batch's pieces sit among its ``B * T`` slots (row-major).
+
+    ``segments``: each row's ``Segment`` addresses (R6). ``lengths`` / ``numbers``:
+    the runs of slots in order -- each piece (segment number 1, 2, ... in its row)
+    and each row's padding (number 0, only where the row is not full). ``ends``: one
+    past each piece's last slot; ``followed``: whether another segment follows it in
+    its row; ``used``: each row's filled columns; ``padding``: ``(first, stop)`` slots
+    of each row's padding. Raises ``ValueError`` for a row longer than ``seq_len``.
+    """
+
+    def __init__(self, rows: Sequence[Sequence[Piece]], ids: list[int], seq_len: int) -> None:
+        self.lengths: list[int] = []
+        self.numbers: list[int] = []
+        self.ends: list[int] = []
+        self.followed: list[bool] = []
+        self.used: list[int] = []
+        self.padding: list[tuple[int, int]] = []
+        segments = []
+        k = 0
+        for r, row in enumerate(rows):
+            base, start, row_segments = r * seq_len, 0, []
+            for s, piece in enumerate(row, start=1):
+                row_segments.append(Segment(ids[k], piece.piece, piece.offset, start,
+                                            piece.length))
+                start += piece.length
+                self.lengths.append(piece.length)
+                self.numbers.append(s)
+                self.ends.append(base + start)
+                self.followed.append(s < len(row))
+                k += 1
+            if start > seq_len:
+                raise ValueError(f"row {r} holds {start} tokens, more than seq_len = {seq_len}")
+            if start < seq_len:
+                self.lengths.append(seq_len - start)
+                self.numbers.append(0)
+                self.padding.append((base + start, base + seq_len))
+            self.used.append(start)
+            segments.append(tuple(row_segments))
+        self.segments = tuple(segments)
+
+    def fill(self, parts: list[np.ndarray], padding: np.ndarray) -> list[np.ndarray]:
+        """``parts`` (one per piece, in order) with each row's padding slice put in."""
+        out: list[np.ndarray] = []
+        it = iter(parts)
+        for length, number in zip(self.lengths, self.numbers, strict=True):
+            out.append(next(it) if number else padding[:length])
+        return out
+
+
+def concat(parts: list[np.ndarray], dtype, slots: int) -> np.ndarray:
+    """``parts`` back to back as ``dtype`` (``slots`` of them; none when no rows),
+    cast as assigning them into a ``dtype`` array would."""
+    if not parts:
+        return np.zeros(slots, dtype=dtype)
+    return np.concatenate(parts, dtype=dtype, casting="unsafe")
+
+
+def piece_slices(
+    examples: Sequence[Example], pieces: Sequence[Piece]
+) -> tuple[list[np.ndarray], list[np.ndarray] | None, list[int]]:
+    """Each piece's tokens, its ownership (bool; ``None`` when every example owns all
+    its tokens but the first, i.e. text) and its ``example_id``. A table with
+    ``piece_slices`` (prepared shards, ``rows.prepared``) reads them itself; a list
+    of examples is sliced here. Raises ``ValueError`` for a piece past its example."""
+    own = getattr(examples, "piece_slices", None)
+    if own is not None:
+        return own(pieces)
+    chosen = [examples[p.example] for p in pieces]
+    tokens = []
+    for e, p in zip(chosen, pieces, strict=True):
+        part = e.tokens[p.offset: p.offset + p.length]
+        if len(part) != p.length:
+            raise ValueError(f"piece {p} reaches past the end of example {e.example_id}")
+        tokens.append(part)
+    owned = None
+    if any(e.owned is not None for e in chosen):
+        owned = [np.ones(p.length, dtype=bool) if e.owned is None
+                 else e.owned[p.offset: p.offset + p.length]
+                 for e, p in zip(chosen, pieces, strict=True)]
+    return tokens, owned, [e.example_id for e in chosen]
 
 
 def example_weight(example: Example) -> float:

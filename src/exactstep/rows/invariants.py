@@ -15,10 +15,16 @@ Checked (all vectorised over ``[B, T]``, a few microseconds per thousand slots):
 
 Every failure raises ``BatchInvariantError`` whose message names the row and column
 and the example, piece and token offset there.
+
+A host batch is first screened by ``is_clean``: the union of every condition above,
+in a few NumPy passes over the flattened rows. A batch it clears has no violation;
+any other goes through the checks one by one (``check_each``), which name the first
+violation exactly as they always have.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from exactstep.errors import BatchInvariantError
@@ -35,8 +41,24 @@ def check_batch(
     """Raise ``BatchInvariantError`` naming the example for any R7 violation.
 
     ``vocab_size=None`` skips the upper bound on ids (negative ids are still refused).
+    A batch that ``is_clean`` proves free of every violation returns at once; any
+    other batch goes through each check in turn, so the first violation is reported.
     """
     check_shapes(batch)
+    if is_clean(batch, vocab_size, boundary, next_token_targets=next_token_targets):
+        return
+    check_each(batch, vocab_size, boundary, next_token_targets=next_token_targets)
+
+
+def check_each(
+    batch: Batch,
+    vocab_size: int | None,
+    boundary: str = "ignore",
+    *,
+    next_token_targets: bool = False,
+) -> None:
+    """Every check of ``check_batch`` in turn (shapes already checked): raises for
+    the first violation of the first check that finds one."""
     inputs, labels, segs = batch.input_ids, batch.labels, batch.segment_ids
     upper = vocab_size
     bad_input = inputs < 0 if upper is None else (inputs < 0) | (inputs >= upper)
@@ -78,6 +100,50 @@ def check_batch(
             "label {value} is not the next token of the row: the shift is missing or doubled",
             labels,
         )
+
+
+def is_clean(
+    batch: Batch,
+    vocab_size: int | None,
+    boundary: str = "ignore",
+    *,
+    next_token_targets: bool = False,
+) -> bool:
+    """Whether ``check_batch`` would find nothing: the union of its conditions, in
+    NumPy over host tensors of the batch's shapes (``False`` -- decide the long way --
+    for device tensors or other dtypes). Never ``True`` for a batch a check refuses.
+
+    Two conditions are implied by others and not computed again: with
+    ``next_token_targets``, a supervised label equal to the next column's input lies
+    in the vocabulary whenever every input does; and a supervised last column of the
+    row is refused by the shift check itself.
+    """
+    tensors = (batch.input_ids, batch.labels, batch.segment_ids)
+    if any(t.device.type != "cpu" or t.requires_grad for t in tensors):
+        return False
+    if batch.input_ids.dtype != torch.int64 or batch.labels.dtype != torch.int64:
+        return False
+    inputs, labels, segs = (t.numpy().reshape(-1) for t in tensors)  # [B*T] row-major
+    unsigned = inputs.view(np.uint64)  # a negative id becomes >= 2**63
+    if int(unsigned.max()) >= (1 << 63 if vocab_size is None else vocab_size):
+        return False
+    supervised = labels != IGNORE_INDEX
+    if not next_token_targets:
+        limit = 1 << 63 if vocab_size is None else vocab_size
+        if np.any(supervised & (labels.view(np.uint64) >= limit)):
+            return False
+    # a supervised slot must not be padding, nor (under "ignore") a segment's last,
+    # nor (with next_token_targets) hold other than the next input. Comparing each
+    # slot with the next one along the flattened rows also compares a row's last
+    # column with the next row's first: that column is refused outright either way.
+    bad = segs == 0
+    if boundary == "ignore":
+        bad[:-1] |= segs[:-1] != segs[1:]
+    if next_token_targets:
+        bad[:-1] |= labels[:-1] != inputs[1:]
+    if boundary == "ignore" or next_token_targets:
+        bad.reshape(batch.labels.shape)[:, -1] = True
+    return not np.any(supervised & bad)
 
 
 def vocab_note(vocab_size: int | None) -> str:

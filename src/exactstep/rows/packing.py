@@ -39,6 +39,11 @@ Determinism: the rows produced depend only on (examples, settings, seed) and the
 number of rows already taken; ``state_dict`` captures the epoch, the cursor in the
 permuted shard, the pending buffer and the counters, so that ``load_state_dict`` and
 continuing gives bitwise the same rows as an uninterrupted planner (S2, S5).
+
+Speed: the order, lengths and target counts are read ``WINDOW`` positions at a time
+(``order_window``, ``table_columns``: one NumPy read of a prepared index instead of a
+look-up per document). The window is a cache of the table, never state: it is read
+again from the cursor after ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from exactstep.rows.example import Example
 
 STATE_VERSION = 1
 _AFTER_ALL = 1 << 62  # sorts after every arrival number
+WINDOW = 512  # positions of the epoch order read from the table at once
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,11 @@ class DocumentTable(Protocol):
     """What the planner reads about its examples: how many, each one's length and
     owned targets, the example itself (only for over-long cuts), and each epoch's
     order for a rank (D3). ``ExampleTable`` serves a list in memory; a prepared
-    corpus (``rows.prepared``) serves memory-mapped shards without a list (P2)."""
+    corpus (``rows.prepared``) serves memory-mapped shards without a list (P2).
+
+    Optional, for speed only (same values): ``columns(ids)`` returns the lengths and
+    targets of ``ids`` as two lists (``table_columns``), and an order may have
+    ``window(start, stop)`` (``order_window``)."""
 
     lengths: Sequence[int]
     targets: Sequence[int]
@@ -143,6 +153,27 @@ class DocumentTable(Protocol):
     def shard_order(
         self, seed: int, epoch: int, *, shuffle: bool, rank: int, world: int
     ) -> Sequence[int]: ...
+
+
+def order_window(order: Sequence[int], start: int, stop: int) -> list[int]:
+    """Ids at positions ``[start, stop)`` of an epoch order, as ints: through the
+    order's own ``window(start, stop)`` when it has one (``rows.prepared``'s block
+    order computes a whole window at once), else by slicing."""
+    window = getattr(order, "window", None)
+    if window is not None:
+        return window(start, stop)
+    return [int(i) for i in order[start:stop]]
+
+
+def table_columns(table: DocumentTable, ids: list[int]) -> tuple[list[int], list[int]]:
+    """Lengths and owned targets of examples ``ids``, as ints: through the table's own
+    ``columns(ids)`` when it has one (a whole window of the document index at once),
+    else one look-up per id."""
+    columns = getattr(table, "columns", None)
+    if columns is not None:
+        return columns(ids)
+    lengths, targets = table.lengths, table.targets
+    return [int(lengths[i]) for i in ids], [int(targets[i]) for i in ids]
 
 
 class ExampleTable:
@@ -219,8 +250,6 @@ class PackPlanner:
             )
         self.examples = examples
         self.table = table
-        self._lengths = table.lengths
-        self._targets = table.targets
         self.seq_len = seq_len
         self.buffer = buffer
         self.overlong = overlong
@@ -231,6 +260,7 @@ class PackPlanner:
         self.world = world
         self.overlap_split = overlap_split
         self.cost = cost or (lambda length: length)
+        self._charged = cost is not None  # else a piece's cost is its length
         if self.cost(seq_len) > seq_len:
             raise DataError(f"a piece of {seq_len} tokens costs {self.cost(seq_len)} > "
                             f"{seq_len}: the compiler's charges do not fit its own rows")
@@ -247,18 +277,23 @@ class PackPlanner:
         self._shard: Sequence[int] = self.table.shard_order(
             self.seed, epoch, shuffle=self.shuffle, rank=self.rank, world=self.world
         )
+        self._shard_len = len(self._shard)
         self.epoch = epoch
         self.cursor = 0
         self._admitted_this_epoch = 0
+        self._window_start = 0
+        self._window_ids: list[int] = []
+        self._window_lengths: list[int] = []
+        self._window_targets: list[int] = []
 
-    def _admit(self, index: int) -> None:
-        n = int(self._lengths[index])
+    def _admit(self, index: int, n: int, targets: int) -> None:
+        """Admit example ``index`` of ``n`` tokens and ``targets`` owned targets."""
         if n <= self.seq_len:  # the common case, kept cheap
             c = self.counts
             c.documents += 1
             c.tokens += n
-            c.targets += int(self._targets[index])
-            self._push(Piece(example=index, offset=0, length=n, piece=0, epoch=self.epoch))
+            c.targets += targets
+            self._push(Piece(index, 0, n, 0, self.epoch))
             self._admitted_this_epoch += 1
             return
         example = self.table[index]
@@ -290,7 +325,7 @@ class PackPlanner:
 
     def _refill(self) -> None:
         while len(self._keys) < self.buffer and not self._exhausted:
-            if self.cursor == len(self._shard):
+            if self.cursor == self._shard_len:
                 if not self.repeat:
                     self._exhausted = True
                     break
@@ -303,8 +338,51 @@ class PackPlanner:
                     )
                 self._start_epoch(self.epoch + 1)
                 continue
-            self._admit(self._shard[self.cursor])
+            j = self.cursor - self._window_start
+            if j >= len(self._window_ids):
+                self._read_window()
+                j = 0
+            self._admit_run(j, min(j + self.buffer - len(self._keys), len(self._window_ids)))
+
+    def _admit_run(self, j: int, stop: int) -> None:
+        """Admit window entries ``j, j + 1, ...`` (at most up to ``stop``) in order, as
+        ``_admit`` would one by one: a short example adds exactly one piece, so
+        ``stop - j`` of them fill the ``stop - j`` free places; the run ends after
+        the first over-long one (its pieces are counted by ``_admit``)."""
+        ids, lengths = self._window_ids, self._window_lengths
+        seq_len, epoch, keys, pending = self.seq_len, self.epoch, self._keys, self._pending
+        cost = self.cost if self._charged else None
+        arrival = self._next_arrival
+        start = j
+        tokens = 0
+        while j < stop:
+            n = lengths[j]
+            if n > seq_len:
+                break
+            pending[arrival] = Piece(ids[j], 0, n, 0, epoch)
+            bisect.insort(keys, (n if cost is None else cost(n), arrival))
+            arrival += 1
+            tokens += n
+            j += 1
+        c = self.counts
+        c.documents += j - start
+        c.tokens += tokens
+        c.targets += sum(self._window_targets[start:j])
+        self._next_arrival = arrival
+        self._admitted_this_epoch += j - start
+        self.cursor += j - start
+        if j < stop:  # an over-long example: cut, counted and pushed by _admit
+            self._admit(ids[j], lengths[j], self._window_targets[j])
             self.cursor += 1
+
+    def _read_window(self) -> None:
+        """Read the next ``WINDOW`` positions of the epoch order from the cursor: ids,
+        lengths and owned targets, as lists (a cache of the table, never state)."""
+        stop = min(self.cursor + WINDOW, self._shard_len)
+        ids = order_window(self._shard, self.cursor, stop)
+        self._window_lengths, self._window_targets = table_columns(self.table, ids)
+        self._window_ids = ids
+        self._window_start = self.cursor
 
     # -- the bounded buffer -------------------------------------------------------------
 
@@ -313,16 +391,6 @@ class PackPlanner:
         self._next_arrival += 1
         self._pending[arrival] = piece
         bisect.insort(self._keys, (self.cost(piece.length), arrival))
-
-    def _take_longest_fitting(self, space: int) -> Piece | None:
-        """The longest pending piece (largest cost) of cost <= ``space`` (earliest
-        arrival on ties)."""
-        idx = bisect.bisect_right(self._keys, (space, _AFTER_ALL)) - 1
-        if idx < 0:
-            return None
-        first = bisect.bisect_left(self._keys, (self._keys[idx][0], -1))
-        _, arrival = self._keys.pop(first)
-        return self._pending.pop(arrival)
 
     # -- rows ---------------------------------------------------------------------------
 
@@ -334,14 +402,22 @@ class PackPlanner:
             return None
         row: list[Piece] = []
         space = self.seq_len
+        keys, pending = self._keys, self._pending
         while space > 0:
-            piece = self._take_longest_fitting(space)
-            if piece is None:
+            # the longest pending piece that fits (the last key of cost <= space),
+            # earliest arrival on ties (the first key of that cost)
+            idx = bisect.bisect_right(keys, (space, _AFTER_ALL)) - 1
+            if idx < 0:
                 break
+            cost = keys[idx][0]
+            if idx and keys[idx - 1][0] == cost:
+                idx = bisect.bisect_left(keys, (cost, -1))
+            piece = pending.pop(keys.pop(idx)[1])
             row.append(piece)
-            space -= self.cost(piece.length)
+            space -= cost
         self.counts.rows += 1
-        self.counts.real_tokens += sum(piece.length for piece in row)
+        self.counts.real_tokens += (sum(piece.length for piece in row) if self._charged
+                                    else self.seq_len - space)  # uncharged: cost = length
         return row
 
     def next_rows(self, k: int) -> list[list[Piece]]:
@@ -410,7 +486,7 @@ class PackPlanner:
                 )
             )
         self._start_epoch(int(state["epoch"]))
-        self.cursor = int(state["cursor"])
+        self.cursor = int(state["cursor"])  # the window is read again from here
         self._exhausted = bool(state["exhausted"])
         self._admitted_this_epoch = int(state["admitted_this_epoch"])
         self._next_arrival = int(state["next_arrival"])

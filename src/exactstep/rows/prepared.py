@@ -68,18 +68,45 @@ class BlockOrder(Sequence[int]):
         within = position - self.starts[slot]
         if not self.shuffle:
             return block * self.block + within
+        return block * self.block + int(self.permutation(slot)[within])
+
+    def permutation(self, slot: int) -> np.ndarray:
+        """The in-block permutation of the ``slot``-th block visited (the last one is
+        cached: a window or a run of ``at`` stays in one block for a while)."""
+        block = int(self.blocks[slot])
         if self._cached is None or self._cached[0] != block:
             size = self.starts[slot + 1] - self.starts[slot]
             perm = np.random.default_rng([self.seed, self.epoch, block]).permutation(size)
             self._cached = (block, perm)
-        return block * self.block + int(self._cached[1][within])
+        return self._cached[1]
+
+    def window(self, start: int, stop: int) -> list[int]:
+        """``self[start:stop]`` as ints, computed a block at a time (same ids as ``at``)."""
+        stop = min(stop, self._length)
+        if stop <= start:
+            return []
+        positions = self.rank + np.arange(start, stop, dtype=np.int64) * self.world
+        if not self.shuffle:
+            return positions.tolist()  # the identity order
+        out = np.empty_like(positions)
+        first = bisect.bisect_right(self.starts, int(positions[0])) - 1
+        last = bisect.bisect_right(self.starts, int(positions[-1])) - 1
+        for slot in range(first, last + 1):
+            lo, hi = np.searchsorted(positions, self.starts[slot: slot + 2])
+            if lo == hi:
+                continue
+            base = int(self.blocks[slot]) * self.block
+            out[lo:hi] = base + self.permutation(slot)[positions[lo:hi] - self.starts[slot]]
+        return out.tolist()
 
 
 class PreparedDocuments(Sequence[Example]):
     """One prepared split as the planner's ``DocumentTable`` (P2): memory-mapped, lazy.
 
     ``example_id`` of document ``d`` is ``d`` (its global id in the split, R6). As a
-    ``Sequence`` it builds each ``Example`` only when indexed or iterated.
+    ``Sequence`` it builds each ``Example`` only when indexed or iterated. The planner
+    and the causal compiler read it in bulk instead (``columns``: a window of the
+    index; ``piece_slices``: a batch's pieces), with the same values.
     """
 
     def __init__(self, split: PreparedSplit, block: int,
@@ -90,6 +117,8 @@ class PreparedDocuments(Sequence[Example]):
         self.lengths = _Column(split, 1)
         self.targets = _Column(split, 2)
         self.min_length = split.min_length
+        self._starts = np.asarray(split.starts, dtype=np.int64)
+        self._chat = any(s.owned is not None for s in split.shards)
 
     def __len__(self) -> int:
         return self.split.documents
@@ -113,6 +142,59 @@ class PreparedDocuments(Sequence[Example]):
     def target_histogram(self, vocab_size: int) -> np.ndarray | None:
         """Target counts per token id written by ``prepare`` (no corpus scan), or None."""
         return None if self.unigram is None else self.unigram[:vocab_size]
+
+    def index_rows(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard number, index row ``[offset, length, targets]``) of each of ``docs``
+        (int64 ``[n]``), read from the memory-mapped indexes a shard at a time."""
+        split = self.split
+        if len(docs) and (docs.min() < 0 or docs.max() >= split.documents):
+            raise IndexError(int(docs.min() if docs.min() < 0 else docs.max()))
+        if len(split.shards) == 1:
+            return np.zeros(len(docs), dtype=np.int64), split.shards[0].index[docs]
+        shard = np.searchsorted(self._starts, docs, side="right") - 1
+        rows = np.empty((len(docs), 3), dtype=np.int64)
+        for k in np.unique(shard).tolist():
+            mine = shard == k
+            rows[mine] = split.shards[k].index[docs[mine] - self._starts[k]]
+        return shard, rows
+
+    def columns(self, ids: list[int]) -> tuple[list[int], list[int]]:
+        """Lengths and owned targets of documents ``ids`` (the planner's window read)."""
+        _, rows = self.index_rows(np.asarray(ids, dtype=np.int64))
+        return rows[:, 1].tolist(), rows[:, 2].tolist()
+
+    def piece_slices(
+        self, pieces: Sequence[Any]
+    ) -> tuple[list[np.ndarray], list[np.ndarray] | None, list[int]]:
+        """For each piece (``example``, ``offset``, ``length``): its tokens (a view of
+        the token map), its ownership bits (bool; ``None`` for text shards) and its
+        example id -- the values slicing ``self[p.example]`` gives, with the index
+        read once for all pieces instead of one ``Example`` per piece."""
+        docs = np.fromiter((p.example for p in pieces), dtype=np.int64, count=len(pieces))
+        shard_of, rows = self.index_rows(docs)
+        shards = self.split.shards
+        tokens: list[np.ndarray] = []
+        owned: list[np.ndarray] | None = [] if self._chat else None
+        numbers = shard_of.tolist() if len(shards) > 1 else [0] * len(pieces)
+        for p, k, start, size in zip(pieces, numbers, rows[:, 0].tolist(),
+                                     rows[:, 1].tolist(), strict=True):
+            if p.offset < 0 or p.offset + p.length > size:
+                raise IndexError(f"piece {p} reaches past document {p.example}")
+            a = start + p.offset
+            tokens.append(shards[k].tokens[a: a + p.length])
+            if owned is not None:
+                owned.append(owned_bits(shards[k].owned, a, p.length))
+        return tokens, owned, docs.tolist()
+
+
+def owned_bits(packed: np.ndarray | None, start: int, length: int) -> np.ndarray:
+    """Ownership of tokens ``[start, start + length)`` of a shard (``numpy.packbits``,
+    big bit order); every token is owned in a shard without bits (text)."""
+    if packed is None:
+        return np.ones(length, dtype=bool)
+    first = start // 8
+    bits = np.unpackbits(packed[first: (start + length + 7) // 8])
+    return bits[start - 8 * first: start - 8 * first + length].astype(bool)
 
 
 class _Column(Sequence[int]):
