@@ -56,7 +56,7 @@ from exactstep.rows.prepared import ORDER_RULE, PreparedDocuments
 from exactstep.rows.sources import representation_of
 from exactstep.rows.stream import RowStream
 
-SIZES_MB = (128, 512)
+SIZES_MB = (1024, 4096)  # the 1 GB and 4 GB corpora of the goal (P2)
 QUICK_SIZES_MB = (16, 64)
 SEQ_LEN, ROWS, BUFFER = 2048, 8, 512
 BLOCK = 4096
