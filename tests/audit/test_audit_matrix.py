@@ -365,14 +365,12 @@ def test_the_no_sync_variants_reduce_as_their_docstrings_say(name: str, reductio
     import torch.multiprocessing as mp
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: F401
 
-    from exactstep.audit.probes import warm_ddp
     from exactstep.parallel.process_group import free_port
 
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    if method == "fork":
-        warm_ddp()  # what DDP imports on first use, before the fork (as the probe does)
+    # spawned, not forked: a fork of this multi-threaded test worker (xdist's own
+    # threads) hung one run in four at load, inside DDP's first reduction
     job = mp.start_processes(count_reductions, args=(free_port(), name, str(tmp_path)),
-                             nprocs=2, join=False, start_method=method)
+                             nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + 90
     try:
         while not job.join(timeout=1.0):
