@@ -14,6 +14,7 @@ _EXPORTS = {
     "TrainingStep": "exactstep.audit.protocol",
     "ProbeSpec": "exactstep.audit.protocol",
     "Microbatch": "exactstep.audit.protocol",
+    "WindowCursor": "exactstep.audit.protocol",
     "PROBES": "exactstep.audit.probes",
     "Probe": "exactstep.audit.probes",
     "Result": "exactstep.audit.probes",

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from exactstep.audit.protocol import Microbatch, ProbeSpec
+from exactstep.audit.protocol import Microbatch, ProbeSpec, WindowCursor
 from exactstep.eval import evaluate
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
@@ -50,7 +50,7 @@ from exactstep.update.window import UpdateEngine
 DEVICE = torch.device("cpu")
 
 
-class ExactstepStep:
+class ExactstepStep(WindowCursor):
     """``TrainingStep`` over ``UpdateEngine`` and the built-in decoder."""
 
     smoothing_convention = "harvard"
@@ -120,28 +120,10 @@ class ExactstepStep:
             logs.append(disposition.loss if disposition.outcome is Outcome.COMMITTED else None)
         return logs
 
-    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
-        """The adapter's own dataset: one update per window, each epoch a permutation."""
-        self.dataset = [list(w) for w in windows]
-        self.epoch, self.index = 0, 0
-
     def epoch_order(self) -> list[int]:
         """The epoch's order: ``rows.packing``'s law, drawn from ``(seed, epoch)``."""
         return np.random.default_rng([self.spec.seed, self.epoch]).permutation(
             len(self.dataset)).tolist()
-
-    def train_steps(self, n: int) -> list[float | None]:
-        """The next ``n`` windows of the dataset, continuing from the saved position."""
-        if not self.dataset:
-            raise ValueError("train_steps() needs set_data() first")
-        logs: list[float | None] = []
-        for _ in range(n):
-            if self.index == len(self.dataset):
-                self.epoch, self.index = self.epoch + 1, 0
-            window = self.dataset[self.epoch_order()[self.index]]
-            self.index += 1
-            logs += self.train(window)
-        return logs
 
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
         result = evaluate(self.module, [self.batch(mb) for mb in microbatches], device=DEVICE,

@@ -45,7 +45,8 @@ a dataset of its own, rather than taking microbatches from its caller, offers
   previous call stopped (into the next epoch when one ends); returns the logged
   losses as ``train`` does;
 
-and ``save``/``load`` then carry its position (epoch, index, the shuffle's seed). The
+and ``save``/``load`` then carry its position (epoch, index, the shuffle's seed).
+``WindowCursor`` implements the pair for a loop that defines ``epoch_order()``. The
 ``resume_data`` probe compares four windows straight with two, a reload into a fresh
 build handed the same dataset, and two more; a target without the two methods gets
 N/A there. The wrapper is a few more lines (see the examples).
@@ -174,3 +175,39 @@ class TrainingStep(Protocol):
     def save(self, path: Path) -> None: ...
 
     def load(self, path: Path) -> None: ...
+
+
+class WindowCursor:
+    """The optional ``set_data`` / ``train_steps`` pair, for a loop that owns its data
+    order: a subclass defines ``epoch_order()`` (the permutation of ``dataset`` for
+    ``self.epoch``, from whatever seeds it) and ``train``; its ``save``/``load`` carry
+    ``epoch`` and ``index`` (the windows of this epoch already trained), which is the
+    data cursor the ``resume_data`` probe checks (S2)."""
+
+    dataset: list
+    epoch: int = 0
+    index: int = 0
+
+    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
+        self.dataset, self.epoch, self.index = [list(w) for w in windows], 0, 0
+
+    def epoch_order(self) -> list[int]:
+        raise NotImplementedError
+
+    def train(self, microbatches: Sequence[Microbatch]) -> list[float | None]:
+        raise NotImplementedError
+
+    def train_steps(self, n: int) -> list[float | None]:
+        """The next ``n`` windows of ``dataset`` in the epoch's order, continuing from
+        the saved position (a new epoch begins after the last window)."""
+        if not getattr(self, "dataset", None):
+            raise ValueError("train_steps() needs set_data() first")
+        logs: list[float | None] = []
+        for _ in range(n):
+            if self.index == len(self.dataset):
+                self.epoch, self.index = self.epoch + 1, 0
+            window = self.dataset[self.epoch_order()[self.index]]
+            self.index += 1
+            logs += self.train(window)
+        return logs
+

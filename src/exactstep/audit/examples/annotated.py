@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exactstep.audit.protocol import Microbatch, ProbeSpec
+from exactstep.audit.protocol import Microbatch, ProbeSpec, WindowCursor
 
 
 def attention(query, key, value, mask=None, dropout=None):  # noqa: ANN001, ANN201
@@ -160,7 +160,7 @@ class SimpleLossCompute:
         return sloss.item(), sloss  # summed over the batch's tokens
 
 
-class AnnotatedLoop:
+class AnnotatedLoop(WindowCursor):
     """The adapter: ``TrainingStep`` over ``run_epoch``."""
 
     smoothing_convention = "harvard"
@@ -249,25 +249,10 @@ class AnnotatedLoop:
         batches = [self.batch_type(mb, self.spec.pad_id) for mb in microbatches]
         return self.run_epoch(batches, "train", accum_iter=self.spec.accum)
 
-    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
-        self.dataset, self.epoch, self.index = [list(w) for w in windows], 0, 0
-
-    def sampler(self) -> list[int]:
+    def epoch_order(self) -> list[int]:
         """This epoch's order: a ``RandomSampler`` seeded by the spec's seed and the epoch."""
         g = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + self.epoch)
         return list(torch.utils.data.RandomSampler(self.dataset, generator=g))
-
-    def train_steps(self, n: int) -> list[float | None]:
-        """The next ``n`` windows of the loop's own data (one ``run_epoch`` window each)."""
-        if not self.dataset:
-            raise ValueError("train_steps() needs set_data() first")
-        logs: list[float | None] = []
-        for _ in range(n):
-            if self.index == len(self.dataset):
-                self.epoch, self.index = self.epoch + 1, 0
-            logs += self.train(self.dataset[self.sampler()[self.index]])
-            self.index += 1
-        return logs
 
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
         was_training = self.module.training

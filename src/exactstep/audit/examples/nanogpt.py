@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from exactstep.audit.protocol import Microbatch, ProbeSpec
+from exactstep.audit.protocol import Microbatch, ProbeSpec, WindowCursor
 
 IGNORE = -100
 
@@ -97,7 +97,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # [B, T, V]
 
 
-class NanoGPTLoop:
+class NanoGPTLoop(WindowCursor):
     """The adapter: ``TrainingStep`` over a nanoGPT-style loop."""
 
     smoothing_convention = "uniform"  # F.cross_entropy(label_smoothing=...) (L2)
@@ -220,25 +220,9 @@ class NanoGPTLoop:
         self.iter_num += 1
         return loss
 
-    def set_data(self, windows: Sequence[Sequence[Microbatch]]) -> None:
-        self.dataset, self.epoch, self.index = [list(w) for w in windows], 0, 0
-
     def epoch_order(self) -> list[int]:
         g = torch.Generator().manual_seed(self.data_seed * 1_000_003 + self.epoch)
         return torch.randperm(len(self.dataset), generator=g).tolist()
-
-    def train_steps(self, n: int) -> list[float | None]:
-        """The next ``n`` windows of the loop's own data, where the last call stopped."""
-        if not self.dataset:
-            raise ValueError("train_steps() needs set_data() first")
-        logs: list[float | None] = []
-        for _ in range(n):
-            if self.index == len(self.dataset):
-                self.epoch, self.index = self.epoch + 1, 0
-            window = self.dataset[self.epoch_order()[self.index]]
-            self.index += 1
-            logs += self.train(window)
-        return logs
 
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
