@@ -142,7 +142,7 @@ def leaky_source_padding(rows, examples, seq_len, source_len, source_pad_id=PAD)
     for r, row in enumerate(s.segments):
         last = row[-1]
         seg[r, last.stop:] = len(row)
-        segments.append(row[:-1] + (replace(last, length=source_len - last.start),))
+        segments.append(row[:-1] + (last._replace(length=source_len - last.start),))
     return replace(batch, source=SourceSide(s.input_ids, s.position_ids, seg, tuple(segments)))
 
 

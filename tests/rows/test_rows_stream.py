@@ -11,7 +11,7 @@ import torch
 from exactstep.errors import DataError, DistributedError, ResumeError
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
-from exactstep.rows.packing import PackPlanner
+from exactstep.rows.packing import ARRIVAL_BITS, PackPlanner
 from exactstep.rows.stream import RowStream, eval_batches
 
 PAD, V = 258, 259
@@ -158,7 +158,7 @@ class NextFitPlanner(PackPlanner):
             if piece.length > space:
                 break
             del self._pending[arrival]
-            self._keys.remove((piece.length, arrival))
+            self._keys.remove(piece.length << ARRIVAL_BITS | arrival)
             row.append(piece)
             space -= piece.length
         self.counts.rows += 1
@@ -172,7 +172,7 @@ def padding_only_where_nothing_fits(planner: PackPlanner) -> int:
     closed_with_space = 0
     while (row := planner.next_row()) is not None:
         space = planner.seq_len - sum(p.length for p in row)
-        pending = [length for length, _ in planner._keys]
+        pending = [key >> ARRIVAL_BITS for key in planner._keys]
         assert all(length > space for length in pending), "padding where a piece fits"
         closed_with_space += space > 0
     return closed_with_space

@@ -20,6 +20,7 @@ Regenerate (only when the contract itself changes) with
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import sys
@@ -258,21 +259,27 @@ def test_batches_hold_what_the_row_contract_says(name: str) -> None:
 
 def test_latest_arrival_tie_break_changes_the_digests(golden: dict, monkeypatch) -> None:
     """Negative control: a planner that breaks best-fit ties by the latest arrival
-    instead of the earliest (the look-up of the first key of the chosen cost now
-    answers the last one)."""
-    import bisect
+    instead of the earliest (the last key of the chosen cost, not the first)."""
+    from exactstep.rows import packing, stream
 
-    from exactstep.rows import packing
+    class LatestOnTies(packing.PackPlanner):
+        def next_row(self):
+            self._refill()
+            if not self._keys:
+                return None
+            row, space, keys = [], self.seq_len, self._keys
+            while space > 0:
+                idx = bisect.bisect_left(keys, (space + 1) << packing.ARRIVAL_BITS) - 1
+                if idx < 0:
+                    break
+                cost = keys[idx] >> packing.ARRIVAL_BITS
+                row.append(self._pending.pop(keys.pop(idx) & ((1 << packing.ARRIVAL_BITS) - 1)))
+                space -= cost
+            self.counts.rows += 1
+            self.counts.real_tokens += self.seq_len - space
+            return row
 
-    class LatestOnTies:
-        bisect_right = staticmethod(bisect.bisect_right)
-        insort = staticmethod(bisect.insort)
-
-        @staticmethod
-        def bisect_left(keys, key):
-            return bisect.bisect_right(keys, (key[0], 1 << 62)) - 1
-
-    monkeypatch.setattr(packing, "bisect", LatestOnTies)
+    monkeypatch.setattr(stream, "PackPlanner", LatestOnTies)
     got = stream_digests(CASES["prepared-text-split"])
     assert got["batches"] != golden["streams"]["prepared-text-split"]["batches"]
 

@@ -23,7 +23,7 @@ Invariants (checked by ``rows.invariants``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -31,14 +31,14 @@ import torch
 IGNORE_INDEX = -100
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     """One contiguous run of one example inside a row (R6 row address).
 
     ``example_id``: the example's index in its source split. ``piece``: 0 for the
     first piece of the example, k for the k-th continuation after a split.
     ``offset``: index within the example's token sequence of this segment's first
     token. ``start``/``length``: the columns ``[start, start + length)`` of the row.
+    An immutable named tuple: a batch holds one per piece, built on every batch.
     """
 
     example_id: int

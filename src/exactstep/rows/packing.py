@@ -52,7 +52,7 @@ import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -60,12 +60,11 @@ from exactstep.errors import DataError, DistributedError, ResumeError
 from exactstep.rows.example import Example
 
 STATE_VERSION = 1
-_AFTER_ALL = 1 << 62  # sorts after every arrival number
 WINDOW = 512  # positions of the epoch order read from the table at once
+ARRIVAL_BITS = 40  # a buffer key is cost << ARRIVAL_BITS | arrival (see PackPlanner)
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """A contiguous run ``[offset, offset + length)`` of example ``example`` (an index
     into the planner's example list); ``piece`` is 0 for the first run of an example and
     ``k`` for the ``k``-th continuation after a split (R6). ``epoch`` is the epoch that
@@ -213,6 +212,11 @@ class PackPlanner:
     "Charges"); ``real_tokens`` still counts tokens.
     Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
     every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
+
+    The buffer is a sorted list of integer keys ``cost << ARRIVAL_BITS | arrival``
+    (one per pending piece; arrivals below ``2 ** ARRIVAL_BITS``, so the order is
+    that of ``(cost, arrival)``) and a map from arrival to piece. Integer keys
+    compare in one machine operation, where tuples would compare element-wise.
     """
 
     def __init__(
@@ -265,7 +269,7 @@ class PackPlanner:
             raise DataError(f"a piece of {seq_len} tokens costs {self.cost(seq_len)} > "
                             f"{seq_len}: the compiler's charges do not fit its own rows")
         self.counts = PackCounts()
-        self._keys: list[tuple[int, int]] = []  # sorted (length, arrival)
+        self._keys: list[int] = []  # sorted cost << ARRIVAL_BITS | arrival
         self._pending: dict[int, Piece] = {}  # arrival -> piece
         self._next_arrival = 0
         self._exhausted = False
@@ -355,12 +359,13 @@ class PackPlanner:
         arrival = self._next_arrival
         start = j
         tokens = 0
+        insort = bisect.insort
         while j < stop:
             n = lengths[j]
             if n > seq_len:
                 break
             pending[arrival] = Piece(ids[j], 0, n, 0, epoch)
-            bisect.insort(keys, (n if cost is None else cost(n), arrival))
+            insort(keys, (n if cost is None else cost(n)) << ARRIVAL_BITS | arrival)
             arrival += 1
             tokens += n
             j += 1
@@ -390,7 +395,7 @@ class PackPlanner:
         arrival = self._next_arrival
         self._next_arrival += 1
         self._pending[arrival] = piece
-        bisect.insort(self._keys, (self.cost(piece.length), arrival))
+        bisect.insort(self._keys, self.cost(piece.length) << ARRIVAL_BITS | arrival)
 
     # -- rows ---------------------------------------------------------------------------
 
@@ -403,16 +408,18 @@ class PackPlanner:
         row: list[Piece] = []
         space = self.seq_len
         keys, pending = self._keys, self._pending
+        left = bisect.bisect_left
+        mask = (1 << ARRIVAL_BITS) - 1
         while space > 0:
-            # the longest pending piece that fits (the last key of cost <= space),
+            # the longest pending piece that fits (the last key below cost space + 1),
             # earliest arrival on ties (the first key of that cost)
-            idx = bisect.bisect_right(keys, (space, _AFTER_ALL)) - 1
+            idx = left(keys, (space + 1) << ARRIVAL_BITS) - 1
             if idx < 0:
                 break
-            cost = keys[idx][0]
-            if idx and keys[idx - 1][0] == cost:
-                idx = bisect.bisect_left(keys, (cost, -1))
-            piece = pending.pop(keys.pop(idx)[1])
+            cost = keys[idx] >> ARRIVAL_BITS
+            if idx and keys[idx - 1] >> ARRIVAL_BITS == cost:
+                idx = left(keys, cost << ARRIVAL_BITS)
+            piece = pending.pop(keys.pop(idx) & mask)
             row.append(piece)
             space -= cost
         self.counts.rows += 1
@@ -496,5 +503,9 @@ class PackPlanner:
                           epoch=self.epoch)
             for a, e, o, n, k in state["pending"]
         }
-        self._keys = sorted((self.cost(p.length), a) for a, p in self._pending.items())
+        if self._next_arrival >= 1 << ARRIVAL_BITS:
+            raise ResumeError(f"packer state has {self._next_arrival} arrivals, more than "
+                              f"2**{ARRIVAL_BITS}; it was not written by this planner")
+        self._keys = sorted(self.cost(p.length) << ARRIVAL_BITS | a
+                            for a, p in self._pending.items())
         self.counts = PackCounts(**state["counts"])

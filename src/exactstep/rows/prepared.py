@@ -107,7 +107,16 @@ class PreparedDocuments(Sequence[Example]):
     ``Sequence`` it builds each ``Example`` only when indexed or iterated. The planner
     and the causal compiler read it in bulk instead (``columns``: a window of the
     index; ``piece_slices``: a batch's pieces), with the same values.
+
+    ``columns`` also remembers where each document it read lies (shard, token
+    offset, length), so that ``piece_slices`` finds a batch's documents without
+    reading the index again: the planner reads a document's columns when it admits
+    it, shortly before a row holds it. The memory is two generations of at most
+    ``LOCATED`` documents each (bounded, whatever the corpus size); a document no
+    longer in it is read from the index. It is a cache of the index, never state.
     """
+
+    LOCATED = 8192
 
     def __init__(self, split: PreparedSplit, block: int,
                  unigram: np.ndarray | None = None) -> None:
@@ -119,6 +128,8 @@ class PreparedDocuments(Sequence[Example]):
         self.min_length = split.min_length
         self._starts = np.asarray(split.starts, dtype=np.int64)
         self._chat = any(s.owned is not None for s in split.shards)
+        self._recent: dict[int, tuple[int, int, int]] = {}  # doc -> shard, offset, length
+        self._older: dict[int, tuple[int, int, int]] = {}
 
     def __len__(self) -> int:
         return self.split.documents
@@ -159,9 +170,33 @@ class PreparedDocuments(Sequence[Example]):
         return shard, rows
 
     def columns(self, ids: list[int]) -> tuple[list[int], list[int]]:
-        """Lengths and owned targets of documents ``ids`` (the planner's window read)."""
-        _, rows = self.index_rows(np.asarray(ids, dtype=np.int64))
-        return rows[:, 1].tolist(), rows[:, 2].tolist()
+        """Lengths and owned targets of documents ``ids`` (the planner's window read);
+        their locations are remembered for ``piece_slices`` (class doc)."""
+        shard, rows = self.index_rows(np.asarray(ids, dtype=np.int64))
+        lengths = rows[:, 1].tolist()
+        self.remember(ids, shard.tolist(), rows[:, 0].tolist(), lengths)
+        return lengths, rows[:, 2].tolist()
+
+    def remember(self, ids: list[int], shards: list[int], offsets: list[int],
+                 lengths: list[int]) -> None:
+        """Record documents' locations, starting a new generation when the current
+        one is full (the older one is then forgotten)."""
+        if len(self._recent) + len(ids) > self.LOCATED:
+            self._older, self._recent = self._recent, {}
+        self._recent.update(zip(ids, zip(shards, offsets, lengths, strict=True), strict=True))
+
+    def locations(self, docs: list[int]) -> list[tuple[int, int, int]]:
+        """(shard, token offset, length) of each of ``docs``: remembered, or read
+        from the index for those not remembered."""
+        recent, older = self._recent, self._older
+        found = [recent.get(d) or older.get(d) for d in docs]
+        missing = [d for d, where in zip(docs, found, strict=True) if where is None]
+        if missing:
+            shard, rows = self.index_rows(np.asarray(missing, dtype=np.int64))
+            read = dict(zip(missing, zip(shard.tolist(), rows[:, 0].tolist(),
+                                         rows[:, 1].tolist(), strict=True), strict=True))
+            found = [where or read[d] for d, where in zip(docs, found, strict=True)]
+        return found  # type: ignore[return-value]
 
     def piece_slices(
         self, pieces: Sequence[Any]
@@ -170,21 +205,21 @@ class PreparedDocuments(Sequence[Example]):
         the token map), its ownership bits (bool; ``None`` for text shards) and its
         example id -- the values slicing ``self[p.example]`` gives, with the index
         read once for all pieces instead of one ``Example`` per piece."""
-        docs = np.fromiter((p.example for p in pieces), dtype=np.int64, count=len(pieces))
-        shard_of, rows = self.index_rows(docs)
+        docs = [p.example for p in pieces]
+        if docs and (min(docs) < 0 or max(docs) >= self.split.documents):
+            raise IndexError(min(docs) if min(docs) < 0 else max(docs))
         shards = self.split.shards
+        maps = [s.tokens for s in shards]
         tokens: list[np.ndarray] = []
         owned: list[np.ndarray] | None = [] if self._chat else None
-        numbers = shard_of.tolist() if len(shards) > 1 else [0] * len(pieces)
-        for p, k, start, size in zip(pieces, numbers, rows[:, 0].tolist(),
-                                     rows[:, 1].tolist(), strict=True):
+        for p, (k, start, size) in zip(pieces, self.locations(docs), strict=True):
             if p.offset < 0 or p.offset + p.length > size:
                 raise IndexError(f"piece {p} reaches past document {p.example}")
             a = start + p.offset
-            tokens.append(shards[k].tokens[a: a + p.length])
+            tokens.append(maps[k][a: a + p.length])
             if owned is not None:
                 owned.append(owned_bits(shards[k].owned, a, p.length))
-        return tokens, owned, docs.tolist()
+        return tokens, owned, docs
 
 
 def owned_bits(packed: np.ndarray | None, start: int, length: int) -> np.ndarray:
