@@ -131,6 +131,10 @@ class PreparedDocuments(Sequence[Example]):
         self._recent: dict[int, tuple[int, int, int]] = {}  # doc -> shard, offset, length
         self._older: dict[int, tuple[int, int, int]] = {}
 
+    def __getstate__(self) -> dict:
+        """Pickled without the remembered locations (a cache, rebuilt on use)."""
+        return {**self.__dict__, "_recent": {}, "_older": {}}
+
     def __len__(self) -> int:
         return self.split.documents
 
