@@ -134,7 +134,7 @@ def prefix_batch(batch: Batch, columns: int) -> Batch:
     """``batch`` cut to its first ``columns`` columns (segments clipped), for a forward
     whose last column's prediction sees exactly what it would in the whole row."""
     segments = tuple(
-        tuple(replace(s, length=min(s.stop, columns) - s.start) for s in row if s.start < columns)
+        tuple(s._replace(length=min(s.stop, columns) - s.start) for s in row if s.start < columns)
         for row in batch.segments
     )
 
