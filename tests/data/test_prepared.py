@@ -362,12 +362,16 @@ def test_another_tokenizer_is_refused_naming_both_hashes(prepared: Path, tmp_pat
 
 def test_the_loader_benchmark_writes_a_corpus_that_verifies(tmp_path: Path) -> None:
     """``exactstep bench loader`` measures a valid prepared directory (no timing)."""
-    from exactstep.bench.loader import packed_tokens, write_synthetic
+    from exactstep.bench.loader import packed_tokens, packing_stream, write_synthetic
 
     path = write_synthetic(tmp_path / "synthetic", 1)
     info = open_prepared(path).splits["train"].info  # every size and sha256 checked
     assert abs(info["tokens"] * 2 - (1 << 20)) < 4096
-    assert packed_tokens(path, 2) == 2 * 8 * 2048  # rows filled: documents are short
+    stream = packing_stream(path)
+    assert packed_tokens(stream, 2) == 2 * 8 * 2048  # rows filled: documents are short
+    third = packed_tokens(stream, 1)  # the same stream, read on
+    assert 0 < third <= 8 * 2048
+    assert stream.report()["real_tokens"] == 2 * 8 * 2048 + third
 
 
 def test_a_declared_reshard_continues_with_the_next_epochs_declared_order(prepared: Path) -> None:

@@ -10,11 +10,15 @@ Figures:
 - ``tokens_per_s``: real tokens per second that ``RowStream`` packs from the larger
   corpus (best fit over the bounded buffer, the causal compiler, tensors built,
   R7 checks on), reading each document through the memory map in the declared
-  block order;
+  block order: the steady rate of one stream, ``batches`` batches at a time;
 - ``memmap_tokens_per_s``: the baseline, the same number of tokens read as
   contiguous ``numpy.memmap`` slices of ``seq_len`` tokens into an int64 tensor
-  ``[rows, seq_len]`` (nanoGPT's reader), timed interleaved with the candidate;
+  ``[rows, seq_len]`` (nanoGPT's reader), from one memory map read on where it
+  stopped, timed interleaved with the candidate;
 - ``throughput_ratio``: the two rates' ratio (candidate / baseline);
+- ``startup_s``: what a stream costs before its first batch and including it
+  (open and size-check the directory, the planner's first buffer of ``buffer``
+  pieces), once per run, so not part of either rate;
 - ``rss_small_mb`` / ``rss_large_mb``: peak resident memory of a fresh process that
   trains a tiny decoder for 100 windows from each corpus (``train``, evaluation
   off); ``rss_ratio`` = large / small (1.0 means the corpus size does not show);
@@ -114,32 +118,66 @@ def write_shard(path: Path, split: str, number: int, lengths: np.ndarray,
     return {"files": names, "documents": int(len(lengths)), "tokens": int(lengths.sum())}
 
 
-def packed_tokens(path: Path, batches: int) -> int:
-    """Pack ``batches`` batches from the prepared train split; real tokens packed."""
+def packing_stream(path: Path) -> RowStream:
+    """The candidate's stream over the prepared train split of ``path``."""
     tok = ByteTokenizer()
     docs = PreparedDocuments(open_prepared(path, verify=False).splits["train"], BLOCK)
     cfg = BatchConfig(seq_len=SEQ_LEN, rows=ROWS, buffer=BUFFER)
-    stream = RowStream(docs, cfg, pad_id=tok.pad_id, seed=0, vocab_size=tok.vocab_size)
+    return RowStream(docs, cfg, pad_id=tok.pad_id, seed=0, vocab_size=tok.vocab_size)
+
+
+def packed_tokens(stream: RowStream, batches: int) -> int:
+    """Pack ``batches`` more batches from ``stream``; the real tokens they hold."""
+    before = stream.planner.counts.real_tokens
     for _ in range(batches):
         stream.next_batch()
-    return stream.report()["real_tokens"]
+    return stream.planner.counts.real_tokens - before
 
 
-def memmap_tokens(path: Path, tokens: int) -> int:
-    """The baseline: ``tokens`` tokens read as contiguous memmap slices of ``SEQ_LEN``
-    into int64 tensors ``[ROWS, SEQ_LEN]``."""
-    shard = open_prepared(path, verify=False).splits["train"].shards[0].tokens
-    done, position = 0, 0
-    while done < tokens:
-        rows = []
-        for _ in range(ROWS):
-            if position + SEQ_LEN > len(shard):
-                position = 0
-            rows.append(shard[position: position + SEQ_LEN])
-            position += SEQ_LEN
-        torch.from_numpy(np.stack(rows).astype(np.int64))
-        done += ROWS * SEQ_LEN
-    return done
+class MemmapReader:
+    """The baseline: contiguous ``SEQ_LEN`` slices of the first train shard, read on
+    from where the last call stopped (wrapping at the end) into int64 tensors
+    ``[ROWS, SEQ_LEN]``."""
+
+    def __init__(self, path: Path) -> None:
+        self.shard = open_prepared(path, verify=False).splits["train"].shards[0].tokens
+        self.position = 0
+
+    def read(self, tokens: int) -> int:
+        done = 0
+        while done < tokens:
+            rows = []
+            for _ in range(ROWS):
+                if self.position + SEQ_LEN > len(self.shard):
+                    self.position = 0
+                rows.append(self.shard[self.position: self.position + SEQ_LEN])
+                self.position += SEQ_LEN
+            torch.from_numpy(np.stack(rows).astype(np.int64))
+            done += ROWS * SEQ_LEN
+        return done
+
+
+def throughput(path: Path, batches: int, repeats: int) -> dict:
+    """Steady packing and memmap rates, interleaved, and the stream's start-up."""
+    started = time.perf_counter()
+    stream = packing_stream(path)
+    stream.next_batch()
+    startup = time.perf_counter() - started
+    reader = MemmapReader(path)
+    counted = {"candidate": [], "baseline": []}
+    per_call = ROWS * SEQ_LEN * batches
+
+    def candidate() -> None:
+        counted["candidate"].append(packed_tokens(stream, batches))
+
+    def baseline() -> None:
+        counted["baseline"].append(reader.read(per_call))
+
+    cand, base = interleaved_times(candidate, baseline, repeats=repeats)
+    cand_rate = median([n / t for n, t in zip(counted["candidate"][1:], cand, strict=True)])
+    base_rate = median([n / t for n, t in zip(counted["baseline"][1:], base, strict=True)])
+    return {"tokens_per_s": cand_rate, "memmap_tokens_per_s": base_rate,
+            "throughput_ratio": cand_rate / base_rate, "startup_s": startup}
 
 
 RSS_SCRIPT = r"""
@@ -209,9 +247,7 @@ def run(quick: bool) -> dict:
         started = time.perf_counter()
         small, large = (write_synthetic(root / f"c{mb}", mb, seed=mb) for mb in sizes)
         write_s = time.perf_counter() - started
-        real = packed_tokens(large, batches)
-        cand, base = interleaved_times(lambda: packed_tokens(large, batches),
-                                       lambda: memmap_tokens(large, real), repeats=3)
+        rates = throughput(large, batches, repeats=3 if quick else 5)
         steps = step_times(large, windows=10 if quick else 20, blocks=2 if quick else 4)
         rss_small = peak_rss_mb(small, root / "run-small")
         rss_large = peak_rss_mb(large, root / "run-large")
@@ -220,9 +256,7 @@ def run(quick: bool) -> dict:
     return {
         "corpus_mb": [round(s, 1) for s in sizes_real],
         "seq_len": SEQ_LEN, "rows": ROWS, "buffer": BUFFER, "batches": batches,
-        "tokens_per_s": real / median(cand),
-        "memmap_tokens_per_s": real / median(base),
-        "throughput_ratio": median(base) / median(cand),
+        **rates,
         "windows": WINDOWS,
         "rss_small_mb": rss_small,
         "rss_large_mb": rss_large,
