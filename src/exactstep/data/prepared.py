@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,23 @@ def fingerprint_of(meta: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class Shard:
     """One shard's memory maps: ``tokens [n]``, ``index [documents, 3]``, ``owned``
-    (packed bits, chat) or ``None``. Nothing is read until a document is asked for."""
+    (packed bits, chat) or ``None``. Nothing is read until a document is asked for.
+
+    ``files`` (set by ``open_shard``: directory, file names, token dtype) says where
+    the maps come from; a shard with ``files`` pickles as those names and is mapped
+    again where it is unpickled (a loader process, ``rows.loader_process``), so no
+    token is copied and nothing is hashed again: the opening process checked them.
+    """
 
     tokens: np.ndarray
     index: np.ndarray
     owned: np.ndarray | None
+    files: tuple[Path, dict[str, str], np.dtype] | None = field(default=None, compare=False)
+
+    def __reduce__(self):
+        if self.files is None:  # arrays of this process only: pickled whole
+            return (Shard, (self.tokens, self.index, self.owned))
+        return (open_shard, self.files)
 
 
 class PreparedSplit:
@@ -216,7 +228,7 @@ def open_shard(path: Path, names: dict[str, str], dtype: np.dtype) -> Shard:
 
     owned = mapped(names["owned"], np.dtype(np.uint8)) if "owned" in names else None
     return Shard(mapped(names["tokens"], dtype), mapped(names["index"], np.dtype(np.int64), (0,)),
-                 owned)
+                 owned, (Path(path), dict(names), np.dtype(dtype)))
 
 
 def manifest_bytes(meta: dict[str, Any]) -> bytes:

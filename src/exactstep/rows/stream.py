@@ -20,6 +20,10 @@ Invariants:
 - ``report()`` counts documents, tokens, targets and every over-long outcome (R4), and
   ``supervised_rows == targets - *_targets_lost`` (+ boundary targets under ``keep``)
   once every admitted example has been emitted.
+- A ``RowStream`` pickles as its recipe (examples, settings, compiler) and its
+  ``state_dict()``, and unpickles as a fresh stream loaded with that state, so the
+  copy continues bitwise like the original (S2); this is how a loader process gets
+  the stream (``rows.loader_process``). Prepared shards pickle as file names.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class RowStream:
         self.pad_id = pad_id
         self.vocab_size = vocab_size
         self.compiler = compiler
+        self.recipe = {"seed": seed, "repeat": repeat, "shuffle": shuffle, "rank": rank,
+                       "world": world}
         self.planner = PackPlanner(
             examples,
             seq_len=compiler.capacity(cfg),
@@ -99,6 +105,11 @@ class RowStream:
             self.boundary_targets += sum(max(len(segs) - 1, 0) for segs in batch.segments)
         return batch
 
+    def __reduce__(self):
+        """A fresh stream of the same recipe at this one's position (module doc, S2)."""
+        return (restore_stream, (self.examples, self.cfg, self.pad_id, self.vocab_size,
+                                 self.compiler, self.recipe, self.state_dict()))
+
     def close(self) -> None:
         """Nothing to release (``rows.background.BackgroundStream`` has a worker)."""
 
@@ -125,6 +136,17 @@ class RowStream:
         return data_report(
             self.planner, self.cfg, self.batches, self.supervised_rows, self.boundary_targets
         )
+
+
+def restore_stream(examples: Sequence[Example], cfg: BatchConfig, pad_id: int,
+                   vocab_size: int | None, compiler: RowCompiler, recipe: dict,
+                   state: dict) -> RowStream:
+    """The unpickled ``RowStream`` (``RowStream.__reduce__``): built again, then moved
+    to ``state``."""
+    stream = RowStream(examples, cfg, pad_id=pad_id, vocab_size=vocab_size,
+                       compiler=compiler, **recipe)
+    stream.load_state_dict(state)
+    return stream
 
 
 def piece_cost(compiler: RowCompiler, cfg: BatchConfig):
