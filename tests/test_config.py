@@ -40,6 +40,7 @@ def test_toml_then_overrides_win(tmp_path) -> None:
         ("model.tie_embeddings=maybe", "model.tie_embeddings"),
         ("model.n_heads=3", "model.n_heads"),
         ("update=3", "update"),
+        ("train.loader=fork", "train.loader"),
         ("no_equals_sign", "key=value"),
     ],
 )

@@ -50,9 +50,12 @@ class TrainConfig:
 
     ``steps`` counts windows (committed, skipped or no-objective alike).
     ``eval_every`` (windows, 0 = only at the end) and ``eval_tokens`` bound evaluation.
-    ``prefetch``: batches packed and compiled ahead on a worker thread while the
-    current window trains (``rows.background``; 0 = in line). It changes neither the
-    batches nor the resume state, so a resume may change it.
+    ``prefetch``: batches packed and compiled ahead while the current window trains
+    (0 = in line). ``loader`` says where, when ``prefetch > 0``: ``"thread"``, a worker
+    thread (``rows.background``), or ``"process"``, a loader process started with
+    ``spawn`` (``rows.loader_process``; a script that trains must then do so under
+    ``if __name__ == "__main__":``). Neither changes the batches or the resume state,
+    so a resume may change them.
     """
 
     steps: int = 800
@@ -63,6 +66,7 @@ class TrainConfig:
     threads: int = 0
     progress: bool = True
     prefetch: int = 0
+    loader: Literal["thread", "process"] = "thread"
 
     def __post_init__(self) -> None:
         check("train.steps", self.steps, at_least(1))

@@ -198,7 +198,8 @@ def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
 
 # Keys that change presentation only; they are left out of the manifest so that a
 # resume may change them (S4).
-PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.threads", "train.prefetch")
+PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.threads", "train.prefetch",
+                     "train.loader")
 
 
 def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,

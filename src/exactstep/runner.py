@@ -52,6 +52,7 @@ from exactstep.parallel.wrap import shard_model
 from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
 from exactstep.rows.background import BackgroundStream
 from exactstep.rows.example import DataBundle
+from exactstep.rows.loader_process import LoaderProcess
 from exactstep.rows.stream import RowStream
 from exactstep.state.checkpointer import Checkpointer, load_weights
 from exactstep.state.resume import (
@@ -79,7 +80,7 @@ class Run:
     out_dir: Path
     tokenizer: ByteTokenizer
     data: DataBundle
-    stream: RowStream | BackgroundStream
+    stream: RowStream | BackgroundStream | LoaderProcess
     model: torch.nn.Module
     engine: UpdateEngine
     validator: Validator
@@ -118,7 +119,8 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
                        vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size,
                        compiler=parts.compiler)
     if cfg.train.prefetch:  # the same batches and cursor, prepared ahead (P3)
-        stream = BackgroundStream(stream, cfg.train.prefetch)
+        ahead = LoaderProcess if cfg.train.loader == "process" else BackgroundStream
+        stream = ahead(stream, cfg.train.prefetch)
     model = parts.family.build_model(cfg, tokenizer.vocab_size)
     model.check_rows(cfg.batch.seq_len)  # refused before anything is written
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,

@@ -106,11 +106,16 @@ def test_loading_a_cursor_after_the_worker_started_is_refused():
 
 def test_a_run_with_background_loading_is_bitwise_the_run_without(tmp_path):
     """Through the runner (P3): the final checkpoint, the ledger and the data report
-    are identical with ``train.prefetch = 3`` and without."""
+    are identical with ``train.prefetch = 3`` on the thread, ``train.prefetch = 2`` in
+    a loader process (``train.loader = "process"``) and without; and a copy of the
+    process run resumed from its window-3 checkpoint with the loader process again
+    (presentation keys, not in the manifest) ends bitwise the same."""
+    import shutil
+
     from run_support import TINY, short_texts, write_texts
 
     from exactstep.config import load_config
-    from exactstep.runner import train
+    from exactstep.runner import resume, train
     from exactstep.state.checkpoint import load_checkpoint
     from exactstep.state.compare import state_differences
     from exactstep.state.store import latest_checkpoint
@@ -118,17 +123,26 @@ def test_a_run_with_background_loading_is_bitwise_the_run_without(tmp_path):
     source = write_texts(tmp_path / "docs.jsonl", short_texts())
     base = [f"{k}={v}" for k, v in TINY.items()] + [
         f"data.source={source}", "data.val_fraction=0.2", "train.steps=6", "update.accum=2",
-        "checkpoint.every=3", "train.progress=false"]
+        "checkpoint.every=3", "checkpoint.keep=5", "train.progress=false"]
+    loaders = {"inline": ["train.prefetch=0"], "thread": ["train.prefetch=3"],
+               "process": ["train.prefetch=2", "train.loader=process"]}
     outs = {}
-    for prefetch in (0, 3):
-        out = tmp_path / f"prefetch{prefetch}"
-        train(load_config(None, [*base, f"train.prefetch={prefetch}"]), out, progress=False)
-        outs[prefetch] = out
+    for name, settings in loaders.items():
+        out = tmp_path / name
+        train(load_config(None, [*base, *settings]), out, progress=False)
+        outs[name] = out
+    resumed = tmp_path / "resumed"
+    shutil.copytree(outs["process"], resumed)
+    resume(resumed, from_checkpoint=resumed / "checkpoints" / "window-00000003",
+           overrides=loaders["process"], progress=False)
+    outs["resumed"] = resumed
 
     def state(out):
         model, parts = load_checkpoint(latest_checkpoint(out / "checkpoints"))
         return {"model": model, **parts}
 
-    assert state_differences(state(outs[0]), state(outs[3])) == []
-    for name in ("ledger.jsonl", "data_report.json", "manifest.json"):
-        assert (outs[0] / name).read_bytes() == (outs[3] / name).read_bytes(), name
+    for name in ("thread", "process", "resumed"):
+        assert state_differences(state(outs["inline"]), state(outs[name])) == [], name
+        for file in ("ledger.jsonl", "data_report.json", "manifest.json"):
+            assert (outs["inline"] / file).read_bytes() == (outs[name] / file).read_bytes(), \
+                (name, file)

@@ -1,0 +1,387 @@
+"""Background loading in a loader process (P3): the next microbatches are packed and
+compiled in a child process while the current window trains, with the same batches
+and the same resume state as in line.
+
+``LoaderProcess(stream, depth)`` has the interface and the invariants of
+``rows.background.BackgroundStream`` (the thread): packing is Python and holds the
+GIL, so a thread competes with the training step's own Python; a process does not.
+
+Invariants:
+
+- The consumer sees exactly the batches the wrapped stream would give, in order: the
+  child gets the stream pickled at the first ``next_batch`` (a ``RowStream`` pickles
+  as its recipe and its ``state_dict()``, prepared shards as their file names, so no
+  corpus is copied and nothing is hashed again) and is its only caller from then on.
+- ``state_dict()`` is the stream's state *after the last batch consumed*: the child
+  snapshots the state right after compiling each batch and the snapshot travels with
+  the batch, so a checkpoint resumes where the consumer stood (S2, S5), whatever
+  ``depth`` was. ``load_state_dict`` is allowed only before the first batch.
+- At most ``depth`` batches are ahead of the consumer (``Channel``). A batch's
+  tensors cross as raw arrays in a shared slot (never as torch tensors, whose
+  pickling passes file descriptors), the rest as a small pickled message, and the
+  parent builds the batch again on tensors of its own (``torch.from_numpy`` of a
+  copy): every field, the optional ones (``prefix_len``, ``weights``, ``order``, the
+  encoder ``source``) and host data (``segments``) alike.
+- An error raised while packing or compiling (an R7 refusal, a data error) is raised
+  to the consumer at the batch where it happened, with its own type and message; a
+  child that dies without a word is a ``DataError`` at the batch it did not send.
+- ``report()`` (R4) stops the child and reports from the consumed state.
+- The child is started with the ``spawn`` method (never ``fork``: the parent is a
+  multi-threaded torch process), ignores SIGINT (the parent's stop request ends the
+  run), and exits when its parent dies (it watches the parent's sentinel), so no
+  loader outlives a killed run. ``close()`` stops it (a flag and a closed pipe,
+  then join, then terminate, then kill) and reaps it; as a daemon it is also ended
+  at interpreter exit. A script that trains with it must do so under
+  ``if __name__ == "__main__":``, since ``spawn`` imports the main script again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from exactstep.errors import DataError, ExactstepError
+from exactstep.rows.batch import Batch, SourceSide
+from exactstep.rows.stream import RowStream
+
+POLL_S = 0.05  # how often a waiting side looks whether the other one is still there
+JOIN_S = 5.0  # how long close() waits for the child to stop by itself
+PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+class LoaderProcess:
+    """``stream`` with its next batches prepared in a child process (module doc)."""
+
+    def __init__(self, stream: RowStream, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1; got {depth}")
+        self.stream = stream
+        self.depth = depth
+        self.process: Any = None  # the child (multiprocessing's SpawnProcess) once started
+        self._channel: Channel | None = None
+        self._consumed_state: dict | None = None
+        self._consumed_blob: bytes | None = None  # the child's pickled state, decoded lazily
+        self._consumed = 0
+        self._finished = False
+
+    # -- the child ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self.process is not None:
+            return
+        self._consumed_state = self.stream.state_dict()  # nothing consumed yet
+        ctx = mp.get_context("spawn")
+        channel = Channel(ctx, self.depth, slot_bytes(self.stream))
+        self.process = ctx.Process(target=serve, name="exactstep-loader", daemon=True,
+                                   args=(self.stream, channel))
+        self.process.start()
+        channel.writer.close()  # the child's end: its death is then an end of file here
+        self._channel = channel
+
+    def _receive(self) -> tuple:
+        reader = self._channel.reader
+        try:
+            while not reader.poll(POLL_S):
+                if not self.process.is_alive() and not reader.poll(0):
+                    raise EOFError
+            message = pickle.loads(reader.recv_bytes())
+        except (EOFError, OSError):
+            self.process.join(timeout=JOIN_S)
+            raise DataError(
+                f"the loader process ended (exit code {self.process.exitcode}) before "
+                f"sending batch {self._consumed + 1}; if it was killed (out of memory?) "
+                "free memory and resume; a script that trains must do so under 'if "
+                "__name__ == \"__main__\":' (the loader process imports it); or set "
+                "train.loader = \"thread\"") from None
+        self._channel.credits.release()  # room for one more batch ahead
+        return message
+
+    # -- the stream interface -----------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            batch = self.next_batch()
+            if batch is None:
+                return
+            yield batch
+
+    def next_batch(self) -> Batch | None:
+        """The next batch (prepared ahead), or ``None`` at the end of a finite stream."""
+        if self._finished:
+            return None
+        self._start()
+        kind, payload, state = self._receive()
+        if kind == "end":
+            self._finished = True
+            return None
+        if kind == "error":
+            self._finished = True
+            raise payload
+        k, wire = payload
+        batch = from_wire(wire, None if k is None else self._channel.slot(k))
+        self._consumed_blob, self._consumed_state = state, None
+        self._consumed += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        """The stream's state after the last consumed batch (S2)."""
+        if self._consumed_blob is not None:
+            self._consumed_state = pickle.loads(self._consumed_blob)
+            self._consumed_blob = None
+        if self._consumed_state is not None:
+            return self._consumed_state
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.process is not None:
+            raise RuntimeError("load_state_dict after background loading started; load the "
+                               "cursor before the first batch")
+        self.stream.load_state_dict(state)
+
+    def close(self) -> None:
+        """Stop and reap the child (idempotent); prepared batches are dropped."""
+        channel, proc = self._channel, self.process
+        if channel is None:
+            return
+        self._channel = None
+        channel.stop.value = 1
+        channel.reader.close()  # a child blocked in a send gets a broken pipe
+        proc.join(timeout=JOIN_S)
+        if proc.exitcode is None:
+            proc.terminate()
+            proc.join(timeout=JOIN_S)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+
+    def report(self) -> dict:
+        """The data report (R4) of what was consumed, as without background loading."""
+        self.close()
+        if self.process is not None:
+            self.stream.load_state_dict(self.state_dict())
+        return self.stream.report()
+
+
+class Channel:
+    """What the two processes share: a one-way pipe of messages (child to parent),
+    ``credits`` (a semaphore of ``depth``: the child takes one per batch it sends, the
+    parent gives it back per batch received, so at most ``depth`` wait), a ``stop``
+    flag and the batch slots (``Slots``). Nothing here is a lock the child could die
+    holding: the flag is a shared byte without one (a ``multiprocessing.Event`` takes
+    a shared lock to read it, and a child killed inside would hang the parent)."""
+
+    def __init__(self, ctx: Any, depth: int, size: int) -> None:
+        self.reader, self.writer = ctx.Pipe(duplex=False)
+        self.credits = ctx.Semaphore(depth)
+        self.stop = ctx.RawValue("b", 0)
+        self.slots = Slots(ctx, depth + 2, size)
+        self._memory: np.ndarray | None = None
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_memory"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _memory=None)
+
+    def slot(self, k: int) -> np.ndarray:
+        """Slot ``k`` as bytes (a view of the shared mapping)."""
+        if self._memory is None:
+            self._memory = self.slots.view()
+        size = self.slots.size
+        return self._memory[k * size: (k + 1) * size]
+
+
+# --------------------------------------------------------------------------- the wire
+
+
+class Wire(NamedTuple):
+    """A ``Batch`` or ``SourceSide`` in transit: its class and its fields, each tensor
+    a ``Slab`` of the shared slot or, when the batch did not fit, a NumPy array."""
+
+    cls: type
+    fields: dict[str, Any]
+
+
+class Slab(NamedTuple):
+    """An array written at ``offset`` of a slot: its dtype (``numpy`` string) and shape."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class Slots:
+    """``count`` slots of ``size`` bytes in one shared, anonymous mapping (a
+    ``multiprocessing`` ``RawArray``: its file is unlinked at once and reaches the child
+    as a descriptor, so nothing outlives the two processes). The child writes batch
+    ``n`` into slot ``n % count`` after taking a credit; the parent copies it out
+    before it takes the next message, so with ``count = depth + 2`` a slot is never
+    written again before the batch in it was copied (at most ``depth`` batches hold a
+    credit, the one being written included, and one more may be being copied)."""
+
+    def __init__(self, ctx: Any, count: int, size: int) -> None:
+        self.count, self.size = count, size
+        self.raw = ctx.RawArray("b", count * size)
+
+    def view(self) -> np.ndarray:
+        return np.frombuffer(self.raw, dtype=np.uint8)
+
+
+def slot_bytes(stream: RowStream) -> int:
+    """Room for one batch of ``stream``: 48 bytes a cell of ``rows x seq_len`` (the
+    [B, T] tensors of every family, an encoder side of up to T columns included) and
+    64 KiB for the small ones; a larger batch crosses pickled instead (slower, same)."""
+    cfg = stream.cfg
+    return 48 * cfg.rows * cfg.seq_len + (64 << 10)
+
+
+def to_wire(item: Batch | SourceSide, slot: np.ndarray | None = None,
+            used: list[int] | None = None) -> Wire:
+    """``item`` as its class and its fields, every tensor written into ``slot`` (from
+    ``used[0]`` on, 64-byte aligned) as a ``Slab``, or a NumPy array without a slot;
+    host data (``segments``, ``causal``, ``meta``) is kept as it is."""
+    used = [0] if used is None else used
+    fields = {}
+    for f in dataclasses.fields(item):
+        value = getattr(item, f.name)
+        if isinstance(value, torch.Tensor):
+            array = value.detach().cpu().numpy()
+            value = array if slot is None else write_slab(slot, used, array)
+        elif isinstance(value, SourceSide):
+            value = to_wire(value, slot, used)
+        fields[f.name] = value
+    return Wire(type(item), fields)
+
+
+def write_slab(slot: np.ndarray, used: list[int], array: np.ndarray) -> Slab:
+    """Copy ``array`` into ``slot`` at ``used[0]``; ``OverflowError`` if it does not fit."""
+    offset = -(-used[0] // 64) * 64
+    if offset + array.nbytes > len(slot):
+        raise OverflowError("the batch does not fit its slot")
+    np.copyto(np.ndarray(array.shape, array.dtype, slot.data, offset), array, casting="no")
+    used[0] = offset + array.nbytes
+    return Slab(offset, array.dtype.str, tuple(array.shape))
+
+
+def from_wire(wire: Wire, slot: np.ndarray | None = None) -> Any:
+    """The ``Batch`` (or ``SourceSide``) that ``to_wire`` took apart, on torch tensors
+    of its own memory (each ``Slab`` copied out of ``slot``)."""
+    fields = dict(wire.fields)
+    for name, value in fields.items():
+        if isinstance(value, Slab):
+            view = np.ndarray(value.shape, np.dtype(value.dtype), slot.data, value.offset)
+            fields[name] = torch.from_numpy(view.copy())
+        elif isinstance(value, np.ndarray):
+            fields[name] = torch.from_numpy(value)
+        elif isinstance(value, Wire):
+            fields[name] = from_wire(value, slot)
+    return wire.cls(**fields)
+
+
+# --------------------------------------------------------------------------- the child
+
+
+def serve(stream: RowStream, channel: Channel) -> None:
+    """The child: send ``("batch", (slot, wire), state)`` per batch (``slot`` ``None``
+    when it crossed pickled; ``state`` pickled, decoded only if the parent asks), then
+    ``("end", None, None)`` or ``("error", exception, None)``, until ``stop`` is set,
+    the parent stops reading or the parent dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    torch.set_num_threads(1)  # compiling builds small tensors; leave the cores to training
+    yield_on_wakeup()
+    watch_parent()
+    channel.reader.close()  # the parent's end
+    sent = 0
+    try:
+        while wait_credit(channel):
+            try:
+                message = next_message(stream, channel, sent)
+            except BaseException as exc:  # delivered to the consumer, raised there
+                message = ("error", sendable(exc), None)
+            send(channel, message)
+            if message[0] != "batch":
+                break
+            sent += 1
+    except OSError:  # the parent closed its end (close()) or died
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: nothing here needs one
+
+
+def next_message(stream: RowStream, channel: Channel, sent: int) -> tuple:
+    """The message for the stream's next batch: written into slot ``sent % count``
+    (pickled whole if it does not fit), with the state right after it."""
+    batch = stream.next_batch()
+    if batch is None:
+        return ("end", None, None)
+    k = sent % channel.slots.count
+    try:
+        payload = (k, to_wire(batch, channel.slot(k)))
+    except OverflowError:
+        payload = (None, to_wire(batch))
+    return ("batch", payload, pickle.dumps(stream.state_dict(), PROTOCOL))
+
+
+def wait_credit(channel: Channel) -> bool:
+    """Take a credit (room for one more batch ahead); ``False`` once ``stop`` is set."""
+    while not channel.stop.value:
+        if channel.credits.acquire(timeout=POLL_S):
+            return True
+    return False
+
+
+def send(channel: Channel, message: tuple) -> None:
+    channel.writer.send_bytes(pickle.dumps(message, PROTOCOL))
+
+
+def sendable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling, else a ``RuntimeError`` with its type
+    and message; a bug (not an ``ExactstepError``) carries the child's traceback as a
+    note."""
+    if not isinstance(exc, ExactstepError):
+        exc.add_note("in the loader process:\n" + "".join(traceback.format_exception(exc)))
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__} in the loader process: {exc}")
+
+
+def yield_on_wakeup() -> None:
+    """Schedule this process as a batch job (Linux ``SCHED_BATCH``: the same share of
+    the CPU, but a wakeup does not preempt a running task), so that on a busy machine
+    the child, woken when the parent takes a batch, does not take the parent's core
+    there and then; measured (``bench loader``) this cuts the parent's wait per batch
+    about fourfold when every core is busy. Elsewhere nothing changes."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is not None:
+        try:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+        except OSError:
+            pass
+
+
+def watch_parent() -> None:
+    """End this process as soon as its parent dies (no orphan loader)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def wait() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=wait, name="exactstep-loader-parent", daemon=True).start()
