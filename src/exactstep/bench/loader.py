@@ -22,12 +22,21 @@ Figures:
 - ``rss_small_mb`` / ``rss_large_mb``: peak resident memory of a fresh process that
   trains a tiny decoder for 100 windows from each corpus (``train``, evaluation
   off); ``rss_ratio`` = large / small (1.0 means the corpus size does not show);
-- ``step_s_free`` / ``step_s_inline`` / ``step_s_background``: seconds per training
-  window of the same run (the ``RSS_SCRIPT`` model and rows, from the larger corpus)
-  when the batches cost nothing (built beforehand), when they are packed in line,
-  and when they are packed ahead on the worker thread (``train.prefetch = 2``,
-  ``rows.background``), measured in alternating blocks; ``background_step_ratio``
-  and ``inline_step_ratio`` are each against the free data path (1.0 = invisible).
+- ``step_s_free`` / ``step_s_inline`` / ``step_s_background`` / ``step_s_process``:
+  seconds per training window of the same run (the ``RSS_SCRIPT`` model and rows,
+  from the larger corpus) when the batches cost nothing (built beforehand), when
+  they are packed in line, when they are packed ahead on the worker thread
+  (``train.prefetch = 2``, ``rows.background``) and when they are packed ahead in a
+  loader process (``train.loader = "process"``, ``rows.loader_process``), measured
+  in alternating blocks; ``inline_step_ratio``, ``background_step_ratio`` and
+  ``process_step_ratio`` are each against the free data path (1.0 = invisible);
+  ``next_s_*``: of each window, the seconds spent getting its batch (packing in
+  line; waiting for the thread; receiving from the process); ``cpu_s_*``: the
+  training process's CPU seconds per window (its threads included, the loader
+  process not), and ``process_cpu_ratio`` = ``cpu_s_process / cpu_s_free``: what
+  the loader process costs the trainer itself, which is the step ratio it reaches
+  when a core is free for the child (on a busy machine the child's own CPU time
+  is taken from the trainer too); ``torch_threads``: the step's intra-op threads.
 """
 
 from __future__ import annotations
@@ -203,9 +212,14 @@ def peak_rss_mb(source: Path, out: Path) -> float:
 
 
 def step_times(source: Path, windows: int, blocks: int) -> dict:
-    """Seconds per window with the data path free, in line and in the background."""
+    """Seconds per window with the data path free, in line, on a thread and in a
+    loader process. Each source has its own stream of the same corpus and seed and
+    takes ``windows`` batches per block, so in every block all four train on the
+    same batches (the step's cost depends on how the rows were packed; the free
+    source replays batches built beforehand, block for block)."""
     from exactstep.config import load_config
     from exactstep.rows.background import BackgroundStream
+    from exactstep.rows.loader_process import LoaderProcess
     from exactstep.runner import build_run
 
     overrides = [f"data.source={source}", "train.steps=100000", "train.device=cpu",
@@ -214,29 +228,50 @@ def step_times(source: Path, windows: int, blocks: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="exactstep-steps-") as tmp:
         run_ = build_run(load_config(None, overrides), Path(tmp) / "run")
         stream = run_.stream
-        ahead = BackgroundStream(RowStream(run_.data.train, run_.cfg.batch,
-                                           pad_id=run_.tokenizer.pad_id, seed=1,
-                                           vocab_size=run_.tokenizer.vocab_size), 2)
-        free = [stream.next_batch() for _ in range(windows)]
+
+        def fresh() -> RowStream:
+            return RowStream(run_.data.train, run_.cfg.batch, pad_id=run_.tokenizer.pad_id,
+                             seed=run_.cfg.seed, vocab_size=run_.tokenizer.vocab_size,
+                             compiler=run_.parts.compiler)
+
+        ahead, child, built = BackgroundStream(fresh(), 2), LoaderProcess(fresh(), 2), fresh()
+        free = [built.next_batch() for _ in range((blocks + 1) * windows)]
         sources = {"free": lambda i: free[i], "inline": lambda i: stream.next_batch(),
-                   "background": lambda i: ahead.next_batch()}
+                   "background": lambda i: ahead.next_batch(),
+                   "process": lambda i: child.next_batch()}
         seconds = {name: [] for name in sources}
+        waits = {name: [] for name in sources}
+        cpu = {name: [] for name in sources}
         window = 0
-        for block in range(blocks + 1):  # block 0 warms up
-            order = list(sources) if block % 2 == 0 else list(sources)[::-1]
-            for name in order:
-                t0 = time.perf_counter()
-                for i in range(windows):
-                    run_.engine.run_window([sources[name](i)], window)
-                    window += 1
-                if block:
-                    seconds[name].append((time.perf_counter() - t0) / windows)
-        ahead.close()
+        try:
+            for block in range(blocks + 1):  # block 0 warms up (and starts the child)
+                order = list(sources) if block % 2 == 0 else list(sources)[::-1]
+                for name in order:
+                    waited = 0.0
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    for i in range(windows):
+                        t1 = time.perf_counter()
+                        batch = sources[name](block * windows + i)
+                        waited += time.perf_counter() - t1
+                        run_.engine.run_window([batch], window)
+                        window += 1
+                    if block:
+                        seconds[name].append((time.perf_counter() - t0) / windows)
+                        cpu[name].append((time.process_time() - c0) / windows)
+                        waits[name].append(waited / windows)
+        finally:
+            ahead.close()
+            child.close()
     per = {name: median(v) for name, v in seconds.items()}
     return {"step_s_free": per["free"], "step_s_inline": per["inline"],
-            "step_s_background": per["background"],
+            "step_s_background": per["background"], "step_s_process": per["process"],
             "inline_step_ratio": per["inline"] / per["free"],
-            "background_step_ratio": per["background"] / per["free"]}
+            "background_step_ratio": per["background"] / per["free"],
+            "process_step_ratio": per["process"] / per["free"],
+            **{f"next_s_{name}": median(v) for name, v in waits.items()},
+            **{f"cpu_s_{name}": median(v) for name, v in cpu.items()},
+            "process_cpu_ratio": median(cpu["process"]) / median(cpu["free"]),
+            "torch_threads": torch.get_num_threads()}
 
 
 def run(quick: bool) -> dict:
