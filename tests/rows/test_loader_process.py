@@ -81,8 +81,9 @@ def gone(pid: int, within: float = 10.0) -> bool:
 
 def test_same_batches_and_cursor_resume_kill_and_close():
     """In-memory examples: bitwise the in-line batches and state, a stream resumed
-    from the consumer's state continues like both, the report is the in-line one; a
-    child killed without a word is a DataError; close() reaps it."""
+    from the consumer's state continues like both (a SIGTERM to the child changes
+    nothing), the report is the in-line one; close() reaps the child; a child
+    killed without a word is a DataError."""
     exs = examples()
     inline, ahead = stream(exs), LoaderProcess(stream(exs), 3)
     try:
@@ -90,6 +91,8 @@ def test_same_batches_and_cursor_resume_kill_and_close():
         for _ in range(12):
             assert differences(inline.next_batch(), ahead.next_batch()) == []
             assert ahead.state_dict() == inline.state_dict()  # the consumer's, not the child's
+        # a SIGTERM to the process group is the parent's stop request: the child goes on
+        os.kill(ahead.process.pid, signal.SIGTERM)
         resumed = stream(exs)
         resumed.load_state_dict(ahead.state_dict())
         for _ in range(5):

@@ -27,16 +27,18 @@ Invariants:
   child that dies without a word is a ``DataError`` at the batch it did not send.
 - ``report()`` (R4) stops the child and reports from the consumed state.
 - The child is started with the ``spawn`` method (never ``fork``: the parent is a
-  multi-threaded torch process), ignores SIGINT (the parent's stop request ends the
-  run), and exits when its parent dies (it watches the parent's sentinel), so no
-  loader outlives a killed run. ``close()`` stops it (a flag and a closed pipe,
-  then join, then terminate, then kill) and reaps it; as a daemon it is also ended
-  at interpreter exit. A script that trains with it must do so under
+  multi-threaded torch process). It ignores SIGINT and SIGTERM: a signal sent to
+  the whole process group (Ctrl-C, a scheduler's SIGTERM) is the parent's stop
+  request, which finishes the window, and its batches, before the checkpoint. It
+  exits when its parent dies (it watches the parent's sentinel), so no loader
+  outlives a killed run. ``close()`` stops it (a flag and a closed pipe, then join,
+  then SIGKILL) and reaps it; one left open is closed at interpreter exit. A script that trains with it must do so under
   ``if __name__ == "__main__":``, since ``spawn`` imports the main script again.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
@@ -46,6 +48,7 @@ import signal
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -87,6 +90,7 @@ class LoaderProcess:
         self.process = ctx.Process(target=serve, name="exactstep-loader", daemon=True,
                                    args=(self.stream, channel))
         self.process.start()
+        LIVE.add(self)
         channel.writer.close()  # the child's end: its death is then an end of file here
         self._channel = channel
 
@@ -156,14 +160,12 @@ class LoaderProcess:
         if channel is None:
             return
         self._channel = None
+        LIVE.discard(self)
         channel.stop.value = 1
         channel.reader.close()  # a child blocked in a send gets a broken pipe
         proc.join(timeout=JOIN_S)
         if proc.exitcode is None:
-            proc.terminate()
-            proc.join(timeout=JOIN_S)
-        if proc.exitcode is None:
-            proc.kill()
+            proc.kill()  # it ignores SIGTERM
             proc.join()
 
     def report(self) -> dict:
@@ -172,6 +174,18 @@ class LoaderProcess:
         if self.process is not None:
             self.stream.load_state_dict(self.state_dict())
         return self.stream.report()
+
+
+LIVE: weakref.WeakSet[LoaderProcess] = weakref.WeakSet()  # started, not closed
+
+
+@atexit.register
+def close_live() -> None:
+    """Close every loader left open at interpreter exit. Registered after
+    ``multiprocessing``'s own exit hook, so it runs first: that hook would SIGTERM
+    the child, which ignores it, and wait for it for ever."""
+    for loader in list(LIVE):
+        loader.close()
 
 
 class Channel:
@@ -298,7 +312,8 @@ def serve(stream: RowStream, channel: Channel) -> None:
     when it crossed pickled; ``state`` pickled, decoded only if the parent asks), then
     ``("end", None, None)`` or ``("error", exception, None)``, until ``stop`` is set,
     the parent stops reading or the parent dies."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    for number in (signal.SIGINT, signal.SIGTERM):  # the parent's to handle (StopRequest)
+        signal.signal(number, signal.SIG_IGN)
     torch.set_num_threads(1)  # compiling builds small tensors; leave the cores to training
     yield_on_wakeup()
     watch_parent()
