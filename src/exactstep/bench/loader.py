@@ -29,7 +29,12 @@ Figures:
   (``train.prefetch = 2``, ``rows.background``) and when they are packed ahead in a
   loader process (``train.loader = "process"``, ``rows.loader_process``), measured
   in alternating blocks; ``inline_step_ratio``, ``background_step_ratio`` and
-  ``process_step_ratio`` are each against the free data path (1.0 = invisible);
+  ``process_step_ratio`` are each against the free data path (1.0 = invisible): the
+  median over blocks of each block's ratio to the free path's time in the same block,
+  with the quartiles of those ratios (``*_step_ratio_quartiles``);
+  ``neighbour_step_ratio``: the control, the free path again while a process that
+  only burns CPU runs beside the trainer (``Neighbour``): what any second process
+  costs the step on this machine, so the floor for ``process_step_ratio``;
   ``next_s_*``: of each window, the seconds spent getting its batch (packing in
   line; waiting for the thread; receiving from the process); ``cpu_s_*``: the
   training process's CPU seconds per window (its threads included, the loader
@@ -42,6 +47,7 @@ Figures:
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 import tempfile
@@ -236,9 +242,10 @@ def step_times(source: Path, windows: int, blocks: int) -> dict:
 
         ahead, child, built = BackgroundStream(fresh(), 2), LoaderProcess(fresh(), 2), fresh()
         free = [built.next_batch() for _ in range((blocks + 1) * windows)]
+        neighbour = Neighbour()
         sources = {"free": lambda i: free[i], "inline": lambda i: stream.next_batch(),
                    "background": lambda i: ahead.next_batch(),
-                   "process": lambda i: child.next_batch()}
+                   "process": lambda i: child.next_batch(), "neighbour": lambda i: free[i]}
         seconds = {name: [] for name in sources}
         waits = {name: [] for name in sources}
         cpu = {name: [] for name in sources}
@@ -248,6 +255,8 @@ def step_times(source: Path, windows: int, blocks: int) -> dict:
                 order = list(sources) if block % 2 == 0 else list(sources)[::-1]
                 for name in order:
                     waited = 0.0
+                    if name == "neighbour":
+                        neighbour.busy(True)
                     t0, c0 = time.perf_counter(), time.process_time()
                     for i in range(windows):
                         t1 = time.perf_counter()
@@ -255,6 +264,7 @@ def step_times(source: Path, windows: int, blocks: int) -> dict:
                         waited += time.perf_counter() - t1
                         run_.engine.run_window([batch], window)
                         window += 1
+                    neighbour.busy(False)
                     if block:
                         seconds[name].append((time.perf_counter() - t0) / windows)
                         cpu[name].append((time.process_time() - c0) / windows)
@@ -262,16 +272,65 @@ def step_times(source: Path, windows: int, blocks: int) -> dict:
         finally:
             ahead.close()
             child.close()
+            neighbour.close()
     per = {name: median(v) for name, v in seconds.items()}
     return {"step_s_free": per["free"], "step_s_inline": per["inline"],
             "step_s_background": per["background"], "step_s_process": per["process"],
-            "inline_step_ratio": per["inline"] / per["free"],
-            "background_step_ratio": per["background"] / per["free"],
-            "process_step_ratio": per["process"] / per["free"],
+            **{f"{name}_step_ratio": block_ratio(seconds[name], seconds["free"])
+               for name in ("inline", "background", "process", "neighbour")},
+            **{f"{name}_step_ratio_quartiles": block_quartiles(seconds[name], seconds["free"])
+               for name in ("inline", "background", "process", "neighbour")},
+            "step_blocks": blocks,
             **{f"next_s_{name}": median(v) for name, v in waits.items()},
             **{f"cpu_s_{name}": median(v) for name, v in cpu.items()},
             "process_cpu_ratio": median(cpu["process"]) / median(cpu["free"]),
             "torch_threads": torch.get_num_threads()}
+
+
+class Neighbour:
+    """The control for a loader process: a spawned process that only burns CPU, on
+    while ``busy(True)``, blocked (no CPU) otherwise. Any second process running
+    beside the trainer costs it what this one does (shared cores, caches, memory
+    bandwidth); the loader process cannot be cheaper."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.go, self.stop = ctx.Event(), ctx.Event()
+        self.process = ctx.Process(target=burn, args=(self.go, self.stop), daemon=True)
+        self.process.start()
+
+    def busy(self, on: bool) -> None:
+        (self.go.set if on else self.go.clear)()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.go.set()
+        self.process.join(timeout=5.0)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+
+
+def burn(go, stop) -> None:
+    """``Neighbour``'s process: count while ``go`` is set, wait for it otherwise."""
+    count = 0
+    while not stop.is_set():
+        go.wait()
+        while go.is_set():
+            for _ in range(20000):
+                count += 1
+
+
+def block_ratio(candidate: list[float], free: list[float]) -> float:
+    """The median over blocks of each block's ratio to the free path of the same block
+    (the machine's speed drifts between blocks; within one it is nearly the same)."""
+    return median([c / f for c, f in zip(candidate, free, strict=True)])
+
+
+def block_quartiles(candidate: list[float], free: list[float]) -> list[float]:
+    """First and third quartiles of the per-block ratios (``block_ratio``'s spread)."""
+    ratios = np.array([c / f for c, f in zip(candidate, free, strict=True)])
+    return [float(np.quantile(ratios, 0.25)), float(np.quantile(ratios, 0.75))]
 
 
 def run(quick: bool) -> dict:
@@ -283,7 +342,7 @@ def run(quick: bool) -> dict:
         small, large = (write_synthetic(root / f"c{mb}", mb, seed=mb) for mb in sizes)
         write_s = time.perf_counter() - started
         rates = throughput(large, batches, repeats=3 if quick else 5)
-        steps = step_times(large, windows=10 if quick else 20, blocks=2 if quick else 4)
+        steps = step_times(large, windows=10, blocks=4 if quick else 24)
         rss_small = peak_rss_mb(small, root / "run-small")
         rss_large = peak_rss_mb(large, root / "run-large")
         sizes_real = [open_prepared(p, verify=False).splits["train"].info["tokens"] * 2 / 2**20

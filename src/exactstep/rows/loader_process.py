@@ -32,8 +32,9 @@ Invariants:
   request, which finishes the window, and its batches, before the checkpoint. It
   exits when its parent dies (it watches the parent's sentinel), so no loader
   outlives a killed run. ``close()`` stops it (a flag and a closed pipe, then join,
-  then SIGKILL) and reaps it; one left open is closed at interpreter exit. A script that trains with it must do so under
-  ``if __name__ == "__main__":``, since ``spawn`` imports the main script again.
+  then SIGKILL) and reaps it; one left open is closed at interpreter exit. A script
+  that trains with it must do so under ``if __name__ == "__main__":``, since
+  ``spawn`` imports the main script again.
 """
 
 from __future__ import annotations
