@@ -7,24 +7,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from small_streams import examples, stream
 
 from exactstep.errors import BatchInvariantError
 from exactstep.rows.background import BackgroundStream
-from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
-from exactstep.rows.stream import RowStream
-
-CFG = BatchConfig(seq_len=16, rows=2, buffer=8)
-
-
-def examples(n: int = 40, seed: int = 0) -> list[Example]:
-    rng = np.random.default_rng(seed)
-    return [Example(i, rng.integers(0, 256, int(rng.integers(2, 30))).astype(np.int64))
-            for i in range(n)]
-
-
-def stream(exs, **kw) -> RowStream:
-    return RowStream(exs, CFG, pad_id=258, seed=5, vocab_size=259, **kw)
 
 
 def same(a, b) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from small_streams import examples, stream
 
 from exactstep.config import load_config
 from exactstep.data.prepared import open_prepared
@@ -28,18 +29,6 @@ from exactstep.rows.example import Example
 from exactstep.rows.loader_process import LoaderProcess, from_wire, slot_bytes, to_wire
 from exactstep.rows.prepared import PreparedDocuments
 from exactstep.rows.stream import RowStream
-
-CFG = BatchConfig(seq_len=16, rows=2, buffer=8)
-
-
-def examples(n: int = 40, seed: int = 0) -> list[Example]:
-    rng = np.random.default_rng(seed)
-    return [Example(i, rng.integers(0, 256, int(rng.integers(2, 30))).astype(np.int64))
-            for i in range(n)]
-
-
-def stream(exs, **kw) -> RowStream:
-    return RowStream(exs, CFG, pad_id=258, seed=5, vocab_size=259, **kw)
 
 
 def differences(a, b, prefix: str = "") -> list[str]:

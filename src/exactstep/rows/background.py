@@ -28,16 +28,15 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from exactstep.rows.batch import Batch
-from exactstep.rows.stream import RowStream
+from exactstep.rows.stream import BatchSource, RowStream
 
 _END = object()
 
 
-class BackgroundStream:
+class BackgroundStream(BatchSource):
     """``stream`` with its next batches prepared on a worker thread (see module doc)."""
 
     def __init__(self, stream: RowStream, depth: int) -> None:
@@ -80,13 +79,6 @@ class BackgroundStream:
             self._worker.start()
 
     # -- the stream interface -----------------------------------------------------------
-
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            batch = self.next_batch()
-            if batch is None:
-                return
-            yield batch
 
     def next_batch(self) -> Batch | None:
         """The next batch (prepared ahead), or ``None`` at the end of a finite stream."""

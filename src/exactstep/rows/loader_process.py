@@ -50,7 +50,6 @@ import sys
 import threading
 import traceback
 import weakref
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -58,14 +57,14 @@ import torch
 
 from exactstep.errors import DataError, ExactstepError
 from exactstep.rows.batch import Batch, SourceSide
-from exactstep.rows.stream import RowStream
+from exactstep.rows.stream import BatchSource, RowStream
 
 POLL_S = 0.05  # how often a waiting side looks whether the other one is still there
 JOIN_S = 5.0  # how long close() waits for the child to stop by itself
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
-class LoaderProcess:
+class LoaderProcess(BatchSource):
     """``stream`` with its next batches prepared in a child process (module doc)."""
 
     def __init__(self, stream: RowStream, depth: int) -> None:
@@ -114,13 +113,6 @@ class LoaderProcess:
         return message
 
     # -- the stream interface -----------------------------------------------------------
-
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            batch = self.next_batch()
-            if batch is None:
-                return
-            yield batch
 
     def next_batch(self) -> Batch | None:
         """The next batch (prepared ahead), or ``None`` at the end of a finite stream."""

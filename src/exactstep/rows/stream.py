@@ -37,7 +37,22 @@ from exactstep.rows.example import Example, all_weighted
 from exactstep.rows.packing import PackPlanner
 
 
-class RowStream:
+class BatchSource:
+    """Anything with ``next_batch() -> Batch | None`` (``None``: a finite stream has
+    ended) iterates over its batches, continuing from where it stands."""
+
+    def next_batch(self) -> Batch | None:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            batch = self.next_batch()
+            if batch is None:
+                return
+            yield batch
+
+
+class RowStream(BatchSource):
     """Rows packed from ``examples`` and compiled by ``compiler`` (see module doc).
 
     ``seed`` and the epoch fix the permutation; ``rank``/``world`` shard it (D3).
@@ -84,13 +99,6 @@ class RowStream:
         self.batches = 0
         self.supervised_rows = 0
         self.boundary_targets = 0
-
-    def __iter__(self) -> Iterator[Batch]:
-        while True:
-            batch = self.next_batch()
-            if batch is None:
-                return
-            yield batch
 
     def next_batch(self) -> Batch | None:
         """The next batch, or ``None`` at the end of a finite stream."""
