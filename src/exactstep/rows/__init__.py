@@ -1,15 +1,18 @@
 """Objective compilers from examples to ``Batch`` rows: packing, the causal and chat
-compilers, invariants, the row stream and ``inspect`` (R1-R7)."""
+compilers, invariants, the row stream, background loading (a worker thread or a
+loader process, P3) and ``inspect`` (R1-R7)."""
 
 from exactstep.lazy import lazy_exports
 
 _EXPORTS = {
+    "BackgroundStream": "exactstep.rows.background",
     "Batch": "exactstep.rows.batch",
     "BatchConfig": "exactstep.rows.config",
     "ChatPolicy": "exactstep.rows.chat",
     "DataBundle": "exactstep.rows.example",
     "Example": "exactstep.rows.example",
     "IGNORE_INDEX": "exactstep.rows.batch",
+    "LoaderProcess": "exactstep.rows.loader_process",
     "PackPlanner": "exactstep.rows.packing",
     "PreparedDocuments": "exactstep.rows.prepared",
     "RowStream": "exactstep.rows.stream",
