@@ -22,7 +22,7 @@ from small_streams import examples, stream
 
 from exactstep.config import load_config
 from exactstep.data.prepared import open_prepared
-from exactstep.errors import BatchInvariantError, DataError
+from exactstep.errors import BatchInvariantError, DataError, ResumeError
 from exactstep.families import BUILT, open_family, resolve
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
@@ -206,6 +206,25 @@ def test_a_prepared_stream_pickles_as_file_names_not_tokens(prepared):
         assert differences(copy.next_batch(), s.next_batch()) == []
     shard = s.examples.split.shards[0]
     assert len(pickle.dumps(dataclasses.replace(shard, files=None))) > tokens
+
+
+def test_a_rank_shard_pickles_with_its_rank_and_settings():
+    """D3: each rank's loader gets its own shard of the order. A stream of rank 1 of 3
+    (unshuffled, finite) pickled mid-epoch continues bitwise as
+    the original, to its end. Negative control: the same position loaded into rank 0's
+    stream is refused (the packer state names the rank it was saved with)."""
+    exs = examples(60)
+    kw = dict(rank=1, world=3, shuffle=False, repeat=False)
+    original = stream(exs, **kw)
+    for _ in range(2):
+        original.next_batch()
+    copy = pickle.loads(pickle.dumps(original))
+    assert copy.state_dict() == original.state_dict()
+    rest = list(original)
+    assert rest and all(differences(a, b) == [] for a, b in zip(list(copy), rest, strict=True))
+    other = stream(exs, rank=0, world=3, shuffle=False, repeat=False)
+    with pytest.raises(ResumeError, match=r"rank \(saved 1, now 0\)"):
+        other.load_state_dict(pickle.loads(pickle.dumps(stream(exs, **kw))).state_dict())
 
 
 def test_a_prepared_stream_through_the_loader_process(prepared):
