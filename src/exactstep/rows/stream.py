@@ -81,8 +81,6 @@ class RowStream(BatchSource):
         self.pad_id = pad_id
         self.vocab_size = vocab_size
         self.compiler = compiler
-        self.recipe = {"seed": seed, "repeat": repeat, "shuffle": shuffle, "rank": rank,
-                       "world": world}
         self.planner = PackPlanner(
             examples,
             seq_len=compiler.capacity(cfg),
@@ -116,7 +114,13 @@ class RowStream(BatchSource):
     def __reduce__(self):
         """A fresh stream of the same recipe at this one's position (module doc, S2)."""
         return (restore_stream, (self.examples, self.cfg, self.pad_id, self.vocab_size,
-                                 self.compiler, self.recipe, self.state_dict()))
+                                 self.compiler, self.recipe(), self.state_dict()))
+
+    def recipe(self) -> dict:
+        """The order's settings this stream was built with (its planner holds them)."""
+        p = self.planner
+        return {"seed": p.seed, "repeat": p.repeat, "shuffle": p.shuffle, "rank": p.rank,
+                "world": p.world}
 
     def close(self) -> None:
         """Nothing to release (``rows.background.BackgroundStream`` has a worker)."""
