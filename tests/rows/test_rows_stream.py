@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from planner_reference import ReferencePlanner
 
 from exactstep.errors import DataError, DistributedError, ResumeError
 from exactstep.rows.config import BatchConfig
@@ -143,7 +144,7 @@ def test_ranks_shard_the_permutation_disjointly() -> None:
         RowStream(examples, CFG, pad_id=PAD, seed=3, rank=3, world=3)
 
 
-class NextFitPlanner(PackPlanner):
+class NextFitPlanner(ReferencePlanner):
     """A deliberately naive packer: pieces in arrival order, the row closes as soon as
     the next piece does not fit (used as a negative control)."""
 
@@ -172,7 +173,7 @@ def padding_only_where_nothing_fits(planner: PackPlanner) -> int:
     closed_with_space = 0
     while (row := planner.next_row()) is not None:
         space = planner.seq_len - sum(p.length for p in row)
-        pending = [key >> ARRIVAL_BITS for key in planner._keys]
+        pending = [piece.length for piece in planner.pending()]
         assert all(length > space for length in pending), "padding where a piece fits"
         closed_with_space += space > 0
     return closed_with_space

@@ -257,36 +257,15 @@ def test_batches_hold_what_the_row_contract_says(name: str) -> None:
 # --------------------------------------------------------------- negative controls
 
 
-@pytest.mark.parametrize("name", ["prepared-text-split", "prepared-chat-keep-rank1"])
-def test_forgotten_locations_are_read_again_from_the_index(name: str, golden: dict,
-                                                           monkeypatch) -> None:
-    """``PreparedDocuments`` remembers where the documents of the planner's windows
-    lie; with room for only three, almost every piece is a miss and is located from
-    the index again: the batches, states and report are still the golden ones."""
-    monkeypatch.setattr(PreparedDocuments, "LOCATED", 3)
-    assert stream_digests(CASES[name]) == golden["streams"][name]
-
-
-def test_a_wrongly_remembered_location_changes_the_digests(golden: dict, monkeypatch) -> None:
-    """Negative control: the remembered locations are what the pieces are sliced
-    from; remembering each document one token early (but the first of a shard)
-    changes the batches."""
-    remember = PreparedDocuments.remember
-
-    def one_early(self, ids, shards, offsets, lengths):
-        remember(self, ids, shards, [o - 1 if o else o for o in offsets], lengths)
-
-    monkeypatch.setattr(PreparedDocuments, "remember", one_early)
-    got = stream_digests(CASES["prepared-text-split"])
-    assert got["batches"] != golden["streams"]["prepared-text-split"]["batches"]
-
-
 def test_latest_arrival_tie_break_changes_the_digests(golden: dict, monkeypatch) -> None:
     """Negative control: a planner that breaks best-fit ties by the latest arrival
-    instead of the earliest (the last key of the chosen cost, not the first)."""
+    instead of the earliest (the last key of the chosen cost, not the first); the
+    same planner breaking ties right (the Python oracle) gives the golden digests."""
+    from planner_reference import ReferencePlanner
+
     from exactstep.rows import packing, stream
 
-    class LatestOnTies(packing.PackPlanner):
+    class LatestOnTies(ReferencePlanner):
         def next_row(self):
             self._refill()
             if not self._keys:
@@ -303,6 +282,8 @@ def test_latest_arrival_tie_break_changes_the_digests(golden: dict, monkeypatch)
             self.counts.real_tokens += self.seq_len - space
             return row
 
+    monkeypatch.setattr(stream, "PackPlanner", ReferencePlanner)
+    assert stream_digests(CASES["prepared-text-split"]) == golden["streams"]["prepared-text-split"]
     monkeypatch.setattr(stream, "PackPlanner", LatestOnTies)
     got = stream_digests(CASES["prepared-text-split"])
     assert got["batches"] != golden["streams"]["prepared-text-split"]["batches"]

@@ -21,19 +21,27 @@ Semantics of one segment holding tokens ``[a, a + L)`` of an example, at columns
 
 Loss ownership is only in ``labels``; visibility is only in ``segment_ids`` and
 ``causal`` (R2). Arrays are built in NumPy and handed to torch without copying.
+
+Two builders, one semantics: the planner's ``RowPlan`` over prepared shards (a
+table with ``kernel_maps``) is compiled by ``rows.kernels.fill_causal`` straight
+from the memory maps, one pass per slot; every other input (examples in memory,
+weighted batches, rows given as lists) by the NumPy concatenation below. Tests
+hold the two to the same golden digests and to each other.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from exactstep.errors import DataError
+from exactstep.rows import kernels
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.example import Example
-from exactstep.rows.packing import Piece
+from exactstep.rows.packing import Piece, RowPlan
 
 
 def compile_causal_batch(
@@ -56,6 +64,12 @@ def compile_causal_batch(
     concatenation (or repeat) over ``B * T`` slots, and each label is the next
     slot's input, set to ``IGNORE_INDEX`` where the module doc says so.
     """
+    maps = getattr(examples, "kernel_maps", None)
+    if isinstance(rows, RowPlan) and maps is not None and not weighted:
+        shard_maps = maps()
+        if shard_maps is not None:
+            return compile_plan(rows, shard_maps, seq_len=seq_len, pad_id=pad_id,
+                                boundary=boundary, positions=positions)
     n_rows = len(rows)
     pieces = [piece for row in rows for piece in row]
     tokens, owned, ids = piece_slices(examples, pieces)
@@ -105,6 +119,48 @@ def compile_causal_batch(
         segments=layout.segments,
         weights=None if weights is None else torch.from_numpy(weights.reshape(shape)),
     )
+
+
+def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: str,
+                 positions: str) -> Batch:
+    """``compile_causal_batch`` of ``plan`` over prepared shards' memory maps
+    (``maps``: ``rows.prepared.ShardMaps``), by the ``fill_causal`` kernel; raises
+    ``IndexError`` for a piece outside its document, as slicing it would."""
+    n_rows = len(plan)
+    slots = n_rows * seq_len
+    input_ids = np.empty(slots, dtype=np.int64)
+    labels = np.empty(slots, dtype=np.int64)
+    position_ids = np.empty(slots, dtype=np.int64)
+    segment_ids = np.empty(slots, dtype=np.int32)
+    bad = kernels.fill_causal(maps.tokens, maps.index, maps.owned, maps.chat, maps.starts,
+                              plan.pieces, plan.row_starts, seq_len, pad_id,
+                              boundary == "keep", positions == "reset", ramp(seq_len),
+                              input_ids, labels, position_ids, segment_ids)
+    if bad >= 0:
+        raise IndexError(f"piece {plan.pieces[:4, bad].tolist()} (example, offset, length, "
+                         "piece) lies outside its document")
+    example, offset, length, piece, column = plan.pieces.tolist()
+    every = list(map(new_segment, zip(example, piece, offset, column, length, strict=True)))
+    bounds = plan.row_starts.tolist()
+    shape = (n_rows, seq_len)
+    return Batch(
+        input_ids=torch.from_numpy(input_ids.reshape(shape)),
+        labels=torch.from_numpy(labels.reshape(shape)),
+        position_ids=torch.from_numpy(position_ids.reshape(shape)),
+        segment_ids=torch.from_numpy(segment_ids.reshape(shape)),
+        segments=tuple(tuple(every[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)),
+    )
+
+
+new_segment = functools.partial(tuple.__new__, Segment)  # Segment of a 5-tuple, in C
+
+
+@functools.lru_cache(maxsize=8)
+def ramp(seq_len: int) -> np.ndarray:
+    """``arange(seq_len)`` (int64), made once per length; never written to."""
+    column = np.arange(seq_len, dtype=np.int64)
+    column.flags.writeable = False
+    return column
 
 
 class Layout:

@@ -17,17 +17,17 @@ Every failure raises ``BatchInvariantError`` whose message names the row and col
 and the example, piece and token offset there.
 
 A host batch is first screened by ``is_clean``: the union of every condition above,
-in a few NumPy passes over the flattened rows. A batch it clears has no violation;
+in one compiled sweep over the flattened rows (``rows.kernels.screen``). A batch it clears has no violation;
 any other goes through the checks one by one (``check_each``), which name the first
 violation exactly as they always have.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from exactstep.errors import BatchInvariantError
+from exactstep.rows import kernels
 from exactstep.rows.batch import IGNORE_INDEX, Batch
 
 
@@ -109,9 +109,9 @@ def is_clean(
     *,
     next_token_targets: bool = False,
 ) -> bool:
-    """Whether ``check_batch`` would find nothing: the union of its conditions, in
-    NumPy over host tensors of the batch's shapes (``False`` -- decide the long way --
-    for device tensors or other dtypes). Never ``True`` for a batch a check refuses.
+    """Whether ``check_batch`` would find nothing: the union of its conditions, one
+    compiled sweep over host tensors of the batch's shapes (``False`` -- decide the
+    long way -- for device tensors or other dtypes). Never ``True`` for a batch a check refuses.
 
     Two conditions are implied by others and not computed again: with
     ``next_token_targets``, a supervised label equal to the next column's input lies
@@ -123,27 +123,12 @@ def is_clean(
         return False
     if batch.input_ids.dtype != torch.int64 or batch.labels.dtype != torch.int64:
         return False
-    inputs, labels, segs = (t.numpy().reshape(-1) for t in tensors)  # [B*T] row-major
-    unsigned = inputs.view(np.uint64)  # a negative id becomes >= 2**63
-    if int(unsigned.max()) >= (1 << 63 if vocab_size is None else vocab_size):
+    if batch.segment_ids.dtype not in (torch.int32, torch.int64):
         return False
-    supervised = labels != IGNORE_INDEX
-    if not next_token_targets:
-        limit = 1 << 63 if vocab_size is None else vocab_size
-        if np.any(supervised & (labels.view(np.uint64) >= limit)):
-            return False
-    # a supervised slot must not be padding, nor (under "ignore") a segment's last,
-    # nor (with next_token_targets) hold other than the next input. Comparing each
-    # slot with the next one along the flattened rows also compares a row's last
-    # column with the next row's first: that column is refused outright either way.
-    bad = segs == 0
-    if boundary == "ignore":
-        bad[:-1] |= segs[:-1] != segs[1:]
-    if next_token_targets:
-        bad[:-1] |= labels[:-1] != inputs[1:]
-    if boundary == "ignore" or next_token_targets:
-        bad.reshape(batch.labels.shape)[:, -1] = True
-    return not np.any(supervised & bad)
+    inputs, labels, segs = (t.numpy().reshape(-1) for t in tensors)  # [B*T] row-major
+    return bool(kernels.screen(inputs, labels, segs, batch.labels.shape[1],
+                               -1 if vocab_size is None else vocab_size,
+                               boundary == "ignore", next_token_targets))
 
 
 def vocab_note(vocab_size: int | None) -> str:

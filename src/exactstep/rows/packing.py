@@ -48,7 +48,6 @@ again from the cursor after ``load_state_dict``.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,11 +56,13 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from exactstep.errors import DataError, DistributedError, ResumeError
+from exactstep.rows import kernels
 from exactstep.rows.example import Example
 
 STATE_VERSION = 1
 WINDOW = 512  # positions of the epoch order read from the table at once
-ARRIVAL_BITS = 40  # a buffer key is cost << ARRIVAL_BITS | arrival (see PackPlanner)
+SLACK = 64  # buffer slots beyond `buffer`: room for the pieces of a cut example
+ARRIVAL_BITS = kernels.ARRIVAL_BITS  # arrivals stay below 2 ** ARRIVAL_BITS
 
 
 class Piece(NamedTuple):
@@ -107,6 +108,9 @@ class PackCounts:
     real_tokens: int = 0
 
 
+assert tuple(f.name for f in dataclasses.fields(PackCounts)) == kernels.COUNTS[:-1]
+
+
 def cut_example(
     example: Example, seq_len: int, overlong: str, overlap_split: bool
 ) -> tuple[list[tuple[int, int]], int]:
@@ -136,8 +140,10 @@ class DocumentTable(Protocol):
     corpus (``rows.prepared``) serves memory-mapped shards without a list (P2).
 
     Optional, for speed only (same values): ``columns(ids)`` returns the lengths and
-    targets of ``ids`` as two lists (``table_columns``), and an order may have
-    ``window(start, stop)`` (``order_window``)."""
+    targets of ``ids`` (int64) as two arrays (``table_columns``), an order may have
+    ``window(start, stop)`` (``order_window``), and ``plain = True`` says that every
+    example's targets are all its tokens but the first (text), so that the
+    planner's kernel cuts over-long examples itself."""
 
     lengths: Sequence[int]
     targets: Sequence[int]
@@ -154,25 +160,26 @@ class DocumentTable(Protocol):
     ) -> Sequence[int]: ...
 
 
-def order_window(order: Sequence[int], start: int, stop: int) -> list[int]:
-    """Ids at positions ``[start, stop)`` of an epoch order, as ints: through the
+def order_window(order: Sequence[int], start: int, stop: int) -> np.ndarray:
+    """Ids at positions ``[start, stop)`` of an epoch order, int64: through the
     order's own ``window(start, stop)`` when it has one (``rows.prepared``'s block
     order computes a whole window at once), else by slicing."""
     window = getattr(order, "window", None)
     if window is not None:
-        return window(start, stop)
-    return [int(i) for i in order[start:stop]]
+        return np.asarray(window(start, stop), dtype=np.int64)
+    return np.asarray(order[start:stop], dtype=np.int64)
 
 
-def table_columns(table: DocumentTable, ids: list[int]) -> tuple[list[int], list[int]]:
-    """Lengths and owned targets of examples ``ids``, as ints: through the table's own
+def table_columns(table: DocumentTable, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths and owned targets of examples ``ids``, int64: through the table's own
     ``columns(ids)`` when it has one (a whole window of the document index at once),
     else one look-up per id."""
     columns = getattr(table, "columns", None)
     if columns is not None:
         return columns(ids)
     lengths, targets = table.lengths, table.targets
-    return [int(lengths[i]) for i in ids], [int(targets[i]) for i in ids]
+    return (np.array([lengths[i] for i in ids.tolist()], dtype=np.int64),
+            np.array([targets[i] for i in ids.tolist()], dtype=np.int64))
 
 
 class ExampleTable:
@@ -187,12 +194,20 @@ class ExampleTable:
         self.min_length = int(lengths.min()) if len(lengths) else 0
         self.lengths: list[int] = lengths.tolist()
         self.targets: list[int] = [e.targets_in(1, len(e)) for e in examples]
+        self._columns = np.stack([lengths, np.asarray(self.targets, dtype=np.int64)
+                                  .reshape(-1)])  # [2, n]
+        self.plain = all(e.owned is None for e in examples)
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def __getitem__(self, index: int) -> Example:
         return self.examples[index]
+
+    def columns(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths and owned targets of examples ``ids`` (int64 arrays)."""
+        lengths, targets = self._columns[:, ids]
+        return lengths, targets
 
     def first_empty(self) -> int | None:
         return int(self._empty[0]) if len(self._empty) else None
@@ -205,6 +220,39 @@ class ExampleTable:
         return order[rank::world].tolist()
 
 
+class RowPlan(Sequence[list[Piece]]):
+    """Rows of placed pieces as arrays, as the planner produces them: ``pieces``
+    ``[PLAN_FIELDS, P]`` (``rows.kernels``: example, offset, length, piece, first
+    column), ``epochs [P]`` and ``row_starts [R + 1]`` (row ``r`` holds pieces
+    ``row_starts[r]:row_starts[r + 1]``). As a sequence it is the rows of ``Piece``
+    that every compiler reads (built once, on first use); a compiler that reads
+    arrays (``rows.causal`` over prepared shards) reads them directly."""
+
+    def __init__(self, pieces: np.ndarray, epochs: np.ndarray, row_starts: np.ndarray) -> None:
+        self.pieces = pieces
+        self.epochs = epochs
+        self.row_starts = row_starts
+        self._rows: list[list[Piece]] | None = None
+
+    def rows(self) -> list[list[Piece]]:
+        """The rows as lists of ``Piece``."""
+        if self._rows is None:
+            fields = self.pieces[:4].tolist()
+            every = list(map(Piece, *fields, self.epochs.tolist()))
+            bounds = self.row_starts.tolist()
+            self._rows = [every[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.row_starts) - 1
+
+    def __getitem__(self, r):  # type: ignore[override]
+        return self.rows()[r]
+
+    def __iter__(self):
+        return iter(self.rows())
+
+
 class PackPlanner:
     """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
 
@@ -213,10 +261,12 @@ class PackPlanner:
     Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
     every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
 
-    The buffer is a sorted list of integer keys ``cost << ARRIVAL_BITS | arrival``
-    (one per pending piece; arrivals below ``2 ** ARRIVAL_BITS``, so the order is
-    that of ``(cost, arrival)``) and a map from arrival to piece. Integer keys
-    compare in one machine operation, where tuples would compare element-wise.
+    The buffer is one int64 array (``rows.kernels``: the pending pieces sorted by
+    their key ``cost << ARRIVAL_BITS | arrival``; arrivals below ``2 **
+    ARRIVAL_BITS``, so the order is that of ``(cost, arrival)``), refilled and
+    emptied into rows by a compiled kernel (``plan_rows``); the planner itself, in
+    Python, reads the next window of the order, cuts over-long examples and moves
+    from one epoch to the next (the places the kernel hands back).
     """
 
     def __init__(
@@ -268,12 +318,76 @@ class PackPlanner:
         if self.cost(seq_len) > seq_len:
             raise DataError(f"a piece of {seq_len} tokens costs {self.cost(seq_len)} > "
                             f"{seq_len}: the compiler's charges do not fit its own rows")
-        self.counts = PackCounts()
-        self._keys: list[int] = []  # sorted cost << ARRIVAL_BITS | arrival
-        self._pending: dict[int, Piece] = {}  # arrival -> piece
-        self._next_arrival = 0
+        # the charge of every piece length a row can hold (pieces are never longer)
+        self._costs = (np.array([self.cost(n) for n in range(seq_len + 1)], dtype=np.int64)
+                       if cost is not None else np.arange(seq_len + 1, dtype=np.int64))
+        self._counts = PackCounts()
+        self._added = np.zeros(len(kernels.COUNTS), dtype=np.int64)  # flushed to counts
+        rule = {"split": kernels.SPLIT, "truncate": kernels.TRUNCATE, "drop": kernels.DROP}
+        self._settings = np.array([rule[overlong], overlap_split,
+                                   bool(getattr(table, "plain", False)), seq_len, buffer],
+                                  dtype=np.int64)
+        self._kstate = np.zeros(kernels.STATE_FIELDS, dtype=np.int64)
+        self._empty_buffer(buffer + SLACK)
+        self._scratch = np.zeros((kernels.PLAN_FIELDS, 0), dtype=np.int64)
         self._exhausted = False
         self._start_epoch(0)
+
+    def _empty_buffer(self, capacity: int) -> None:
+        """An empty buffer (``rows.kernels``: a queue per cost) with ``capacity``
+        slots; the next arrival is kept."""
+        self._slots = np.full((kernels.SLOT_FIELDS, capacity), -1, dtype=np.int64)
+        self._queues = np.full((2, self.seq_len + 1), -1, dtype=np.int64)
+        self._bits = np.zeros((self.seq_len >> 5) + 1, dtype=np.int64)
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._kstate[kernels.N] = 0
+        self._kstate[kernels.FREE] = capacity
+
+    def _grow_buffer(self) -> None:
+        """Twice the slots, the pending pieces where they are."""
+        old = self._slots.shape[1]
+        slots = np.full((kernels.SLOT_FIELDS, 2 * old), -1, dtype=np.int64)
+        slots[:, :old] = self._slots
+        free = np.empty(2 * old, dtype=np.int64)
+        top = int(self._kstate[kernels.FREE])
+        free[:top] = self._free[:top]
+        free[top: top + old] = np.arange(2 * old - 1, old - 1, -1)
+        self._slots, self._free = slots, free
+        self._kstate[kernels.FREE] = top + old
+
+    @property
+    def counts(self) -> PackCounts:
+        """Everything admitted and emitted so far (the data report, R4)."""
+        self._flush()
+        return self._counts
+
+    @counts.setter
+    def counts(self, counts: PackCounts) -> None:
+        self._added[:] = 0
+        self._counts = counts
+
+    def _flush(self) -> None:
+        """Move the counts the kernels added into ``counts`` and the epoch's
+        admissions."""
+        added = self._added.tolist()
+        self._added[:] = 0
+        c = self._counts.__dict__
+        for name, value in zip(kernels.COUNTS[:-1], added, strict=False):
+            c[name] += value
+        self._admitted_this_epoch += added[kernels.ADMITTED]
+
+    @property
+    def cursor(self) -> int:
+        """Position of the next example to admit in this epoch's order (for this rank)."""
+        return self._window_start + int(self._kstate[kernels.CURSOR])
+
+    @cursor.setter
+    def cursor(self, position: int) -> None:
+        self._kstate[kernels.CURSOR] = position - self._window_start
+
+    @property
+    def _next_arrival(self) -> int:
+        return int(self._kstate[kernels.NEXT_ARRIVAL])
 
     # -- the order of examples (D3) ---------------------------------------------------
 
@@ -283,29 +397,19 @@ class PackPlanner:
         )
         self._shard_len = len(self._shard)
         self.epoch = epoch
+        self._window_start = 0
         self.cursor = 0
         self._admitted_this_epoch = 0
-        self._window_start = 0
-        self._window_ids: list[int] = []
-        self._window_lengths: list[int] = []
-        self._window_targets: list[int] = []
+        self._window = np.zeros((3, 0), dtype=np.int64)  # ids, lengths, targets
 
     def _admit(self, index: int, n: int, targets: int) -> None:
-        """Admit example ``index`` of ``n`` tokens and ``targets`` owned targets."""
-        if n <= self.seq_len:  # the common case, kept cheap
-            c = self.counts
-            c.documents += 1
-            c.tokens += n
-            c.targets += targets
-            self._push(Piece(index, 0, n, 0, self.epoch))
-            self._admitted_this_epoch += 1
-            return
+        """Admit over-long example ``index`` (``n > seq_len`` tokens): cut under the
+        over-long policy, counted, its pieces pushed."""
         example = self.table[index]
         runs, lost = cut_example(example, self.seq_len, self.overlong, self.overlap_split)
         self._count_admission(example, runs, lost)
         for k, (offset, length) in enumerate(runs):
-            self._push(Piece(example=index, offset=offset, length=length, piece=k,
-                             epoch=self.epoch))
+            self._push(index, offset, length, k)
         self._admitted_this_epoch += len(runs)
 
     def _count_admission(self, example: Example, runs: list[tuple[int, int]], lost: int) -> None:
@@ -328,12 +432,17 @@ class PackPlanner:
             c.split_repeated_tokens += sum(length for _, length in runs) - n
 
     def _refill(self) -> None:
-        while len(self._keys) < self.buffer and not self._exhausted:
+        """Refill the buffer to ``buffer`` pieces where the kernel hands back: read
+        the next window, cut an over-long example, end the epoch (its barrier:
+        drain this epoch before the next begins) or the finite stream."""
+        state = self._kstate
+        self._flush()
+        while state[kernels.N] < self.buffer and not self._exhausted:
             if self.cursor == self._shard_len:
                 if not self.repeat:
                     self._exhausted = True
                     break
-                if self._keys:
+                if state[kernels.N]:
                     break  # epoch barrier: drain this epoch before the next begins
                 if self._admitted_this_epoch == 0:
                     raise DataError(
@@ -342,105 +451,118 @@ class PackPlanner:
                     )
                 self._start_epoch(self.epoch + 1)
                 continue
-            j = self.cursor - self._window_start
-            if j >= len(self._window_ids):
+            if self.cursor - self._window_start >= self._window.shape[1]:
                 self._read_window()
-                j = 0
-            self._admit_run(j, min(j + self.buffer - len(self._keys), len(self._window_ids)))
-
-    def _admit_run(self, j: int, stop: int) -> None:
-        """Admit window entries ``j, j + 1, ...`` (at most up to ``stop``) in order, as
-        ``_admit`` would one by one: a short example adds exactly one piece, so
-        ``stop - j`` of them fill the ``stop - j`` free places; the run ends after
-        the first over-long one (its pieces are counted by ``_admit``)."""
-        ids, lengths = self._window_ids, self._window_lengths
-        seq_len, epoch, keys, pending = self.seq_len, self.epoch, self._keys, self._pending
-        cost = self.cost if self._charged else None
-        arrival = self._next_arrival
-        start = j
-        tokens = 0
-        insort = bisect.insort
-        while j < stop:
-            n = lengths[j]
-            if n > seq_len:
-                break
-            pending[arrival] = Piece(ids[j], 0, n, 0, epoch)
-            insort(keys, (n if cost is None else cost(n)) << ARRIVAL_BITS | arrival)
-            arrival += 1
-            tokens += n
-            j += 1
-        c = self.counts
-        c.documents += j - start
-        c.tokens += tokens
-        c.targets += sum(self._window_targets[start:j])
-        self._next_arrival = arrival
-        self._admitted_this_epoch += j - start
-        self.cursor += j - start
-        if j < stop:  # an over-long example: cut, counted and pushed by _admit
-            self._admit(ids[j], lengths[j], self._window_targets[j])
-            self.cursor += 1
+            j = int(state[kernels.CURSOR])
+            if self._window[1, j] > self.seq_len and not self._settings[kernels.PLAIN]:
+                index, n, targets = self._window[:, j].tolist()
+                self._admit(index, n, targets)  # cut by its ownership, in Python
+                self.cursor += 1
+                continue
+            kernels.admit_run(self._slots, self._queues, self._bits, self._free, state,
+                              self._costs, self._window, self._added, self._settings)
+            self._flush()
+            if state[kernels.CURSOR] == j:  # the next example's pieces need more slots
+                self._grow_buffer()
 
     def _read_window(self) -> None:
         """Read the next ``WINDOW`` positions of the epoch order from the cursor: ids,
-        lengths and owned targets, as lists (a cache of the table, never state)."""
-        stop = min(self.cursor + WINDOW, self._shard_len)
-        ids = order_window(self._shard, self.cursor, stop)
-        self._window_lengths, self._window_targets = table_columns(self.table, ids)
-        self._window_ids = ids
-        self._window_start = self.cursor
+        lengths and owned targets (a cache of the table, never state)."""
+        start = self.cursor
+        stop = min(start + WINDOW, self._shard_len)
+        ids = order_window(self._shard, start, stop)
+        lengths, targets = table_columns(self.table, ids)
+        self._window = np.stack([ids, lengths, targets]).astype(np.int64, copy=False)
+        self._window_start = start
+        self.cursor = start
 
     # -- the bounded buffer -------------------------------------------------------------
 
-    def _push(self, piece: Piece) -> None:
-        arrival = self._next_arrival
-        self._next_arrival += 1
-        self._pending[arrival] = piece
-        bisect.insort(self._keys, self.cost(piece.length) << ARRIVAL_BITS | arrival)
+    def _push(self, example: int, offset: int, length: int, piece: int) -> None:
+        if self._kstate[kernels.FREE] < 1:
+            self._grow_buffer()
+        kernels.push_piece(self._slots, self._queues, self._bits, self._free, self._kstate,
+                           int(self._costs[length]), example, offset, length, piece)
 
     # -- rows ---------------------------------------------------------------------------
+
+    def next_plan(self, k: int) -> RowPlan:
+        """Up to ``k`` rows as a ``RowPlan``; fewer only at the end of a finite stream."""
+        row_starts = np.zeros(k + 1, dtype=np.int64)
+        self._room_for(0, k)
+        rows, needs_help = kernels.plan_rows(
+            self._slots, self._queues, self._bits, self._free, self._kstate, self._costs,
+            self._window, self._scratch, row_starts, self._added, self._settings, k, True)
+        if needs_help:
+            return self._plan_with_help(row_starts, rows, k)
+        placed = int(row_starts[k])
+        return RowPlan(self._scratch[:, :placed].copy(), np.full(placed, self.epoch),
+                       row_starts)
+
+    def _plan_with_help(self, row_starts: np.ndarray, made: int, k: int) -> RowPlan:
+        """``next_plan`` once the kernel has handed back after ``made`` rows: refill in
+        Python, let the kernel go on, until ``k`` rows or the end of a finite stream."""
+        epochs = [(self.epoch, int(row_starts[made]))]  # (epoch, pieces placed by then)
+        while made < k:
+            self._refill()
+            if not self._kstate[kernels.N]:
+                break  # the end of a finite stream
+            self._room_for(int(row_starts[made]), k - made)
+            rows, needs_help = kernels.plan_rows(
+                self._slots, self._queues, self._bits, self._free, self._kstate,
+                self._costs, self._window, self._scratch, row_starts[made:], self._added,
+                self._settings, k - made, False)
+            made += rows
+            epochs.append((self.epoch, int(row_starts[made])))
+        placed = int(row_starts[made])
+        epoch_of = np.empty(placed, dtype=np.int64)
+        first = 0
+        for epoch, stop in epochs:
+            epoch_of[first:stop] = epoch
+            first = stop
+        return RowPlan(self._scratch[:, :placed].copy(), epoch_of, row_starts[: made + 1])
+
+    def _room_for(self, placed: int, rows: int) -> None:
+        """Scratch room for ``rows`` more rows after ``placed`` pieces: a row holds at
+        most every pending piece, and at most ``seq_len`` when each costs >= 1."""
+        per_row = self._slots.shape[1]
+        if self._costs[1] >= 1:
+            per_row = min(per_row, self.seq_len)
+        most = placed + rows * per_row
+        if most > self._scratch.shape[1]:
+            grown = np.zeros((kernels.PLAN_FIELDS, most), dtype=np.int64)
+            grown[:, :placed] = self._scratch[:, :placed]
+            self._scratch = grown
 
     def next_row(self) -> list[Piece] | None:
         """The pieces of the next row, in column order, or ``None`` when a finite
         stream is exhausted."""
-        self._refill()
-        if not self._keys:
-            return None
-        row: list[Piece] = []
-        space = self.seq_len
-        keys, pending = self._keys, self._pending
-        left = bisect.bisect_left
-        mask = (1 << ARRIVAL_BITS) - 1
-        while space > 0:
-            # the longest pending piece that fits (the last key below cost space + 1),
-            # earliest arrival on ties (the first key of that cost)
-            idx = left(keys, (space + 1) << ARRIVAL_BITS) - 1
-            if idx < 0:
-                break
-            cost = keys[idx] >> ARRIVAL_BITS
-            if idx and keys[idx - 1] >> ARRIVAL_BITS == cost:
-                idx = left(keys, cost << ARRIVAL_BITS)
-            piece = pending.pop(keys.pop(idx) & mask)
-            row.append(piece)
-            space -= cost
-        self.counts.rows += 1
-        self.counts.real_tokens += (sum(piece.length for piece in row) if self._charged
-                                    else self.seq_len - space)  # uncharged: cost = length
-        return row
+        plan = self.next_plan(1)
+        return plan[0] if len(plan) else None
 
     def next_rows(self, k: int) -> list[list[Piece]]:
         """Up to ``k`` rows; fewer only at the end of a finite stream."""
-        rows: list[list[Piece]] = []
-        while len(rows) < k:
-            row = self.next_row()
-            if row is None:
-                break
-            rows.append(row)
-        return rows
+        return self.next_plan(k).rows()
 
     @property
     def pending_pieces(self) -> int:
         """Pieces admitted but not yet placed in a row (the packer remainder)."""
-        return len(self._pending)
+        return int(self._kstate[kernels.N])
+
+    def pending(self) -> list[Piece]:
+        """The pending pieces in arrival order (each of the current epoch)."""
+        arrival, example, offset, length, piece = self._pending_columns()
+        return list(map(Piece, example, offset, length, piece, [self.epoch] * len(piece)))
+
+    def _pending_columns(self) -> list[list[int]]:
+        """``[arrival, example, offset, length, piece]`` of the pending pieces, each
+        column in arrival order."""
+        slots = self._slots
+        held = np.flatnonzero(slots[kernels.ARRIVAL] >= 0)
+        held = held[np.argsort(slots[kernels.ARRIVAL, held], kind="stable")]
+        fields = [kernels.ARRIVAL, kernels.EXAMPLE, kernels.OFFSET, kernels.LENGTH,
+                  kernels.PIECE]
+        return slots[fields][:, held].tolist()
 
     # -- state (S2) ---------------------------------------------------------------------
 
@@ -460,10 +582,8 @@ class PackPlanner:
 
     def state_dict(self) -> dict:
         """JSON-serialisable position: epoch, cursor, pending pieces, counters."""
-        pending = [
-            [arrival, p.example, p.offset, p.length, p.piece]
-            for arrival, p in sorted(self._pending.items())
-        ]
+        self._flush()
+        pending = [list(p) for p in zip(*self._pending_columns(), strict=True)]
         return {
             "version": STATE_VERSION,
             "settings": self.settings(),
@@ -492,20 +612,21 @@ class PackPlanner:
                     f"{k} (saved {saved.get(k)!r}, now {self.settings()[k]!r})" for k in differing
                 )
             )
-        self._start_epoch(int(state["epoch"]))
+        self._start_epoch(int(state["epoch"]))  # pending pieces are all of this epoch
         self.cursor = int(state["cursor"])  # the window is read again from here
         self._exhausted = bool(state["exhausted"])
         self._admitted_this_epoch = int(state["admitted_this_epoch"])
-        self._next_arrival = int(state["next_arrival"])
-        self._pending = {
-            # pending pieces are all of the saved epoch (the epoch barrier)
-            int(a): Piece(example=int(e), offset=int(o), length=int(n), piece=int(k),
-                          epoch=self.epoch)
-            for a, e, o, n, k in state["pending"]
-        }
-        if self._next_arrival >= 1 << ARRIVAL_BITS:
-            raise ResumeError(f"packer state has {self._next_arrival} arrivals, more than "
+        next_arrival = int(state["next_arrival"])
+        if next_arrival >= 1 << ARRIVAL_BITS:
+            raise ResumeError(f"packer state has {next_arrival} arrivals, more than "
                               f"2**{ARRIVAL_BITS}; it was not written by this planner")
-        self._keys = sorted(self.cost(p.length) << ARRIVAL_BITS | a
-                            for a, p in self._pending.items())
+        pending = sorted(tuple(int(v) for v in p) for p in state["pending"])
+        if any(not 1 <= length <= self.seq_len for _, _, _, length, _ in pending):
+            raise ResumeError(f"packer state holds a piece longer than the rows of "
+                              f"{self.seq_len}; it was not written by this planner")
+        self._empty_buffer(max(len(pending), self.buffer) + SLACK)
+        for arrival, example, offset, length, piece in pending:
+            self._kstate[kernels.NEXT_ARRIVAL] = arrival
+            self._push(example, offset, length, piece)
+        self._kstate[kernels.NEXT_ARRIVAL] = next_arrival
         self.counts = PackCounts(**state["counts"])

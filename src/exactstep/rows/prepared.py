@@ -30,6 +30,7 @@ import numpy as np
 
 from exactstep.data.prepared import PreparedSplit, open_prepared
 from exactstep.errors import ConfigError, DataError
+from exactstep.rows import kernels
 from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.example import WEIGHTED_REDUCTIONS, DataBundle, Example
 
@@ -80,14 +81,14 @@ class BlockOrder(Sequence[int]):
             self._cached = (block, perm)
         return self._cached[1]
 
-    def window(self, start: int, stop: int) -> list[int]:
-        """``self[start:stop]`` as ints, computed a block at a time (same ids as ``at``)."""
+    def window(self, start: int, stop: int) -> np.ndarray:
+        """``self[start:stop]`` as int64, computed a block at a time (same ids as ``at``)."""
         stop = min(stop, self._length)
         if stop <= start:
-            return []
+            return np.zeros(0, dtype=np.int64)
         positions = self.rank + np.arange(start, stop, dtype=np.int64) * self.world
         if not self.shuffle:
-            return positions.tolist()  # the identity order
+            return positions  # the identity order
         out = np.empty_like(positions)
         first = bisect.bisect_right(self.starts, int(positions[0])) - 1
         last = bisect.bisect_right(self.starts, int(positions[-1])) - 1
@@ -97,7 +98,7 @@ class BlockOrder(Sequence[int]):
                 continue
             base = int(self.blocks[slot]) * self.block
             out[lo:hi] = base + self.permutation(slot)[positions[lo:hi] - self.starts[slot]]
-        return out.tolist()
+        return out
 
 
 class PreparedDocuments(Sequence[Example]):
@@ -108,15 +109,8 @@ class PreparedDocuments(Sequence[Example]):
     and the causal compiler read it in bulk instead (``columns``: a window of the
     index; ``piece_slices``: a batch's pieces), with the same values.
 
-    ``columns`` also remembers where each document it read lies (shard, token
-    offset, length), so that ``piece_slices`` finds a batch's documents without
-    reading the index again: the planner reads a document's columns when it admits
-    it, shortly before a row holds it. The memory is two generations of at most
-    ``LOCATED`` documents each (bounded, whatever the corpus size); a document no
-    longer in it is read from the index. It is a cache of the index, never state.
+    The causal compiler reads the memory maps themselves (``kernel_maps``).
     """
-
-    LOCATED = 8192
 
     def __init__(self, split: PreparedSplit, block: int,
                  unigram: np.ndarray | None = None) -> None:
@@ -128,12 +122,19 @@ class PreparedDocuments(Sequence[Example]):
         self.min_length = split.min_length
         self._starts = np.asarray(split.starts, dtype=np.int64)
         self._chat = any(s.owned is not None for s in split.shards)
-        self._recent: dict[int, tuple[int, int, int]] = {}  # doc -> shard, offset, length
-        self._older: dict[int, tuple[int, int, int]] = {}
+        self.plain = not self._chat  # every token but the first is a target (text)
+        self._maps: ShardMaps | None = None
 
     def __getstate__(self) -> dict:
-        """Pickled without the remembered locations (a cache, rebuilt on use)."""
-        return {**self.__dict__, "_recent": {}, "_older": {}}
+        """Pickled without ``kernel_maps`` (built again on use)."""
+        return {**self.__dict__, "_maps": None}
+
+    def kernel_maps(self) -> ShardMaps | None:
+        """The shards' memory maps as the causal kernel reads them (built once), or
+        ``None`` when the shards' token types differ (then NumPy slices them)."""
+        if self._maps is None:
+            self._maps = ShardMaps.of(self.split)
+        return self._maps if self._maps.tokens is not None else None
 
     def __len__(self) -> int:
         return self.split.documents
@@ -173,34 +174,10 @@ class PreparedDocuments(Sequence[Example]):
             rows[mine] = split.shards[k].index[docs[mine] - self._starts[k]]
         return shard, rows
 
-    def columns(self, ids: list[int]) -> tuple[list[int], list[int]]:
-        """Lengths and owned targets of documents ``ids`` (the planner's window read);
-        their locations are remembered for ``piece_slices`` (class doc)."""
-        shard, rows = self.index_rows(np.asarray(ids, dtype=np.int64))
-        lengths = rows[:, 1].tolist()
-        self.remember(ids, shard.tolist(), rows[:, 0].tolist(), lengths)
-        return lengths, rows[:, 2].tolist()
-
-    def remember(self, ids: list[int], shards: list[int], offsets: list[int],
-                 lengths: list[int]) -> None:
-        """Record documents' locations, starting a new generation when the current
-        one is full (the older one is then forgotten)."""
-        if len(self._recent) + len(ids) > self.LOCATED:
-            self._older, self._recent = self._recent, {}
-        self._recent.update(zip(ids, zip(shards, offsets, lengths, strict=True), strict=True))
-
-    def locations(self, docs: list[int]) -> list[tuple[int, int, int]]:
-        """(shard, token offset, length) of each of ``docs``: remembered, or read
-        from the index for those not remembered."""
-        recent, older = self._recent, self._older
-        found = [recent.get(d) or older.get(d) for d in docs]
-        missing = [d for d, where in zip(docs, found, strict=True) if where is None]
-        if missing:
-            shard, rows = self.index_rows(np.asarray(missing, dtype=np.int64))
-            read = dict(zip(missing, zip(shard.tolist(), rows[:, 0].tolist(),
-                                         rows[:, 1].tolist(), strict=True), strict=True))
-            found = [where or read[d] for d, where in zip(docs, found, strict=True)]
-        return found  # type: ignore[return-value]
+    def columns(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths and owned targets of documents ``ids`` (the planner's window read)."""
+        _, rows = self.index_rows(np.asarray(ids, dtype=np.int64))
+        return rows[:, 1], rows[:, 2]
 
     def piece_slices(
         self, pieces: Sequence[Any]
@@ -216,7 +193,9 @@ class PreparedDocuments(Sequence[Example]):
         maps = [s.tokens for s in shards]
         tokens: list[np.ndarray] = []
         owned: list[np.ndarray] | None = [] if self._chat else None
-        for p, (k, start, size) in zip(pieces, self.locations(docs), strict=True):
+        shard, rows = self.index_rows(np.asarray(docs, dtype=np.int64))
+        where = zip(shard.tolist(), rows[:, 0].tolist(), rows[:, 1].tolist(), strict=True)
+        for p, (k, start, size) in zip(pieces, where, strict=True):
             if p.offset < 0 or p.offset + p.length > size:
                 raise IndexError(f"piece {p} reaches past document {p.example}")
             a = start + p.offset
@@ -224,6 +203,33 @@ class PreparedDocuments(Sequence[Example]):
             if owned is not None:
                 owned.append(owned_bits(shards[k].owned, a, p.length))
         return tokens, owned, docs
+
+
+class ShardMaps:
+    """A split's shards as ``rows.kernels.fill_causal`` reads them: the token maps,
+    the index maps ``[documents, 3]`` and the packed ownership bits (``chat``; a
+    one-byte stand-in for text), each a list the kernel can take (numba's typed
+    list), and ``starts``, the first global document id of each shard and the
+    count. ``tokens`` is ``None`` when the shards' token types differ."""
+
+    def __init__(self, tokens, index, owned, chat: bool, starts: np.ndarray) -> None:
+        self.tokens, self.index, self.owned = tokens, index, owned
+        self.chat, self.starts = chat, starts
+
+    @classmethod
+    def of(cls, split: PreparedSplit) -> ShardMaps:
+        tokens = [np.asarray(s.tokens) for s in split.shards]
+        index = [np.asarray(s.index, dtype=np.int64) for s in split.shards]
+        chat = any(s.owned is not None for s in split.shards)
+        owned = [np.asarray(s.owned if chat else np.zeros(1, dtype=np.uint8))
+                 for s in split.shards]
+        starts = np.asarray(split.starts, dtype=np.int64)
+        kinds = {(a.dtype, a.flags.writeable) for a in tokens}
+        if len(kinds) != 1 or len({(a.flags.writeable) for a in index}) != 1 or len(
+                {(a.dtype, a.flags.writeable) for a in owned}) != 1:
+            return cls(None, None, None, chat, starts)
+        return cls(kernels.kernel_list(tokens), kernels.kernel_list(index),
+                   kernels.kernel_list(owned), chat, starts)
 
 
 def owned_bits(packed: np.ndarray | None, start: int, length: int) -> np.ndarray:

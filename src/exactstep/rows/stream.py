@@ -100,7 +100,7 @@ class RowStream(BatchSource):
 
     def next_batch(self) -> Batch | None:
         """The next batch, or ``None`` at the end of a finite stream."""
-        rows = self.planner.next_rows(self.cfg.rows)
+        rows = self.planner.next_plan(self.cfg.rows)
         if not rows:
             return None
         batch = compile_rows(rows, self.examples, self.cfg, self.pad_id, self.vocab_size,
@@ -251,7 +251,7 @@ def eval_batches(
         cost=piece_cost(compiler, cfg),
     )
     while True:
-        rows = planner.next_rows(cfg.rows)
+        rows = planner.next_plan(cfg.rows)
         if not rows:
             return
         yield compile_rows(rows, examples, cfg, pad_id, vocab_size, compiler=compiler)

@@ -1,0 +1,344 @@
+"""The packing planner as it was written in Python, before its buffer became a
+compiled kernel (``rows.kernels``): the oracle the kernel planner is tested against
+(``test_planner_kernel.py``). Same algorithm, state format and counts as
+``exactstep.rows.packing.PackPlanner`` (see that module's doc): a sorted list of
+integer keys ``cost << ARRIVAL_BITS | arrival`` and a map from arrival to piece.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from exactstep.errors import DataError, DistributedError, ResumeError
+from exactstep.rows.example import Example
+from exactstep.rows.packing import (
+    ARRIVAL_BITS,
+    STATE_VERSION,
+    WINDOW,
+    DocumentTable,
+    ExampleTable,
+    PackCounts,
+    Piece,
+    cut_example,
+    order_window,
+    table_columns,
+)
+
+
+class ReferencePlanner:
+    """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
+
+    ``cost`` (optional): the capacity a piece of a given length takes (module doc,
+    "Charges"); ``real_tokens`` still counts tokens.
+    Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
+    every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
+
+    The buffer is a sorted list of integer keys ``cost << ARRIVAL_BITS | arrival``
+    (one per pending piece; arrivals below ``2 ** ARRIVAL_BITS``, so the order is
+    that of ``(cost, arrival)``) and a map from arrival to piece. Integer keys
+    compare in one machine operation, where tuples would compare element-wise.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example] | DocumentTable,
+        *,
+        seq_len: int,
+        buffer: int,
+        overlong: str,
+        seed: int,
+        shuffle: bool = True,
+        repeat: bool = True,
+        rank: int = 0,
+        world: int = 1,
+        overlap_split: bool = False,
+        cost: Callable[[int], int] | None = None,
+    ) -> None:
+        if world < 1 or not 0 <= rank < world:
+            raise DistributedError(f"rank {rank} is not in [0, world = {world}); check the launch")
+        table = examples if isinstance(examples, DocumentTable) else ExampleTable(examples)
+        if not len(table):
+            raise DataError("there are no examples to pack; check data.source and data.max_docs")
+        if len(table) < world:
+            raise DataError(
+                f"{len(table)} examples cannot be sharded over {world} ranks; "
+                "use more data or fewer ranks"
+            )
+        empty = table.first_empty()
+        if empty is not None:
+            raise DataError(f"example {table[empty].example_id} has no tokens; remove it")
+        if overlong == "drop" and table.min_length > seq_len:
+            raise DataError(
+                f"every example is longer than batch.seq_len = {seq_len} and batch.overlong = "
+                "'drop'; raise batch.seq_len or set batch.overlong to 'split' or 'truncate'"
+            )
+        self.examples = examples
+        self.table = table
+        self.seq_len = seq_len
+        self.buffer = buffer
+        self.overlong = overlong
+        self.seed = seed
+        self.shuffle = shuffle
+        self.repeat = repeat
+        self.rank = rank
+        self.world = world
+        self.overlap_split = overlap_split
+        self.cost = cost or (lambda length: length)
+        self._charged = cost is not None  # else a piece's cost is its length
+        if self.cost(seq_len) > seq_len:
+            raise DataError(f"a piece of {seq_len} tokens costs {self.cost(seq_len)} > "
+                            f"{seq_len}: the compiler's charges do not fit its own rows")
+        self.counts = PackCounts()
+        self._keys: list[int] = []  # sorted cost << ARRIVAL_BITS | arrival
+        self._pending: dict[int, Piece] = {}  # arrival -> piece
+        self._next_arrival = 0
+        self._exhausted = False
+        self._start_epoch(0)
+
+    # -- the order of examples (D3) ---------------------------------------------------
+
+    def _start_epoch(self, epoch: int) -> None:
+        self._shard: Sequence[int] = self.table.shard_order(
+            self.seed, epoch, shuffle=self.shuffle, rank=self.rank, world=self.world
+        )
+        self._shard_len = len(self._shard)
+        self.epoch = epoch
+        self.cursor = 0
+        self._admitted_this_epoch = 0
+        self._window_start = 0
+        self._window_ids: list[int] = []
+        self._window_lengths: list[int] = []
+        self._window_targets: list[int] = []
+
+    def _admit(self, index: int, n: int, targets: int) -> None:
+        """Admit example ``index`` of ``n`` tokens and ``targets`` owned targets."""
+        if n <= self.seq_len:  # the common case, kept cheap
+            c = self.counts
+            c.documents += 1
+            c.tokens += n
+            c.targets += targets
+            self._push(Piece(index, 0, n, 0, self.epoch))
+            self._admitted_this_epoch += 1
+            return
+        example = self.table[index]
+        runs, lost = cut_example(example, self.seq_len, self.overlong, self.overlap_split)
+        self._count_admission(example, runs, lost)
+        for k, (offset, length) in enumerate(runs):
+            self._push(Piece(example=index, offset=offset, length=length, piece=k,
+                             epoch=self.epoch))
+        self._admitted_this_epoch += len(runs)
+
+    def _count_admission(self, example: Example, runs: list[tuple[int, int]], lost: int) -> None:
+        c, n = self.counts, len(example)
+        c.documents += 1
+        c.tokens += n
+        c.targets += example.targets_in(1, n)
+        if self.overlong == "drop":
+            c.dropped_documents += 1
+            c.dropped_tokens += n
+            c.dropped_targets_lost += lost
+        elif self.overlong == "truncate":
+            c.truncated_documents += 1
+            c.truncated_tokens += n - self.seq_len
+            c.truncated_targets_lost += lost
+        else:
+            c.split_documents += 1
+            c.split_pieces += len(runs)
+            c.split_targets_lost += lost
+            c.split_repeated_tokens += sum(length for _, length in runs) - n
+
+    def _refill(self) -> None:
+        while len(self._keys) < self.buffer and not self._exhausted:
+            if self.cursor == self._shard_len:
+                if not self.repeat:
+                    self._exhausted = True
+                    break
+                if self._keys:
+                    break  # epoch barrier: drain this epoch before the next begins
+                if self._admitted_this_epoch == 0:
+                    raise DataError(
+                        f"rank {self.rank}'s shard has no example that fits batch.seq_len = "
+                        f"{self.seq_len} under batch.overlong = 'drop'; change one of them"
+                    )
+                self._start_epoch(self.epoch + 1)
+                continue
+            j = self.cursor - self._window_start
+            if j >= len(self._window_ids):
+                self._read_window()
+                j = 0
+            self._admit_run(j, min(j + self.buffer - len(self._keys), len(self._window_ids)))
+
+    def _admit_run(self, j: int, stop: int) -> None:
+        """Admit window entries ``j, j + 1, ...`` (at most up to ``stop``) in order, as
+        ``_admit`` would one by one: a short example adds exactly one piece, so
+        ``stop - j`` of them fill the ``stop - j`` free places; the run ends after
+        the first over-long one (its pieces are counted by ``_admit``)."""
+        ids, lengths = self._window_ids, self._window_lengths
+        seq_len, epoch, keys, pending = self.seq_len, self.epoch, self._keys, self._pending
+        cost = self.cost if self._charged else None
+        arrival = self._next_arrival
+        start = j
+        tokens = 0
+        insort = bisect.insort
+        while j < stop:
+            n = lengths[j]
+            if n > seq_len:
+                break
+            pending[arrival] = Piece(ids[j], 0, n, 0, epoch)
+            insort(keys, (n if cost is None else cost(n)) << ARRIVAL_BITS | arrival)
+            arrival += 1
+            tokens += n
+            j += 1
+        c = self.counts
+        c.documents += j - start
+        c.tokens += tokens
+        c.targets += sum(self._window_targets[start:j])
+        self._next_arrival = arrival
+        self._admitted_this_epoch += j - start
+        self.cursor += j - start
+        if j < stop:  # an over-long example: cut, counted and pushed by _admit
+            self._admit(ids[j], lengths[j], self._window_targets[j])
+            self.cursor += 1
+
+    def _read_window(self) -> None:
+        """Read the next ``WINDOW`` positions of the epoch order from the cursor: ids,
+        lengths and owned targets, as lists (a cache of the table, never state)."""
+        stop = min(self.cursor + WINDOW, self._shard_len)
+        ids = order_window(self._shard, self.cursor, stop)
+        lengths, targets = table_columns(self.table, ids)
+        self._window_lengths, self._window_targets = lengths.tolist(), targets.tolist()
+        ids = ids.tolist()
+        self._window_ids = ids
+        self._window_start = self.cursor
+
+    # -- the bounded buffer -------------------------------------------------------------
+
+    def _push(self, piece: Piece) -> None:
+        arrival = self._next_arrival
+        self._next_arrival += 1
+        self._pending[arrival] = piece
+        bisect.insort(self._keys, self.cost(piece.length) << ARRIVAL_BITS | arrival)
+
+    # -- rows ---------------------------------------------------------------------------
+
+    def next_row(self) -> list[Piece] | None:
+        """The pieces of the next row, in column order, or ``None`` when a finite
+        stream is exhausted."""
+        self._refill()
+        if not self._keys:
+            return None
+        row: list[Piece] = []
+        space = self.seq_len
+        keys, pending = self._keys, self._pending
+        left = bisect.bisect_left
+        mask = (1 << ARRIVAL_BITS) - 1
+        while space > 0:
+            # the longest pending piece that fits (the last key below cost space + 1),
+            # earliest arrival on ties (the first key of that cost)
+            idx = left(keys, (space + 1) << ARRIVAL_BITS) - 1
+            if idx < 0:
+                break
+            cost = keys[idx] >> ARRIVAL_BITS
+            if idx and keys[idx - 1] >> ARRIVAL_BITS == cost:
+                idx = left(keys, cost << ARRIVAL_BITS)
+            piece = pending.pop(keys.pop(idx) & mask)
+            row.append(piece)
+            space -= cost
+        self.counts.rows += 1
+        self.counts.real_tokens += (sum(piece.length for piece in row) if self._charged
+                                    else self.seq_len - space)  # uncharged: cost = length
+        return row
+
+    def next_rows(self, k: int) -> list[list[Piece]]:
+        """Up to ``k`` rows; fewer only at the end of a finite stream."""
+        rows: list[list[Piece]] = []
+        while len(rows) < k:
+            row = self.next_row()
+            if row is None:
+                break
+            rows.append(row)
+        return rows
+
+    def next_plan(self, k: int) -> list[list[Piece]]:
+        """``next_rows``: the rows every compiler reads (``PackPlanner.next_plan``
+        returns them as a ``RowPlan``)."""
+        return self.next_rows(k)
+
+    def pending(self) -> list[Piece]:
+        """The pending pieces in arrival order."""
+        return [self._pending[a] for a in sorted(self._pending)]
+
+    @property
+    def pending_pieces(self) -> int:
+        """Pieces admitted but not yet placed in a row (the packer remainder)."""
+        return len(self._pending)
+
+    # -- state (S2) ---------------------------------------------------------------------
+
+    def settings(self) -> dict:
+        return {
+            "examples": len(self.table),
+            "seq_len": self.seq_len,
+            "buffer": self.buffer,
+            "overlong": self.overlong,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "repeat": self.repeat,
+            "rank": self.rank,
+            "world": self.world,
+            "overlap_split": self.overlap_split,
+        }
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position: epoch, cursor, pending pieces, counters."""
+        pending = [
+            [arrival, p.example, p.offset, p.length, p.piece]
+            for arrival, p in sorted(self._pending.items())
+        ]
+        return {
+            "version": STATE_VERSION,
+            "settings": self.settings(),
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "exhausted": self._exhausted,
+            "admitted_this_epoch": self._admitted_this_epoch,
+            "next_arrival": self._next_arrival,
+            "pending": pending,
+            "counts": dataclasses.asdict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where ``state`` was taken. Raises ``ResumeError`` if the
+        state belongs to a planner with different settings or data size."""
+        if state.get("version") != STATE_VERSION:
+            raise ResumeError(
+                f"packer state version {state.get('version')!r} is not {STATE_VERSION}"
+            )
+        saved = state["settings"]
+        differing = sorted(k for k, v in self.settings().items() if saved.get(k) != v)
+        if differing:
+            raise ResumeError(
+                "the packer state was saved with different settings: "
+                + ", ".join(
+                    f"{k} (saved {saved.get(k)!r}, now {self.settings()[k]!r})" for k in differing
+                )
+            )
+        self._start_epoch(int(state["epoch"]))
+        self.cursor = int(state["cursor"])  # the window is read again from here
+        self._exhausted = bool(state["exhausted"])
+        self._admitted_this_epoch = int(state["admitted_this_epoch"])
+        self._next_arrival = int(state["next_arrival"])
+        self._pending = {
+            # pending pieces are all of the saved epoch (the epoch barrier)
+            int(a): Piece(example=int(e), offset=int(o), length=int(n), piece=int(k),
+                          epoch=self.epoch)
+            for a, e, o, n, k in state["pending"]
+        }
+        if self._next_arrival >= 1 << ARRIVAL_BITS:
+            raise ResumeError(f"packer state has {self._next_arrival} arrivals, more than "
+                              f"2**{ARRIVAL_BITS}; it was not written by this planner")
+        self._keys = sorted(self.cost(p.length) << ARRIVAL_BITS | a
+                            for a, p in self._pending.items())
+        self.counts = PackCounts(**state["counts"])
