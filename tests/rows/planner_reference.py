@@ -342,3 +342,24 @@ class ReferencePlanner:
         self._keys = sorted(self.cost(p.length) << ARRIVAL_BITS | a
                             for a, p in self._pending.items())
         self.counts = PackCounts(**state["counts"])
+
+
+class LatestOnTies(ReferencePlanner):
+    """A deliberately wrong planner for negative controls: best-fit ties go to the
+    latest arrival instead of the earliest (the last key of the chosen cost)."""
+
+    def next_row(self):
+        self._refill()
+        if not self._keys:
+            return None
+        row, space, keys = [], self.seq_len, self._keys
+        while space > 0:
+            idx = bisect.bisect_left(keys, (space + 1) << ARRIVAL_BITS) - 1
+            if idx < 0:
+                break
+            cost = keys[idx] >> ARRIVAL_BITS
+            row.append(self._pending.pop(keys.pop(idx) & ((1 << ARRIVAL_BITS) - 1)))
+            space -= cost
+        self.counts.rows += 1
+        self.counts.real_tokens += sum(piece.length for piece in row)
+        return row

@@ -20,7 +20,6 @@ Regenerate (only when the contract itself changes) with
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import sys
@@ -261,26 +260,9 @@ def test_latest_arrival_tie_break_changes_the_digests(golden: dict, monkeypatch)
     """Negative control: a planner that breaks best-fit ties by the latest arrival
     instead of the earliest (the last key of the chosen cost, not the first); the
     same planner breaking ties right (the Python oracle) gives the golden digests."""
-    from planner_reference import ReferencePlanner
+    from planner_reference import LatestOnTies, ReferencePlanner
 
-    from exactstep.rows import packing, stream
-
-    class LatestOnTies(ReferencePlanner):
-        def next_row(self):
-            self._refill()
-            if not self._keys:
-                return None
-            row, space, keys = [], self.seq_len, self._keys
-            while space > 0:
-                idx = bisect.bisect_left(keys, (space + 1) << packing.ARRIVAL_BITS) - 1
-                if idx < 0:
-                    break
-                cost = keys[idx] >> packing.ARRIVAL_BITS
-                row.append(self._pending.pop(keys.pop(idx) & ((1 << packing.ARRIVAL_BITS) - 1)))
-                space -= cost
-            self.counts.rows += 1
-            self.counts.real_tokens += self.seq_len - space
-            return row
+    from exactstep.rows import stream
 
     monkeypatch.setattr(stream, "PackPlanner", ReferencePlanner)
     assert stream_digests(CASES["prepared-text-split"]) == golden["streams"]["prepared-text-split"]

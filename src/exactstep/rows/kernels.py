@@ -2,9 +2,8 @@
 buffer, the causal compiler over prepared shards, and the R7 screen.
 
 Each kernel is plain Python over NumPy arrays and ints, compiled by numba
-(``njit``, cached on disk, ``nogil`` so a loader thread packs while the step holds
-the GIL) when numba is installed (``COMPILED``), and run as written otherwise, with
-the same results. Their callers own the semantics and document them:
+(``njit``, cached on disk after the first use, ``nogil`` so a loader thread packs
+while the step holds the GIL). Their callers own the semantics and document them:
 ``rows.packing`` (the plan), ``rows.causal`` (labels, positions, segment ids) and
 ``rows.invariants`` (what R7 refuses); the kernels are tested against those
 modules' NumPy and pure-Python forms, and against the golden digests of
@@ -26,14 +25,9 @@ in its row), with ``row_starts[r]`` the first piece of row ``r``.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # pragma: no cover - numba is a dependency; this keeps it optional
-    numba = None
-
-COMPILED = numba is not None
 ARRIVAL_BITS = 40  # arrivals stay below 2 ** ARRIVAL_BITS (a saved state is checked)
 IGNORE = -100  # rows.batch.IGNORE_INDEX (rows.batch imports torch; kernels do not)
 
@@ -61,17 +55,12 @@ SPLIT, TRUNCATE, DROP = 0, 1, 2  # the over-long policies (rows.packing.cut_exam
 
 
 def kernel(fn):
-    """``fn`` compiled (numba ``njit``, cached, without the GIL) or, without numba,
-    ``fn`` itself."""
-    if numba is None:  # pragma: no cover
-        return fn
+    """``fn`` compiled: numba ``njit``, cached on disk, without the GIL."""
     return numba.njit(cache=True, nogil=True)(fn)
 
 
 def kernel_list(arrays: list[np.ndarray]):
     """``arrays`` as a list a kernel can take (numba's typed list; all of one type)."""
-    if numba is None:  # pragma: no cover
-        return list(arrays)
     return numba.typed.List(arrays)
 
 

@@ -43,7 +43,14 @@ continuing gives bitwise the same rows as an uninterrupted planner (S2, S5).
 Speed: the order, lengths and target counts are read ``WINDOW`` positions at a time
 (``order_window``, ``table_columns``: one NumPy read of a prepared index instead of a
 look-up per document). The window is a cache of the table, never state: it is read
-again from the cursor after ``load_state_dict``.
+again from the cursor after ``load_state_dict``. The buffer and the best-fit loop are
+compiled kernels (``rows.kernels``: a queue per cost and a bitmap of the costs
+present, so a piece joins or leaves the buffer in constant time); the kernel admits
+the window's examples and cuts over-long text ones itself, and hands back to the
+planner, in Python, only to read the next window, to cut an over-long example by
+its ownership, or to end the epoch. ``next_plan`` returns the rows as arrays
+(``RowPlan``); the Python planner that came before the kernels is the tests'
+oracle (``tests/rows/planner_reference.py``): same rows, same state.
 """
 
 from __future__ import annotations

@@ -218,18 +218,24 @@ class ShardMaps:
 
     @classmethod
     def of(cls, split: PreparedSplit) -> ShardMaps:
-        tokens = [np.asarray(s.tokens) for s in split.shards]
-        index = [np.asarray(s.index, dtype=np.int64) for s in split.shards]
         chat = any(s.owned is not None for s in split.shards)
-        owned = [np.asarray(s.owned if chat else np.zeros(1, dtype=np.uint8))
+        tokens = [read_only(s.tokens) for s in split.shards]
+        index = [read_only(np.asarray(s.index, dtype=np.int64)) for s in split.shards]
+        owned = [read_only(s.owned if chat else np.zeros(1, dtype=np.uint8))
                  for s in split.shards]
         starts = np.asarray(split.starts, dtype=np.int64)
-        kinds = {(a.dtype, a.flags.writeable) for a in tokens}
-        if len(kinds) != 1 or len({(a.flags.writeable) for a in index}) != 1 or len(
-                {(a.dtype, a.flags.writeable) for a in owned}) != 1:
+        if len({a.dtype for a in tokens}) != 1 or len({a.dtype for a in owned}) != 1:
             return cls(None, None, None, chat, starts)
         return cls(kernels.kernel_list(tokens), kernels.kernel_list(index),
                    kernels.kernel_list(owned), chat, starts)
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only plain view of ``array`` (memory maps and arrays in memory then
+    have one type for the kernels, which are compiled once per type)."""
+    view = np.asarray(array).view(np.ndarray)
+    view.flags.writeable = False
+    return view
 
 
 def owned_bits(packed: np.ndarray | None, start: int, length: int) -> np.ndarray:

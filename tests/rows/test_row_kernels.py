@@ -1,0 +1,228 @@
+"""The compiled data path against the Python it replaced (R3, R4, R5, R7, S2, P2).
+
+- The planner (``rows.packing.PackPlanner``, its buffer a queue per cost in
+  ``rows.kernels``) against ``planner_reference.ReferencePlanner``, the sorted-list
+  planner written before the kernels: the same rows, the same ``state_dict`` after
+  every row (so the same resume), and a state of either loaded into the other
+  continues the same, over random corpora (text and chat ownership, over-long
+  documents) and every planner setting (property tests).
+- The causal kernel (``rows.kernels.fill_causal``, taken for a ``RowPlan`` over
+  prepared shards) against the NumPy compiler (``compile_causal_batch`` given the
+  same rows as lists), bitwise, for random shards, ownership bits and settings.
+  Negative control: the kernel told the other boundary rule disagrees.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planner_reference import LatestOnTies, ReferencePlanner
+
+from exactstep.data.prepared import PreparedSplit, Shard
+from exactstep.errors import DataError
+from exactstep.rows.causal import compile_causal_batch, compile_plan
+from exactstep.rows.example import Example
+from exactstep.rows.packing import PackPlanner
+from exactstep.rows.prepared import PreparedDocuments
+
+PROPERTY = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def planner_cases(draw):
+    seq_len = draw(st.integers(2, 20))
+    n = draw(st.integers(1, 30))
+    lengths = draw(st.lists(st.integers(1, 3 * seq_len), min_size=n, max_size=n))
+    ownership = draw(st.sampled_from(["text", "chat", "mixed"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    examples = []
+    for i, length in enumerate(lengths):
+        owned = None
+        if ownership == "chat" or (ownership == "mixed" and i % 2):
+            owned = rng.random(length) < 0.6
+        examples.append(Example(i, rng.integers(0, 50, length).astype(np.int64), owned))
+    world = draw(st.integers(1, 3))
+    kwargs = dict(
+        seq_len=seq_len,
+        buffer=draw(st.integers(1, 10)),
+        overlong=draw(st.sampled_from(["split", "truncate", "drop"])),
+        seed=draw(st.integers(0, 1000)),
+        shuffle=draw(st.booleans()),
+        repeat=draw(st.booleans()),
+        rank=draw(st.integers(0, world - 1)),
+        world=world,
+        overlap_split=draw(st.booleans()),
+    )
+    if draw(st.booleans()):  # a compiler's charges (rows.packing, "Charges")
+        kwargs["cost"] = lambda length, cap=seq_len: min(cap, length + length // 4)
+    return examples, kwargs, draw(st.integers(1, 40))
+
+
+def build(cls, examples, kwargs):
+    """The planner, or the error it refuses the input with."""
+    try:
+        return cls(examples, **kwargs)
+    except DataError as exc:
+        return type(exc), str(exc)
+
+
+def rows_and_states(planner, rows: int) -> list:
+    """Each row (or the end, or the error) and the JSON state after it."""
+    out = []
+    for _ in range(rows):
+        try:
+            row = planner.next_row()
+        except DataError as exc:
+            out.append(("error", str(exc)))
+            break
+        out.append((row, json.dumps(planner.state_dict(), sort_keys=True)))
+        if row is None:
+            break
+    return out
+
+
+@PROPERTY
+@given(planner_cases())
+def test_kernel_planner_plans_what_the_python_planner_plans(case) -> None:
+    examples, kwargs, rows = case
+    kernel, reference = build(PackPlanner, examples, kwargs), build(ReferencePlanner,
+                                                                     examples, kwargs)
+    if isinstance(reference, tuple):
+        assert kernel == reference  # the same refusal
+        return
+    assert json.dumps(kernel.state_dict()) == json.dumps(reference.state_dict())
+    assert rows_and_states(kernel, rows) == rows_and_states(reference, rows)
+
+
+@PROPERTY
+@given(planner_cases(), st.integers(0, 39))
+def test_a_state_of_either_planner_resumes_the_other(case, cut: int) -> None:
+    """S2 across the two: a state taken after ``cut`` rows by one, loaded into a
+    fresh planner of the other kind, continues exactly as the first does."""
+    examples, kwargs, rows = case
+    if isinstance(build(ReferencePlanner, examples, kwargs), tuple):
+        return
+    for first, second in ((PackPlanner, ReferencePlanner), (ReferencePlanner, PackPlanner)):
+        source = first(examples, **kwargs)
+        taken = rows_and_states(source, cut)
+        if taken and (taken[-1][0] == "error" or taken[-1][0] is None):
+            continue
+        resumed = second(examples, **kwargs)
+        resumed.load_state_dict(json.loads(json.dumps(source.state_dict())))
+        assert rows_and_states(resumed, rows) == rows_and_states(source, rows)
+
+
+def test_a_planner_breaking_ties_the_other_way_is_told_apart() -> None:
+    """Negative control: the comparison above fails for a planner that gives
+    best-fit ties to the latest arrival."""
+    examples = [Example(i, np.arange(n, dtype=np.int64)) for i, n in
+                enumerate([4, 4, 4, 6, 6, 2, 2, 9])]
+    kwargs = dict(seq_len=10, buffer=6, overlong="split", seed=1)
+    assert (rows_and_states(PackPlanner(examples, **kwargs), 6)
+            == rows_and_states(ReferencePlanner(examples, **kwargs), 6))
+    assert (rows_and_states(PackPlanner(examples, **kwargs), 6)
+            != rows_and_states(LatestOnTies(examples, **kwargs), 6))
+
+
+def test_pending_pieces_are_listed_in_arrival_order() -> None:
+    examples = [Example(i, np.arange(n, dtype=np.int64)) for i, n in
+                enumerate([5, 3, 9, 3, 7, 2, 8])]
+    kwargs = dict(seq_len=10, buffer=5, overlong="split", seed=1)
+    kernel, reference = PackPlanner(examples, **kwargs), ReferencePlanner(examples, **kwargs)
+    for _ in range(3):
+        assert kernel.next_row() == reference.next_row()
+        assert kernel.pending() == reference.pending()
+        assert kernel.pending_pieces == reference.pending_pieces > 0
+
+
+# ------------------------------------------------------------------ the causal kernel
+
+
+@st.composite
+def prepared_cases(draw):
+    seq_len = draw(st.integers(2, 24))
+    n = draw(st.integers(2, 40))
+    shards = draw(st.integers(1, 3))
+    chat = draw(st.booleans())
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    lengths = rng.integers(1, 2 * seq_len, n)
+    bounds = np.linspace(0, n, shards + 1).astype(int)  # an empty part makes no shard
+    parts = []
+    for k in range(shards):
+        part = lengths[bounds[k]: bounds[k + 1]]
+        if not len(part):
+            continue
+        tokens = rng.integers(0, 300, int(part.sum())).astype(np.uint16)
+        offsets = np.concatenate([[0], np.cumsum(part)[:-1]]).astype(np.int64)
+        owned = rng.random(len(tokens)) < 0.6 if chat else None
+        targets = [int(owned[o + 1: o + m].sum()) if chat else int(m - 1)
+                   for o, m in zip(offsets, part, strict=True)]
+        index = np.stack([offsets, part, np.array(targets, dtype=np.int64)], axis=1)
+        parts.append(Shard(tokens, index.astype(np.int64),
+                           None if owned is None else np.packbits(owned)))
+    split = PreparedSplit(parts, {"min_length": int(lengths.min()),
+                                  "max_length": int(lengths.max())})
+    docs = PreparedDocuments(split, block=draw(st.integers(1, 9)))
+    planner = PackPlanner(docs, seq_len=seq_len, buffer=draw(st.integers(1, 8)),
+                          overlong=draw(st.sampled_from(["split", "truncate"])),
+                          seed=draw(st.integers(0, 99)))
+    settings_ = dict(seq_len=seq_len, pad_id=301,
+                     boundary=draw(st.sampled_from(["ignore", "keep"])),
+                     positions=draw(st.sampled_from(["reset", "continue"])))
+    return docs, planner, settings_, draw(st.integers(1, 4))
+
+
+def assert_same_batch(a, b) -> None:
+    for name in ("input_ids", "labels", "position_ids", "segment_ids"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x, y), name
+    assert a.segments == b.segments
+    assert a.weights is None and b.weights is None
+
+
+@PROPERTY
+@given(prepared_cases())
+def test_causal_kernel_builds_what_numpy_builds(case) -> None:
+    docs, planner, settings_, rows = case
+    for _ in range(3):
+        plan = planner.next_plan(rows)
+        fast = compile_causal_batch(plan, docs, **settings_)
+        slow = compile_causal_batch(plan.rows(), docs, **settings_)  # lists: NumPy
+        assert_same_batch(fast, slow)
+
+
+def test_the_kernel_told_the_other_boundary_rule_disagrees() -> None:
+    """Negative control: the equality above can fail -- the kernel with the boundary
+    rule flipped is not the NumPy compiler's batch."""
+    rng = np.random.default_rng(3)
+    part = np.full(12, 5)
+    tokens = rng.integers(0, 300, int(part.sum())).astype(np.uint16)
+    index = np.stack([np.arange(12) * 5, part, part - 1], axis=1).astype(np.int64)
+    docs = PreparedDocuments(PreparedSplit([Shard(tokens, index, None)],
+                                           {"min_length": 5, "max_length": 5}), block=4)
+    plan = PackPlanner(docs, seq_len=16, buffer=6, overlong="split", seed=0).next_plan(2)
+    slow = compile_causal_batch(plan.rows(), docs, seq_len=16, pad_id=301, boundary="ignore")
+    flipped = compile_plan(plan, docs.kernel_maps(), seq_len=16, pad_id=301,
+                           boundary="keep", positions="reset")
+    assert not torch.equal(flipped.labels, slow.labels)
+    assert torch.equal(flipped.input_ids, slow.input_ids)
+
+
+def test_a_piece_outside_its_document_is_refused_by_both() -> None:
+    tokens = np.arange(20, dtype=np.uint16)
+    index = np.array([[0, 10, 9], [10, 10, 9]], dtype=np.int64)
+    docs = PreparedDocuments(PreparedSplit([Shard(tokens, index, None)],
+                                           {"min_length": 10, "max_length": 10}), block=2)
+    plan = PackPlanner(docs, seq_len=12, buffer=2, overlong="split", seed=0).next_plan(1)
+    plan.pieces[1, 0] = 5  # offset 5 + length 10 runs past the document
+    with pytest.raises(IndexError):
+        compile_causal_batch(plan, docs, seq_len=12, pad_id=0)
+    with pytest.raises(IndexError):
+        compile_causal_batch(plan.rows(), docs, seq_len=12, pad_id=0)
