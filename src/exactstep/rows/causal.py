@@ -125,17 +125,18 @@ def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: st
                  positions: str) -> Batch:
     """``compile_causal_batch`` of ``plan`` over prepared shards' memory maps
     (``maps``: ``rows.prepared.ShardMaps``), by the ``fill_causal`` kernel; raises
-    ``IndexError`` for a piece outside its document, as slicing it would."""
+    ``IndexError`` for a piece outside its document (or an index entry outside its
+    shard), as slicing it would."""
     n_rows = len(plan)
     slots = n_rows * seq_len
     input_ids = np.empty(slots, dtype=np.int64)
     labels = np.empty(slots, dtype=np.int64)
     position_ids = np.empty(slots, dtype=np.int64)
     segment_ids = np.empty(slots, dtype=np.int32)
-    bad = kernels.fill_causal(maps.tokens, maps.index, maps.owned, maps.chat, maps.starts,
-                              plan.pieces, plan.row_starts, seq_len, pad_id,
-                              boundary == "keep", positions == "reset", ramp(seq_len),
-                              input_ids, labels, position_ids, segment_ids)
+    bad = kernels.fill_causal(maps.table, maps.sample, maps.chat, maps.starts, plan.pieces,
+                              plan.row_starts, seq_len, pad_id, boundary == "keep",
+                              positions == "reset", ramp(seq_len), input_ids, labels,
+                              position_ids, segment_ids)
     if bad >= 0:
         raise IndexError(f"piece {plan.pieces[:4, bad].tolist()} (example, offset, length, "
                          "piece) lies outside its document")

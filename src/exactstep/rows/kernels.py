@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 ARRIVAL_BITS = 40  # arrivals stay below 2 ** ARRIVAL_BITS (a saved state is checked)
 IGNORE = -100  # rows.batch.IGNORE_INDEX (rows.batch imports torch; kernels do not)
@@ -52,6 +54,11 @@ COUNTS = ("documents", "tokens", "targets", "split_documents", "split_pieces",
  TRUNCATED_DOCUMENTS, TRUNCATED_TOKENS, TRUNCATED_LOST, DROPPED_DOCUMENTS, DROPPED_TOKENS,
  DROPPED_LOST, ROWS, REAL, ADMITTED) = range(len(COUNTS))
 SPLIT, TRUNCATE, DROP = 0, 1, 2  # the over-long policies (rows.packing.cut_example)
+# a shard's maps as a kernel reads them (rows.prepared.ShardMaps): the address and
+# element count of its tokens, of its index ([documents, 3] int64, flattened) and
+# of its packed ownership bits
+TOKENS_AT, TOKENS_SIZE, INDEX_AT, INDEX_SIZE, OWNED_AT, OWNED_SIZE = range(6)
+MAP_FIELDS = 6
 
 
 def kernel(fn):
@@ -59,9 +66,20 @@ def kernel(fn):
     return numba.njit(cache=True, nogil=True)(fn)
 
 
-def kernel_list(arrays: list[np.ndarray]):
-    """``arrays`` as a list a kernel can take (numba's typed list; all of one type)."""
-    return numba.typed.List(arrays)
+@intrinsic
+def _pointer(typingctx, address):
+    """The integer ``address`` as a raw pointer (for ``numba.carray``)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+    return numba.types.voidptr(address), codegen
+
+
+@kernel
+def memory(address, size, sample):
+    """The ``size`` elements of ``sample``'s dtype at ``address`` as an array: how a
+    kernel reads a shard's memory map from ``MAP_FIELDS`` (its owner keeps the map
+    alive)."""
+    return numba.carray(_pointer(address), (size,), sample.dtype)
 
 
 @kernel
@@ -217,17 +235,17 @@ def plan_rows(slots, queues, bits, free, state, cost, window, out, row_starts, c
 
 
 @kernel
-def fill_causal(token_maps, index_maps, owned_maps, chat, shard_starts, plan, row_starts,
-                seq_len, pad_id, keep, reset, ramp, input_ids, labels, position_ids,
-                segment_ids):
+def fill_causal(maps, sample, chat, shard_starts, plan, row_starts, seq_len, pad_id, keep,
+                reset, ramp, input_ids, labels, position_ids, segment_ids):
     """The causal arrays (``rows.causal``'s semantics) of the rows of ``plan`` over
-    prepared shards (``token_maps[k]``, ``index_maps[k]`` ``[documents, 3]``,
-    ``owned_maps[k]`` packed ownership bits when ``chat``), written row-major into
-    the ``[rows * seq_len]`` outputs; ``ramp`` is ``arange(seq_len)``. Returns -1,
-    or the first piece that lies outside its document (the outputs are then not
-    to be used)."""
+    prepared shards (``maps[k]``: shard ``k``'s memory, ``MAP_FIELDS``; tokens of
+    ``sample``'s dtype; packed ownership bits read when ``chat``), written row-major
+    into the ``[rows * seq_len]`` outputs; ``ramp`` is ``arange(seq_len)``. Returns
+    -1, or the first piece that lies outside its document or its shard (the
+    outputs are then not to be used)."""
     rows = len(row_starts) - 1
     documents = shard_starts[len(shard_starts) - 1]
+    none = np.zeros(0, dtype=np.uint8)
     for r in range(rows):
         base = r * seq_len
         first, stop = row_starts[r], row_starts[r + 1]
@@ -237,17 +255,20 @@ def fill_causal(token_maps, index_maps, owned_maps, chat, shard_starts, plan, ro
             if doc < 0 or doc >= documents or length < 1:
                 return q
             k = np.searchsorted(shard_starts, doc, side="right") - 1
-            row = doc - shard_starts[k]
-            index = index_maps[k]
-            if offset < 0 or offset + length > index[row, 1]:
+            row = 3 * (doc - shard_starts[k])
+            shard = maps[k]
+            index = memory(shard[INDEX_AT], shard[INDEX_SIZE], shard_starts)
+            if offset < 0 or offset + length > index[row + 1]:
                 return q
-            a = index[row, 0] + offset
-            tokens = token_maps[k]
+            a = index[row] + offset
+            if a + length > shard[TOKENS_SIZE]:
+                return q
+            tokens = memory(shard[TOKENS_AT], shard[TOKENS_SIZE], sample)
+            owned = memory(shard[OWNED_AT], shard[OWNED_SIZE], none) if chat else none
             s = base + column
             input_ids[s: s + length] = tokens[a: a + length]
             labels[s: s + length - 1] = tokens[a + 1: a + length]
             if chat:  # a label only where its token is an owned target (R5)
-                owned = owned_maps[k]
                 for t in range(length - 1):
                     b = a + t + 1
                     if not (owned[b >> 3] >> (7 - (b & 7))) & 1:

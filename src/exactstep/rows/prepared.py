@@ -133,8 +133,8 @@ class PreparedDocuments(Sequence[Example]):
         """The shards' memory maps as the causal kernel reads them (built once), or
         ``None`` when the shards' token types differ (then NumPy slices them)."""
         if self._maps is None:
-            self._maps = ShardMaps.of(self.split)
-        return self._maps if self._maps.tokens is not None else None
+            self._maps = ShardMaps(self.split)
+        return self._maps if self._maps.table is not None else None
 
     def __len__(self) -> int:
         return self.split.documents
@@ -206,28 +206,28 @@ class PreparedDocuments(Sequence[Example]):
 
 
 class ShardMaps:
-    """A split's shards as ``rows.kernels.fill_causal`` reads them: the token maps,
-    the index maps ``[documents, 3]`` and the packed ownership bits (``chat``; a
-    one-byte stand-in for text), each a list the kernel can take (numba's typed
-    list), and ``starts``, the first global document id of each shard and the
-    count. ``tokens`` is ``None`` when the shards' token types differ."""
+    """A split's shards as ``rows.kernels.fill_causal`` reads them: ``table [S,
+    MAP_FIELDS]``, each shard's token map, index map ``[documents, 3]`` (int64) and
+    packed ownership bits (``chat``) as addresses and element counts; ``sample``,
+    an empty array of the token dtype; ``starts``, the first global document id of
+    each shard and the count. It keeps the arrays (read-only views of the maps)
+    alive for as long as the addresses are used. ``table`` is ``None`` when the
+    shards' token types differ or a map is not contiguous."""
 
-    def __init__(self, tokens, index, owned, chat: bool, starts: np.ndarray) -> None:
-        self.tokens, self.index, self.owned = tokens, index, owned
-        self.chat, self.starts = chat, starts
-
-    @classmethod
-    def of(cls, split: PreparedSplit) -> ShardMaps:
-        chat = any(s.owned is not None for s in split.shards)
-        tokens = [read_only(s.tokens) for s in split.shards]
-        index = [read_only(np.asarray(s.index, dtype=np.int64)) for s in split.shards]
-        owned = [read_only(s.owned if chat else np.zeros(1, dtype=np.uint8))
-                 for s in split.shards]
-        starts = np.asarray(split.starts, dtype=np.int64)
-        if len({a.dtype for a in tokens}) != 1 or len({a.dtype for a in owned}) != 1:
-            return cls(None, None, None, chat, starts)
-        return cls(kernels.kernel_list(tokens), kernels.kernel_list(index),
-                   kernels.kernel_list(owned), chat, starts)
+    def __init__(self, split: PreparedSplit) -> None:
+        shards = split.shards
+        self.chat = any(s.owned is not None for s in shards)
+        self.starts = np.asarray(split.starts, dtype=np.int64)
+        self.arrays = [(read_only(s.tokens), read_only(np.asarray(s.index, dtype=np.int64)),
+                        read_only(s.owned if self.chat else np.zeros(1, dtype=np.uint8)))
+                       for s in shards]
+        usable = (len({t.dtype for t, _, _ in self.arrays}) == 1
+                  and all(a.flags.c_contiguous for arrays in self.arrays for a in arrays)
+                  and all(o.dtype == np.uint8 for _, _, o in self.arrays))
+        self.sample = self.arrays[0][0][:0] if self.arrays else np.zeros(0, np.uint16)
+        self.table = None if not usable else np.array(
+            [[t.ctypes.data, t.size, i.ctypes.data, i.size, o.ctypes.data, o.size]
+             for t, i, o in self.arrays], dtype=np.int64).reshape(-1, kernels.MAP_FIELDS)
 
 
 def read_only(array: np.ndarray) -> np.ndarray:
