@@ -53,9 +53,9 @@ def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def copy_project(dst: Path, *, with_bench: bool) -> Path:
     """The files a wheel is built from, without build leftovers (or without the benchmarks)."""
     dst.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):  # setup.py: the C kernels
         shutil.copy2(ROOT / name, dst / name)
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc", "*.so")
     shutil.copytree(ROOT / "src", dst / "src", ignore=ignore)
     if not with_bench:
         shutil.rmtree(dst / "src" / "exactstep" / "bench")

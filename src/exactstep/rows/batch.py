@@ -105,7 +105,7 @@ class Batch:
         (host tensors are counted by a compiled sweep, the cheaper call for one batch)."""
         labels = self.labels
         if labels.device.type == "cpu" and not labels.requires_grad:
-            return int(kernels.count_supervised(labels.numpy().reshape(-1)))
+            return kernels.count_supervised(labels.contiguous())
         return int((labels != IGNORE_INDEX).sum())
 
     def pin_memory(self) -> Batch:

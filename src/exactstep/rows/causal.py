@@ -128,14 +128,13 @@ def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: st
     ``IndexError`` for a piece outside its document (or an index entry outside its
     shard), as slicing it would."""
     n_rows = len(plan)
-    slots = n_rows * seq_len
-    input_ids = np.empty(slots, dtype=np.int64)
-    labels = np.empty(slots, dtype=np.int64)
-    position_ids = np.empty(slots, dtype=np.int64)
-    segment_ids = np.empty(slots, dtype=np.int32)
-    bad = kernels.fill_causal(maps.table, maps.sample, maps.chat, maps.starts, plan.pieces,
-                              plan.row_starts, seq_len, pad_id, boundary == "keep",
-                              positions == "reset", ramp(seq_len), input_ids, labels,
+    shape = (n_rows, seq_len)
+    input_ids = torch.empty(shape, dtype=torch.int64)
+    labels = torch.empty(shape, dtype=torch.int64)
+    position_ids = torch.empty(shape, dtype=torch.int64)
+    segment_ids = torch.empty(shape, dtype=torch.int32)
+    bad = kernels.fill_causal(maps, plan.pieces, plan.row_starts, seq_len, pad_id,
+                              boundary == "keep", positions == "reset", input_ids, labels,
                               position_ids, segment_ids)
     if bad >= 0:
         raise IndexError(f"piece {plan.pieces[:4, bad].tolist()} (example, offset, length, "
@@ -143,25 +142,16 @@ def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: st
     example, offset, length, piece, column = plan.pieces.tolist()
     every = list(map(new_segment, zip(example, piece, offset, column, length, strict=True)))
     bounds = plan.row_starts.tolist()
-    shape = (n_rows, seq_len)
     return Batch(
-        input_ids=torch.from_numpy(input_ids.reshape(shape)),
-        labels=torch.from_numpy(labels.reshape(shape)),
-        position_ids=torch.from_numpy(position_ids.reshape(shape)),
-        segment_ids=torch.from_numpy(segment_ids.reshape(shape)),
+        input_ids=input_ids,
+        labels=labels,
+        position_ids=position_ids,
+        segment_ids=segment_ids,
         segments=tuple(tuple(every[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)),
     )
 
 
 new_segment = functools.partial(tuple.__new__, Segment)  # Segment of a 5-tuple, in C
-
-
-@functools.lru_cache(maxsize=8)
-def ramp(seq_len: int) -> np.ndarray:
-    """``arange(seq_len)`` (int64), made once per length; never written to."""
-    column = np.arange(seq_len, dtype=np.int64)
-    column.flags.writeable = False
-    return column
 
 
 class Layout:

@@ -125,10 +125,10 @@ def is_clean(
         return False
     if batch.segment_ids.dtype not in (torch.int32, torch.int64):
         return False
-    inputs, labels, segs = (t.numpy().reshape(-1) for t in tensors)  # [B*T] row-major
-    return bool(kernels.screen(inputs, labels, segs, batch.labels.shape[1],
-                               -1 if vocab_size is None else vocab_size,
-                               boundary == "ignore", next_token_targets))
+    inputs, labels, segs = (t.contiguous() for t in tensors)  # [B*T] row-major
+    return kernels.screen(inputs, labels, segs, batch.labels.shape[1],
+                          -1 if vocab_size is None else vocab_size, boundary == "ignore",
+                          next_token_targets)
 
 
 def vocab_note(vocab_size: int | None) -> str:

@@ -1,32 +1,38 @@
 """Compiled kernels of the hot data path (P2, R4, R7): the planner's best-fit
 buffer, the causal compiler over prepared shards, and the R7 screen.
 
-Each kernel is plain Python over NumPy arrays and ints in ``rows.kernel_code``,
-compiled by numba (``njit``, cached on disk after the first use, ``nogil`` so a
-loader thread packs while the step holds the GIL). This module holds the layouts
-the kernels and their callers share, and loads the kernels (and numba) on first
-use: ``kernels.plan_rows`` and the others. Their callers own the semantics and
-document them:
-``rows.packing`` (the plan), ``rows.causal`` (labels, positions, segment ids) and
-``rows.invariants`` (what R7 refuses); the kernels are tested against those
-modules' NumPy and pure-Python forms, and against the golden digests of
-``tests/rows/test_stream_golden.py``.
+The kernels are C (``kernels.c``, built with the package as ``rows._kernels``),
+called through ``ctypes`` (which releases the GIL for the call, so a loader thread
+packs while the step runs) with the addresses of contiguous arrays. This module
+holds the layouts they share with their callers, loads the library on first use
+(``library``: a missing build is a clear ``ImportError``), and wraps each kernel
+with the checks that make a call memory-safe. The callers own the semantics and
+document them: ``rows.packing`` (the plan), ``rows.causal`` (labels, positions,
+segment ids) and ``rows.invariants`` (what R7 refuses); the kernels are tested
+against those modules' NumPy and pure-Python forms, and against the golden digests
+of ``tests/rows/test_stream_golden.py``.
 
-The planner's buffer (``rows.packing``: the pending pieces, best fit by cost,
-earliest arrival on ties) is a queue per cost: ``slots[SLOT_FIELDS, capacity]``
-holds each pending piece's ``EXAMPLE``, ``OFFSET``, ``LENGTH``, ``PIECE``,
-``ARRIVAL`` (-1 for a free slot) and ``NEXT`` (the next slot of its cost's queue,
--1 at the tail); ``queues[0, c]`` / ``queues[1, c]`` are the head and tail slot of
-cost ``c`` (-1 when empty); bit ``c & 31`` of ``bits[c >> 5]`` says that cost
-``c`` has a pending piece; ``free[:state[FREE]]`` are the free slots. A piece
-joins the tail of its cost's queue (arrivals only grow), so each queue is in
+The planner's buffer (``PieceBuffer``; ``rows.packing``: the pending pieces, best
+fit by cost, earliest arrival on ties) is a queue per cost: ``slots[SLOT_FIELDS,
+capacity]`` holds each pending piece's ``EXAMPLE``, ``OFFSET``, ``LENGTH``,
+``PIECE``, ``ARRIVAL`` (-1 for a free slot) and ``NEXT`` (the next slot of its
+cost's queue, -1 at the tail); ``queues[0, c]`` / ``queues[1, c]`` are the head and
+tail slot of cost ``c`` (-1 when empty); bit ``c & 31`` of ``bits[c >> 5]`` says
+that cost ``c`` has a pending piece; ``free[:state[FREE]]`` are the free slots. A
+piece joins the tail of its cost's queue (arrivals only grow), so each queue is in
 arrival order, and the best fit for ``space`` is the head of the highest set bit
-at most ``space``. A plan ``out[PLAN_FIELDS, m]`` lists placed pieces in row
-order: example, offset, length, piece and ``COLUMN`` (the piece's first column
-in its row), with ``row_starts[r]`` the first piece of row ``r``.
+at most ``space``. A plan ``[PLAN_FIELDS, m]`` lists placed pieces in row order:
+example, offset, length, piece and ``COLUMN`` (the piece's first column in its
+row), with ``row_starts[r]`` the first piece of row ``r``.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+
+import numpy as np
 
 ARRIVAL_BITS = 40  # arrivals stay below 2 ** ARRIVAL_BITS (a saved state is checked)
 IGNORE = -100  # rows.batch.IGNORE_INDEX (rows.batch imports torch; kernels do not)
@@ -58,16 +64,187 @@ SPLIT, TRUNCATE, DROP = 0, 1, 2  # the over-long policies (rows.packing.cut_exam
 TOKENS_AT, TOKENS_SIZE, INDEX_AT, INDEX_SIZE, OWNED_AT, OWNED_SIZE = range(6)
 MAP_FIELDS = 6
 
-KERNELS = ("memory", "push_piece", "highest_cost", "pop_head", "admit_run", "plan_rows",
-           "fill_causal", "screen", "count_supervised")
+# the constants kernels.c must agree with, in the order its layout() writes them
+LAYOUT = (IGNORE, SLOT_FIELDS, ARRIVAL, NEXT, COLUMN, PLAN_FIELDS, STATE_FIELDS, FREE,
+          FILL_TO, len(COUNTS), ADMITTED, DROP, MAP_FIELDS, OWNED_SIZE)
 
 
-def __getattr__(name: str):
-    """The compiled kernels, loaded with numba on first use (module doc)."""
-    if name not in KERNELS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from exactstep.rows import kernel_code
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled kernels (``rows._kernels``), loaded once, prototypes set and
+    layout checked. Raises ``ImportError`` naming the fix when it was not built."""
+    spec = importlib.util.find_spec("exactstep.rows._kernels")
+    if spec is None or not spec.origin or not spec.origin.endswith((".so", ".pyd")):
+        raise ImportError("exactstep's compiled row kernels (exactstep/rows/_kernels) are "
+                          "not built; install exactstep again with a C compiler present "
+                          "(pip install -e . or pip install .)")
+    lib = ctypes.CDLL(spec.origin)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    prototypes = {
+        "layout": (None, [ptr]),
+        "push_piece": (None, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]),
+        "admit_run": (ctypes.c_int, [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+                                     ptr]),
+        "plan_rows": (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr,
+                            ptr, ptr, i64, i64, ptr]),
+        "fill_causal": (i64, [ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
+                              i64, ptr, ptr, ptr, ptr]),
+        "screen": (i64, [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]),
+        "count_supervised": (i64, [ptr, i64]),
+    }
+    for name, (restype, argtypes) in prototypes.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    written = np.zeros(len(LAYOUT), dtype=np.int64)
+    lib.layout(address(written))
+    if tuple(written.tolist()) != LAYOUT:
+        raise ImportError(f"exactstep's compiled row kernels do not match this version "
+                          f"(layout {written.tolist()}, expected {list(LAYOUT)}); install "
+                          "exactstep again")
+    return lib
 
-    for kernel in KERNELS:
-        globals()[kernel] = getattr(kernel_code, kernel)
-    return globals()[name]
+
+def address(array: np.ndarray, dtype=np.int64) -> int:
+    """The data address of ``array``, which must be C-contiguous and of ``dtype``
+    (the check that keeps a kernel inside the memory it is given)."""
+    if array.dtype != dtype or not array.flags.c_contiguous:
+        raise ValueError(f"a kernel needs a contiguous {np.dtype(dtype)} array, "
+                         f"not {array.dtype} of strides {array.strides}")
+    return array.ctypes.data
+
+
+class PieceBuffer:
+    """The planner's pending pieces (module doc) and the kernels that fill and empty
+    them. ``cost`` is the charge of each piece length ``0..seq_len``; ``settings``
+    ``[RULE, OVERLAP, PLAIN, SEQ_LEN, FILL_TO]``; ``counts`` (``COUNTS``) only ever
+    grows, and ``state`` is ``[N, CURSOR, NEXT_ARRIVAL, FREE]``, ``CURSOR`` the
+    position in ``window`` (``[ids, lengths, targets]``). The addresses of its
+    arrays are kept (the arrays are replaced, never resized in place)."""
+
+    def __init__(self, cost: np.ndarray, settings: np.ndarray, capacity: int) -> None:
+        self.cost = np.ascontiguousarray(cost, dtype=np.int64)
+        self.settings = np.ascontiguousarray(settings, dtype=np.int64)
+        self.seq_len = int(self.settings[SEQ_LEN])
+        self.state = np.zeros(STATE_FIELDS, dtype=np.int64)
+        self.counts = np.zeros(len(COUNTS), dtype=np.int64)
+        self.lib = library()
+        self._fixed = (address(self.cost), address(self.settings), address(self.state),
+                       address(self.counts))
+        self.set_window(np.zeros((3, 0), dtype=np.int64))
+        self.empty(capacity)
+
+    def empty(self, capacity: int) -> None:
+        """No pending piece, ``capacity`` slots; the next arrival is kept."""
+        self.slots = np.full((SLOT_FIELDS, capacity), -1, dtype=np.int64)
+        self.queues = np.full((2, self.seq_len + 1), -1, dtype=np.int64)
+        self.bits = np.zeros((self.seq_len >> 5) + 1, dtype=np.int64)
+        self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self.state[N] = 0
+        self.state[FREE] = capacity
+        self._located()
+
+    def grow(self) -> None:
+        """Twice the slots, the pending pieces where they are."""
+        old = self.slots.shape[1]
+        slots = np.full((SLOT_FIELDS, 2 * old), -1, dtype=np.int64)
+        slots[:, :old] = self.slots
+        free = np.empty(2 * old, dtype=np.int64)
+        top = int(self.state[FREE])
+        free[:top] = self.free[:top]
+        free[top: top + old] = np.arange(2 * old - 1, old - 1, -1)
+        self.slots, self.free = slots, free
+        self.state[FREE] = top + old
+        self._located()
+
+    def _located(self) -> None:
+        self._buffer = (address(self.slots), self.slots.shape[1], address(self.queues),
+                        self.seq_len + 1, address(self.bits), address(self.free),
+                        self._fixed[2])
+
+    def set_window(self, window: np.ndarray) -> None:
+        """The next window of the epoch order (``[3, width]``); the cursor is 0."""
+        self.window = np.ascontiguousarray(window, dtype=np.int64)
+        self._window = (address(self.window), self.window.shape[1])
+        self.state[CURSOR] = 0
+
+    def push(self, example: int, offset: int, length: int, piece: int) -> None:
+        """A new pending piece (the next arrival), the buffer grown if it is full."""
+        if not 1 <= length <= self.seq_len:
+            raise ValueError(f"a piece of {length} tokens does not fit rows of {self.seq_len}")
+        if self.state[FREE] < 1:
+            self.grow()
+        self.lib.push_piece(*self._buffer, int(self.cost[length]), example, offset, length,
+                            piece)
+
+    def admit(self) -> bool:
+        """Admit from the window at the cursor (``admit_run`` in ``kernels.c``); whether
+        the buffer is full."""
+        cost, settings, _, counts = self._fixed
+        return bool(self.lib.admit_run(*self._buffer, cost, *self._window, counts, settings))
+
+    def plan(self, out: np.ndarray, row_starts: np.ndarray, rows: int,
+             refill_first: bool) -> tuple[int, bool]:
+        """Up to ``rows`` rows into ``out [PLAN_FIELDS, m]`` after ``row_starts[0]``
+        pieces (``plan_rows``): ``(rows made, needs help)``."""
+        if out.shape[0] != PLAN_FIELDS or len(row_starts) < rows + 1:
+            raise ValueError("the plan's arrays are too small for its rows")
+        cost, settings, _, counts = self._fixed
+        needs_help = ctypes.c_int64()
+        made = self.lib.plan_rows(*self._buffer, cost, *self._window, address(out),
+                                  out.shape[1], address(row_starts), counts, settings, rows,
+                                  refill_first, ctypes.byref(needs_help))
+        if needs_help.value < 0:
+            raise RuntimeError("the plan outgrew its arrays; this is a bug in rows.packing")
+        return made, bool(needs_help.value)
+
+    def pending_columns(self) -> list[list[int]]:
+        """``[arrival, example, offset, length, piece]`` of the pending pieces, each
+        column in arrival order."""
+        held = np.flatnonzero(self.slots[ARRIVAL] >= 0)
+        held = held[np.argsort(self.slots[ARRIVAL, held], kind="stable")]
+        return self.slots[[ARRIVAL, EXAMPLE, OFFSET, LENGTH, PIECE]][:, held].tolist()
+
+
+def fill_causal(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int, pad_id: int,
+                keep: bool, reset: bool, input_ids, labels, position_ids,
+                segment_ids) -> int:
+    """The causal arrays of ``plan`` over the shards of ``maps``
+    (``rows.prepared.ShardMaps``) into the contiguous host tensors ``input_ids``,
+    ``labels``, ``position_ids`` (int64) and ``segment_ids`` (int32) of ``[rows *
+    seq_len]`` slots: -1, or the first piece outside its document or shard."""
+    rows = len(row_starts) - 1
+    outputs = (input_ids, labels, position_ids, segment_ids)
+    for t, dtype in zip(outputs, ("int64", "int64", "int64", "int32"), strict=True):
+        if (t.device.type != "cpu" or str(t.dtype) != f"torch.{dtype}" or not t.is_contiguous()
+                or t.numel() != rows * seq_len):
+            raise ValueError("fill_causal needs contiguous host tensors of rows * seq_len")
+    if plan.shape[0] != PLAN_FIELDS:
+        raise ValueError("fill_causal needs a plan of PLAN_FIELDS rows")
+    return library().fill_causal(
+        maps.table_address, maps.starts_address, maps.shards, maps.chat,
+        maps.sample.itemsize, address(plan), plan.shape[1], address(row_starts), rows,
+        seq_len, pad_id, keep, reset, *(t.data_ptr() for t in outputs))
+
+
+def screen(input_ids, labels, segment_ids, seq_len: int, vocab_size: int,
+           ignore_boundary: bool, next_token: bool) -> bool:
+    """``rows.invariants.is_clean`` over contiguous host tensors (int64 ids and
+    labels, int32 or int64 segment ids) of one shape ``[B, T]``."""
+    slots = input_ids.numel()
+    for t in (input_ids, labels, segment_ids):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != slots:
+            raise ValueError("screen needs contiguous host tensors of one shape")
+    if str(input_ids.dtype) != "torch.int64" or str(labels.dtype) != "torch.int64" or (
+            segment_ids.element_size() not in (4, 8) or segment_ids.is_floating_point()):
+        raise ValueError("screen needs int64 ids and labels and int32/int64 segment ids")
+    return bool(library().screen(input_ids.data_ptr(), labels.data_ptr(),
+                                 segment_ids.data_ptr(), segment_ids.element_size(), slots,
+                                 seq_len, vocab_size, ignore_boundary, next_token))
+
+
+def count_supervised(labels) -> int:
+    """How many of the contiguous host int64 tensor ``labels`` are not ``IGNORE``."""
+    if (labels.device.type != "cpu" or not labels.is_contiguous()
+            or str(labels.dtype) != "torch.int64"):
+        raise ValueError("count_supervised needs a contiguous host int64 tensor")
+    return int(library().count_supervised(labels.data_ptr(), labels.numel()))

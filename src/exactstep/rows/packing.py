@@ -329,38 +329,15 @@ class PackPlanner:
         self._costs = (np.array([self.cost(n) for n in range(seq_len + 1)], dtype=np.int64)
                        if cost is not None else np.arange(seq_len + 1, dtype=np.int64))
         self._counts = PackCounts()
-        self._added = np.zeros(len(kernels.COUNTS), dtype=np.int64)  # flushed to counts
         rule = {"split": kernels.SPLIT, "truncate": kernels.TRUNCATE, "drop": kernels.DROP}
-        self._settings = np.array([rule[overlong], overlap_split,
-                                   bool(getattr(table, "plain", False)), seq_len, buffer],
-                                  dtype=np.int64)
-        self._kstate = np.zeros(kernels.STATE_FIELDS, dtype=np.int64)
-        self._empty_buffer(buffer + SLACK)
+        settings = [rule[overlong], overlap_split, bool(getattr(table, "plain", False)),
+                    seq_len, buffer]
+        self._buf = kernels.PieceBuffer(self._costs, np.array(settings, dtype=np.int64),
+                                        buffer + SLACK)
+        self._flushed = np.zeros(len(kernels.COUNTS), dtype=np.int64)
         self._scratch = np.zeros((kernels.PLAN_FIELDS, 0), dtype=np.int64)
         self._exhausted = False
         self._start_epoch(0)
-
-    def _empty_buffer(self, capacity: int) -> None:
-        """An empty buffer (``rows.kernels``: a queue per cost) with ``capacity``
-        slots; the next arrival is kept."""
-        self._slots = np.full((kernels.SLOT_FIELDS, capacity), -1, dtype=np.int64)
-        self._queues = np.full((2, self.seq_len + 1), -1, dtype=np.int64)
-        self._bits = np.zeros((self.seq_len >> 5) + 1, dtype=np.int64)
-        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
-        self._kstate[kernels.N] = 0
-        self._kstate[kernels.FREE] = capacity
-
-    def _grow_buffer(self) -> None:
-        """Twice the slots, the pending pieces where they are."""
-        old = self._slots.shape[1]
-        slots = np.full((kernels.SLOT_FIELDS, 2 * old), -1, dtype=np.int64)
-        slots[:, :old] = self._slots
-        free = np.empty(2 * old, dtype=np.int64)
-        top = int(self._kstate[kernels.FREE])
-        free[:top] = self._free[:top]
-        free[top: top + old] = np.arange(2 * old - 1, old - 1, -1)
-        self._slots, self._free = slots, free
-        self._kstate[kernels.FREE] = top + old
 
     @property
     def counts(self) -> PackCounts:
@@ -370,14 +347,15 @@ class PackPlanner:
 
     @counts.setter
     def counts(self, counts: PackCounts) -> None:
-        self._added[:] = 0
+        self._flushed = self._buf.counts.copy()
         self._counts = counts
 
     def _flush(self) -> None:
-        """Move the counts the kernels added into ``counts`` and the epoch's
-        admissions."""
-        added = self._added.tolist()
-        self._added[:] = 0
+        """Move the counts the kernels added since the last flush into ``counts`` and
+        the epoch's admissions."""
+        grown = self._buf.counts - self._flushed
+        self._flushed = self._buf.counts.copy()
+        added = grown.tolist()
         c = self._counts.__dict__
         for name, value in zip(kernels.COUNTS[:-1], added, strict=False):
             c[name] += value
@@ -386,15 +364,15 @@ class PackPlanner:
     @property
     def cursor(self) -> int:
         """Position of the next example to admit in this epoch's order (for this rank)."""
-        return self._window_start + int(self._kstate[kernels.CURSOR])
+        return self._window_start + int(self._buf.state[kernels.CURSOR])
 
     @cursor.setter
     def cursor(self, position: int) -> None:
-        self._kstate[kernels.CURSOR] = position - self._window_start
+        self._buf.state[kernels.CURSOR] = position - self._window_start
 
     @property
     def _next_arrival(self) -> int:
-        return int(self._kstate[kernels.NEXT_ARRIVAL])
+        return int(self._buf.state[kernels.NEXT_ARRIVAL])
 
     # -- the order of examples (D3) ---------------------------------------------------
 
@@ -405,9 +383,8 @@ class PackPlanner:
         self._shard_len = len(self._shard)
         self.epoch = epoch
         self._window_start = 0
-        self.cursor = 0
+        self._buf.set_window(np.zeros((3, 0), dtype=np.int64))  # ids, lengths, targets
         self._admitted_this_epoch = 0
-        self._window = np.zeros((3, 0), dtype=np.int64)  # ids, lengths, targets
 
     def _admit(self, index: int, n: int, targets: int) -> None:
         """Admit over-long example ``index`` (``n > seq_len`` tokens): cut under the
@@ -442,7 +419,8 @@ class PackPlanner:
         """Refill the buffer to ``buffer`` pieces where the kernel hands back: read
         the next window, cut an over-long example, end the epoch (its barrier:
         drain this epoch before the next begins) or the finite stream."""
-        state = self._kstate
+        buf = self._buf
+        state = buf.state
         self._flush()
         while state[kernels.N] < self.buffer and not self._exhausted:
             if self.cursor == self._shard_len:
@@ -458,19 +436,18 @@ class PackPlanner:
                     )
                 self._start_epoch(self.epoch + 1)
                 continue
-            if self.cursor - self._window_start >= self._window.shape[1]:
+            if state[kernels.CURSOR] >= buf.window.shape[1]:
                 self._read_window()
             j = int(state[kernels.CURSOR])
-            if self._window[1, j] > self.seq_len and not self._settings[kernels.PLAIN]:
-                index, n, targets = self._window[:, j].tolist()
+            if buf.window[1, j] > self.seq_len and not buf.settings[kernels.PLAIN]:
+                index, n, targets = buf.window[:, j].tolist()
                 self._admit(index, n, targets)  # cut by its ownership, in Python
                 self.cursor += 1
                 continue
-            kernels.admit_run(self._slots, self._queues, self._bits, self._free, state,
-                              self._costs, self._window, self._added, self._settings)
+            buf.admit()
             self._flush()
             if state[kernels.CURSOR] == j:  # the next example's pieces need more slots
-                self._grow_buffer()
+                buf.grow()
 
     def _read_window(self) -> None:
         """Read the next ``WINDOW`` positions of the epoch order from the cursor: ids,
@@ -479,17 +456,13 @@ class PackPlanner:
         stop = min(start + WINDOW, self._shard_len)
         ids = order_window(self._shard, start, stop)
         lengths, targets = table_columns(self.table, ids)
-        self._window = np.stack([ids, lengths, targets]).astype(np.int64, copy=False)
+        self._buf.set_window(np.stack([ids, lengths, targets]))
         self._window_start = start
-        self.cursor = start
 
     # -- the bounded buffer -------------------------------------------------------------
 
     def _push(self, example: int, offset: int, length: int, piece: int) -> None:
-        if self._kstate[kernels.FREE] < 1:
-            self._grow_buffer()
-        kernels.push_piece(self._slots, self._queues, self._bits, self._free, self._kstate,
-                           int(self._costs[length]), example, offset, length, piece)
+        self._buf.push(example, offset, length, piece)
 
     # -- rows ---------------------------------------------------------------------------
 
@@ -497,9 +470,7 @@ class PackPlanner:
         """Up to ``k`` rows as a ``RowPlan``; fewer only at the end of a finite stream."""
         row_starts = np.zeros(k + 1, dtype=np.int64)
         self._room_for(0, k)
-        rows, needs_help = kernels.plan_rows(
-            self._slots, self._queues, self._bits, self._free, self._kstate, self._costs,
-            self._window, self._scratch, row_starts, self._added, self._settings, k, True)
+        rows, needs_help = self._buf.plan(self._scratch, row_starts, k, True)
         if needs_help:
             return self._plan_with_help(row_starts, rows, k)
         placed = int(row_starts[k])
@@ -512,13 +483,10 @@ class PackPlanner:
         epochs = [(self.epoch, int(row_starts[made]))]  # (epoch, pieces placed by then)
         while made < k:
             self._refill()
-            if not self._kstate[kernels.N]:
+            if not self._buf.state[kernels.N]:
                 break  # the end of a finite stream
             self._room_for(int(row_starts[made]), k - made)
-            rows, needs_help = kernels.plan_rows(
-                self._slots, self._queues, self._bits, self._free, self._kstate,
-                self._costs, self._window, self._scratch, row_starts[made:], self._added,
-                self._settings, k - made, False)
+            rows, _ = self._buf.plan(self._scratch, row_starts[made:], k - made, False)
             made += rows
             epochs.append((self.epoch, int(row_starts[made])))
         placed = int(row_starts[made])
@@ -532,7 +500,7 @@ class PackPlanner:
     def _room_for(self, placed: int, rows: int) -> None:
         """Scratch room for ``rows`` more rows after ``placed`` pieces: a row holds at
         most every pending piece, and at most ``seq_len`` when each costs >= 1."""
-        per_row = self._slots.shape[1]
+        per_row = self._buf.slots.shape[1]
         if self._costs[1] >= 1:
             per_row = min(per_row, self.seq_len)
         most = placed + rows * per_row
@@ -554,7 +522,7 @@ class PackPlanner:
     @property
     def pending_pieces(self) -> int:
         """Pieces admitted but not yet placed in a row (the packer remainder)."""
-        return int(self._kstate[kernels.N])
+        return int(self._buf.state[kernels.N])
 
     def pending(self) -> list[Piece]:
         """The pending pieces in arrival order (each of the current epoch)."""
@@ -562,14 +530,7 @@ class PackPlanner:
         return list(map(Piece, example, offset, length, piece, [self.epoch] * len(piece)))
 
     def _pending_columns(self) -> list[list[int]]:
-        """``[arrival, example, offset, length, piece]`` of the pending pieces, each
-        column in arrival order."""
-        slots = self._slots
-        held = np.flatnonzero(slots[kernels.ARRIVAL] >= 0)
-        held = held[np.argsort(slots[kernels.ARRIVAL, held], kind="stable")]
-        fields = [kernels.ARRIVAL, kernels.EXAMPLE, kernels.OFFSET, kernels.LENGTH,
-                  kernels.PIECE]
-        return slots[fields][:, held].tolist()
+        return self._buf.pending_columns()
 
     # -- state (S2) ---------------------------------------------------------------------
 
@@ -631,9 +592,9 @@ class PackPlanner:
         if any(not 1 <= length <= self.seq_len for _, _, _, length, _ in pending):
             raise ResumeError(f"packer state holds a piece longer than the rows of "
                               f"{self.seq_len}; it was not written by this planner")
-        self._empty_buffer(max(len(pending), self.buffer) + SLACK)
+        self._buf.empty(max(len(pending), self.buffer) + SLACK)
         for arrival, example, offset, length, piece in pending:
-            self._kstate[kernels.NEXT_ARRIVAL] = arrival
+            self._buf.state[kernels.NEXT_ARRIVAL] = arrival
             self._push(example, offset, length, piece)
-        self._kstate[kernels.NEXT_ARRIVAL] = next_arrival
+        self._buf.state[kernels.NEXT_ARRIVAL] = next_arrival
         self.counts = PackCounts(**state["counts"])

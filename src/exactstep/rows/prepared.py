@@ -1,8 +1,10 @@
 """Training from prepared shards: a document table over memory maps (P2, R4, D3, S1).
 
 ``PreparedDocuments`` is the ``DocumentTable`` the packing planner reads: lengths and
-owned-target counts come from the memory-mapped document index, an ``Example`` is
-built from the token map only when a row holds it, and each epoch's order is the
+owned-target counts come from the memory-mapped document index, a row's tokens are
+read from the token maps when the row is compiled (by the causal kernel straight
+from the maps, ``ShardMaps``; by the other compilers as slices), and each epoch's
+order is the
 block order declared in ``prepared.json``, computed lazily, so the planner (and thus
 ``RowStream``) holds the buffer and one block's permutation, never the corpus.
 
@@ -222,12 +224,18 @@ class ShardMaps:
                         read_only(s.owned if self.chat else np.zeros(1, dtype=np.uint8)))
                        for s in shards]
         usable = (len({t.dtype for t, _, _ in self.arrays}) == 1
+                  and all(t.dtype in (np.uint16, np.uint32) for t, _, _ in self.arrays)
                   and all(a.flags.c_contiguous for arrays in self.arrays for a in arrays)
                   and all(o.dtype == np.uint8 for _, _, o in self.arrays))
         self.sample = self.arrays[0][0][:0] if self.arrays else np.zeros(0, np.uint16)
+        self.shards = len(self.arrays)
         self.table = None if not usable else np.array(
             [[t.ctypes.data, t.size, i.ctypes.data, i.size, o.ctypes.data, o.size]
              for t, i, o in self.arrays], dtype=np.int64).reshape(-1, kernels.MAP_FIELDS)
+        if self.table is not None and self.sample.itemsize not in (2, 4):
+            self.table = None  # the kernel reads uint16 or uint32 tokens
+        self.table_address = None if self.table is None else kernels.address(self.table)
+        self.starts_address = kernels.address(self.starts)
 
 
 def read_only(array: np.ndarray) -> np.ndarray:

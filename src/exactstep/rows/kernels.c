@@ -1,0 +1,361 @@
+/* The compiled kernels of exactstep.rows.kernels (whose doc gives the layouts and
+ * the Python signatures; the callers, rows.packing, rows.causal and
+ * rows.invariants, own the semantics). Plain C over int64 arrays passed by
+ * address through ctypes, which releases the GIL for the call. The module init
+ * only makes the file importable, so that its path can be found; nothing is
+ * called through the Python C API.
+ *
+ * Every array is C-contiguous; a 2-D array [F, C] is addressed a[f * C + i]. The
+ * layout constants below are checked against rows.kernels at load (layout()). */
+
+#include <Python.h>
+#include <stdint.h>
+
+typedef int64_t i64;
+
+/* The sweeps over a batch's slots are built for the CPU's widest vectors among
+ * these, chosen when the library loads (GCC's function multi-versioning on x86-64
+ * Linux); elsewhere for the baseline of the target. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define SWEEP __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define SWEEP
+#endif
+
+#define IGNORE (-100)
+enum { EXAMPLE, OFFSET, LENGTH, PIECE, ARRIVAL, NEXT, SLOT_FIELDS };
+enum { COLUMN = 4, PLAN_FIELDS = 5 };
+enum { N, CURSOR, NEXT_ARRIVAL, FREE, STATE_FIELDS };
+enum { RULE, OVERLAP, PLAIN, SEQ_LEN, FILL_TO };
+enum {
+    DOCUMENTS, TOKENS, TARGETS, SPLIT_DOCUMENTS, SPLIT_PIECES, SPLIT_LOST, SPLIT_REPEATED,
+    TRUNCATED_DOCUMENTS, TRUNCATED_TOKENS, TRUNCATED_LOST, DROPPED_DOCUMENTS,
+    DROPPED_TOKENS, DROPPED_LOST, ROWS, REAL, ADMITTED, COUNT_FIELDS
+};
+enum { SPLIT, TRUNCATE, DROP };
+enum { TOKENS_AT, TOKENS_SIZE, INDEX_AT, INDEX_SIZE, OWNED_AT, OWNED_SIZE, MAP_FIELDS };
+
+/* The constants above, in the order rows.kernels.LAYOUT lists them. */
+void layout(i64 *out) {
+    const i64 values[] = {IGNORE, SLOT_FIELDS, ARRIVAL, NEXT, COLUMN, PLAN_FIELDS,
+                          STATE_FIELDS, FREE, FILL_TO, COUNT_FIELDS, ADMITTED, DROP,
+                          MAP_FIELDS, OWNED_SIZE};
+    for (unsigned k = 0; k < sizeof values / sizeof values[0]; k++) out[k] = values[k];
+}
+
+/* The planner's buffer: slots [SLOT_FIELDS, cap], queues [2, costs] (head, tail
+ * slot of each cost), bits (32 costs per word), free [cap], state [STATE_FIELDS]. */
+typedef struct {
+    i64 *slots, cap, *queues, costs, *bits, *free, *state;
+} Buffer;
+
+/* A new pending piece of cost `charge` at the tail of its cost's queue (the
+ * caller provides a free slot). */
+static void push(Buffer *b, i64 charge, i64 example, i64 offset, i64 length, i64 piece) {
+    i64 *s = b->slots, cap = b->cap;
+    i64 slot = b->free[--b->state[FREE]];
+    s[EXAMPLE * cap + slot] = example;
+    s[OFFSET * cap + slot] = offset;
+    s[LENGTH * cap + slot] = length;
+    s[PIECE * cap + slot] = piece;
+    s[ARRIVAL * cap + slot] = b->state[NEXT_ARRIVAL]++;
+    s[NEXT * cap + slot] = -1;
+    b->state[N]++;
+    i64 tail = b->queues[b->costs + charge];
+    if (tail < 0) {
+        b->queues[charge] = slot;
+        b->bits[charge >> 5] |= (i64)1 << (charge & 31);
+    } else {
+        s[NEXT * cap + tail] = slot;
+    }
+    b->queues[b->costs + charge] = slot;
+}
+
+/* The highest cost at most `space` with a pending piece, or -1. */
+static i64 highest_cost(const i64 *bits, i64 space) {
+    i64 w = space >> 5;
+    uint64_t word = (uint64_t)bits[w] & (((uint64_t)2 << (space & 31)) - 1);
+    while (word == 0) {
+        if (--w < 0) return -1;
+        word = (uint64_t)bits[w];
+    }
+    return (w << 5) + 63 - __builtin_clzll(word);
+}
+
+/* Remove the head (earliest arrival) of cost `charge`'s queue; its slot, whose
+ * fields stay readable until the next push. */
+static i64 pop_head(Buffer *b, i64 charge) {
+    i64 *s = b->slots, cap = b->cap;
+    i64 slot = b->queues[charge];
+    i64 following = s[NEXT * cap + slot];
+    b->queues[charge] = following;
+    if (following < 0) {
+        b->queues[b->costs + charge] = -1;
+        b->bits[charge >> 5] &= ~((i64)1 << (charge & 31));
+    }
+    s[ARRIVAL * cap + slot] = -1;
+    b->free[b->state[FREE]++] = slot;
+    b->state[N]--;
+    return slot;
+}
+
+void push_piece(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_,
+                i64 *state, i64 charge, i64 example, i64 offset, i64 length, i64 piece) {
+    Buffer b = {slots, cap, queues, costs, bits, free_, state};
+    push(&b, charge, example, offset, length, piece);
+}
+
+/* Admit the examples of window [3, width] (ids, lengths, targets) from
+ * state[CURSOR] on until the buffer holds settings[FILL_TO] pieces or the window
+ * ends; an over-long example is cut here when settings[PLAIN] and there are free
+ * slots for its pieces, else left for the planner. Returns whether full. */
+static int admit(Buffer *b, const i64 *cost, const i64 *window, i64 width, i64 *counts,
+                 const i64 *settings) {
+    i64 rule = settings[RULE], overlap = settings[OVERLAP], plain = settings[PLAIN];
+    i64 seq_len = settings[SEQ_LEN], fill_to = settings[FILL_TO];
+    i64 *state = b->state;
+    i64 j = state[CURSOR];
+    while (state[N] < fill_to && j < width) {
+        i64 doc = window[j], length = window[width + j], targets = window[2 * width + j];
+        if (length <= seq_len) {
+            if (state[FREE] < 1) break;
+            push(b, cost[length], doc, 0, length, 0);
+            counts[ADMITTED] += 1;
+        } else {
+            i64 stride = overlap ? seq_len - 1 : seq_len, pieces;
+            if (rule == SPLIT)
+                pieces = overlap ? (length - 2 + stride) / stride
+                                 : (length + seq_len - 1) / seq_len;
+            else
+                pieces = rule == DROP ? 0 : 1;
+            if (!plain || state[FREE] < pieces) break;
+            if (rule == DROP) {
+                counts[DROPPED_DOCUMENTS] += 1;
+                counts[DROPPED_TOKENS] += length;
+                counts[DROPPED_LOST] += length - 1;
+            } else if (rule == TRUNCATE) {
+                counts[TRUNCATED_DOCUMENTS] += 1;
+                counts[TRUNCATED_TOKENS] += length - seq_len;
+                counts[TRUNCATED_LOST] += length - seq_len;
+            } else {
+                counts[SPLIT_DOCUMENTS] += 1;
+                counts[SPLIT_PIECES] += pieces;
+                counts[SPLIT_LOST] += overlap ? 0 : pieces - 1;
+                counts[SPLIT_REPEATED] += overlap ? pieces - 1 : 0;
+            }
+            for (i64 k = 0; k < pieces; k++) {
+                i64 start = rule == SPLIT ? k * stride : 0;
+                i64 size = length - start < seq_len ? length - start : seq_len;
+                push(b, cost[size], doc, start, size, k);
+            }
+            counts[ADMITTED] += pieces;
+        }
+        counts[DOCUMENTS] += 1;
+        counts[TOKENS] += length;
+        counts[TARGETS] += targets;
+        j++;
+    }
+    state[CURSOR] = j;
+    return state[N] >= fill_to;
+}
+
+int admit_run(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_,
+              i64 *state, const i64 *cost, const i64 *window, i64 width, i64 *counts,
+              const i64 *settings) {
+    Buffer b = {slots, cap, queues, costs, bits, free_, state};
+    return admit(&b, cost, window, width, counts, settings);
+}
+
+/* Up to rows_wanted rows, each after refilling the buffer (the first row skips it
+ * unless refill_first), best fit decreasing. Appends the rows' pieces to out
+ * [PLAN_FIELDS, out_cap] from row_starts[0] on; returns the rows made and sets
+ * *needs_help when the planner must act (read a window, cut by ownership, end
+ * the epoch, make room). */
+i64 plan_rows(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_,
+              i64 *state, const i64 *cost, const i64 *window, i64 width, i64 *out,
+              i64 out_cap, i64 *row_starts, i64 *counts, const i64 *settings,
+              i64 rows_wanted, i64 refill_first, i64 *needs_help) {
+    Buffer b = {slots, cap, queues, costs, bits, free_, state};
+    i64 seq_len = settings[SEQ_LEN];
+    i64 p = row_starts[0], rows = 0;
+    *needs_help = 0;
+    while (rows < rows_wanted) {
+        if (refill_first && !admit(&b, cost, window, width, counts, settings)) {
+            *needs_help = 1;
+            return rows;
+        }
+        refill_first = 1;
+        i64 space = seq_len, column = 0;
+        while (space > 0 && state[N] > 0) {
+            i64 charge = highest_cost(bits, space); /* the longest piece that fits */
+            if (charge < 0) break;
+            i64 slot = pop_head(&b, charge); /* its earliest arrival */
+            if (p >= out_cap) { /* the planner sized out; never reached */
+                *needs_help = -1;
+                return rows;
+            }
+            out[p] = slots[EXAMPLE * cap + slot];
+            out[out_cap + p] = slots[OFFSET * cap + slot];
+            out[2 * out_cap + p] = slots[LENGTH * cap + slot];
+            out[3 * out_cap + p] = slots[PIECE * cap + slot];
+            out[COLUMN * out_cap + p] = column;
+            column += slots[LENGTH * cap + slot];
+            p++;
+            space -= charge;
+        }
+        rows++;
+        row_starts[rows] = p;
+        counts[ROWS] += 1;
+        counts[REAL] += column;
+    }
+    return rows;
+}
+
+/* The causal arrays (rows.causal's semantics) of plan [PLAN_FIELDS, pieces] over
+ * shards maps [S, MAP_FIELDS] (tokens of token_size bytes, unsigned), written
+ * row-major into the [rows * seq_len] outputs. Returns -1, or the first piece
+ * outside its document or its shard (the outputs are then not to be used). */
+#define FILL_CAUSAL(NAME, TOKEN)                                                         \
+SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat,                \
+                const i64 *plan, i64 pieces, const i64 *row_starts, i64 rows,            \
+                i64 seq_len, i64 pad_id, int keep, int reset, i64 *input_ids,            \
+                i64 *labels, i64 *position_ids, int32_t *segment_ids) {                 \
+    i64 documents = starts[shards];                                                      \
+    for (i64 r = 0; r < rows; r++) {                                                     \
+        i64 base = r * seq_len, first = row_starts[r], stop = row_starts[r + 1];         \
+        i64 used = 0;                                                                    \
+        for (i64 q = first; q < stop; q++) {                                             \
+            i64 doc = plan[q], offset = plan[pieces + q], length = plan[2 * pieces + q];  \
+            i64 column = plan[COLUMN * pieces + q];                                      \
+            if (doc < 0 || doc >= documents || length < 1 || column < 0                  \
+                || column + length > seq_len) return q;                                  \
+            i64 k = 0, hi = shards; /* the shard holding doc: starts[k] <= doc < starts[k+1] */ \
+            while (hi - k > 1) { i64 mid = (k + hi) / 2; if (starts[mid] <= doc) k = mid; else hi = mid; } \
+            const i64 *shard = maps + k * MAP_FIELDS;                                    \
+            const i64 *index = (const i64 *)(intptr_t)shard[INDEX_AT];                   \
+            i64 row = 3 * (doc - starts[k]);                                             \
+            if (row + 2 >= shard[INDEX_SIZE]) return q;                                  \
+            if (offset < 0 || offset + length > index[row + 1]) return q;                \
+            i64 a = index[row] + offset;                                                 \
+            if (a < 0 || a + length > shard[TOKENS_SIZE]) return q;                      \
+            const TOKEN *tokens = (const TOKEN *)(intptr_t)shard[TOKENS_AT];             \
+            const uint8_t *owned = (const uint8_t *)(intptr_t)shard[OWNED_AT];           \
+            if (chat && (a + length + 7) / 8 > shard[OWNED_SIZE]) return q;              \
+            i64 s = base + column;                                                       \
+            int32_t number = (int32_t)(q - first + 1);                                   \
+            for (i64 t = 0; t < length; t++) {                                           \
+                input_ids[s + t] = tokens[a + t];                                        \
+                position_ids[s + t] = reset ? t : column + t;                            \
+                segment_ids[s + t] = number;                                             \
+            }                                                                            \
+            for (i64 t = 0; t + 1 < length; t++) labels[s + t] = tokens[a + t + 1];      \
+            if (chat) { /* a label only where its token is an owned target (R5) */      \
+                for (i64 t = 0; t + 1 < length; t++) {                                   \
+                    i64 bit = a + t + 1;                                                 \
+                    if (!((owned[bit >> 3] >> (7 - (bit & 7))) & 1)) labels[s + t] = IGNORE; \
+                }                                                                        \
+            }                                                                            \
+            labels[s + length - 1] = IGNORE;                                             \
+            if (column + length > used) used = column + length;                         \
+        }                                                                                \
+        for (i64 c = used; c < seq_len; c++) {                                           \
+            input_ids[base + c] = pad_id;                                                \
+            labels[base + c] = IGNORE;                                                   \
+            position_ids[base + c] = 0;                                                  \
+            segment_ids[base + c] = 0;                                                   \
+        }                                                                                \
+        if (keep) { /* a kept boundary: the next segment's first token, owned or not */ \
+            for (i64 q = first; q + 1 < stop; q++) {                                     \
+                i64 last = base + plan[COLUMN * pieces + q] + plan[2 * pieces + q] - 1;  \
+                labels[last] = input_ids[last + 1];                                      \
+            }                                                                            \
+        }                                                                                \
+    }                                                                                    \
+    return -1;                                                                           \
+}
+
+FILL_CAUSAL(fill_u16, uint16_t)
+FILL_CAUSAL(fill_u32, uint32_t)
+
+i64 fill_causal(const i64 *maps, const i64 *starts, i64 shards, i64 chat, i64 token_size,
+                const i64 *plan, i64 pieces, const i64 *row_starts, i64 rows, i64 seq_len,
+                i64 pad_id, i64 keep, i64 reset, i64 *input_ids, i64 *labels,
+                i64 *position_ids, int32_t *segment_ids) {
+    if (token_size == 2)
+        return fill_u16(maps, starts, shards, (int)chat, plan, pieces, row_starts, rows,
+                        seq_len, pad_id, (int)keep, (int)reset, input_ids, labels,
+                        position_ids, segment_ids);
+    if (token_size == 4)
+        return fill_u32(maps, starts, shards, (int)chat, plan, pieces, row_starts, rows,
+                        seq_len, pad_id, (int)keep, (int)reset, input_ids, labels,
+                        position_ids, segment_ids);
+    return pieces ? 0 : -1;
+}
+
+/* rows.invariants.is_clean over flattened [slots] arrays (segment ids of seg_size
+ * bytes): whether no R7 condition can hold (vocab_size < 0: no upper bound). A
+ * supervised slot is compared with the next slot along the flattened rows; a
+ * row's last column is refused outright when supervised under either rule that
+ * compares. */
+#define SCREEN(NAME, SEG)                                                                \
+SWEEP static int NAME(const i64 *input_ids, const i64 *labels, const SEG *segs, i64 slots, \
+                      i64 seq_len, i64 vocab_size, int ignore_boundary, int next_token) { \
+    uint64_t upper = vocab_size >= 0 ? (uint64_t)vocab_size : (uint64_t)1 << 63;         \
+    uint64_t highest = 0;                                                                \
+    for (i64 s = 0; s < slots; s++)                                                      \
+        highest = (uint64_t)input_ids[s] > highest ? (uint64_t)input_ids[s] : highest;   \
+    if (highest >= upper) return 0;                                                      \
+    if (!next_token) {                                                                   \
+        int bad = 0;                                                                     \
+        for (i64 s = 0; s < slots; s++)                                                  \
+            bad |= (labels[s] != IGNORE) & ((uint64_t)labels[s] >= upper);               \
+        if (bad) return 0;                                                               \
+    }                                                                                    \
+    if (ignore_boundary || next_token)                                                   \
+        for (i64 last = seq_len - 1; last < slots; last += seq_len)                      \
+            if (labels[last] != IGNORE) return 0;                                        \
+    /* branch-free blocks (vectorised), refused at the first block with a violation */  \
+    for (i64 start = 0; start + 1 < slots; start += 4096) {                              \
+        i64 stop = start + 4096 < slots - 1 ? start + 4096 : slots - 1;                  \
+        int bad = 0;                                                                     \
+        for (i64 s = start; s < stop; s++) {                                             \
+            int wrong = segs[s] == 0;                                                    \
+            wrong |= ignore_boundary & (segs[s] != segs[s + 1]);                         \
+            wrong |= next_token & (labels[s] != input_ids[s + 1]);                       \
+            bad |= (labels[s] != IGNORE) & wrong;                                        \
+        }                                                                                \
+        if (bad) return 0;                                                               \
+    }                                                                                    \
+    return slots == 0 || labels[slots - 1] == IGNORE || segs[slots - 1] != 0;            \
+}
+
+SCREEN(screen_i32, int32_t)
+SCREEN(screen_i64, i64)
+
+i64 screen(const i64 *input_ids, const i64 *labels, const void *segs, i64 seg_size,
+           i64 slots, i64 seq_len, i64 vocab_size, i64 ignore_boundary, i64 next_token) {
+    if (seq_len < 1) return 0;
+    if (seg_size == 4)
+        return screen_i32(input_ids, labels, (const int32_t *)segs, slots, seq_len,
+                          vocab_size, (int)ignore_boundary, (int)next_token);
+    if (seg_size == 8)
+        return screen_i64(input_ids, labels, (const i64 *)segs, slots, seq_len,
+                          vocab_size, (int)ignore_boundary, (int)next_token);
+    return 0;
+}
+
+/* How many of labels[:n] are not IGNORE. */
+SWEEP i64 count_supervised(const i64 *labels, i64 n) {
+    i64 count = 0;
+    for (i64 s = 0; s < n; s++) count += labels[s] != IGNORE;
+    return count;
+}
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_kernels",
+    .m_doc = "exactstep's compiled row kernels (see rows.kernels)",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
