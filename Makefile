@@ -9,7 +9,7 @@ OUT ?= runs/default
 
 .PHONY: train test lint bench clean gpu-smoke gpu-smoke-dry-run audit
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py src/exactstep/rows/kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"

@@ -226,3 +226,50 @@ def test_a_piece_outside_its_document_is_refused_by_both() -> None:
         compile_causal_batch(plan, docs, seq_len=12, pad_id=0)
     with pytest.raises(IndexError):
         compile_causal_batch(plan.rows(), docs, seq_len=12, pad_id=0)
+
+
+# ------------------------------------------------------------- the kernels' guards
+
+
+def test_an_index_entry_outside_its_shard_is_refused_not_read() -> None:
+    """A document index that points past its shard's tokens (a damaged index the
+    fingerprint did not cover) is an ``IndexError`` at the kernel, never a read
+    outside the memory map."""
+    tokens = np.arange(20, dtype=np.uint16)
+    index = np.array([[0, 10, 9], [15, 10, 9]], dtype=np.int64)  # the second runs to 25
+    docs = PreparedDocuments(PreparedSplit([Shard(tokens, index, None)],
+                                           {"min_length": 10, "max_length": 10}), block=2)
+    planner = PackPlanner(docs, seq_len=12, buffer=2, overlong="split", seed=0,
+                          shuffle=False)
+    assert compile_causal_batch(planner.next_plan(1), docs, seq_len=12, pad_id=0).shape == (1, 12)
+    with pytest.raises(IndexError, match="outside its document"):
+        compile_causal_batch(planner.next_plan(1), docs, seq_len=12, pad_id=0)
+
+
+def test_kernels_take_only_contiguous_arrays_of_their_type() -> None:
+    from exactstep.rows import kernels
+
+    assert kernels.address(np.zeros(4, dtype=np.int64)) > 0
+    with pytest.raises(ValueError, match="contiguous int64"):
+        kernels.address(np.zeros(8, dtype=np.int64)[::2])
+    with pytest.raises(ValueError, match="contiguous int64"):
+        kernels.address(np.zeros(4, dtype=np.int32))
+    with pytest.raises(ValueError, match="int64 ids"):
+        kernels.screen(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64),
+                       torch.zeros(2, 3, dtype=torch.int32), 3, 10, True, True)
+
+
+def test_a_missing_build_is_one_clear_import_error(monkeypatch) -> None:
+    import importlib.util
+
+    from exactstep.rows import kernels
+
+    kernels.library.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    try:
+        with pytest.raises(ImportError, match="C compiler"):
+            kernels.library()
+    finally:
+        monkeypatch.undo()
+        kernels.library.cache_clear()
+    assert kernels.library() is not None
