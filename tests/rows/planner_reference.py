@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 from exactstep.errors import DataError, DistributedError, ResumeError
 from exactstep.rows.example import Example
@@ -265,6 +266,11 @@ class ReferencePlanner:
         """``next_rows``: the rows every compiler reads (``PackPlanner.next_plan``
         returns them as a ``RowPlan``)."""
         return self.next_rows(k)
+
+    def snapshot(self):
+        """The state now, as ``PackPlanner.snapshot`` gives it (here built at once)."""
+        state = self.state_dict()
+        return SimpleNamespace(state_dict=lambda: state)
 
     def pending(self) -> list[Piece]:
         """The pending pieces in arrival order."""

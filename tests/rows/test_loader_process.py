@@ -117,7 +117,7 @@ def test_negative_control_the_states_that_travel_are_ahead_of_the_consumer():
         waiting = []
         for _ in range(3):  # the child refills to depth = 3 batches ahead
             assert reader.poll(20.0)
-            waiting.append(pickle.loads(pickle.loads(reader.recv_bytes())[2]))
+            waiting.append(pickle.loads(pickle.loads(reader.recv_bytes())[2]).state_dict())
         assert ahead.state_dict() == inline.state_dict()
         assert waiting[-1] != inline.state_dict()
         assert waiting[-1]["batches"] == inline.state_dict()["batches"] + 3

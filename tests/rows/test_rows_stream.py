@@ -231,3 +231,23 @@ def test_nothing_to_pack_is_a_data_error() -> None:
         RowStream(too_long, BatchConfig(seq_len=8, rows=1, overlong="drop"), pad_id=PAD, seed=0)
     with pytest.raises(DataError, match="no tokens"):
         RowStream([Example(4, np.zeros(0, dtype=np.int64))], CFG, pad_id=PAD, seed=0)
+
+
+def test_a_snapshot_keeps_the_state_of_its_moment() -> None:
+    """``RowStream.snapshot()`` (what the loaders keep per batch) gives, however far
+    the stream runs on, the ``state_dict`` of the moment it was taken (S2).
+    Negative control: a snapshot holding the live buffer instead of a copy drifts."""
+    import dataclasses
+
+    stream = RowStream(random_examples(60, seed=8, mean=20), CFG, pad_id=PAD, seed=2)
+    for _ in range(3):
+        stream.next_batch()
+    snap = stream.snapshot()
+    then = json.dumps(stream.state_dict(), sort_keys=True)
+    live = dataclasses.replace(snap.planner, slots=stream.planner._buf.slots)
+    for _ in range(5):
+        stream.next_batch()
+    assert json.dumps(snap.state_dict(), sort_keys=True) == then
+    assert json.dumps(stream.state_dict(), sort_keys=True) != then
+    assert json.dumps(live.state_dict(), sort_keys=True) != json.dumps(
+        snap.planner.state_dict(), sort_keys=True)

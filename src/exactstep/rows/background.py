@@ -12,7 +12,8 @@ Invariants:
   the worker is the only caller of the stream after the first batch is requested.
 - ``state_dict()`` is the wrapped stream's state *after the last batch consumed*,
   never after the ones prefetched: the worker snapshots the state right after
-  compiling each batch and the snapshot travels with it through the queue. A
+  compiling each batch (``RowStream.snapshot``: arrays copied, the state dict built
+  only when asked) and the snapshot travels with it through the queue. A
   checkpoint taken between windows therefore resumes exactly where the consumer
   stood (S2, S5), whatever ``depth`` was.
 - ``load_state_dict`` is allowed only before the first batch is requested (a resume
@@ -31,7 +32,7 @@ import threading
 from typing import Any
 
 from exactstep.rows.batch import Batch
-from exactstep.rows.stream import BatchSource, RowStream
+from exactstep.rows.stream import BatchSource, RowStream, StreamSnapshot
 
 _END = object()
 
@@ -47,7 +48,7 @@ class BackgroundStream(BatchSource):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
-        self._consumed_state: dict | None = None
+        self._consumed: StreamSnapshot | None = None
         self._finished = False
 
     # -- the worker ---------------------------------------------------------------------
@@ -56,7 +57,7 @@ class BackgroundStream(BatchSource):
         try:
             while not self._stop.is_set():
                 batch = self.stream.next_batch()
-                item = _END if batch is None else (batch, self.stream.state_dict())
+                item = _END if batch is None else (batch, self.stream.snapshot())
                 if not self._put(item) or item is _END:
                     return
         except BaseException as exc:  # delivered to the consumer, raised there
@@ -73,7 +74,7 @@ class BackgroundStream(BatchSource):
 
     def _start(self) -> None:
         if self._worker is None:
-            self._consumed_state = self.stream.state_dict()  # nothing consumed yet
+            self._consumed = self.stream.snapshot()  # nothing consumed yet
             self._worker = threading.Thread(target=self._run, name="exactstep-rows",
                                             daemon=True)
             self._worker.start()
@@ -92,14 +93,13 @@ class BackgroundStream(BatchSource):
         if isinstance(item, BaseException):
             self._finished = True
             raise item
-        batch, state = item
-        self._consumed_state = state
+        batch, self._consumed = item
         return batch
 
     def state_dict(self) -> dict:
         """The wrapped stream's state after the last consumed batch (S2)."""
-        if self._consumed_state is not None:
-            return self._consumed_state
+        if self._consumed is not None:
+            return self._consumed.state_dict()
         return self.stream.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -117,6 +117,6 @@ class BackgroundStream(BatchSource):
     def report(self) -> dict:
         """The data report (R4) of what was consumed, as without background loading."""
         self.close()
-        if self._consumed_state is not None:
-            self.stream.load_state_dict(self._consumed_state)
+        if self._consumed is not None:
+            self.stream.load_state_dict(self._consumed.state_dict())
         return self.stream.report()

@@ -197,12 +197,14 @@ class PieceBuffer:
             raise RuntimeError("the plan outgrew its arrays; this is a bug in rows.packing")
         return made, bool(needs_help.value)
 
-    def pending_columns(self) -> list[list[int]]:
-        """``[arrival, example, offset, length, piece]`` of the pending pieces, each
-        column in arrival order."""
-        held = np.flatnonzero(self.slots[ARRIVAL] >= 0)
-        held = held[np.argsort(self.slots[ARRIVAL, held], kind="stable")]
-        return self.slots[[ARRIVAL, EXAMPLE, OFFSET, LENGTH, PIECE]][:, held].tolist()
+
+
+def pending_columns(slots: np.ndarray) -> list[list[int]]:
+    """``[arrival, example, offset, length, piece]`` of the pending pieces held in
+    ``slots`` (a ``PieceBuffer``'s, or a copy of them), each column in arrival order."""
+    held = np.flatnonzero(slots[ARRIVAL] >= 0)
+    held = held[np.argsort(slots[ARRIVAL, held], kind="stable")]
+    return slots[[ARRIVAL, EXAMPLE, OFFSET, LENGTH, PIECE]][:, held].tolist()
 
 
 def fill_causal(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int, pad_id: int,

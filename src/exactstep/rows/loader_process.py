@@ -135,7 +135,7 @@ class LoaderProcess(BatchSource):
     def state_dict(self) -> dict:
         """The stream's state after the last consumed batch (S2)."""
         if self._consumed_blob is not None:
-            self._consumed_state = pickle.loads(self._consumed_blob)
+            self._consumed_state = pickle.loads(self._consumed_blob).state_dict()
             self._consumed_blob = None
         if self._consumed_state is not None:
             return self._consumed_state
@@ -340,7 +340,7 @@ def next_message(stream: RowStream, channel: Channel, sent: int) -> tuple:
         payload = (k, to_wire(batch, channel.slot(k)))
     except OverflowError:
         payload = (None, to_wire(batch))
-    return ("batch", payload, pickle.dumps(stream.state_dict(), PROTOCOL))
+    return ("batch", payload, pickle.dumps(stream.snapshot(), PROTOCOL))
 
 
 def wait_credit(channel: Channel) -> bool:

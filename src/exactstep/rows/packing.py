@@ -260,6 +260,36 @@ class RowPlan(Sequence[list[Piece]]):
         return iter(self.rows())
 
 
+@dataclass(frozen=True)
+class PlannerSnapshot:
+    """A planner's position at one moment (``PackPlanner.snapshot``): the scalars,
+    a copy of its buffer's slots and of its counts."""
+
+    settings: dict
+    epoch: int
+    cursor: int
+    exhausted: bool
+    admitted_this_epoch: int
+    next_arrival: int
+    slots: np.ndarray
+    counts: PackCounts
+
+    def state_dict(self) -> dict:
+        """The planner's ``state_dict()`` at the moment of the snapshot."""
+        pending = [list(p) for p in zip(*kernels.pending_columns(self.slots), strict=True)]
+        return {
+            "version": STATE_VERSION,
+            "settings": dict(self.settings),
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "exhausted": self.exhausted,
+            "admitted_this_epoch": self.admitted_this_epoch,
+            "next_arrival": self.next_arrival,
+            "pending": pending,
+            "counts": dataclasses.asdict(self.counts),
+        }
+
+
 class PackPlanner:
     """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
 
@@ -530,7 +560,7 @@ class PackPlanner:
         return list(map(Piece, example, offset, length, piece, [self.epoch] * len(piece)))
 
     def _pending_columns(self) -> list[list[int]]:
-        return self._buf.pending_columns()
+        return kernels.pending_columns(self._buf.slots)
 
     # -- state (S2) ---------------------------------------------------------------------
 
@@ -548,21 +578,18 @@ class PackPlanner:
             "overlap_split": self.overlap_split,
         }
 
+    def snapshot(self) -> PlannerSnapshot:
+        """The position now, cheap to take (the buffer's slots copied, nothing built):
+        its ``state_dict()`` is what ``state_dict()`` returns now. A loader takes one
+        after every batch it prepares (``rows.background``, ``rows.loader_process``)."""
+        self._flush()
+        return PlannerSnapshot(self.settings(), self.epoch, self.cursor, self._exhausted,
+                               self._admitted_this_epoch, self._next_arrival,
+                               self._buf.slots.copy(), dataclasses.replace(self._counts))
+
     def state_dict(self) -> dict:
         """JSON-serialisable position: epoch, cursor, pending pieces, counters."""
-        self._flush()
-        pending = [list(p) for p in zip(*self._pending_columns(), strict=True)]
-        return {
-            "version": STATE_VERSION,
-            "settings": self.settings(),
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "exhausted": self._exhausted,
-            "admitted_this_epoch": self._admitted_this_epoch,
-            "next_arrival": self._next_arrival,
-            "pending": pending,
-            "counts": dataclasses.asdict(self.counts),
-        }
+        return self.snapshot().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where ``state`` was taken. Raises ``ResumeError`` if the

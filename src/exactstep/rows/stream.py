@@ -29,12 +29,13 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from exactstep.rows.batch import Batch
 from exactstep.rows.compiler import CAUSAL, RowCompiler
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example, all_weighted
-from exactstep.rows.packing import PackPlanner
+from exactstep.rows.packing import PackPlanner, PlannerSnapshot
 
 
 class BatchSource:
@@ -125,14 +126,15 @@ class RowStream(BatchSource):
     def close(self) -> None:
         """Nothing to release (``rows.background.BackgroundStream`` has a worker)."""
 
+    def snapshot(self) -> StreamSnapshot:
+        """The position after the batches yielded so far, cheap to take; its
+        ``state_dict()`` is ``state_dict()`` now (what a loader keeps per batch)."""
+        return StreamSnapshot(self.planner.snapshot(), self.batches, self.supervised_rows,
+                              self.boundary_targets)
+
     def state_dict(self) -> dict:
         """JSON-serialisable position after the batches yielded so far (S2)."""
-        return {
-            "planner": self.planner.state_dict(),
-            "batches": self.batches,
-            "supervised_rows": self.supervised_rows,
-            "boundary_targets": self.boundary_targets,
-        }
+        return self.snapshot().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batches counted in ``state``; raises
@@ -148,6 +150,24 @@ class RowStream(BatchSource):
         return data_report(
             self.planner, self.cfg, self.batches, self.supervised_rows, self.boundary_targets
         )
+
+
+@dataclass(frozen=True)
+class StreamSnapshot:
+    """A ``RowStream``'s position at one moment (``RowStream.snapshot``)."""
+
+    planner: PlannerSnapshot
+    batches: int
+    supervised_rows: int
+    boundary_targets: int
+
+    def state_dict(self) -> dict:
+        return {
+            "planner": self.planner.state_dict(),
+            "batches": self.batches,
+            "supervised_rows": self.supervised_rows,
+            "boundary_targets": self.boundary_targets,
+        }
 
 
 def restore_stream(examples: Sequence[Example], cfg: BatchConfig, pad_id: int,
