@@ -2,9 +2,11 @@
 current window trains, with the same batches and the same resume state as without.
 
 ``BackgroundStream(stream, depth)`` runs ``stream.next_batch()`` on one worker thread
-that keeps up to ``depth`` compiled batches in a bounded queue. Packing is Python,
-but compiling builds NumPy and torch tensors and the training step spends most of its
-time inside torch operators that release the GIL, so the two overlap.
+that keeps up to ``depth`` compiled batches in a bounded queue. The planner's buffer,
+the causal fill and the R7 screen are C kernels called without the GIL
+(``rows.kernels``), and the training step spends most of its time inside torch
+operators that release it, so the two overlap; the Python around the kernels still
+takes the GIL from the step for a few tens of microseconds per batch.
 
 Invariants:
 
