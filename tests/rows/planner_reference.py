@@ -12,18 +12,19 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
-from exactstep.errors import DataError, DistributedError, ResumeError
+from exactstep.errors import DataError, ResumeError
 from exactstep.rows.example import Example
 from exactstep.rows.packing import (
     ARRIVAL_BITS,
     STATE_VERSION,
     WINDOW,
     DocumentTable,
-    ExampleTable,
     PackCounts,
     Piece,
+    count_admission,
     cut_example,
     order_window,
+    planner_table,
     table_columns,
 )
 
@@ -57,24 +58,8 @@ class ReferencePlanner:
         overlap_split: bool = False,
         cost: Callable[[int], int] | None = None,
     ) -> None:
-        if world < 1 or not 0 <= rank < world:
-            raise DistributedError(f"rank {rank} is not in [0, world = {world}); check the launch")
-        table = examples if isinstance(examples, DocumentTable) else ExampleTable(examples)
-        if not len(table):
-            raise DataError("there are no examples to pack; check data.source and data.max_docs")
-        if len(table) < world:
-            raise DataError(
-                f"{len(table)} examples cannot be sharded over {world} ranks; "
-                "use more data or fewer ranks"
-            )
-        empty = table.first_empty()
-        if empty is not None:
-            raise DataError(f"example {table[empty].example_id} has no tokens; remove it")
-        if overlong == "drop" and table.min_length > seq_len:
-            raise DataError(
-                f"every example is longer than batch.seq_len = {seq_len} and batch.overlong = "
-                "'drop'; raise batch.seq_len or set batch.overlong to 'split' or 'truncate'"
-            )
+        table = planner_table(examples, seq_len=seq_len, overlong=overlong, rank=rank,
+                              world=world)
         self.examples = examples
         self.table = table
         self.seq_len = seq_len
@@ -132,23 +117,7 @@ class ReferencePlanner:
         self._admitted_this_epoch += len(runs)
 
     def _count_admission(self, example: Example, runs: list[tuple[int, int]], lost: int) -> None:
-        c, n = self.counts, len(example)
-        c.documents += 1
-        c.tokens += n
-        c.targets += example.targets_in(1, n)
-        if self.overlong == "drop":
-            c.dropped_documents += 1
-            c.dropped_tokens += n
-            c.dropped_targets_lost += lost
-        elif self.overlong == "truncate":
-            c.truncated_documents += 1
-            c.truncated_tokens += n - self.seq_len
-            c.truncated_targets_lost += lost
-        else:
-            c.split_documents += 1
-            c.split_pieces += len(runs)
-            c.split_targets_lost += lost
-            c.split_repeated_tokens += sum(length for _, length in runs) - n
+        count_admission(self.counts, example, runs, lost, self.overlong, self.seq_len)
 
     def _refill(self) -> None:
         while len(self._keys) < self.buffer and not self._exhausted:

@@ -139,6 +139,29 @@ def cut_example(
     return runs, lost
 
 
+def count_admission(counts: PackCounts, example: Example, runs: list[tuple[int, int]],
+                    lost: int, overlong: str, seq_len: int) -> None:
+    """Count an over-long example's admission under its policy (R4): its tokens and
+    targets, and what ``cut_example``'s ``runs`` and ``lost`` targets cost."""
+    c, n = counts, len(example)
+    c.documents += 1
+    c.tokens += n
+    c.targets += example.targets_in(1, n)
+    if overlong == "drop":
+        c.dropped_documents += 1
+        c.dropped_tokens += n
+        c.dropped_targets_lost += lost
+    elif overlong == "truncate":
+        c.truncated_documents += 1
+        c.truncated_tokens += n - seq_len
+        c.truncated_targets_lost += lost
+    else:
+        c.split_documents += 1
+        c.split_pieces += len(runs)
+        c.split_targets_lost += lost
+        c.split_repeated_tokens += sum(length for _, length in runs) - n
+
+
 @runtime_checkable
 class DocumentTable(Protocol):
     """What the planner reads about its examples: how many, each one's length and
@@ -187,6 +210,33 @@ def table_columns(table: DocumentTable, ids: np.ndarray) -> tuple[np.ndarray, np
     lengths, targets = table.lengths, table.targets
     return (np.array([lengths[i] for i in ids.tolist()], dtype=np.int64),
             np.array([targets[i] for i in ids.tolist()], dtype=np.int64))
+
+
+def planner_table(examples, *, seq_len: int, overlong: str, rank: int,
+                  world: int) -> DocumentTable:
+    """The ``DocumentTable`` a planner reads (``examples`` itself, or an
+    ``ExampleTable`` of a list), refused with ``DistributedError`` for an invalid
+    rank and ``DataError`` when there is nothing to pack: no examples, fewer than
+    ranks, an empty one, or every one dropped."""
+    if world < 1 or not 0 <= rank < world:
+        raise DistributedError(f"rank {rank} is not in [0, world = {world}); check the launch")
+    table = examples if isinstance(examples, DocumentTable) else ExampleTable(examples)
+    if not len(table):
+        raise DataError("there are no examples to pack; check data.source and data.max_docs")
+    if len(table) < world:
+        raise DataError(
+            f"{len(table)} examples cannot be sharded over {world} ranks; "
+            "use more data or fewer ranks"
+        )
+    empty = table.first_empty()
+    if empty is not None:
+        raise DataError(f"example {table[empty].example_id} has no tokens; remove it")
+    if overlong == "drop" and table.min_length > seq_len:
+        raise DataError(
+            f"every example is longer than batch.seq_len = {seq_len} and batch.overlong = "
+            "'drop'; raise batch.seq_len or set batch.overlong to 'split' or 'truncate'"
+        )
+    return table
 
 
 class ExampleTable:
@@ -321,24 +371,8 @@ class PackPlanner:
         overlap_split: bool = False,
         cost: Callable[[int], int] | None = None,
     ) -> None:
-        if world < 1 or not 0 <= rank < world:
-            raise DistributedError(f"rank {rank} is not in [0, world = {world}); check the launch")
-        table = examples if isinstance(examples, DocumentTable) else ExampleTable(examples)
-        if not len(table):
-            raise DataError("there are no examples to pack; check data.source and data.max_docs")
-        if len(table) < world:
-            raise DataError(
-                f"{len(table)} examples cannot be sharded over {world} ranks; "
-                "use more data or fewer ranks"
-            )
-        empty = table.first_empty()
-        if empty is not None:
-            raise DataError(f"example {table[empty].example_id} has no tokens; remove it")
-        if overlong == "drop" and table.min_length > seq_len:
-            raise DataError(
-                f"every example is longer than batch.seq_len = {seq_len} and batch.overlong = "
-                "'drop'; raise batch.seq_len or set batch.overlong to 'split' or 'truncate'"
-            )
+        table = planner_table(examples, seq_len=seq_len, overlong=overlong, rank=rank,
+                              world=world)
         self.examples = examples
         self.table = table
         self.seq_len = seq_len
@@ -427,23 +461,7 @@ class PackPlanner:
         self._admitted_this_epoch += len(runs)
 
     def _count_admission(self, example: Example, runs: list[tuple[int, int]], lost: int) -> None:
-        c, n = self.counts, len(example)
-        c.documents += 1
-        c.tokens += n
-        c.targets += example.targets_in(1, n)
-        if self.overlong == "drop":
-            c.dropped_documents += 1
-            c.dropped_tokens += n
-            c.dropped_targets_lost += lost
-        elif self.overlong == "truncate":
-            c.truncated_documents += 1
-            c.truncated_tokens += n - self.seq_len
-            c.truncated_targets_lost += lost
-        else:
-            c.split_documents += 1
-            c.split_pieces += len(runs)
-            c.split_targets_lost += lost
-            c.split_repeated_tokens += sum(length for _, length in runs) - n
+        count_admission(self.counts, example, runs, lost, self.overlong, self.seq_len)
 
     def _refill(self) -> None:
         """Refill the buffer to ``buffer`` pieces where the kernel hands back: read
