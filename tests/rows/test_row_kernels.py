@@ -264,12 +264,12 @@ def test_a_missing_build_is_one_clear_import_error(monkeypatch) -> None:
 
     from exactstep.rows import kernels
 
-    kernels.library.cache_clear()
+    kernels.compiled_library.cache_clear()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     try:
         with pytest.raises(ImportError, match="C compiler"):
-            kernels.library()
+            kernels.compiled_library()
     finally:
         monkeypatch.undo()
-        kernels.library.cache_clear()
-    assert kernels.library() is not None
+        kernels.compiled_library.cache_clear()
+    assert kernels.compiled_library() is not None

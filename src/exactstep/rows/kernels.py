@@ -5,8 +5,8 @@ The kernels are C (``kernels.c``, built with the package as ``rows._kernels``),
 called through ``ctypes`` (which releases the GIL for the call, so a loader thread
 packs while the step runs) with the addresses of contiguous arrays. This module
 holds the layouts they share with their callers, loads the library on first use
-(``library``: a missing build is a clear ``ImportError``), and wraps each kernel
-with the checks that make a call memory-safe. The callers own the semantics and
+(``compiled_library``: a missing build is a clear ``ImportError``), and wraps each
+kernel with the checks that make a call memory-safe. The callers own the semantics and
 document them: ``rows.packing`` (the plan), ``rows.causal`` (labels, positions,
 segment ids) and ``rows.invariants`` (what R7 refuses); the kernels are tested
 against those modules' NumPy and pure-Python forms, and against the golden digests
@@ -70,7 +70,7 @@ LAYOUT = (IGNORE, SLOT_FIELDS, ARRIVAL, NEXT, COLUMN, PLAN_FIELDS, STATE_FIELDS,
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
+def compiled_library() -> ctypes.CDLL:
     """The compiled kernels (``rows._kernels``), loaded once, prototypes set and
     layout checked. Raises ``ImportError`` naming the fix when it was not built."""
     spec = importlib.util.find_spec("exactstep.rows._kernels")
@@ -127,7 +127,7 @@ class PieceBuffer:
         self.seq_len = int(self.settings[SEQ_LEN])
         self.state = np.zeros(STATE_FIELDS, dtype=np.int64)
         self.counts = np.zeros(len(COUNTS), dtype=np.int64)
-        self.lib = library()
+        self.lib = compiled_library()
         self._fixed = (address(self.cost), address(self.settings), address(self.state),
                        address(self.counts))
         self.set_window(np.zeros((3, 0), dtype=np.int64))
@@ -222,7 +222,7 @@ def fill_causal(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int, pa
             raise ValueError("fill_causal needs contiguous host tensors of rows * seq_len")
     if plan.shape[0] != PLAN_FIELDS:
         raise ValueError("fill_causal needs a plan of PLAN_FIELDS rows")
-    return library().fill_causal(
+    return compiled_library().fill_causal(
         maps.table_address, maps.starts_address, maps.shards, maps.chat,
         maps.sample.itemsize, address(plan), plan.shape[1], address(row_starts), rows,
         seq_len, pad_id, keep, reset, *(t.data_ptr() for t in outputs))
@@ -239,7 +239,7 @@ def screen(input_ids, labels, segment_ids, seq_len: int, vocab_size: int,
     if str(input_ids.dtype) != "torch.int64" or str(labels.dtype) != "torch.int64" or (
             segment_ids.element_size() not in (4, 8) or segment_ids.is_floating_point()):
         raise ValueError("screen needs int64 ids and labels and int32/int64 segment ids")
-    return bool(library().screen(input_ids.data_ptr(), labels.data_ptr(),
+    return bool(compiled_library().screen(input_ids.data_ptr(), labels.data_ptr(),
                                  segment_ids.data_ptr(), segment_ids.element_size(), slots,
                                  seq_len, vocab_size, ignore_boundary, next_token))
 
@@ -249,4 +249,4 @@ def count_supervised(labels) -> int:
     if (labels.device.type != "cpu" or not labels.is_contiguous()
             or str(labels.dtype) != "torch.int64"):
         raise ValueError("count_supervised needs a contiguous host int64 tensor")
-    return int(library().count_supervised(labels.data_ptr(), labels.numel()))
+    return int(compiled_library().count_supervised(labels.data_ptr(), labels.numel()))
