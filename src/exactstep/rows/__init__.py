@@ -15,6 +15,7 @@ _EXPORTS = {
     "LoaderProcess": "exactstep.rows.loader_process",
     "PackPlanner": "exactstep.rows.packing",
     "PreparedDocuments": "exactstep.rows.prepared",
+    "RowPlan": "exactstep.rows.packing",
     "RowStream": "exactstep.rows.stream",
     "Segment": "exactstep.rows.batch",
     "chat_examples": "exactstep.rows.chat",
