@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 from exactstep.errors import DataError, ResumeError
@@ -21,15 +21,15 @@ from exactstep.rows.packing import (
     DocumentTable,
     PackCounts,
     Piece,
+    PlannerSettings,
     count_admission,
     cut_example,
     order_window,
-    planner_table,
     table_columns,
 )
 
 
-class ReferencePlanner:
+class ReferencePlanner(PlannerSettings):
     """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
 
     ``cost`` (optional): the capacity a piece of a given length takes (module doc,
@@ -43,39 +43,8 @@ class ReferencePlanner:
     compare in one machine operation, where tuples would compare element-wise.
     """
 
-    def __init__(
-        self,
-        examples: Sequence[Example] | DocumentTable,
-        *,
-        seq_len: int,
-        buffer: int,
-        overlong: str,
-        seed: int,
-        shuffle: bool = True,
-        repeat: bool = True,
-        rank: int = 0,
-        world: int = 1,
-        overlap_split: bool = False,
-        cost: Callable[[int], int] | None = None,
-    ) -> None:
-        table = planner_table(examples, seq_len=seq_len, overlong=overlong, rank=rank,
-                              world=world)
-        self.examples = examples
-        self.table = table
-        self.seq_len = seq_len
-        self.buffer = buffer
-        self.overlong = overlong
-        self.seed = seed
-        self.shuffle = shuffle
-        self.repeat = repeat
-        self.rank = rank
-        self.world = world
-        self.overlap_split = overlap_split
-        self.cost = cost or (lambda length: length)
-        self._charged = cost is not None  # else a piece's cost is its length
-        if self.cost(seq_len) > seq_len:
-            raise DataError(f"a piece of {seq_len} tokens costs {self.cost(seq_len)} > "
-                            f"{seq_len}: the compiler's charges do not fit its own rows")
+    def __init__(self, examples: Sequence[Example] | DocumentTable, **settings) -> None:
+        super().__init__(examples, **settings)
         self.counts = PackCounts()
         self._keys: list[int] = []  # sorted cost << ARRIVAL_BITS | arrival
         self._pending: dict[int, Piece] = {}  # arrival -> piece
@@ -147,7 +116,7 @@ class ReferencePlanner:
         the first over-long one (its pieces are counted by ``_admit``)."""
         ids, lengths = self._window_ids, self._window_lengths
         seq_len, epoch, keys, pending = self.seq_len, self.epoch, self._keys, self._pending
-        cost = self.cost if self._charged else None
+        cost = self.cost if self.charged else None
         arrival = self._next_arrival
         start = j
         tokens = 0
@@ -217,7 +186,7 @@ class ReferencePlanner:
             row.append(piece)
             space -= cost
         self.counts.rows += 1
-        self.counts.real_tokens += (sum(piece.length for piece in row) if self._charged
+        self.counts.real_tokens += (sum(piece.length for piece in row) if self.charged
                                     else self.seq_len - space)  # uncharged: cost = length
         return row
 
@@ -252,20 +221,6 @@ class ReferencePlanner:
 
     # -- state (S2) ---------------------------------------------------------------------
 
-    def settings(self) -> dict:
-        return {
-            "examples": len(self.table),
-            "seq_len": self.seq_len,
-            "buffer": self.buffer,
-            "overlong": self.overlong,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "repeat": self.repeat,
-            "rank": self.rank,
-            "world": self.world,
-            "overlap_split": self.overlap_split,
-        }
-
     def state_dict(self) -> dict:
         """JSON-serialisable position: epoch, cursor, pending pieces, counters."""
         pending = [
@@ -287,19 +242,7 @@ class ReferencePlanner:
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where ``state`` was taken. Raises ``ResumeError`` if the
         state belongs to a planner with different settings or data size."""
-        if state.get("version") != STATE_VERSION:
-            raise ResumeError(
-                f"packer state version {state.get('version')!r} is not {STATE_VERSION}"
-            )
-        saved = state["settings"]
-        differing = sorted(k for k, v in self.settings().items() if saved.get(k) != v)
-        if differing:
-            raise ResumeError(
-                "the packer state was saved with different settings: "
-                + ", ".join(
-                    f"{k} (saved {saved.get(k)!r}, now {self.settings()[k]!r})" for k in differing
-                )
-            )
+        self.check_state(state)
         self._start_epoch(int(state["epoch"]))
         self.cursor = int(state["cursor"])  # the window is read again from here
         self._exhausted = bool(state["exhausted"])

@@ -340,21 +340,12 @@ class PlannerSnapshot:
         }
 
 
-class PackPlanner:
-    """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
-
-    ``cost`` (optional): the capacity a piece of a given length takes (module doc,
-    "Charges"); ``real_tokens`` still counts tokens.
-    Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
-    every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
-
-    The buffer is one int64 array (``rows.kernels``: the pending pieces sorted by
-    their key ``cost << ARRIVAL_BITS | arrival``; arrivals below ``2 **
-    ARRIVAL_BITS``, so the order is that of ``(cost, arrival)``), refilled and
-    emptied into rows by a compiled kernel (``plan_rows``); the planner itself, in
-    Python, reads the next window of the order, cuts over-long examples and moves
-    from one epoch to the next (the places the kernel hands back).
-    """
+class PlannerSettings:
+    """What a planner of this module's algorithm is given, checked: the table
+    (``planner_table``), the order's and the cut's settings, and the charges
+    (``cost``; ``charged`` says whether a compiler gave them). ``settings()`` is
+    what a saved state must match; ``check_state`` refuses one that does not (S2).
+    ``PackPlanner`` and the tests' Python oracle both start from it."""
 
     def __init__(
         self,
@@ -371,10 +362,9 @@ class PackPlanner:
         overlap_split: bool = False,
         cost: Callable[[int], int] | None = None,
     ) -> None:
-        table = planner_table(examples, seq_len=seq_len, overlong=overlong, rank=rank,
-                              world=world)
         self.examples = examples
-        self.table = table
+        self.table = planner_table(examples, seq_len=seq_len, overlong=overlong, rank=rank,
+                                   world=world)
         self.seq_len = seq_len
         self.buffer = buffer
         self.overlong = overlong
@@ -385,17 +375,68 @@ class PackPlanner:
         self.world = world
         self.overlap_split = overlap_split
         self.cost = cost or (lambda length: length)
-        self._charged = cost is not None  # else a piece's cost is its length
+        self.charged = cost is not None  # else a piece's cost is its length
         if self.cost(seq_len) > seq_len:
             raise DataError(f"a piece of {seq_len} tokens costs {self.cost(seq_len)} > "
                             f"{seq_len}: the compiler's charges do not fit its own rows")
+
+    def settings(self) -> dict:
+        return {
+            "examples": len(self.table),
+            "seq_len": self.seq_len,
+            "buffer": self.buffer,
+            "overlong": self.overlong,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "repeat": self.repeat,
+            "rank": self.rank,
+            "world": self.world,
+            "overlap_split": self.overlap_split,
+        }
+
+    def check_state(self, state: dict) -> None:
+        """Raise ``ResumeError`` unless ``state`` is of this version and was saved
+        with these settings and this data size (each differing setting named)."""
+        if state.get("version") != STATE_VERSION:
+            raise ResumeError(
+                f"packer state version {state.get('version')!r} is not {STATE_VERSION}"
+            )
+        saved, now = state["settings"], self.settings()
+        differing = sorted(k for k, v in now.items() if saved.get(k) != v)
+        if differing:
+            raise ResumeError(
+                "the packer state was saved with different settings: "
+                + ", ".join(f"{k} (saved {saved.get(k)!r}, now {now[k]!r})" for k in differing)
+            )
+
+
+class PackPlanner(PlannerSettings):
+    """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
+    Its settings are ``PlannerSettings``'s keyword arguments.
+
+    ``cost`` (optional): the capacity a piece of a given length takes (module doc,
+    "Charges"); ``real_tokens`` still counts tokens.
+    Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
+    every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
+
+    The buffer is one int64 array (``rows.kernels``: the pending pieces sorted by
+    their key ``cost << ARRIVAL_BITS | arrival``; arrivals below ``2 **
+    ARRIVAL_BITS``, so the order is that of ``(cost, arrival)``), refilled and
+    emptied into rows by a compiled kernel (``plan_rows``); the planner itself, in
+    Python, reads the next window of the order, cuts over-long examples and moves
+    from one epoch to the next (the places the kernel hands back).
+    """
+
+    def __init__(self, examples: Sequence[Example] | DocumentTable, **settings) -> None:
+        super().__init__(examples, **settings)
         # the charge of every piece length a row can hold (pieces are never longer)
+        seq_len, buffer = self.seq_len, self.buffer
         self._costs = (np.array([self.cost(n) for n in range(seq_len + 1)], dtype=np.int64)
-                       if cost is not None else np.arange(seq_len + 1, dtype=np.int64))
+                       if self.charged else np.arange(seq_len + 1, dtype=np.int64))
         self._counts = PackCounts()
         rule = {"split": kernels.SPLIT, "truncate": kernels.TRUNCATE, "drop": kernels.DROP}
-        settings = [rule[overlong], overlap_split, bool(getattr(table, "plain", False)),
-                    seq_len, buffer]
+        settings = [rule[self.overlong], self.overlap_split,
+                    bool(getattr(self.table, "plain", False)), seq_len, buffer]
         self._buf = kernels.PieceBuffer(self._costs, np.array(settings, dtype=np.int64),
                                         buffer + SLACK)
         self._flushed = np.zeros(len(kernels.COUNTS), dtype=np.int64)
@@ -574,27 +615,10 @@ class PackPlanner:
 
     def pending(self) -> list[Piece]:
         """The pending pieces in arrival order (each of the current epoch)."""
-        arrival, example, offset, length, piece = self._pending_columns()
+        arrival, example, offset, length, piece = kernels.pending_columns(self._buf.slots)
         return list(map(Piece, example, offset, length, piece, [self.epoch] * len(piece)))
 
-    def _pending_columns(self) -> list[list[int]]:
-        return kernels.pending_columns(self._buf.slots)
-
     # -- state (S2) ---------------------------------------------------------------------
-
-    def settings(self) -> dict:
-        return {
-            "examples": len(self.table),
-            "seq_len": self.seq_len,
-            "buffer": self.buffer,
-            "overlong": self.overlong,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "repeat": self.repeat,
-            "rank": self.rank,
-            "world": self.world,
-            "overlap_split": self.overlap_split,
-        }
 
     def snapshot(self) -> PlannerSnapshot:
         """The position now, cheap to take (the buffer's slots copied, nothing built):
@@ -612,19 +636,7 @@ class PackPlanner:
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where ``state`` was taken. Raises ``ResumeError`` if the
         state belongs to a planner with different settings or data size."""
-        if state.get("version") != STATE_VERSION:
-            raise ResumeError(
-                f"packer state version {state.get('version')!r} is not {STATE_VERSION}"
-            )
-        saved = state["settings"]
-        differing = sorted(k for k, v in self.settings().items() if saved.get(k) != v)
-        if differing:
-            raise ResumeError(
-                "the packer state was saved with different settings: "
-                + ", ".join(
-                    f"{k} (saved {saved.get(k)!r}, now {self.settings()[k]!r})" for k in differing
-                )
-            )
+        self.check_state(state)
         self._start_epoch(int(state["epoch"]))  # pending pieces are all of this epoch
         self.cursor = int(state["cursor"])  # the window is read again from here
         self._exhausted = bool(state["exhausted"])
