@@ -218,8 +218,9 @@ i64 plan_rows(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_
 #define FILL_CAUSAL(NAME, TOKEN)                                                         \
 SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat,                \
                 const i64 *plan, i64 pieces, const i64 *row_starts, i64 rows,            \
-                i64 seq_len, i64 pad_id, int keep, int reset, i64 *input_ids,            \
-                i64 *labels, i64 *position_ids, int32_t *segment_ids) {                 \
+                i64 seq_len, i64 pad_id, int keep, int reset, i64 *restrict input_ids,   \
+                i64 *restrict labels, i64 *restrict position_ids,                       \
+                int32_t *restrict segment_ids) {                                        \
     i64 documents = starts[shards];                                                      \
     for (i64 r = 0; r < rows; r++) {                                                     \
         i64 base = r * seq_len, first = row_starts[r], stop = row_starts[r + 1];         \
@@ -238,24 +239,31 @@ SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat, 
             if (offset < 0 || offset + length > index[row + 1]) return q;                \
             i64 a = index[row] + offset;                                                 \
             if (a < 0 || a + length > shard[TOKENS_SIZE]) return q;                      \
-            const TOKEN *tokens = (const TOKEN *)(intptr_t)shard[TOKENS_AT];             \
+            const TOKEN *restrict tokens = (const TOKEN *)(intptr_t)shard[TOKENS_AT] + a; \
             const uint8_t *owned = (const uint8_t *)(intptr_t)shard[OWNED_AT];           \
             if (chat && (a + length + 7) / 8 > shard[OWNED_SIZE]) return q;              \
-            i64 s = base + column;                                                       \
+            i64 s = base + column, last = length - 1;                                    \
+            i64 *restrict in = input_ids + s, *restrict label = labels + s;              \
+            i64 *restrict position = position_ids + s;                                   \
+            int32_t *restrict segment = segment_ids + s;                                 \
             int32_t number = (int32_t)(q - first + 1);                                   \
-            for (i64 t = 0; t < length; t++) {                                           \
-                input_ids[s + t] = tokens[a + t];                                        \
-                position_ids[s + t] = reset ? t : column + t;                            \
-                segment_ids[s + t] = number;                                             \
+            i64 origin = reset ? 0 : column;                                             \
+            for (i64 t = 0; t < last; t++) { /* one pass: each label is the next input */ \
+                in[t] = tokens[t];                                                       \
+                label[t] = tokens[t + 1];                                                \
+                position[t] = origin + t;                                                \
+                segment[t] = number;                                                     \
             }                                                                            \
-            for (i64 t = 0; t + 1 < length; t++) labels[s + t] = tokens[a + t + 1];      \
+            in[last] = tokens[last];                                                     \
+            label[last] = IGNORE;                                                        \
+            position[last] = origin + last;                                              \
+            segment[last] = number;                                                      \
             if (chat) { /* a label only where its token is an owned target (R5) */      \
-                for (i64 t = 0; t + 1 < length; t++) {                                   \
+                for (i64 t = 0; t < last; t++) {                                         \
                     i64 bit = a + t + 1;                                                 \
-                    if (!((owned[bit >> 3] >> (7 - (bit & 7))) & 1)) labels[s + t] = IGNORE; \
+                    if (!((owned[bit >> 3] >> (7 - (bit & 7))) & 1)) label[t] = IGNORE;  \
                 }                                                                        \
             }                                                                            \
-            labels[s + length - 1] = IGNORE;                                             \
             if (column + length > used) used = column + length;                         \
         }                                                                                \
         for (i64 c = used; c < seq_len; c++) {                                           \
@@ -266,8 +274,8 @@ SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat, 
         }                                                                                \
         if (keep) { /* a kept boundary: the next segment's first token, owned or not */ \
             for (i64 q = first; q + 1 < stop; q++) {                                     \
-                i64 last = base + plan[COLUMN * pieces + q] + plan[2 * pieces + q] - 1;  \
-                labels[last] = input_ids[last + 1];                                      \
+                i64 end = base + plan[COLUMN * pieces + q] + plan[2 * pieces + q] - 1;   \
+                labels[end] = input_ids[end + 1];                                        \
             }                                                                            \
         }                                                                                \
     }                                                                                    \
@@ -298,35 +306,37 @@ i64 fill_causal(const i64 *maps, const i64 *starts, i64 shards, i64 chat, i64 to
  * row's last column is refused outright when supervised under either rule that
  * compares. */
 #define SCREEN(NAME, SEG)                                                                \
-SWEEP static int NAME(const i64 *input_ids, const i64 *labels, const SEG *segs, i64 slots, \
-                      i64 seq_len, i64 vocab_size, int ignore_boundary, int next_token) { \
+SWEEP static int NAME(const i64 *restrict input_ids, const i64 *restrict labels,          \
+                      const SEG *restrict segs, i64 slots, i64 seq_len, i64 vocab_size,  \
+                      int ignore_boundary, int next_token) {                            \
     uint64_t upper = vocab_size >= 0 ? (uint64_t)vocab_size : (uint64_t)1 << 63;         \
-    uint64_t highest = 0;                                                                \
-    for (i64 s = 0; s < slots; s++)                                                      \
-        highest = (uint64_t)input_ids[s] > highest ? (uint64_t)input_ids[s] : highest;   \
-    if (highest >= upper) return 0;                                                      \
-    if (!next_token) {                                                                   \
-        int bad = 0;                                                                     \
-        for (i64 s = 0; s < slots; s++)                                                  \
-            bad |= (labels[s] != IGNORE) & ((uint64_t)labels[s] >= upper);               \
-        if (bad) return 0;                                                               \
-    }                                                                                    \
+    int label_range = !next_token; /* else implied by the next input's range */          \
+    if (slots == 0) return 1;                                                            \
     if (ignore_boundary || next_token)                                                   \
         for (i64 last = seq_len - 1; last < slots; last += seq_len)                      \
             if (labels[last] != IGNORE) return 0;                                        \
-    /* branch-free blocks (vectorised), refused at the first block with a violation */  \
-    for (i64 start = 0; start + 1 < slots; start += 4096) {                              \
-        i64 stop = start + 4096 < slots - 1 ? start + 4096 : slots - 1;                  \
+    i64 end = slots - 1; /* the last slot has no next slot: checked on its own */        \
+    if ((uint64_t)input_ids[end] >= upper) return 0;                                     \
+    if (labels[end] != IGNORE && (segs[end] == 0                                         \
+                                  || (label_range && (uint64_t)labels[end] >= upper)))   \
+        return 0;                                                                        \
+    /* one branch-free pass in blocks (vectorised), refused at the first bad block */   \
+    for (i64 start = 0; start < end; start += 4096) {                                    \
+        i64 stop = start + 4096 < end ? start + 4096 : end;                              \
+        uint64_t highest = 0;                                                            \
         int bad = 0;                                                                     \
         for (i64 s = start; s < stop; s++) {                                             \
+            uint64_t input = (uint64_t)input_ids[s];                                     \
+            highest = input > highest ? input : highest;                                 \
             int wrong = segs[s] == 0;                                                    \
             wrong |= ignore_boundary & (segs[s] != segs[s + 1]);                         \
             wrong |= next_token & (labels[s] != input_ids[s + 1]);                       \
+            wrong |= label_range & ((uint64_t)labels[s] >= upper);                       \
             bad |= (labels[s] != IGNORE) & wrong;                                        \
         }                                                                                \
-        if (bad) return 0;                                                               \
+        if (bad || highest >= upper) return 0;                                           \
     }                                                                                    \
-    return slots == 0 || labels[slots - 1] == IGNORE || segs[slots - 1] != 0;            \
+    return 1;                                                                            \
 }
 
 SCREEN(screen_i32, int32_t)
