@@ -127,28 +127,28 @@ def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: st
     (``maps``: ``rows.prepared.ShardMaps``), by the ``fill_causal`` kernel; raises
     ``IndexError`` for a piece outside its document (or an index entry outside its
     shard), as slicing it would."""
-    n_rows = len(plan)
-    shape = (n_rows, seq_len)
-    input_ids = torch.empty(shape, dtype=torch.int64)
-    labels = torch.empty(shape, dtype=torch.int64)
-    position_ids = torch.empty(shape, dtype=torch.int64)
-    segment_ids = torch.empty(shape, dtype=torch.int32)
-    bad = kernels.fill_causal(maps, plan.pieces, plan.row_starts, seq_len, pad_id,
-                              boundary == "keep", positions == "reset", input_ids, labels,
-                              position_ids, segment_ids)
+    (input_ids, labels, position_ids, segment_ids), bad = kernels.fill_causal(
+        maps, plan.pieces, plan.row_starts, seq_len, pad_id, boundary == "keep",
+        positions == "reset")
     if bad >= 0:
         raise IndexError(f"piece {plan.pieces[:4, bad].tolist()} (example, offset, length, "
                          "piece) lies outside its document")
-    example, offset, length, piece, column = plan.pieces.tolist()
-    every = list(map(new_segment, zip(example, piece, offset, column, length, strict=True)))
-    bounds = plan.row_starts.tolist()
     return Batch(
         input_ids=input_ids,
         labels=labels,
         position_ids=position_ids,
         segment_ids=segment_ids,
-        segments=tuple(tuple(every[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)),
+        segments=plan_segments(plan),
     )
+
+
+def plan_segments(plan: RowPlan) -> tuple[tuple[Segment, ...], ...]:
+    """Each row's ``Segment`` addresses (R6) of ``plan``, whose pieces are placed in
+    column order with their first column (``kernels.COLUMN``)."""
+    example, offset, length, piece, column = plan.pieces.tolist()
+    every = list(map(new_segment, zip(example, piece, offset, column, length)))
+    bounds = plan.row_starts.tolist()
+    return tuple([tuple(every[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 new_segment = functools.partial(tuple.__new__, Segment)  # Segment of a 5-tuple, in C

@@ -118,14 +118,12 @@ def is_clean(
     in the vocabulary whenever every input does; and a supervised last column of the
     row is refused by the shift check itself.
     """
-    tensors = (batch.input_ids, batch.labels, batch.segment_ids)
-    if any(t.device.type != "cpu" or t.requires_grad for t in tensors):
+    tensors = [t if t.is_contiguous() else t.contiguous()  # [B*T] row-major
+               for t in (batch.input_ids, batch.labels, batch.segment_ids)]
+    if not kernels.host_tensors(tensors, kernels.SCREENED) or any(
+            t.requires_grad for t in tensors):
         return False
-    if batch.input_ids.dtype != torch.int64 or batch.labels.dtype != torch.int64:
-        return False
-    if batch.segment_ids.dtype not in (torch.int32, torch.int64):
-        return False
-    inputs, labels, segs = (t.contiguous() for t in tensors)  # [B*T] row-major
+    inputs, labels, segs = tensors
     return kernels.screen(inputs, labels, segs, batch.labels.shape[1],
                           -1 if vocab_size is None else vocab_size, boundary == "ignore",
                           next_token_targets)

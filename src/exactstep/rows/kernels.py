@@ -33,9 +33,10 @@ import functools
 import importlib.util
 
 import numpy as np
+import torch
 
 ARRIVAL_BITS = 40  # arrivals stay below 2 ** ARRIVAL_BITS (a saved state is checked)
-IGNORE = -100  # rows.batch.IGNORE_INDEX (rows.batch imports torch; kernels do not)
+IGNORE = -100  # rows.batch.IGNORE_INDEX (rows.batch imports this module)
 
 EXAMPLE, OFFSET, LENGTH, PIECE, ARRIVAL, NEXT = range(6)  # rows of ``slots``
 SLOT_FIELDS = 6
@@ -110,7 +111,12 @@ def address(array: np.ndarray, dtype=np.int64) -> int:
     if array.dtype != dtype or not array.flags.c_contiguous:
         raise ValueError(f"a kernel needs a contiguous {np.dtype(dtype)} array, "
                          f"not {array.dtype} of strides {array.strides}")
+    if array.size and array.flags.writeable:  # the buffer protocol: a fraction of .ctypes
+        return ctypes.addressof(_BYTE.from_buffer(array))
     return array.ctypes.data
+
+
+_BYTE = ctypes.c_char * 1
 
 
 class PieceBuffer:
@@ -118,18 +124,26 @@ class PieceBuffer:
     them. ``cost`` is the charge of each piece length ``0..seq_len``; ``settings``
     ``[RULE, OVERLAP, PLAIN, SEQ_LEN, FILL_TO]``; ``counts`` (``COUNTS``) only ever
     grows, and ``state`` is ``[N, CURSOR, NEXT_ARRIVAL, FREE]``, ``CURSOR`` the
-    position in ``window`` (``[ids, lengths, targets]``). The addresses of its
-    arrays are kept (the arrays are replaced, never resized in place)."""
+    position in ``window`` (``[ids, lengths, targets]``). ``plan`` writes rows into
+    the buffer's plan arrays ``out`` and ``row_starts`` (module doc), which
+    ``planned`` copies out. The addresses of its arrays are kept (the arrays are
+    replaced, never resized in place)."""
 
     def __init__(self, cost: np.ndarray, settings: np.ndarray, capacity: int) -> None:
         self.cost = np.ascontiguousarray(cost, dtype=np.int64)
         self.settings = np.ascontiguousarray(settings, dtype=np.int64)
         self.seq_len = int(self.settings[SEQ_LEN])
+        self._unit_cost = bool(self.cost[1] >= 1)  # every piece costs at least 1
         self.state = np.zeros(STATE_FIELDS, dtype=np.int64)
         self.counts = np.zeros(len(COUNTS), dtype=np.int64)
         self.lib = compiled_library()
         self._fixed = (address(self.cost), address(self.settings), address(self.state),
                        address(self.counts))
+        self._help = ctypes.c_int64()
+        self._help_ref = ctypes.byref(self._help)
+        self.out = np.zeros((PLAN_FIELDS, 0), dtype=np.int64)
+        self.row_starts = np.zeros(1, dtype=np.int64)
+        self._plan = (address(self.out), 0, address(self.row_starts))
         self.set_window(np.zeros((3, 0), dtype=np.int64))
         self.empty(capacity)
 
@@ -182,21 +196,44 @@ class PieceBuffer:
         cost, settings, _, counts = self._fixed
         return bool(self.lib.admit_run(*self._buffer, cost, *self._window, counts, settings))
 
-    def plan(self, out: np.ndarray, row_starts: np.ndarray, rows: int,
-             refill_first: bool) -> tuple[int, bool]:
-        """Up to ``rows`` rows into ``out [PLAN_FIELDS, m]`` after ``row_starts[0]``
-        pieces (``plan_rows``): ``(rows made, needs help)``."""
-        if out.shape[0] != PLAN_FIELDS or len(row_starts) < rows + 1:
-            raise ValueError("the plan's arrays are too small for its rows")
+    def plan(self, row: int, rows: int, refill_first: bool) -> tuple[int, bool]:
+        """Up to ``rows`` more rows into the plan (``plan_rows``; ``planned`` copies
+        it out) after its first ``row`` rows (0: a new plan): ``(rows made, needs
+        help)``. The plan's arrays, ``out [PLAN_FIELDS, m]`` and ``row_starts``, are
+        the buffer's own, grown before the call to hold any ``rows`` rows."""
+        if row == 0:
+            self.row_starts[0] = 0
+        self._reserve(row, rows)
         cost, settings, _, counts = self._fixed
-        needs_help = ctypes.c_int64()
-        made = self.lib.plan_rows(*self._buffer, cost, *self._window, address(out),
-                                  out.shape[1], address(row_starts), counts, settings, rows,
-                                  refill_first, ctypes.byref(needs_help))
-        if needs_help.value < 0:
+        out, out_cap, starts = self._plan
+        made = self.lib.plan_rows(*self._buffer, cost, *self._window, out, out_cap,
+                                  starts + 8 * row, counts, settings, rows, refill_first,
+                                  self._help_ref)
+        if self._help.value < 0:
             raise RuntimeError("the plan outgrew its arrays; this is a bug in rows.packing")
-        return made, bool(needs_help.value)
+        return made, bool(self._help.value)
 
+    def planned(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the plan's first ``rows`` rows: ``(pieces [PLAN_FIELDS, P],
+        row_starts [rows + 1])``."""
+        starts = self.row_starts[: rows + 1].copy()
+        return self.out[:, : int(starts[rows])].copy(), starts
+
+    def _reserve(self, row: int, rows: int) -> None:
+        """Room in the plan for ``rows`` more rows after ``row``: a row holds at most
+        every pending piece, and at most ``seq_len`` when each costs at least 1."""
+        placed = int(self.row_starts[row])
+        per_row = self.slots.shape[1]
+        if self._unit_cost:
+            per_row = min(per_row, self.seq_len)
+        most = placed + rows * per_row
+        if most > self.out.shape[1] or row + rows >= len(self.row_starts):
+            out = np.zeros((PLAN_FIELDS, max(most, self.out.shape[1])), dtype=np.int64)
+            out[:, :placed] = self.out[:, :placed]
+            starts = np.zeros(max(row + rows + 1, len(self.row_starts)), dtype=np.int64)
+            starts[: row + 1] = self.row_starts[: row + 1]
+            self.out, self.row_starts = out, starts
+            self._plan = (address(out), out.shape[1], address(starts))
 
 
 def pending_columns(slots: np.ndarray) -> list[list[int]]:
@@ -208,45 +245,51 @@ def pending_columns(slots: np.ndarray) -> list[list[int]]:
 
 
 def fill_causal(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int, pad_id: int,
-                keep: bool, reset: bool, input_ids, labels, position_ids,
-                segment_ids) -> int:
+                keep: bool, reset: bool) -> tuple[tuple, int]:
     """The causal arrays of ``plan`` over the shards of ``maps``
-    (``rows.prepared.ShardMaps``) into the contiguous host tensors ``input_ids``,
-    ``labels``, ``position_ids`` (int64) and ``segment_ids`` (int32) of ``[rows *
-    seq_len]`` slots: -1, or the first piece outside its document or shard."""
+    (``rows.prepared.ShardMaps``): ``((input_ids, labels, position_ids,
+    segment_ids), bad)``, new host tensors ``[rows, seq_len]`` (int64, int32 for the
+    segment ids) and ``bad`` -1, or the first piece outside its document or shard
+    (the tensors are then not to be used)."""
     rows = len(row_starts) - 1
-    outputs = (input_ids, labels, position_ids, segment_ids)
-    for t, dtype in zip(outputs, ("int64", "int64", "int64", "int32"), strict=True):
-        if (t.device.type != "cpu" or str(t.dtype) != f"torch.{dtype}" or not t.is_contiguous()
-                or t.numel() != rows * seq_len):
-            raise ValueError("fill_causal needs contiguous host tensors of rows * seq_len")
-    if plan.shape[0] != PLAN_FIELDS:
-        raise ValueError("fill_causal needs a plan of PLAN_FIELDS rows")
-    return compiled_library().fill_causal(
+    if plan.shape[0] != PLAN_FIELDS or rows < 0:
+        raise ValueError("fill_causal needs a plan of PLAN_FIELDS rows and its row starts")
+    empty, int64, int32 = torch.empty, torch.int64, torch.int32
+    outputs = (empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=int64),
+               empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=int32))
+    bad = compiled_library().fill_causal(
         maps.table_address, maps.starts_address, maps.shards, maps.chat,
         maps.sample.itemsize, address(plan), plan.shape[1], address(row_starts), rows,
         seq_len, pad_id, keep, reset, *(t.data_ptr() for t in outputs))
+    return outputs, bad
+
+
+def host_tensors(tensors, dtypes) -> bool:
+    """Whether each of ``tensors`` is a contiguous CPU tensor of its dtype in
+    ``dtypes`` (a tuple of accepted dtypes per tensor), all of one size."""
+    size = tensors[0].numel()
+    return all(t.is_cpu and t.dtype in accepted and t.is_contiguous() and t.numel() == size
+               for t, accepted in zip(tensors, dtypes, strict=True))
 
 
 def screen(input_ids, labels, segment_ids, seq_len: int, vocab_size: int,
            ignore_boundary: bool, next_token: bool) -> bool:
     """``rows.invariants.is_clean`` over contiguous host tensors (int64 ids and
     labels, int32 or int64 segment ids) of one shape ``[B, T]``."""
-    slots = input_ids.numel()
-    for t in (input_ids, labels, segment_ids):
-        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() != slots:
-            raise ValueError("screen needs contiguous host tensors of one shape")
-    if str(input_ids.dtype) != "torch.int64" or str(labels.dtype) != "torch.int64" or (
-            segment_ids.element_size() not in (4, 8) or segment_ids.is_floating_point()):
-        raise ValueError("screen needs int64 ids and labels and int32/int64 segment ids")
+    if not host_tensors((input_ids, labels, segment_ids), SCREENED):
+        raise ValueError("screen needs contiguous host tensors of one size: int64 ids and "
+                         "labels and int32/int64 segment ids")
     return bool(compiled_library().screen(input_ids.data_ptr(), labels.data_ptr(),
-                                 segment_ids.data_ptr(), segment_ids.element_size(), slots,
-                                 seq_len, vocab_size, ignore_boundary, next_token))
+                                 segment_ids.data_ptr(), segment_ids.element_size(),
+                                 input_ids.numel(), seq_len, vocab_size, ignore_boundary,
+                                 next_token))
 
 
 def count_supervised(labels) -> int:
     """How many of the contiguous host int64 tensor ``labels`` are not ``IGNORE``."""
-    if (labels.device.type != "cpu" or not labels.is_contiguous()
-            or str(labels.dtype) != "torch.int64"):
+    if not host_tensors((labels,), ((torch.int64,),)):
         raise ValueError("count_supervised needs a contiguous host int64 tensor")
     return int(compiled_library().count_supervised(labels.data_ptr(), labels.numel()))
+
+
+SCREENED = ((torch.int64,), (torch.int64,), (torch.int32, torch.int64))  # screen's dtypes

@@ -440,7 +440,6 @@ class PackPlanner(PlannerSettings):
         self._buf = kernels.PieceBuffer(self._costs, np.array(settings, dtype=np.int64),
                                         buffer + SLACK)
         self._flushed = np.zeros(len(kernels.COUNTS), dtype=np.int64)
-        self._scratch = np.zeros((kernels.PLAN_FIELDS, 0), dtype=np.int64)
         self._exhausted = False
         self._start_epoch(0)
 
@@ -557,46 +556,33 @@ class PackPlanner(PlannerSettings):
 
     def next_plan(self, k: int) -> RowPlan:
         """Up to ``k`` rows as a ``RowPlan``; fewer only at the end of a finite stream."""
-        row_starts = np.zeros(k + 1, dtype=np.int64)
-        self._room_for(0, k)
-        rows, needs_help = self._buf.plan(self._scratch, row_starts, k, True)
+        rows, needs_help = self._buf.plan(0, k, True)
         if needs_help:
-            return self._plan_with_help(row_starts, rows, k)
-        placed = int(row_starts[k])
-        return RowPlan(self._scratch[:, :placed].copy(), np.full(placed, self.epoch),
-                       row_starts)
+            return self._plan_with_help(rows, k)
+        pieces, row_starts = self._buf.planned(rows)
+        epochs = np.empty(pieces.shape[1], dtype=np.int64)
+        epochs.fill(self.epoch)
+        return RowPlan(pieces, epochs, row_starts)
 
-    def _plan_with_help(self, row_starts: np.ndarray, made: int, k: int) -> RowPlan:
+    def _plan_with_help(self, made: int, k: int) -> RowPlan:
         """``next_plan`` once the kernel has handed back after ``made`` rows: refill in
         Python, let the kernel go on, until ``k`` rows or the end of a finite stream."""
+        row_starts = self._buf.row_starts
         epochs = [(self.epoch, int(row_starts[made]))]  # (epoch, pieces placed by then)
         while made < k:
             self._refill()
             if not self._buf.state[kernels.N]:
                 break  # the end of a finite stream
-            self._room_for(int(row_starts[made]), k - made)
-            rows, _ = self._buf.plan(self._scratch, row_starts[made:], k - made, False)
+            rows, _ = self._buf.plan(made, k - made, False)
             made += rows
-            epochs.append((self.epoch, int(row_starts[made])))
-        placed = int(row_starts[made])
-        epoch_of = np.empty(placed, dtype=np.int64)
+            epochs.append((self.epoch, int(self._buf.row_starts[made])))
+        pieces, row_starts = self._buf.planned(made)
+        epoch_of = np.empty(pieces.shape[1], dtype=np.int64)
         first = 0
         for epoch, stop in epochs:
             epoch_of[first:stop] = epoch
             first = stop
-        return RowPlan(self._scratch[:, :placed].copy(), epoch_of, row_starts[: made + 1])
-
-    def _room_for(self, placed: int, rows: int) -> None:
-        """Scratch room for ``rows`` more rows after ``placed`` pieces: a row holds at
-        most every pending piece, and at most ``seq_len`` when each costs >= 1."""
-        per_row = self._buf.slots.shape[1]
-        if self._costs[1] >= 1:
-            per_row = min(per_row, self.seq_len)
-        most = placed + rows * per_row
-        if most > self._scratch.shape[1]:
-            grown = np.zeros((kernels.PLAN_FIELDS, most), dtype=np.int64)
-            grown[:, :placed] = self._scratch[:, :placed]
-            self._scratch = grown
+        return RowPlan(pieces, epoch_of, row_starts)
 
     def next_row(self) -> list[Piece] | None:
         """The pieces of the next row, in column order, or ``None`` when a finite
