@@ -259,6 +259,34 @@ def test_kernels_take_only_contiguous_arrays_of_their_type() -> None:
                        torch.zeros(2, 3, dtype=torch.int32), 3, 10, True, True)
 
 
+def test_segments_are_built_only_from_a_well_formed_plan() -> None:
+    """``plan_segments`` (the one C-API function) reads the plan through the buffer
+    protocol and refuses, as ``ValueError``, what it cannot read safely; the
+    segments it builds are ``Segment``s with the plan's fields in their order."""
+    from exactstep.rows import kernels
+    from exactstep.rows.batch import Segment
+
+    pieces = np.arange(15, dtype=np.int64).reshape(5, 3)  # example, offset, length, piece, col
+    rows = kernels.plan_segments(pieces, np.array([0, 2, 2, 3]), Segment)
+    assert rows == ((Segment(0, 9, 3, 12, 6), Segment(1, 10, 4, 13, 7)), (),
+                    (Segment(2, 11, 5, 14, 8),))
+    assert all(type(s) is Segment for row in rows for s in row)
+    wide = np.arange(30, dtype=np.int64).reshape(5, 6)
+    for bad_pieces, bad_starts in [
+        (wide[:, ::2], np.array([0, 3])),  # strided
+        (pieces.astype(np.int32), np.array([0, 3])),  # another dtype
+        (pieces[:4].copy(), np.array([0, 3])),  # not PLAN_FIELDS rows
+        (pieces, np.array([0, 4])),  # a row past the plan
+        (pieces, np.array([2, 1])),  # decreasing
+        (pieces, np.array([-1, 1])),  # before the plan
+        (pieces, np.zeros(0, dtype=np.int64)),  # no row starts at all
+    ]:
+        with pytest.raises(ValueError, match="plan_segments needs"):
+            kernels.plan_segments(bad_pieces, bad_starts, Segment)
+    with pytest.raises(TypeError, match="tuple subclass"):
+        kernels.plan_segments(pieces, np.array([0, 3]), list)
+
+
 def test_a_missing_build_is_one_clear_import_error(monkeypatch) -> None:
     import importlib.util
 

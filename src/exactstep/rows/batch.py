@@ -104,7 +104,7 @@ class Batch:
         """Supervised rows. Host-side count: call before moving the batch to a device
         (host tensors are counted by a compiled sweep, the cheaper call for one batch)."""
         labels = self.labels
-        if labels.is_cpu and labels.dtype is torch.int64 and not labels.requires_grad:
+        if labels.is_cpu and labels.dtype is torch.int64:  # an integer tensor has no grad
             return kernels.count_supervised(labels.contiguous())
         return int((labels != IGNORE_INDEX).sum())
 

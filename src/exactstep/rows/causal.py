@@ -31,7 +31,6 @@ hold the two to the same golden digests and to each other.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -144,14 +143,9 @@ def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: st
 
 def plan_segments(plan: RowPlan) -> tuple[tuple[Segment, ...], ...]:
     """Each row's ``Segment`` addresses (R6) of ``plan``, whose pieces are placed in
-    column order with their first column (``kernels.COLUMN``)."""
-    example, offset, length, piece, column = plan.pieces.tolist()
-    every = list(map(new_segment, zip(example, piece, offset, column, length)))
-    bounds = plan.row_starts.tolist()
-    return tuple([tuple(every[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
+    column order with their first column (``kernels.COLUMN``), built in C."""
+    return kernels.plan_segments(plan.pieces, plan.row_starts, Segment)
 
-
-new_segment = functools.partial(tuple.__new__, Segment)  # Segment of a 5-tuple, in C
 
 
 class Layout:

@@ -118,12 +118,10 @@ def is_clean(
     in the vocabulary whenever every input does; and a supervised last column of the
     row is refused by the shift check itself.
     """
-    tensors = [t if t.is_contiguous() else t.contiguous()  # [B*T] row-major
-               for t in (batch.input_ids, batch.labels, batch.segment_ids)]
-    if not kernels.host_tensors(tensors, kernels.SCREENED) or any(
-            t.requires_grad for t in tensors):
-        return False
-    inputs, labels, segs = tensors
+    inputs, labels, segs = (t if t.is_contiguous() else t.contiguous()  # [B*T] row-major
+                            for t in (batch.input_ids, batch.labels, batch.segment_ids))
+    if not kernels.host_tensors((inputs, labels, segs), kernels.SCREENED):
+        return False  # integer tensors: none can require grad
     return kernels.screen(inputs, labels, segs, batch.labels.shape[1],
                           -1 if vocab_size is None else vocab_size, boundary == "ignore",
                           next_token_targets)

@@ -1,15 +1,16 @@
 /* The compiled kernels of exactstep.rows.kernels (whose doc gives the layouts and
  * the Python signatures; the callers, rows.packing, rows.causal and
  * rows.invariants, own the semantics). Plain C over int64 arrays passed by
- * address through ctypes, which releases the GIL for the call. The module init
- * only makes the file importable, so that its path can be found; nothing is
- * called through the Python C API.
+ * address through ctypes, which releases the GIL for the call; the one exception,
+ * plan_segments at the end, builds Python objects and so is a function of the
+ * module, called through the Python C API with the GIL held.
  *
  * Every array is C-contiguous; a 2-D array [F, C] is addressed a[f * C + i]. The
  * layout constants below are checked against rows.kernels at load (layout()). */
 
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef int64_t i64;
 
@@ -361,11 +362,93 @@ SWEEP i64 count_supervised(const i64 *labels, i64 n) {
     return count;
 }
 
+/* The one function called through the Python C API, because it builds objects:
+ * plan_segments(pieces, row_starts, kind), each row's segment addresses of a
+ * plan (rows.causal.plan_segments): a tuple of rows, each a tuple of `kind`
+ * (rows.batch.Segment, a tuple subclass of five fields) of (example, piece,
+ * offset, column, length). `pieces` is a C-contiguous int64 [PLAN_FIELDS, P]
+ * buffer and `row_starts` an int64 [R + 1] one, non-decreasing within [0, P]; a
+ * buffer of another kind is a ValueError. It holds the GIL (it makes objects). */
+static int int64_buffer(PyObject *obj, Py_buffer *view, int ndim) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_SetString(PyExc_ValueError, "plan_segments needs C-contiguous int64 arrays");
+        return -1;
+    }
+    const char *f = view->format;
+    if (view->ndim != ndim || view->itemsize != 8 || f == NULL
+        || !(strcmp(f, "l") == 0 || strcmp(f, "q") == 0 || strcmp(f, "<l") == 0
+             || strcmp(f, "<q") == 0 || strcmp(f, "=l") == 0 || strcmp(f, "=q") == 0)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "plan_segments needs C-contiguous int64 arrays");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *segment_of(PyTypeObject *kind, const i64 *plan, i64 pieces, i64 q) {
+    static const int fields[5] = {EXAMPLE, PIECE, OFFSET, COLUMN, LENGTH};
+    PyObject *segment = kind->tp_alloc(kind, 5);
+    if (segment == NULL) return NULL;
+    for (int f = 0; f < 5; f++) {
+        PyObject *value = PyLong_FromLongLong(plan[fields[f] * pieces + q]);
+        if (value == NULL) { Py_DECREF(segment); return NULL; }
+        PyTuple_SET_ITEM(segment, f, value);
+    }
+    return segment;
+}
+
+static PyObject *plan_segments(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3 || !PyType_Check(args[2])
+        || !PyType_IsSubtype((PyTypeObject *)args[2], &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "plan_segments(pieces, row_starts, kind): kind "
+                        "must be a tuple subclass");
+        return NULL;
+    }
+    PyTypeObject *kind = (PyTypeObject *)args[2];
+    Py_buffer pv, sv;
+    if (int64_buffer(args[0], &pv, 2) < 0) return NULL;
+    if (int64_buffer(args[1], &sv, 1) < 0) { PyBuffer_Release(&pv); return NULL; }
+    const i64 *plan = pv.buf, *starts = sv.buf;
+    i64 pieces = pv.shape[1], rows = sv.shape[0] - 1;
+    PyObject *out = NULL;
+    int valid = pv.shape[0] == PLAN_FIELDS && rows >= 0 && (rows == 0 || starts[0] >= 0);
+    for (i64 r = 0; valid && r < rows; r++)
+        valid = starts[r] <= starts[r + 1] && starts[r + 1] <= pieces;
+    if (!valid) {
+        PyErr_SetString(PyExc_ValueError, "plan_segments needs a [PLAN_FIELDS, P] plan and "
+                        "row starts non-decreasing within [0, P]");
+        goto done;
+    }
+    out = PyTuple_New(rows);
+    for (i64 r = 0; out != NULL && r < rows; r++) {
+        PyObject *row = PyTuple_New(starts[r + 1] - starts[r]);
+        if (row == NULL) { Py_CLEAR(out); break; }
+        PyTuple_SET_ITEM(out, r, row);
+        for (i64 q = starts[r]; q < starts[r + 1]; q++) {
+            PyObject *segment = segment_of(kind, plan, pieces, q);
+            if (segment == NULL) { Py_CLEAR(out); break; }
+            PyTuple_SET_ITEM(row, q - starts[r], segment);
+        }
+    }
+done:
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&sv);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"plan_segments", (PyCFunction)(void (*)(void))plan_segments, METH_FASTCALL,
+     "Each row's segment addresses of a plan (see kernels.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_kernels",
     .m_doc = "exactstep's compiled row kernels (see rows.kernels)",
     .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

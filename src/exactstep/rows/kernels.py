@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import importlib.util
 
 import numpy as np
@@ -262,6 +263,21 @@ def fill_causal(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int, pa
         maps.sample.itemsize, address(plan), plan.shape[1], address(row_starts), rows,
         seq_len, pad_id, keep, reset, *(t.data_ptr() for t in outputs))
     return outputs, bad
+
+
+def plan_segments(pieces: np.ndarray, row_starts: np.ndarray, kind: type) -> tuple:
+    """Each row's ``kind`` tuples ``(example, piece, offset, column, length)`` of a
+    plan (``pieces [PLAN_FIELDS, P]``, ``row_starts [R + 1]``, int64): built in C
+    (``plan_segments`` of ``kernels.c``); ``ValueError`` for arrays of another kind
+    or row starts outside the plan."""
+    return compiled_module().plan_segments(pieces, row_starts, kind)
+
+
+@functools.cache
+def compiled_module():
+    """The compiled kernels as a Python module (for its one C-API function)."""
+    compiled_library()  # built and of this layout, or a clear ImportError
+    return importlib.import_module("exactstep.rows._kernels")
 
 
 def host_tensors(tensors, dtypes) -> bool:
