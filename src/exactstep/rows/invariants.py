@@ -120,11 +120,12 @@ def is_clean(
     """
     inputs, labels, segs = (t if t.is_contiguous() else t.contiguous()  # [B*T] row-major
                             for t in (batch.input_ids, batch.labels, batch.segment_ids))
-    if not kernels.host_tensors((inputs, labels, segs), kernels.SCREENED):
-        return False  # integer tensors: none can require grad
-    return kernels.screen(inputs, labels, segs, batch.labels.shape[1],
-                          -1 if vocab_size is None else vocab_size, boundary == "ignore",
-                          next_token_targets)
+    try:  # integer tensors, so none requires grad
+        return kernels.screen(inputs, labels, segs, batch.labels.shape[1],
+                              -1 if vocab_size is None else vocab_size, boundary == "ignore",
+                              next_token_targets)
+    except ValueError:  # not host tensors of the screen's dtypes and of one size
+        return False
 
 
 def vocab_note(vocab_size: int | None) -> str:

@@ -67,7 +67,7 @@ from exactstep.rows import kernels
 from exactstep.rows.example import Example
 
 STATE_VERSION = 1
-WINDOW = 512  # positions of the epoch order read from the table at once
+WINDOW = 4096  # positions of the epoch order read from the table at once
 SLACK = 64  # buffer slots beyond `buffer`: room for the pieces of a cut example
 ARRIVAL_BITS = kernels.ARRIVAL_BITS  # arrivals stay below 2 ** ARRIVAL_BITS
 
