@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,7 +27,15 @@ from exactstep.errors import BatchInvariantError, DataError, ResumeError
 from exactstep.families import BUILT, open_family, resolve
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
-from exactstep.rows.loader_process import LoaderProcess, from_wire, slot_bytes, to_wire
+from exactstep.rows.loader_process import (
+    LoaderProcess,
+    Slab,
+    from_wire,
+    next_message,
+    slot_bytes,
+    state_bytes,
+    to_wire,
+)
 from exactstep.rows.prepared import PreparedDocuments
 from exactstep.rows.stream import RowStream
 
@@ -117,7 +126,9 @@ def test_negative_control_the_states_that_travel_are_ahead_of_the_consumer():
         waiting = []
         for _ in range(3):  # the child refills to depth = 3 batches ahead
             assert reader.poll(20.0)
-            waiting.append(pickle.loads(pickle.loads(reader.recv_bytes())[2]).state_dict())
+            _, (k, _), state = pickle.loads(reader.recv_bytes())
+            blob = state_bytes(state, ahead._channel.slot(k))
+            waiting.append(pickle.loads(blob).state_dict())
         assert ahead.state_dict() == inline.state_dict()
         assert waiting[-1] != inline.state_dict()
         assert waiting[-1]["batches"] == inline.state_dict()["batches"] + 3
@@ -248,6 +259,34 @@ def test_a_batch_too_large_for_its_slot_crosses_whole(prepared):
     assert differences(from_wire(pickle.loads(pickle.dumps(to_wire(batch)))), batch) == []
     assert slot_bytes(s) > sum(t.nbytes for t in (batch.input_ids, batch.labels,
                                                   batch.position_ids, batch.segment_ids))
+
+
+class OneSlot:
+    """A ``Channel`` stand-in for ``next_message``: one slot of ``size`` bytes."""
+
+    def __init__(self, size: int) -> None:
+        self.slots = SimpleNamespace(count=1)
+        self.memory = np.zeros(size, np.uint8)
+
+    def slot(self, k: int) -> np.ndarray:
+        return self.memory
+
+
+def test_the_state_crosses_in_the_slot_or_else_in_the_message(prepared):
+    """The child puts the pickled state after the batch in the slot when there is
+    room (the message then holds a ``Slab``) and in the message otherwise; either
+    way the parent reads the state the stream had right after the batch."""
+    s, inline = prepared_stream(prepared), prepared_stream(prepared)
+    roomy = OneSlot(slot_bytes(s))
+    kind, (k, wire), state = next_message(s, roomy, 0)
+    assert kind == "batch" and k == 0 and isinstance(state, Slab)
+    assert differences(from_wire(wire, roomy.memory), inline.next_batch()) == []
+    assert pickle.loads(state_bytes(state, roomy.memory)).state_dict() == inline.state_dict()
+    tight = OneSlot(wire.extent + 64)  # the batch fits, its state does not
+    kind, (k, wire), state = next_message(s, tight, 0)
+    assert k == 0 and isinstance(state, bytes)
+    assert differences(from_wire(wire, tight.memory), inline.next_batch()) == []
+    assert pickle.loads(state_bytes(state, None)).state_dict() == inline.state_dict()
 
 
 @pytest.mark.parametrize("name", sorted(BUILT))

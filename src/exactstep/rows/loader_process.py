@@ -18,10 +18,11 @@ Invariants:
   ``depth`` was. ``load_state_dict`` is allowed only before the first batch.
 - At most ``depth`` batches are ahead of the consumer (``Channel``). A batch's
   tensors cross as raw arrays in a shared slot (never as torch tensors, whose
-  pickling passes file descriptors), the rest as a small pickled message, and the
-  parent builds the batch again on tensors of its own (``torch.from_numpy`` of a
-  copy): every field, the optional ones (``prefix_len``, ``weights``, ``order``, the
-  encoder ``source``) and host data (``segments``) alike.
+  pickling passes file descriptors), and so do its row addresses (``segments``, as
+  a plan of int64 arrays) and the pickled state after it; the rest is a small
+  pickled message. The parent copies the slot's bytes out once and builds the batch
+  again on views of that copy: every field, the optional ones (``prefix_len``,
+  ``weights``, ``order``, the encoder ``source``) and host data alike.
 - An error raised while packing or compiling (an R7 refusal, a data error) is raised
   to the consumer at the batch where it happened, with its own type and message; a
   child that dies without a word is a ``DataError`` at the batch it did not send.
@@ -45,6 +46,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
@@ -56,7 +58,8 @@ import numpy as np
 import torch
 
 from exactstep.errors import DataError, ExactstepError
-from exactstep.rows.batch import Batch, SourceSide
+from exactstep.rows import kernels
+from exactstep.rows.batch import Batch, Segment, SourceSide
 from exactstep.rows.stream import BatchSource, RowStream
 
 POLL_S = 0.05  # how often a waiting side looks whether the other one is still there
@@ -95,10 +98,10 @@ class LoaderProcess(BatchSource):
         self._channel = channel
 
     def _receive(self) -> tuple:
-        reader = self._channel.reader
+        reader, ready = self._channel.reader, self._channel.ready
         try:
-            while not reader.poll(POLL_S):
-                if not self.process.is_alive() and not reader.poll(0):
+            while not ready(POLL_S):
+                if not self.process.is_alive() and not ready(0):
                     raise EOFError
             message = pickle.loads(reader.recv_bytes())
         except (EOFError, OSError):
@@ -127,8 +130,9 @@ class LoaderProcess(BatchSource):
             self._finished = True
             raise payload
         k, wire = payload
-        batch = from_wire(wire, None if k is None else self._channel.slot(k))
-        self._consumed_blob, self._consumed_state = state, None
+        slot = None if k is None else self._channel.slot(k)
+        batch = from_wire(wire, slot)
+        self._consumed_blob, self._consumed_state = state_bytes(state, slot), None
         self._consumed += 1
         return batch
 
@@ -195,12 +199,24 @@ class Channel:
         self.stop = ctx.RawValue("b", 0)
         self.slots = Slots(ctx, depth + 2, size)
         self._memory: np.ndarray | None = None
+        self._poller: Any = None  # select.poll of the reader, made at first use
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_memory"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_memory", "_poller")}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _memory=None)
+        self.__dict__.update(state, _memory=None, _poller=None)
+
+    def ready(self, timeout: float) -> bool:
+        """Whether a message (or the end of the pipe) is there to read, waiting up to
+        ``timeout`` seconds: one ``poll`` call (``Connection.poll`` builds a selector
+        in Python on every call, tens of microseconds a batch)."""
+        if not hasattr(select, "poll"):  # not a POSIX system
+            return self.reader.poll(timeout)
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.reader.fileno(), select.POLLIN)
+        return bool(self._poller.poll(timeout * 1000))
 
     def slot(self, k: int) -> np.ndarray:
         """Slot ``k`` as bytes (a view of the shared mapping)."""
@@ -215,10 +231,13 @@ class Channel:
 
 class Wire(NamedTuple):
     """A ``Batch`` or ``SourceSide`` in transit: its class and its fields, each tensor
-    a ``Slab`` of the shared slot or, when the batch did not fit, a NumPy array."""
+    a ``Slab`` of the shared slot or, when the batch did not fit, a NumPy array, and
+    its ``segments`` a ``Rows`` of the slot; ``extent`` is how many bytes of the slot
+    it uses (0 without one)."""
 
     cls: type
     fields: dict[str, Any]
+    extent: int = 0
 
 
 class Slab(NamedTuple):
@@ -227,6 +246,16 @@ class Slab(NamedTuple):
     offset: int
     dtype: str
     shape: tuple[int, ...]
+
+
+class Rows(NamedTuple):
+    """Host row addresses (``segments``) in transit: the rows' ``Segment``s laid out as
+    a plan (``rows.kernels``: ``pieces [PLAN_FIELDS, P]`` and ``row_starts [R + 1]``,
+    two ``Slab``s), rebuilt in C by ``kernels.plan_segments``: a message holds no
+    Python object per segment."""
+
+    pieces: Slab
+    row_starts: Slab
 
 
 class Slots:
@@ -249,16 +278,20 @@ class Slots:
 def slot_bytes(stream: RowStream) -> int:
     """Room for one batch of ``stream``: 48 bytes a cell of ``rows x seq_len`` (the
     [B, T] tensors of every family, an encoder side of up to T columns included) and
-    64 KiB for the small ones; a larger batch crosses pickled instead (slower, same)."""
+    64 KiB for the small ones, the row addresses and the stream's state after the
+    batch (about 48 bytes a pending piece); a larger batch crosses pickled instead,
+    and a larger state in the message (slower, same)."""
     cfg = stream.cfg
-    return 48 * cfg.rows * cfg.seq_len + (64 << 10)
+    return 48 * cfg.rows * cfg.seq_len + (64 << 10) + 48 * cfg.buffer
 
 
 def to_wire(item: Batch | SourceSide, slot: np.ndarray | None = None,
             used: list[int] | None = None) -> Wire:
     """``item`` as its class and its fields, every tensor written into ``slot`` (from
-    ``used[0]`` on, 64-byte aligned) as a ``Slab``, or a NumPy array without a slot;
-    host data (``segments``, ``causal``, ``meta``) is kept as it is."""
+    ``used[0]`` on, 64-byte aligned) as a ``Slab`` and the ``segments`` as ``Rows``,
+    or, without a slot, tensors as NumPy arrays and the rest as it is; other host
+    data (``causal``, ``meta``) is kept as it is. ``OverflowError`` if it does not
+    fit the slot."""
     used = [0] if used is None else used
     fields = {}
     for f in dataclasses.fields(item):
@@ -268,8 +301,10 @@ def to_wire(item: Batch | SourceSide, slot: np.ndarray | None = None,
             value = array if slot is None else write_slab(slot, used, array)
         elif isinstance(value, SourceSide):
             value = to_wire(value, slot, used)
+        elif f.name == "segments" and slot is not None:
+            value = write_rows(slot, used, value)
         fields[f.name] = value
-    return Wire(type(item), fields)
+    return Wire(type(item), fields, used[0] if slot is not None else 0)
 
 
 def write_slab(slot: np.ndarray, used: list[int], array: np.ndarray) -> Slab:
@@ -282,19 +317,52 @@ def write_slab(slot: np.ndarray, used: list[int], array: np.ndarray) -> Slab:
     return Slab(offset, array.dtype.str, tuple(array.shape))
 
 
+def write_rows(slot: np.ndarray, used: list[int], segments) -> Rows:
+    """``segments`` (rows of ``Segment``) into ``slot`` as a plan (``Rows``)."""
+    every = [s for row in segments for s in row]
+    pieces = np.zeros((kernels.PLAN_FIELDS, len(every)), dtype=np.int64)
+    if every:
+        example, piece, offset, start, length = zip(*every, strict=True)
+        pieces[[kernels.EXAMPLE, kernels.PIECE, kernels.OFFSET, kernels.COLUMN,
+                kernels.LENGTH]] = (example, piece, offset, start, length)
+    starts = np.cumsum([0] + [len(row) for row in segments], dtype=np.int64)
+    return Rows(write_slab(slot, used, pieces), write_slab(slot, used, starts))
+
+
 def from_wire(wire: Wire, slot: np.ndarray | None = None) -> Any:
     """The ``Batch`` (or ``SourceSide``) that ``to_wire`` took apart, on torch tensors
-    of its own memory (each ``Slab`` copied out of ``slot``)."""
+    of its own memory: the bytes it uses of ``slot`` are copied out once, and each
+    tensor is a view of that copy."""
+    return rebuild(wire, None if slot is None else slot[: wire.extent].copy())
+
+
+def rebuild(wire: Wire, region: np.ndarray | None) -> Any:
+    """``from_wire`` over ``region``, the copy of the slot's bytes."""
     fields = dict(wire.fields)
     for name, value in fields.items():
         if isinstance(value, Slab):
-            view = np.ndarray(value.shape, np.dtype(value.dtype), slot.data, value.offset)
-            fields[name] = torch.from_numpy(view.copy())
+            fields[name] = torch.from_numpy(slab_view(region, value))
+        elif isinstance(value, Rows):
+            fields[name] = kernels.plan_segments(slab_view(region, value.pieces),
+                                                 slab_view(region, value.row_starts),
+                                                 Segment)
         elif isinstance(value, np.ndarray):
             fields[name] = torch.from_numpy(value)
         elif isinstance(value, Wire):
-            fields[name] = from_wire(value, slot)
+            fields[name] = rebuild(value, region)
     return wire.cls(**fields)
+
+
+def state_bytes(state: bytes | Slab, slot: np.ndarray | None) -> bytes:
+    """A message's pickled state: itself, or copied out of ``slot`` (a ``Slab``)."""
+    if isinstance(state, Slab):
+        return slot[state.offset: state.offset + state.shape[0]].tobytes()
+    return state
+
+
+def slab_view(region: np.ndarray, slab: Slab) -> np.ndarray:
+    """The array ``slab`` describes, a view of ``region``."""
+    return np.ndarray(slab.shape, np.dtype(slab.dtype), region.data, slab.offset)
 
 
 # --------------------------------------------------------------------------- the child
@@ -302,7 +370,8 @@ def from_wire(wire: Wire, slot: np.ndarray | None = None) -> Any:
 
 def serve(stream: RowStream, channel: Channel) -> None:
     """The child: send ``("batch", (slot, wire), state)`` per batch (``slot`` ``None``
-    when it crossed pickled; ``state`` pickled, decoded only if the parent asks), then
+    when it crossed pickled; ``state`` pickled, decoded only if the parent asks, and
+    in the slot as a ``Slab`` where it fits), then
     ``("end", None, None)`` or ``("error", exception, None)``, until ``stop`` is set,
     the parent stops reading or the parent dies."""
     for number in (signal.SIGINT, signal.SIGTERM):  # the parent's to handle (StopRequest)
@@ -331,16 +400,24 @@ def serve(stream: RowStream, channel: Channel) -> None:
 
 def next_message(stream: RowStream, channel: Channel, sent: int) -> tuple:
     """The message for the stream's next batch: written into slot ``sent % count``
-    (pickled whole if it does not fit), with the state right after it."""
+    (pickled whole if it does not fit), with the state right after it (in the slot
+    after the batch where there is room, else in the message)."""
     batch = stream.next_batch()
     if batch is None:
         return ("end", None, None)
-    k = sent % channel.slots.count
+    k, slot, used = sent % channel.slots.count, None, [0]
     try:
-        payload = (k, to_wire(batch, channel.slot(k)))
+        slot = channel.slot(k)
+        payload = (k, to_wire(batch, slot, used))
     except OverflowError:
         payload = (None, to_wire(batch))
-    return ("batch", payload, pickle.dumps(stream.snapshot(), PROTOCOL))
+    state = pickle.dumps(stream.snapshot(), PROTOCOL)
+    if payload[0] is not None:
+        try:
+            state = write_slab(slot, used, np.frombuffer(state, dtype=np.uint8))
+        except OverflowError:
+            pass  # the state crosses in the message
+    return ("batch", payload, state)
 
 
 def wait_credit(channel: Channel) -> bool:
