@@ -259,6 +259,26 @@ def test_kernels_take_only_contiguous_arrays_of_their_type() -> None:
                        torch.zeros(2, 3, dtype=torch.int32), 3, 10, True, True)
 
 
+def test_the_fill_refuses_row_starts_outside_its_plan() -> None:
+    """Row starts that do not begin at 0 or do not rise within the plan would make the
+    kernel read past the plan: refused before anything is read."""
+    from exactstep.rows import kernels
+
+    tokens = np.arange(40, dtype=np.uint16)
+    index = np.array([[0, 20, 19], [20, 20, 19]], dtype=np.int64)
+    docs = PreparedDocuments(PreparedSplit([Shard(tokens, index, None)],
+                                           {"min_length": 20, "max_length": 20}), block=2)
+    maps = docs.kernel_maps()
+    pieces = np.array([[0, 1], [0, 0], [20, 20], [0, 0], [0, 0]], dtype=np.int64)
+    (inputs, *_), bad = kernels.fill_causal(maps, pieces, np.array([0, 1, 2]), 24, 0,
+                                            False, True)
+    assert bad == -1 and inputs[1, :20].tolist() == list(range(20, 40))
+    for starts in ([1, 2], [0, 3], [0, 2, 1], []):
+        with pytest.raises(ValueError, match="row starts"):
+            kernels.fill_causal(maps, pieces, np.array(starts, dtype=np.int64), 24, 0,
+                                False, True)
+
+
 def test_segments_are_built_only_from_a_well_formed_plan() -> None:
     """``plan_segments`` (the one C-API function) reads the plan through the buffer
     protocol and refuses, as ``ValueError``, what it cannot read safely; the

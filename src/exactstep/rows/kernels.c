@@ -24,6 +24,7 @@ typedef int64_t i64;
 #endif
 
 #define IGNORE (-100)
+#define MALFORMED (-2) /* fill_causal's answer to row starts outside its plan */
 enum { EXAMPLE, OFFSET, LENGTH, PIECE, ARRIVAL, NEXT, SLOT_FIELDS };
 enum { COLUMN = 4, PLAN_FIELDS = 5 };
 enum { N, CURSOR, NEXT_ARRIVAL, FREE, STATE_FIELDS };
@@ -40,7 +41,7 @@ enum { TOKENS_AT, TOKENS_SIZE, INDEX_AT, INDEX_SIZE, OWNED_AT, OWNED_SIZE, MAP_F
 void layout(i64 *out) {
     const i64 values[] = {IGNORE, SLOT_FIELDS, ARRIVAL, NEXT, COLUMN, PLAN_FIELDS,
                           STATE_FIELDS, FREE, FILL_TO, COUNT_FIELDS, ADMITTED, DROP,
-                          MAP_FIELDS, OWNED_SIZE};
+                          MAP_FIELDS, OWNED_SIZE, MALFORMED};
     for (unsigned k = 0; k < sizeof values / sizeof values[0]; k++) out[k] = values[k];
 }
 
@@ -214,8 +215,9 @@ i64 plan_rows(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_
 
 /* The causal arrays (rows.causal's semantics) of plan [PLAN_FIELDS, pieces] over
  * shards maps [S, MAP_FIELDS] (tokens of token_size bytes, unsigned), written
- * row-major into the [rows * seq_len] outputs. Returns -1, or the first piece
- * outside its document or its shard (the outputs are then not to be used). */
+ * row-major into the [rows * seq_len] outputs. Returns -1, the first piece
+ * outside its document or its shard, or MALFORMED for row starts that do not
+ * begin at 0 and rise within the plan (the outputs are then not to be used). */
 #define FILL_CAUSAL(NAME, TOKEN)                                                         \
 SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat,                \
                 const i64 *plan, i64 pieces, const i64 *row_starts, i64 rows,            \
@@ -290,6 +292,9 @@ i64 fill_causal(const i64 *maps, const i64 *starts, i64 shards, i64 chat, i64 to
                 const i64 *plan, i64 pieces, const i64 *row_starts, i64 rows, i64 seq_len,
                 i64 pad_id, i64 keep, i64 reset, i64 *input_ids, i64 *labels,
                 i64 *position_ids, int32_t *segment_ids) {
+    if (rows < 0 || row_starts[0] != 0) return MALFORMED;
+    for (i64 r = 0; r < rows; r++) /* every row's pieces inside the plan */
+        if (row_starts[r] > row_starts[r + 1] || row_starts[r + 1] > pieces) return MALFORMED;
     if (token_size == 2)
         return fill_u16(maps, starts, shards, (int)chat, plan, pieces, row_starts, rows,
                         seq_len, pad_id, (int)keep, (int)reset, input_ids, labels,

@@ -66,9 +66,11 @@ SPLIT, TRUNCATE, DROP = 0, 1, 2  # the over-long policies (rows.packing.cut_exam
 TOKENS_AT, TOKENS_SIZE, INDEX_AT, INDEX_SIZE, OWNED_AT, OWNED_SIZE = range(6)
 MAP_FIELDS = 6
 
+MALFORMED = -2  # fill_causal: row starts that do not begin at 0 and rise within the plan
+
 # the constants kernels.c must agree with, in the order its layout() writes them
 LAYOUT = (IGNORE, SLOT_FIELDS, ARRIVAL, NEXT, COLUMN, PLAN_FIELDS, STATE_FIELDS, FREE,
-          FILL_TO, len(COUNTS), ADMITTED, DROP, MAP_FIELDS, OWNED_SIZE)
+          FILL_TO, len(COUNTS), ADMITTED, DROP, MAP_FIELDS, OWNED_SIZE, MALFORMED)
 
 
 @functools.cache
@@ -262,6 +264,8 @@ def fill_causal(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int, pa
         maps.table_address, maps.starts_address, maps.shards, maps.chat,
         maps.sample.itemsize, address(plan), plan.shape[1], address(row_starts), rows,
         seq_len, pad_id, keep, reset, *(t.data_ptr() for t in outputs))
+    if bad == MALFORMED:
+        raise ValueError("fill_causal needs row starts from 0, rising within the plan")
     return outputs, bad
 
 
