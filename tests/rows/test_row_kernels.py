@@ -307,6 +307,24 @@ def test_segments_are_built_only_from_a_well_formed_plan() -> None:
         kernels.plan_segments(pieces, np.array([0, 3]), list)
 
 
+def test_a_build_from_another_kernels_c_is_refused(tmp_path) -> None:
+    """The library records the SHA-256 of the ``kernels.c`` it was built from: the
+    file beside the module passes; an edited copy (one byte more, what an update
+    without a rebuild looks like) is refused with the fix named."""
+    from pathlib import Path
+
+    from exactstep.rows import kernels
+
+    source = Path(kernels.__file__).with_name("kernels.c")
+    lib = kernels.compiled_library()
+    kernels.check_source(lib, source)
+    edited = tmp_path / "kernels.c"
+    edited.write_bytes(source.read_bytes() + b"\n")
+    with pytest.raises(ImportError, match="built from another kernels.c.*make, or pip"):
+        kernels.check_source(lib, edited)
+    kernels.check_source(lib, tmp_path / "absent.c")  # a wheel: no source to compare
+
+
 def test_a_missing_build_is_one_clear_import_error(monkeypatch) -> None:
     import importlib.util
 

@@ -37,6 +37,13 @@ enum {
 enum { SPLIT, TRUNCATE, DROP };
 enum { TOKENS_AT, TOKENS_SIZE, INDEX_AT, INDEX_SIZE, OWNED_AT, OWNED_SIZE, MAP_FIELDS };
 
+/* The SHA-256 of this file when it was built (setup.py defines it), which
+ * rows.kernels compares with the kernels.c beside it: a stale build is refused. */
+#ifndef KERNELS_SOURCE_SHA256
+#define KERNELS_SOURCE_SHA256 ""
+#endif
+const char *source_sha256(void) { return KERNELS_SOURCE_SHA256; }
+
 /* The constants above, in the order rows.kernels.LAYOUT lists them. */
 void layout(i64 *out) {
     const i64 values[] = {IGNORE, SLOT_FIELDS, ARRIVAL, NEXT, COLUMN, PLAN_FIELDS,

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -85,6 +87,7 @@ def compiled_library() -> ctypes.CDLL:
     lib = ctypes.CDLL(spec.origin)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     prototypes = {
+        "source_sha256": (ctypes.c_char_p, []),
         "layout": (None, [ptr]),
         "push_piece": (None, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]),
         "admit_run": (ctypes.c_int, [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr,
@@ -97,7 +100,12 @@ def compiled_library() -> ctypes.CDLL:
         "count_supervised": (i64, [ptr, i64]),
     }
     for name, (restype, argtypes) in prototypes.items():
-        function = getattr(lib, name)
+        try:
+            function = getattr(lib, name)
+        except AttributeError:  # a library of an older version
+            raise ImportError(f"exactstep's compiled row kernels do not match this version "
+                              f"(no {name}); build them again: make, or pip install -e .") \
+                from None
         function.restype, function.argtypes = restype, argtypes
     written = np.zeros(len(LAYOUT), dtype=np.int64)
     lib.layout(address(written))
@@ -105,7 +113,23 @@ def compiled_library() -> ctypes.CDLL:
         raise ImportError(f"exactstep's compiled row kernels do not match this version "
                           f"(layout {written.tolist()}, expected {list(LAYOUT)}); install "
                           "exactstep again")
+    check_source(lib, Path(__file__).with_name("kernels.c"))
     return lib
+
+
+def check_source(lib: ctypes.CDLL, source: Path) -> None:
+    """Refuse a library built from another ``kernels.c`` than ``source`` (the file
+    beside this module, where there is one: a source checkout; a wheel ships only the
+    library): an edit or an update since the build would otherwise run the old C
+    under the new Python, silently wherever the layout constants did not change."""
+    if not source.is_file():
+        return
+    built = lib.source_sha256().decode()
+    now = hashlib.sha256(source.read_bytes()).hexdigest()
+    if built != now:
+        raise ImportError(f"exactstep's compiled row kernels were built from another "
+                          f"kernels.c (sha256 {built[:12] or 'unrecorded'}) than {source} "
+                          f"({now[:12]}); build them again: make, or pip install -e .")
 
 
 def address(array: np.ndarray, dtype=np.int64) -> int:
