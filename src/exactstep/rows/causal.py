@@ -147,7 +147,6 @@ def plan_segments(plan: RowPlan) -> tuple[tuple[Segment, ...], ...]:
     return kernels.plan_segments(plan.pieces, plan.row_starts, Segment)
 
 
-
 class Layout:
     """Where a batch's pieces sit among its ``B * T`` slots (row-major).
 

@@ -419,12 +419,12 @@ class PackPlanner(PlannerSettings):
     Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
     every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
 
-    The buffer is one int64 array (``rows.kernels``: the pending pieces sorted by
-    their key ``cost << ARRIVAL_BITS | arrival``; arrivals below ``2 **
-    ARRIVAL_BITS``, so the order is that of ``(cost, arrival)``), refilled and
-    emptied into rows by a compiled kernel (``plan_rows``); the planner itself, in
-    Python, reads the next window of the order, cuts over-long examples and moves
-    from one epoch to the next (the places the kernel hands back).
+    The buffer is ``rows.kernels.PieceBuffer`` (a queue of pending pieces per cost
+    and a bitmap of the costs present: the best fit is the head of the highest
+    cost that fits, the earliest arrival among ties), refilled and emptied into rows
+    by compiled kernels (``admit_run``, ``plan_rows``); the planner itself, in
+    Python, reads the next window of the order, cuts over-long examples by their
+    ownership and moves from one epoch to the next (the places the kernel hands back).
     """
 
     def __init__(self, examples: Sequence[Example] | DocumentTable, **settings) -> None:
@@ -567,8 +567,7 @@ class PackPlanner(PlannerSettings):
     def _plan_with_help(self, made: int, k: int) -> RowPlan:
         """``next_plan`` once the kernel has handed back after ``made`` rows: refill in
         Python, let the kernel go on, until ``k`` rows or the end of a finite stream."""
-        row_starts = self._buf.row_starts
-        epochs = [(self.epoch, int(row_starts[made]))]  # (epoch, pieces placed by then)
+        epochs = [(self.epoch, int(self._buf.row_starts[made]))]  # (epoch, pieces placed)
         while made < k:
             self._refill()
             if not self._buf.state[kernels.N]:
