@@ -374,6 +374,36 @@ def test_the_loader_benchmark_writes_a_corpus_that_verifies(tmp_path: Path) -> N
     assert stream.report()["real_tokens"] == 2 * 8 * 2048 + third
 
 
+def test_the_loader_benchmarks_compiled_floor_builds_clean_batches(tmp_path: Path) -> None:
+    """The floor ``bench loader`` reports (``kernels_us``) times C calls that build
+    the real batches: their outputs are what the NumPy compiler builds from the same
+    plan, bitwise, and the screen clears them (no timing is asserted)."""
+    import torch
+
+    from exactstep.bench.loader import (
+        ROWS,
+        SEQ_LEN,
+        compiled_work,
+        packing_stream,
+        write_synthetic,
+    )
+    from exactstep.data.tokenizer import ByteTokenizer
+    from exactstep.rows.causal import compile_causal_batch
+
+    stream = packing_stream(write_synthetic(tmp_path / "synthetic", 1))
+    plans = [stream.planner.next_plan(ROWS) for _ in range(3)]
+    outputs = tuple(torch.empty(ROWS, SEQ_LEN, dtype=d)
+                    for d in (torch.int64, torch.int64, torch.int64, torch.int32))
+    seconds, tokens = compiled_work(plans, stream.examples.kernel_maps(), outputs,
+                                    ByteTokenizer())
+    assert seconds > 0 and tokens == sum(int(p.pieces[2].sum()) for p in plans) / 3
+    last = compile_causal_batch(plans[-1].rows(), stream.examples, seq_len=SEQ_LEN,
+                                pad_id=ByteTokenizer().pad_id)  # lists: the NumPy compiler
+    expected = (last.input_ids, last.labels, last.position_ids, last.segment_ids)
+    for built, wanted in zip(outputs, expected, strict=True):
+        assert torch.equal(built, wanted)
+
+
 def test_a_declared_reshard_continues_with_the_next_epochs_declared_order(prepared: Path) -> None:
     """S7, D3: two ranks stop mid-epoch; the reshard rule moves three new ranks to the
     start of the next epoch, and each then packs exactly its stride of that epoch's
