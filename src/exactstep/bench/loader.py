@@ -260,10 +260,8 @@ def compiled_work(plans: list, maps, outputs, tok: ByteTokenizer) -> tuple[float
     lib = kernels.compiled_library()
     inputs, labels, _, segment_ids = (t.data_ptr() for t in outputs)
     slots = ROWS * SEQ_LEN
-    calls = [(maps.table_address, maps.starts_address, maps.shards, maps.chat,
-              maps.sample.itemsize, kernels.address(p.pieces), p.pieces.shape[1],
-              kernels.address(p.row_starts), len(p), SEQ_LEN, tok.pad_id, 0, 1,
-              *(t.data_ptr() for t in outputs)) for p in plans]
+    calls = [kernels.fill_arguments(maps, p.pieces, p.row_starts, SEQ_LEN, tok.pad_id,
+                                    False, True, outputs) for p in plans]
     screen = (inputs, labels, segment_ids, 4, slots, SEQ_LEN, tok.vocab_size, 1, 1)
     best = float("inf")
     for _ in range(5):

@@ -284,13 +284,21 @@ def fill_causal(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int, pa
     empty, int64, int32 = torch.empty, torch.int64, torch.int32
     outputs = (empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=int64),
                empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=int32))
-    bad = compiled_library().fill_causal(
-        maps.table_address, maps.starts_address, maps.shards, maps.chat,
-        maps.sample.itemsize, address(plan), plan.shape[1], address(row_starts), rows,
-        seq_len, pad_id, keep, reset, *(t.data_ptr() for t in outputs))
+    bad = compiled_library().fill_causal(*fill_arguments(maps, plan, row_starts, seq_len,
+                                                         pad_id, keep, reset, outputs))
     if bad == MALFORMED:
         raise ValueError("fill_causal needs row starts from 0, rising within the plan")
     return outputs, bad
+
+
+def fill_arguments(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int,
+                   pad_id: int, keep: bool, reset: bool, outputs) -> tuple:
+    """The C ``fill_causal``'s arguments for ``plan`` into ``outputs`` (the four
+    tensors ``fill_causal`` makes, of ``len(row_starts) - 1`` rows of ``seq_len``)."""
+    return (maps.table_address, maps.starts_address, maps.shards, maps.chat,
+            maps.sample.itemsize, address(plan), plan.shape[1], address(row_starts),
+            len(row_starts) - 1, seq_len, pad_id, keep, reset,
+            *(t.data_ptr() for t in outputs))
 
 
 def plan_segments(pieces: np.ndarray, row_starts: np.ndarray, kind: type) -> tuple:
