@@ -394,8 +394,10 @@ def test_the_loader_benchmarks_compiled_floor_builds_clean_batches(tmp_path: Pat
     plans = [stream.planner.next_plan(ROWS) for _ in range(3)]
     outputs = tuple(torch.empty(ROWS, SEQ_LEN, dtype=d)
                     for d in (torch.int64, torch.int64, torch.int64, torch.int32))
-    seconds, tokens = compiled_work(plans, stream.examples.kernel_maps(), outputs,
-                                    ByteTokenizer())
+    tok = ByteTokenizer()
+    fill = stream.examples.kernel_maps().causal_fill(SEQ_LEN, tok.pad_id, False, True,
+                                                     (tok.vocab_size, True, True))
+    seconds, tokens = compiled_work(plans, fill, outputs)
     assert seconds > 0 and tokens == sum(int(p.pieces[2].sum()) for p in plans) / 3
     last = compile_causal_batch(plans[-1].rows(), stream.examples, seq_len=SEQ_LEN,
                                 pad_id=ByteTokenizer().pad_id)  # lists: the NumPy compiler

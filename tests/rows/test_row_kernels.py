@@ -6,7 +6,7 @@
   every row (so the same resume), and a state of either loaded into the other
   continues the same, over random corpora (text and chat ownership, over-long
   documents) and every planner setting (property tests).
-- The causal kernel (``rows.kernels.fill_causal``, taken for a ``RowPlan`` over
+- The causal kernel (``rows.kernels.CausalFill``, taken for a ``RowPlan`` over
   prepared shards) against the NumPy compiler (``compile_causal_batch`` given the
   same rows as lists), bitwise, for random shards, ownership bits and settings.
   Negative control: the kernel told the other boundary rule disagrees.
@@ -24,9 +24,13 @@ from hypothesis import strategies as st
 from planner_reference import LatestOnTies, ReferencePlanner
 
 from exactstep.data.prepared import PreparedSplit, Shard
-from exactstep.errors import DataError
+from exactstep.errors import BatchInvariantError, DataError
+from exactstep.rows.batch import Batch
 from exactstep.rows.causal import compile_causal_batch, compile_plan
+from exactstep.rows.compiler import CAUSAL
+from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
+from exactstep.rows.invariants import check_batch, is_clean
 from exactstep.rows.packing import PackPlanner
 from exactstep.rows.prepared import PreparedDocuments
 
@@ -215,6 +219,83 @@ def test_the_kernel_told_the_other_boundary_rule_disagrees() -> None:
     assert torch.equal(flipped.input_ids, slow.input_ids)
 
 
+@PROPERTY
+@given(prepared_cases(), st.sampled_from([None, 300, 150]), st.booleans())
+def test_one_call_fills_screens_and_counts_as_the_three_steps_do(case, vocab, check) -> None:
+    """The causal compiler's ``compile_counted`` (fill, R7 screen and count in one
+    kernel call over prepared shards) against the steps it replaces -- the NumPy
+    compiler, ``check_batch`` and a count of the labels in torch: the same batch,
+    the same refusal (a vocabulary of 150 is smaller than the shards' ids, so the
+    screen must send the batch to the checks that name the violation), the same
+    count; with the checks off, no refusal and still the count."""
+    docs, planner, settings_, rows = case
+    cfg = BatchConfig(seq_len=settings_["seq_len"], rows=rows, boundary=settings_["boundary"],
+                      positions=settings_["positions"], check_invariants=check)
+    for _ in range(3):
+        plan = planner.next_plan(rows)
+        expected = compile_causal_batch(plan.rows(), docs, **settings_)  # lists: NumPy
+        refusal = None
+        try:
+            check_batch(expected, vocab, cfg.boundary, next_token_targets=True)
+        except BatchInvariantError as exc:
+            refusal = str(exc)
+        try:
+            batch, count = CAUSAL.compile_counted(plan, docs, cfg, pad_id=301, weighted=False,
+                                                  vocab_size=vocab)
+        except BatchInvariantError as exc:
+            assert check and str(exc) == refusal
+            continue
+        assert not check or refusal is None
+        assert_same_batch(batch, expected)
+        assert count == int((expected.labels != -100).sum())
+
+
+def test_the_screen_in_the_fill_is_the_screen() -> None:
+    """The fused call's screen agrees with ``is_clean`` on the batch it wrote, clean
+    or not, and without a screen reports nothing clean (so the caller checks)."""
+    from exactstep.rows import kernels
+
+    rng = np.random.default_rng(5)
+    part = np.full(6, 7)
+    tokens = rng.integers(0, 300, int(part.sum())).astype(np.uint16)
+    index = np.stack([np.arange(6) * 7, part, part - 1], axis=1).astype(np.int64)
+    docs = PreparedDocuments(PreparedSplit([Shard(tokens, index, None)],
+                                           {"min_length": 7, "max_length": 7}), block=3)
+    plan = PackPlanner(docs, seq_len=16, buffer=4, overlong="split", seed=0).next_plan(2)
+    maps = docs.kernel_maps()
+    for vocab in (300, int(tokens.max())):  # the second refuses the largest id
+        fill = kernels.CausalFill(maps, 16, 0, False, True, (vocab, True, True))
+        (ids, labels, positions, segs), bad, clean, count = fill(plan.pieces, plan.row_starts)
+        batch = Batch(ids, labels, positions, segs, segments=((),) * 2)
+        assert bad == -1 and clean == is_clean(batch, vocab, "ignore", next_token_targets=True)
+        assert clean == (vocab == 300)
+        assert count == int((labels != -100).sum())
+    unscreened = kernels.CausalFill(maps, 16, 0, False, True, None)
+    assert unscreened(plan.pieces, plan.row_starts)[2] is False
+
+
+def test_the_planner_frame_follows_a_grown_buffer() -> None:
+    """The kernels reach the buffer's arrays through its frame: after the slots are
+    replaced (grown), a plan still takes the pieces best fit first, earliest on ties."""
+    from exactstep.rows import kernels
+
+    seq_len = 10
+    settings_ = np.zeros(5, dtype=np.int64)
+    settings_[kernels.SEQ_LEN] = seq_len  # FILL_TO 0: never asks for more pieces
+    buf = kernels.PieceBuffer(np.arange(seq_len + 1), settings_, capacity=2)
+    for example, length in enumerate([6, 3, 4, 2, 5, 4]):
+        buf.push(example, 0, length, 0)  # grows twice
+    assert buf.slots.shape[1] == 8
+    made, needs_help = buf.plan(0, 2, False)
+    pieces, starts = buf.planned(made)
+    # row 0: 6, then the earliest 4 (example 2); row 1: 5, then the other 4
+    assert (made, needs_help) == (2, False) and starts.tolist() == [0, 2, 4]
+    assert pieces[kernels.EXAMPLE].tolist() == [0, 2, 4, 5]
+    assert pieces[kernels.LENGTH].tolist() == [6, 4, 5, 4]
+    assert pieces[kernels.COLUMN].tolist() == [0, 6, 0, 5]
+    assert kernels.pending_columns(buf.slots)[1] == [1, 3]  # examples 1 and 3 wait
+
+
 def test_a_piece_outside_its_document_is_refused_by_both() -> None:
     tokens = np.arange(20, dtype=np.uint16)
     index = np.array([[0, 10, 9], [10, 10, 9]], dtype=np.int64)
@@ -270,13 +351,12 @@ def test_the_fill_refuses_row_starts_outside_its_plan() -> None:
                                            {"min_length": 20, "max_length": 20}), block=2)
     maps = docs.kernel_maps()
     pieces = np.array([[0, 1], [0, 0], [20, 20], [0, 0], [0, 0]], dtype=np.int64)
-    (inputs, *_), bad = kernels.fill_causal(maps, pieces, np.array([0, 1, 2]), 24, 0,
-                                            False, True)
+    fill = kernels.CausalFill(maps, 24, 0, False, True, None)
+    (inputs, *_), bad, _, _ = fill(pieces, np.array([0, 1, 2]))
     assert bad == -1 and inputs[1, :20].tolist() == list(range(20, 40))
     for starts in ([1, 2], [0, 3], [0, 2, 1], []):
         with pytest.raises(ValueError, match="row starts"):
-            kernels.fill_causal(maps, pieces, np.array(starts, dtype=np.int64), 24, 0,
-                                False, True)
+            fill(pieces, np.array(starts, dtype=np.int64))
 
 
 def test_segments_are_built_only_from_a_well_formed_plan() -> None:

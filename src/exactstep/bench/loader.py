@@ -16,16 +16,17 @@ Figures:
   ``[rows, seq_len]`` (nanoGPT's reader), from one memory map read on where it
   stopped, timed interleaved with the candidate;
 - ``throughput_ratio``: the two rates' ratio (candidate / baseline);
-- ``plan_us`` / ``fill_us`` / ``segments_us`` / ``batch_us`` / ``check_us`` /
-  ``count_us``: microseconds per batch of each part of ``RowStream.next_batch`` on
-  the larger corpus (the planner's ``next_plan``; ``kernels.fill_causal`` with its
-  four tensors allocated; the rows' ``Segment``s; the ``Batch``; the R7 checks; the
-  target count), the median over blocks of 100 batches, and ``parts_us`` their sum;
+- ``plan_us`` / ``fill_us`` / ``segments_us`` / ``batch_us``: microseconds per
+  batch of each part of ``RowStream.next_batch`` on the larger corpus (the
+  planner's ``next_plan``; the causal kernel's one call, ``kernels.CausalFill``,
+  that fills the four tensors it allocates, screens them (R7) and counts the
+  targets; the rows' ``Segment``s; the ``Batch``), the median over blocks of 100
+  batches, and ``parts_us`` their sum;
 - ``kernels_us``: the compiled work alone on the last block's plans: the C fill,
-  screen and count called with their arguments made beforehand, into outputs
-  allocated once (so they stay in cache): a floor under what any Python around them
-  can reach; ``kernels_tokens_per_s`` its rate and ``kernels_ratio`` that rate over
-  the memmap rate (the throughput ratio with nothing but those three calls);
+  screen and count (``fill_screened``) called with arguments made beforehand, into
+  outputs allocated once (so they stay in cache): a floor under what any Python
+  around them can reach; ``kernels_tokens_per_s`` its rate and ``kernels_ratio``
+  that rate over the memmap rate (the throughput ratio with nothing but that call);
 - ``startup_s``: what a stream costs before its first batch and including it
   (open and size-check the directory, the planner's first buffer of ``buffer``
   pieces), once per run, so not part of either rate;
@@ -209,15 +210,16 @@ def batch_parts(path: Path, blocks: int, per_block: int) -> dict:
     """Microseconds per batch of each part of ``RowStream.next_batch`` over ``path``
     (the median over ``blocks`` blocks of ``per_block`` batches), and of the compiled
     work alone on the same plans (``kernels_us``: see the module doc)."""
-    from exactstep.rows import kernels
     from exactstep.rows.batch import Batch
     from exactstep.rows.causal import plan_segments
 
     stream = packing_stream(path)
     for _ in range(20):
         stream.next_batch()
-    maps, cfg, tok = stream.examples.kernel_maps(), stream.cfg, ByteTokenizer()
-    names = ("plan", "fill", "segments", "batch", "check", "count")
+    tok = ByteTokenizer()
+    fill = stream.examples.kernel_maps().causal_fill(SEQ_LEN, tok.pad_id, False, True,
+                                                     (tok.vocab_size, True, True))
+    names = ("plan", "fill", "segments", "batch")
     times = {name: [] for name in names}
     clock = time.perf_counter_ns
     plans = []
@@ -227,51 +229,45 @@ def batch_parts(path: Path, blocks: int, per_block: int) -> dict:
             t0 = clock()
             plan = stream.planner.next_plan(ROWS)
             t1 = clock()
-            tensors, _ = kernels.fill_causal(maps, plan.pieces, plan.row_starts, SEQ_LEN,
-                                             tok.pad_id, False, True)
+            tensors, bad, clean, _ = fill(plan.pieces, plan.row_starts)
             t2 = clock()
             segments = plan_segments(plan)
             t3 = clock()
-            batch = Batch(*tensors, segments=segments)
+            Batch(*tensors, segments=segments)
             t4 = clock()
-            stream.compiler.check(batch, tok.vocab_size, cfg)
-            t5 = clock()
-            batch.num_targets()
-            t6 = clock()
-            for name, ns in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5),
-                                strict=True):
+            if bad != -1 or not clean:
+                raise RuntimeError("a benchmark batch was not clean; the parts measured "
+                                   "another path than the stream's")
+            for name, ns in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 spent[name] += ns
             plans.append(plan)
         for name in names:
             times[name].append(spent[name] / per_block / 1e3)
     parts = {f"{name}_us": median(v) for name, v in times.items()}
-    kernel_s, tokens = compiled_work(plans[-per_block:], maps, tensors, tok)
+    kernel_s, tokens = compiled_work(plans[-per_block:], fill, tensors)
     return {**parts, "parts_us": sum(parts.values()), "kernels_us": kernel_s * 1e6,
             "kernels_tokens_per_s": tokens / kernel_s}
 
 
-def compiled_work(plans: list, maps, outputs, tok: ByteTokenizer) -> tuple[float, float]:
+def compiled_work(plans: list, fill, outputs) -> tuple[float, float]:
     """Seconds per batch of the C fill, screen and count alone over ``plans`` (the
-    library called with arguments made beforehand, into the same ``outputs``, so
-    they stay in cache: a floor), the best of five passes; and the real tokens per
-    batch."""
+    call of ``fill``, a ``kernels.CausalFill``, made with its arguments built
+    beforehand, into the same ``outputs``, so they stay in cache: a floor), the best
+    of five passes; and the real tokens per batch."""
     from exactstep.rows import kernels
 
-    lib = kernels.compiled_library()
-    inputs, labels, _, segment_ids = (t.data_ptr() for t in outputs)
-    slots = ROWS * SEQ_LEN
-    calls = [kernels.fill_arguments(maps, p.pieces, p.row_starts, SEQ_LEN, tok.pad_id,
-                                    False, True, outputs) for p in plans]
-    screen = (inputs, labels, segment_ids, 4, slots, SEQ_LEN, tok.vocab_size, 1, 1)
+    call, frame = kernels.compiled_library().fill_screened, kernels.address(fill.frame)
+    pointers = tuple(t.data_ptr() for t in outputs)
+    calls = [(frame, kernels.address(p.pieces), p.pieces.shape[1], kernels.address(p.row_starts),
+              len(p), *pointers) for p in plans]
     best = float("inf")
     for _ in range(5):
         started = time.perf_counter()
         for args in calls:
-            lib.fill_causal(*args)
-            lib.screen(*screen)
-            lib.count_supervised(labels, slots)
+            call(*args)
         best = min(best, (time.perf_counter() - started) / len(calls))
-    if lib.fill_causal(*calls[-1]) != -1 or not lib.screen(*screen):
+    answer = call(*calls[-1])
+    if answer < 0 or not answer & 1:
         raise RuntimeError("the compiled work did not build a clean batch; the floor "
                            "measured nothing")
     tokens = sum(int(p.pieces[kernels.LENGTH].sum()) for p in plans) / len(plans)

@@ -23,10 +23,12 @@ Loss ownership is only in ``labels``; visibility is only in ``segment_ids`` and
 ``causal`` (R2). Arrays are built in NumPy and handed to torch without copying.
 
 Two builders, one semantics: the planner's ``RowPlan`` over prepared shards (a
-table with ``kernel_maps``) is compiled by ``rows.kernels.fill_causal`` straight
-from the memory maps, one pass per slot; every other input (examples in memory,
-weighted batches, rows given as lists) by the NumPy concatenation below. Tests
-hold the two to the same golden digests and to each other.
+table with ``kernel_maps``) is compiled by the causal kernel
+(``rows.kernels.CausalFill``) straight from the memory maps, one pass per slot,
+which can also screen (R7) and count the batch it wrote in the same call
+(``compile_causal_screened``); every other input (examples in memory, weighted
+batches, rows given as lists) by the NumPy concatenation below. Tests hold the two
+to the same golden digests and to each other.
 """
 
 from __future__ import annotations
@@ -63,12 +65,10 @@ def compile_causal_batch(
     concatenation (or repeat) over ``B * T`` slots, and each label is the next
     slot's input, set to ``IGNORE_INDEX`` where the module doc says so.
     """
-    maps = getattr(examples, "kernel_maps", None)
-    if isinstance(rows, RowPlan) and maps is not None and not weighted:
-        shard_maps = maps()
-        if shard_maps is not None:
-            return compile_plan(rows, shard_maps, seq_len=seq_len, pad_id=pad_id,
-                                boundary=boundary, positions=positions)
+    shard_maps = plan_maps(rows, examples, weighted)
+    if shard_maps is not None:
+        return compile_plan(rows, shard_maps, seq_len=seq_len, pad_id=pad_id,
+                            boundary=boundary, positions=positions)
     n_rows = len(rows)
     pieces = [piece for row in rows for piece in row]
     tokens, owned, ids = piece_slices(examples, pieces)
@@ -120,25 +120,71 @@ def compile_causal_batch(
     )
 
 
+def compile_causal_screened(
+    rows: Sequence[Sequence[Piece]],
+    examples: Sequence[Example],
+    *,
+    seq_len: int,
+    pad_id: int,
+    boundary: str,
+    positions: str,
+    weighted: bool,
+    screen: tuple[int, bool, bool] | None,
+) -> tuple[Batch, bool, int]:
+    """``compile_causal_batch``'s batch, whether the R7 screen with the settings
+    ``screen`` (``rows.invariants.screen_settings``; ``None``: no screen) cleared it,
+    and its supervised count (``Batch.num_targets``). A ``RowPlan`` over prepared
+    shards is filled, screened and counted in one kernel call; any other batch is
+    not screened here (``False``: the caller checks it) and is counted after."""
+    shard_maps = plan_maps(rows, examples, weighted)
+    if shard_maps is None:
+        batch = compile_causal_batch(rows, examples, seq_len=seq_len, pad_id=pad_id,
+                                     boundary=boundary, positions=positions,
+                                     weighted=weighted)
+        return batch, False, batch.num_targets()
+    return fill_plan(rows, shard_maps, seq_len=seq_len, pad_id=pad_id, boundary=boundary,
+                     positions=positions, screen=screen)
+
+
+def plan_maps(rows, examples, weighted: bool):
+    """The shard maps the causal kernel reads ``rows`` from (``ShardMaps``), or
+    ``None`` when the NumPy builder compiles them: rows that are not a ``RowPlan``,
+    examples that are not prepared shards the kernel reads, or weighted batches."""
+    maps = getattr(examples, "kernel_maps", None)
+    if maps is None or weighted or not isinstance(rows, RowPlan):
+        return None
+    return maps()
+
+
 def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: str,
                  positions: str) -> Batch:
     """``compile_causal_batch`` of ``plan`` over prepared shards' memory maps
-    (``maps``: ``rows.prepared.ShardMaps``), by the ``fill_causal`` kernel; raises
+    (``maps``: ``rows.prepared.ShardMaps``), by the causal kernel; raises
     ``IndexError`` for a piece outside its document (or an index entry outside its
     shard), as slicing it would."""
-    (input_ids, labels, position_ids, segment_ids), bad = kernels.fill_causal(
-        maps, plan.pieces, plan.row_starts, seq_len, pad_id, boundary == "keep",
-        positions == "reset")
+    return fill_plan(plan, maps, seq_len=seq_len, pad_id=pad_id, boundary=boundary,
+                     positions=positions, screen=None)[0]
+
+
+def fill_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: str,
+              positions: str, screen: tuple[int, bool, bool] | None
+              ) -> tuple[Batch, bool, int]:
+    """``compile_causal_screened`` of ``plan`` over ``maps`` (the kernel's call);
+    ``IndexError`` as ``compile_plan`` raises."""
+    fill = maps.causal_fill(seq_len, pad_id, boundary == "keep", positions == "reset", screen)
+    (input_ids, labels, position_ids, segment_ids), bad, clean, count = fill(
+        plan.pieces, plan.row_starts)
     if bad >= 0:
         raise IndexError(f"piece {plan.pieces[:4, bad].tolist()} (example, offset, length, "
                          "piece) lies outside its document")
-    return Batch(
+    batch = Batch(
         input_ids=input_ids,
         labels=labels,
         position_ids=position_ids,
         segment_ids=segment_ids,
         segments=plan_segments(plan),
     )
+    return batch, clean, count
 
 
 def plan_segments(plan: RowPlan) -> tuple[tuple[Segment, ...], ...]:

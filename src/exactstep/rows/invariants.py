@@ -122,10 +122,18 @@ def is_clean(
                             for t in (batch.input_ids, batch.labels, batch.segment_ids))
     try:  # integer tensors, so none requires grad
         return kernels.screen(inputs, labels, segs, batch.labels.shape[1],
-                              -1 if vocab_size is None else vocab_size, boundary == "ignore",
-                              next_token_targets)
+                              *screen_settings(vocab_size, boundary,
+                                               next_token_targets=next_token_targets))
     except ValueError:  # not host tensors of the screen's dtypes and of one size
         return False
+
+
+def screen_settings(vocab_size: int | None, boundary: str, *,
+                    next_token_targets: bool) -> tuple[int, bool, bool]:
+    """The compiled screen's settings for ``check_batch``'s arguments: ``(vocab_size``
+    (-1: no upper bound)``, ignore_boundary, next_token)``, as ``rows.kernels.screen``
+    and ``rows.kernels.CausalFill`` take them."""
+    return (-1 if vocab_size is None else vocab_size, boundary == "ignore", next_token_targets)
 
 
 def vocab_note(vocab_size: int | None) -> str:

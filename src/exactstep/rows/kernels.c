@@ -36,6 +36,20 @@ enum {
 };
 enum { SPLIT, TRUNCATE, DROP };
 enum { TOKENS_AT, TOKENS_SIZE, INDEX_AT, INDEX_SIZE, OWNED_AT, OWNED_SIZE, MAP_FIELDS };
+/* The planner's frame (rows.kernels.PieceBuffer): the addresses and sizes of its
+ * arrays, kept up to date by the buffer, and the kernel's answer of whether the
+ * planner must act (HELP), so that a call passes one address. */
+enum {
+    F_SLOTS, F_CAP, F_QUEUES, F_COSTS, F_BITS, F_FREE, F_STATE, F_COST, F_WINDOW, F_WIDTH,
+    F_OUT, F_OUT_CAP, F_STARTS, F_COUNTS, F_SETTINGS, F_HELP, PLAN_FRAME
+};
+/* A fused causal fill's settings (rows.kernels.CausalFill): one split's shard maps,
+ * one stream's row settings and its R7 screen (SCREEN 0: none). */
+enum {
+    X_TABLE, X_STARTS, X_SHARDS, X_CHAT, X_TOKEN_SIZE, X_SEQ_LEN, X_PAD_ID, X_KEEP,
+    X_RESET, X_SCREEN, X_VOCAB, X_IGNORE_BOUNDARY, X_NEXT_TOKEN, FILL_FRAME
+};
+#define AT(type, value) ((type)(intptr_t)(value))
 
 /* The SHA-256 of this file when it was built (setup.py defines it), which
  * rows.kernels compares with the kernels.c beside it: a stale build is refused. */
@@ -48,7 +62,8 @@ const char *source_sha256(void) { return KERNELS_SOURCE_SHA256; }
 void layout(i64 *out) {
     const i64 values[] = {IGNORE, SLOT_FIELDS, ARRIVAL, NEXT, COLUMN, PLAN_FIELDS,
                           STATE_FIELDS, FREE, FILL_TO, COUNT_FIELDS, ADMITTED, DROP,
-                          MAP_FIELDS, OWNED_SIZE, MALFORMED};
+                          MAP_FIELDS, OWNED_SIZE, MALFORMED, PLAN_FRAME, F_HELP,
+                          FILL_FRAME, X_NEXT_TOKEN};
     for (unsigned k = 0; k < sizeof values / sizeof values[0]; k++) out[k] = values[k];
 }
 
@@ -108,9 +123,15 @@ static i64 pop_head(Buffer *b, i64 charge) {
     return slot;
 }
 
-void push_piece(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_,
-                i64 *state, i64 charge, i64 example, i64 offset, i64 length, i64 piece) {
-    Buffer b = {slots, cap, queues, costs, bits, free_, state};
+/* The buffer of a planner's frame. */
+static Buffer framed(const i64 *f) {
+    Buffer b = {AT(i64 *, f[F_SLOTS]), f[F_CAP], AT(i64 *, f[F_QUEUES]), f[F_COSTS],
+                AT(i64 *, f[F_BITS]), AT(i64 *, f[F_FREE]), AT(i64 *, f[F_STATE])};
+    return b;
+}
+
+void push_framed(const i64 *f, i64 charge, i64 example, i64 offset, i64 length, i64 piece) {
+    Buffer b = framed(f);
     push(&b, charge, example, offset, length, piece);
 }
 
@@ -168,11 +189,10 @@ static int admit(Buffer *b, const i64 *cost, const i64 *window, i64 width, i64 *
     return state[N] >= fill_to;
 }
 
-int admit_run(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_,
-              i64 *state, const i64 *cost, const i64 *window, i64 width, i64 *counts,
-              const i64 *settings) {
-    Buffer b = {slots, cap, queues, costs, bits, free_, state};
-    return admit(&b, cost, window, width, counts, settings);
+int admit_framed(const i64 *f) {
+    Buffer b = framed(f);
+    return admit(&b, AT(const i64 *, f[F_COST]), AT(const i64 *, f[F_WINDOW]), f[F_WIDTH],
+                 AT(i64 *, f[F_COUNTS]), AT(const i64 *, f[F_SETTINGS]));
 }
 
 /* Up to rows_wanted rows, each after refilling the buffer (the first row skips it
@@ -180,11 +200,10 @@ int admit_run(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_
  * [PLAN_FIELDS, out_cap] from row_starts[0] on; returns the rows made and sets
  * *needs_help when the planner must act (read a window, cut by ownership, end
  * the epoch, make room). */
-i64 plan_rows(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_,
-              i64 *state, const i64 *cost, const i64 *window, i64 width, i64 *out,
-              i64 out_cap, i64 *row_starts, i64 *counts, const i64 *settings,
-              i64 rows_wanted, i64 refill_first, i64 *needs_help) {
-    Buffer b = {slots, cap, queues, costs, bits, free_, state};
+static i64 plan_rows(Buffer b, const i64 *cost, const i64 *window, i64 width, i64 *out,
+                     i64 out_cap, i64 *row_starts, i64 *counts, const i64 *settings,
+                     i64 rows_wanted, i64 refill_first, i64 *needs_help) {
+    i64 *slots = b.slots, cap = b.cap, *state = b.state, *bits = b.bits;
     i64 seq_len = settings[SEQ_LEN];
     i64 p = row_starts[0], rows = 0;
     *needs_help = 0;
@@ -220,11 +239,20 @@ i64 plan_rows(i64 *slots, i64 cap, i64 *queues, i64 costs, i64 *bits, i64 *free_
     return rows;
 }
 
-/* The causal arrays (rows.causal's semantics) of plan [PLAN_FIELDS, pieces] over
- * shards maps [S, MAP_FIELDS] (tokens of token_size bytes, unsigned), written
- * row-major into the [rows * seq_len] outputs. Returns -1, the first piece
- * outside its document or its shard, or MALFORMED for row starts that do not
- * begin at 0 and rise within the plan (the outputs are then not to be used). */
+/* plan_rows over a planner's frame: up to `rows` more rows after the plan's first
+ * `row` (the plan's arrays sized for them by the planner); F_HELP is set. */
+i64 plan_framed(i64 *f, i64 row, i64 rows, i64 refill_first) {
+    return plan_rows(framed(f), AT(const i64 *, f[F_COST]), AT(const i64 *, f[F_WINDOW]),
+                     f[F_WIDTH], AT(i64 *, f[F_OUT]), f[F_OUT_CAP],
+                     AT(i64 *, f[F_STARTS]) + row, AT(i64 *, f[F_COUNTS]),
+                     AT(const i64 *, f[F_SETTINGS]), rows, refill_first, &f[F_HELP]);
+}
+
+/* The causal arrays (rows.causal's semantics) of the rows of plan [PLAN_FIELDS,
+ * pieces] that row_starts [rows + 1] list, over shards maps [S, MAP_FIELDS] (tokens
+ * of TOKEN, unsigned), written row-major into the [rows * seq_len] outputs. Returns
+ * -1, or the first piece outside its document or its shard (the outputs are then
+ * not to be used). */
 #define FILL_CAUSAL(NAME, TOKEN)                                                         \
 SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat,                \
                 const i64 *plan, i64 pieces, const i64 *row_starts, i64 rows,            \
@@ -295,22 +323,30 @@ SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat, 
 FILL_CAUSAL(fill_u16, uint16_t)
 FILL_CAUSAL(fill_u32, uint32_t)
 
-i64 fill_causal(const i64 *maps, const i64 *starts, i64 shards, i64 chat, i64 token_size,
-                const i64 *plan, i64 pieces, const i64 *row_starts, i64 rows, i64 seq_len,
-                i64 pad_id, i64 keep, i64 reset, i64 *input_ids, i64 *labels,
-                i64 *position_ids, int32_t *segment_ids) {
-    if (rows < 0 || row_starts[0] != 0) return MALFORMED;
-    for (i64 r = 0; r < rows; r++) /* every row's pieces inside the plan */
-        if (row_starts[r] > row_starts[r + 1] || row_starts[r + 1] > pieces) return MALFORMED;
-    if (token_size == 2)
-        return fill_u16(maps, starts, shards, (int)chat, plan, pieces, row_starts, rows,
-                        seq_len, pad_id, (int)keep, (int)reset, input_ids, labels,
-                        position_ids, segment_ids);
-    if (token_size == 4)
-        return fill_u32(maps, starts, shards, (int)chat, plan, pieces, row_starts, rows,
-                        seq_len, pad_id, (int)keep, (int)reset, input_ids, labels,
-                        position_ids, segment_ids);
-    return pieces ? 0 : -1;
+/* Whether row_starts [rows + 1] do not begin at 0 or do not rise within a plan of
+ * `pieces` pieces (a fill would then read outside the plan). */
+static int malformed(const i64 *row_starts, i64 rows, i64 pieces) {
+    if (rows < 0 || row_starts[0] != 0) return 1;
+    for (i64 r = 0; r < rows; r++)
+        if (row_starts[r] > row_starts[r + 1] || row_starts[r + 1] > pieces) return 1;
+    return 0;
+}
+
+/* The causal fill of `rows` rows of the plan, from row_starts on, over frame f's
+ * shards and settings, into outputs at their first slot. */
+static i64 fill_rows(const i64 *f, const i64 *plan, i64 pieces, const i64 *row_starts,
+                     i64 rows, i64 *input_ids, i64 *labels, i64 *position_ids,
+                     int32_t *segment_ids) {
+    const i64 *maps = AT(const i64 *, f[X_TABLE]), *starts = AT(const i64 *, f[X_STARTS]);
+    if (f[X_TOKEN_SIZE] == 2)
+        return fill_u16(maps, starts, f[X_SHARDS], (int)f[X_CHAT], plan, pieces, row_starts,
+                        rows, f[X_SEQ_LEN], f[X_PAD_ID], (int)f[X_KEEP], (int)f[X_RESET],
+                        input_ids, labels, position_ids, segment_ids);
+    if (f[X_TOKEN_SIZE] == 4)
+        return fill_u32(maps, starts, f[X_SHARDS], (int)f[X_CHAT], plan, pieces, row_starts,
+                        rows, f[X_SEQ_LEN], f[X_PAD_ID], (int)f[X_KEEP], (int)f[X_RESET],
+                        input_ids, labels, position_ids, segment_ids);
+    return row_starts[rows] > row_starts[0] ? row_starts[0] : -1;
 }
 
 /* rows.invariants.is_clean over flattened [slots] arrays (segment ids of seg_size
@@ -372,6 +408,36 @@ SWEEP i64 count_supervised(const i64 *labels, i64 n) {
     i64 count = 0;
     for (i64 s = 0; s < n; s++) count += labels[s] != IGNORE;
     return count;
+}
+
+/* One batch in one call: the causal fill of the plan over frame f's shards and
+ * settings (FILL_FRAME), the screen of what it wrote (when f[X_SCREEN]) and the
+ * count of its supervised labels -- three functions called in turn (the screen and
+ * the count know nothing of how the fill wrote the batch), a row at a time, so that
+ * a row is screened and counted while it is still in cache. Screening row by row
+ * is the screen of the whole batch: the only comparisons that cross a row's end
+ * are those of its last column, which the screen refuses outright when supervised
+ * (under either rule that compares). Returns (count << 1) | clean (clean: the
+ * screen found nothing; 0 without a screen) once the fill succeeded; else
+ * MALFORMED for row starts that do not begin at 0 and rise within the plan, or
+ * -3 - q for the first piece q outside its document or shard. */
+i64 fill_screened(const i64 *f, const i64 *plan, i64 pieces, const i64 *row_starts,
+                  i64 rows, i64 *input_ids, i64 *labels, i64 *position_ids,
+                  int32_t *segment_ids) {
+    i64 seq_len = f[X_SEQ_LEN], count = 0;
+    int clean = f[X_SCREEN] != 0;
+    if (malformed(row_starts, rows, pieces)) return MALFORMED;
+    for (i64 r = 0; r < rows; r++) {
+        i64 s = r * seq_len;
+        i64 bad = fill_rows(f, plan, pieces, row_starts + r, 1, input_ids + s, labels + s,
+                            position_ids + s, segment_ids + s);
+        if (bad >= 0) return -3 - bad;
+        if (clean)
+            clean = screen_i32(input_ids + s, labels + s, segment_ids + s, seq_len, seq_len,
+                               f[X_VOCAB], (int)f[X_IGNORE_BOUNDARY], (int)f[X_NEXT_TOKEN]);
+        count += count_supervised(labels + s, seq_len);
+    }
+    return (count << 1) | clean;
 }
 
 /* The one function called through the Python C API, because it builds objects:

@@ -68,11 +68,21 @@ SPLIT, TRUNCATE, DROP = 0, 1, 2  # the over-long policies (rows.packing.cut_exam
 TOKENS_AT, TOKENS_SIZE, INDEX_AT, INDEX_SIZE, OWNED_AT, OWNED_SIZE = range(6)
 MAP_FIELDS = 6
 
-MALFORMED = -2  # fill_causal: row starts that do not begin at 0 and rise within the plan
+MALFORMED = -2  # the causal fill: row starts that do not begin at 0 and rise within the plan
+# the planner's frame (PieceBuffer.frame): the addresses and sizes of the buffer's
+# arrays, then the kernel's answer of whether the planner must act
+(F_SLOTS, F_CAP, F_QUEUES, F_COSTS, F_BITS, F_FREE, F_STATE, F_COST, F_WINDOW, F_WIDTH,
+ F_OUT, F_OUT_CAP, F_STARTS, F_COUNTS, F_SETTINGS, F_HELP) = range(16)
+PLAN_FRAME = 16
+# a fused causal fill's settings (CausalFill.frame)
+(X_TABLE, X_STARTS, X_SHARDS, X_CHAT, X_TOKEN_SIZE, X_SEQ_LEN, X_PAD_ID, X_KEEP, X_RESET,
+ X_SCREEN, X_VOCAB, X_IGNORE_BOUNDARY, X_NEXT_TOKEN) = range(13)
+FILL_FRAME = 13
 
 # the constants kernels.c must agree with, in the order its layout() writes them
 LAYOUT = (IGNORE, SLOT_FIELDS, ARRIVAL, NEXT, COLUMN, PLAN_FIELDS, STATE_FIELDS, FREE,
-          FILL_TO, len(COUNTS), ADMITTED, DROP, MAP_FIELDS, OWNED_SIZE, MALFORMED)
+          FILL_TO, len(COUNTS), ADMITTED, DROP, MAP_FIELDS, OWNED_SIZE, MALFORMED,
+          PLAN_FRAME, F_HELP, FILL_FRAME, X_NEXT_TOKEN)
 
 
 @functools.cache
@@ -89,13 +99,10 @@ def compiled_library() -> ctypes.CDLL:
     prototypes = {
         "source_sha256": (ctypes.c_char_p, []),
         "layout": (None, [ptr]),
-        "push_piece": (None, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]),
-        "admit_run": (ctypes.c_int, [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr,
-                                     ptr]),
-        "plan_rows": (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr,
-                            ptr, ptr, i64, i64, ptr]),
-        "fill_causal": (i64, [ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64,
-                              i64, ptr, ptr, ptr, ptr]),
+        "push_framed": (None, [ptr, i64, i64, i64, i64, i64]),
+        "admit_framed": (ctypes.c_int, [ptr]),
+        "plan_framed": (i64, [ptr, i64, i64, i64]),
+        "fill_screened": (i64, [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr]),
         "screen": (i64, [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]),
         "count_supervised": (i64, [ptr, i64]),
     }
@@ -153,8 +160,9 @@ class PieceBuffer:
     grows, and ``state`` is ``[N, CURSOR, NEXT_ARRIVAL, FREE]``, ``CURSOR`` the
     position in ``window`` (``[ids, lengths, targets]``). ``plan`` writes rows into
     the buffer's plan arrays ``out`` and ``row_starts`` (module doc), which
-    ``planned`` copies out. The addresses of its arrays are kept (the arrays are
-    replaced, never resized in place)."""
+    ``planned`` copies out. The addresses and sizes of its arrays are kept in
+    ``frame`` (``F_*``: the arrays are replaced, never resized in place, and each
+    replacement writes the frame), so a kernel call passes one address."""
 
     def __init__(self, cost: np.ndarray, settings: np.ndarray, capacity: int) -> None:
         self.cost = np.ascontiguousarray(cost, dtype=np.int64)
@@ -164,15 +172,16 @@ class PieceBuffer:
         self.state = np.zeros(STATE_FIELDS, dtype=np.int64)
         self.counts = np.zeros(len(COUNTS), dtype=np.int64)
         self.lib = compiled_library()
-        self._fixed = (address(self.cost), address(self.settings), address(self.state),
-                       address(self.counts))
-        self._help = ctypes.c_int64()
-        self._help_ref = ctypes.byref(self._help)
+        self.frame = np.zeros(PLAN_FRAME, dtype=np.int64)
+        self._at = address(self.frame)
+        self.frame[[F_COST, F_STATE, F_COUNTS, F_SETTINGS, F_COSTS]] = (
+            address(self.cost), address(self.state), address(self.counts),
+            address(self.settings), self.seq_len + 1)
         self.out = np.zeros((PLAN_FIELDS, 0), dtype=np.int64)
         self.row_starts = np.zeros(1, dtype=np.int64)
-        self._plan = (address(self.out), 0, address(self.row_starts))
         self.set_window(np.zeros((3, 0), dtype=np.int64))
         self.empty(capacity)
+        self._set_plan(self.out, self.row_starts)
 
     def empty(self, capacity: int) -> None:
         """No pending piece, ``capacity`` slots; the next arrival is kept."""
@@ -198,14 +207,16 @@ class PieceBuffer:
         self._located()
 
     def _located(self) -> None:
-        self._buffer = (address(self.slots), self.slots.shape[1], address(self.queues),
-                        self.seq_len + 1, address(self.bits), address(self.free),
-                        self._fixed[2])
+        """The frame's entries for the buffer's arrays, after they were replaced."""
+        self.frame[[F_SLOTS, F_CAP, F_QUEUES, F_BITS, F_FREE]] = (
+            address(self.slots), self.slots.shape[1], address(self.queues), address(self.bits),
+            address(self.free))
+        self._rows_held = self._room()
 
     def set_window(self, window: np.ndarray) -> None:
         """The next window of the epoch order (``[3, width]``); the cursor is 0."""
         self.window = np.ascontiguousarray(window, dtype=np.int64)
-        self._window = (address(self.window), self.window.shape[1])
+        self.frame[[F_WINDOW, F_WIDTH]] = address(self.window), self.window.shape[1]
         self.state[CURSOR] = 0
 
     def push(self, example: int, offset: int, length: int, piece: int) -> None:
@@ -214,14 +225,12 @@ class PieceBuffer:
             raise ValueError(f"a piece of {length} tokens does not fit rows of {self.seq_len}")
         if self.state[FREE] < 1:
             self.grow()
-        self.lib.push_piece(*self._buffer, int(self.cost[length]), example, offset, length,
-                            piece)
+        self.lib.push_framed(self._at, int(self.cost[length]), example, offset, length, piece)
 
     def admit(self) -> bool:
         """Admit from the window at the cursor (``admit_run`` in ``kernels.c``); whether
         the buffer is full."""
-        cost, settings, _, counts = self._fixed
-        return bool(self.lib.admit_run(*self._buffer, cost, *self._window, counts, settings))
+        return bool(self.lib.admit_framed(self._at))
 
     def plan(self, row: int, rows: int, refill_first: bool) -> tuple[int, bool]:
         """Up to ``rows`` more rows into the plan (``plan_rows``; ``planned`` copies
@@ -230,15 +239,13 @@ class PieceBuffer:
         the buffer's own, grown before the call to hold any ``rows`` rows."""
         if row == 0:
             self.row_starts[0] = 0
-        self._reserve(row, rows)
-        cost, settings, _, counts = self._fixed
-        out, out_cap, starts = self._plan
-        made = self.lib.plan_rows(*self._buffer, cost, *self._window, out, out_cap,
-                                  starts + 8 * row, counts, settings, rows, refill_first,
-                                  self._help_ref)
-        if self._help.value < 0:
+        if row or rows > self._rows_held:
+            self._reserve(row, rows)
+        made = self.lib.plan_framed(self._at, row, rows, refill_first)
+        help_ = self.frame[F_HELP]
+        if help_ < 0:
             raise RuntimeError("the plan outgrew its arrays; this is a bug in rows.packing")
-        return made, bool(self._help.value)
+        return made, bool(help_)
 
     def planned(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the plan's first ``rows`` rows: ``(pieces [PLAN_FIELDS, P],
@@ -250,17 +257,29 @@ class PieceBuffer:
         """Room in the plan for ``rows`` more rows after ``row``: a row holds at most
         every pending piece, and at most ``seq_len`` when each costs at least 1."""
         placed = int(self.row_starts[row])
-        per_row = self.slots.shape[1]
-        if self._unit_cost:
-            per_row = min(per_row, self.seq_len)
-        most = placed + rows * per_row
+        most = placed + rows * self._per_row()
         if most > self.out.shape[1] or row + rows >= len(self.row_starts):
             out = np.zeros((PLAN_FIELDS, max(most, self.out.shape[1])), dtype=np.int64)
             out[:, :placed] = self.out[:, :placed]
             starts = np.zeros(max(row + rows + 1, len(self.row_starts)), dtype=np.int64)
             starts[: row + 1] = self.row_starts[: row + 1]
-            self.out, self.row_starts = out, starts
-            self._plan = (address(out), out.shape[1], address(starts))
+            self._set_plan(out, starts)
+
+    def _per_row(self) -> int:
+        """The most pieces one row can take from the buffer as it is now."""
+        slots = self.slots.shape[1]
+        return min(slots, self.seq_len) if self._unit_cost else slots
+
+    def _set_plan(self, out: np.ndarray, row_starts: np.ndarray) -> None:
+        """The plan's new arrays, and the frame's entries for them."""
+        self.out, self.row_starts = out, row_starts
+        self.frame[[F_OUT, F_OUT_CAP, F_STARTS]] = address(out), out.shape[1], address(row_starts)
+        self._rows_held = self._room()
+
+    def _room(self) -> int:
+        """How many rows a new plan has room for without ``_reserve`` (kept as
+        ``_rows_held`` whenever the slots or the plan's arrays are replaced)."""
+        return min(self.out.shape[1] // max(self._per_row(), 1), len(self.row_starts) - 1)
 
 
 def pending_columns(slots: np.ndarray) -> list[list[int]]:
@@ -271,34 +290,49 @@ def pending_columns(slots: np.ndarray) -> list[list[int]]:
     return slots[[ARRIVAL, EXAMPLE, OFFSET, LENGTH, PIECE]][:, held].tolist()
 
 
-def fill_causal(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int, pad_id: int,
-                keep: bool, reset: bool) -> tuple[tuple, int]:
-    """The causal arrays of ``plan`` over the shards of ``maps``
-    (``rows.prepared.ShardMaps``): ``((input_ids, labels, position_ids,
-    segment_ids), bad)``, new host tensors ``[rows, seq_len]`` (int64, int32 for the
-    segment ids) and ``bad`` -1, or the first piece outside its document or shard
-    (the tensors are then not to be used)."""
-    rows = len(row_starts) - 1
-    if plan.shape[0] != PLAN_FIELDS or rows < 0:
-        raise ValueError("fill_causal needs a plan of PLAN_FIELDS rows and its row starts")
-    empty, int64, int32 = torch.empty, torch.int64, torch.int32
-    outputs = (empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=int64),
-               empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=int32))
-    bad = compiled_library().fill_causal(*fill_arguments(maps, plan, row_starts, seq_len,
-                                                         pad_id, keep, reset, outputs))
-    if bad == MALFORMED:
-        raise ValueError("fill_causal needs row starts from 0, rising within the plan")
-    return outputs, bad
+class CausalFill:
+    """The causal arrays of a plan over the shards of ``maps``
+    (``rows.prepared.ShardMaps``), then the R7 screen and the supervised count of
+    the batch written, in one call (``fill_screened`` of ``kernels.c``: the fill,
+    the screen and the count in turn), for one stream's settings. ``screen``: ``(vocab_size, ignore_boundary, next_token)`` as
+    ``screen`` takes them (``vocab_size`` -1: no upper bound), or ``None`` for no
+    screen. The settings are a read-only ``frame`` (``X_*``), so one ``CausalFill``
+    may serve several threads."""
 
+    def __init__(self, maps, seq_len: int, pad_id: int, keep: bool, reset: bool,
+                 screen: tuple[int, bool, bool] | None) -> None:
+        vocab, ignore_boundary, next_token = screen or (-1, False, False)
+        self.maps = maps  # keeps the addresses of the frame alive
+        self.frame = np.array([maps.table_address, maps.starts_address, maps.shards, maps.chat,
+                               maps.sample.itemsize, seq_len, pad_id, keep, reset,
+                               screen is not None, vocab, ignore_boundary, next_token],
+                              dtype=np.int64)
+        self.frame.flags.writeable = False
+        self.seq_len = seq_len
+        self._at = address(self.frame)
+        self._call = compiled_library().fill_screened
 
-def fill_arguments(maps, plan: np.ndarray, row_starts: np.ndarray, seq_len: int,
-                   pad_id: int, keep: bool, reset: bool, outputs) -> tuple:
-    """The C ``fill_causal``'s arguments for ``plan`` into ``outputs`` (the four
-    tensors ``fill_causal`` makes, of ``len(row_starts) - 1`` rows of ``seq_len``)."""
-    return (maps.table_address, maps.starts_address, maps.shards, maps.chat,
-            maps.sample.itemsize, address(plan), plan.shape[1], address(row_starts),
-            len(row_starts) - 1, seq_len, pad_id, keep, reset,
-            *(t.data_ptr() for t in outputs))
+    def __call__(self, plan: np.ndarray, row_starts: np.ndarray) -> tuple[tuple, int, bool, int]:
+        """``(tensors, bad, clean, count)`` of ``plan`` (``[PLAN_FIELDS, P]``, int64)
+        and ``row_starts``: the new host tensors ``[rows, seq_len]`` ``input_ids``,
+        ``labels``, ``position_ids`` (int64) and ``segment_ids`` (int32); ``bad`` -1 or the first piece outside its document or shard
+        (then nothing else was computed: ``clean`` False, ``count`` 0); ``clean``
+        whether the screen found nothing (False without a screen); ``count`` the
+        labels that are not ``IGNORE``. ``ValueError`` for arrays of another shape or
+        row starts that do not begin at 0 and rise within the plan."""
+        rows, seq_len = len(row_starts) - 1, self.seq_len
+        if rows < 0 or plan.ndim != 2 or plan.shape[0] != PLAN_FIELDS:
+            raise ValueError("the causal fill needs a [PLAN_FIELDS, P] plan and its row starts")
+        empty, int64 = torch.empty, torch.int64
+        outputs = (empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=int64),
+                   empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=torch.int32))
+        answer = self._call(self._at, address(plan), plan.shape[1], address(row_starts), rows,
+                            *(t.data_ptr() for t in outputs))
+        if answer >= 0:
+            return outputs, -1, bool(answer & 1), answer >> 1
+        if answer == MALFORMED:
+            raise ValueError("the causal fill needs row starts from 0, rising within the plan")
+        return outputs, -3 - answer, False, 0
 
 
 def plan_segments(pieces: np.ndarray, row_starts: np.ndarray, kind: type) -> tuple:

@@ -280,16 +280,25 @@ class ExampleTable:
 class RowPlan(Sequence[list[Piece]]):
     """Rows of placed pieces as arrays, as the planner produces them: ``pieces``
     ``[PLAN_FIELDS, P]`` (``rows.kernels``: example, offset, length, piece, first
-    column), ``epochs [P]`` and ``row_starts [R + 1]`` (row ``r`` holds pieces
-    ``row_starts[r]:row_starts[r + 1]``). As a sequence it is the rows of ``Piece``
+    column), ``epochs [P]`` (given as one ``int`` when one epoch admitted every
+    piece, and then built on first use) and ``row_starts [R + 1]`` (row ``r`` holds
+    pieces ``row_starts[r]:row_starts[r + 1]``). As a sequence it is the rows of ``Piece``
     that every compiler reads (built once, on first use); a compiler that reads
     arrays (``rows.causal`` over prepared shards) reads them directly."""
 
-    def __init__(self, pieces: np.ndarray, epochs: np.ndarray, row_starts: np.ndarray) -> None:
+    def __init__(self, pieces: np.ndarray, epochs: np.ndarray | int,
+                 row_starts: np.ndarray) -> None:
         self.pieces = pieces
-        self.epochs = epochs
+        self._epochs = epochs
         self.row_starts = row_starts
         self._rows: list[list[Piece]] | None = None
+
+    @property
+    def epochs(self) -> np.ndarray:
+        """The epoch that admitted each piece, ``[P]`` int64."""
+        if not isinstance(self._epochs, np.ndarray):
+            self._epochs = np.full(self.pieces.shape[1], self._epochs, dtype=np.int64)
+        return self._epochs
 
     def rows(self) -> list[list[Piece]]:
         """The rows as lists of ``Piece``."""
@@ -560,9 +569,7 @@ class PackPlanner(PlannerSettings):
         if needs_help:
             return self._plan_with_help(rows, k)
         pieces, row_starts = self._buf.planned(rows)
-        epochs = np.empty(pieces.shape[1], dtype=np.int64)
-        epochs.fill(self.epoch)
-        return RowPlan(pieces, epochs, row_starts)
+        return RowPlan(pieces, self.epoch, row_starts)  # one epoch admitted every piece
 
     def _plan_with_help(self, made: int, k: int) -> RowPlan:
         """``next_plan`` once the kernel has handed back after ``made`` rows: refill in

@@ -170,10 +170,17 @@ class PreparedDocuments(Sequence[Example]):
         if len(split.shards) == 1:
             return np.zeros(len(docs), dtype=np.int64), split.shards[0].index[docs]
         shard = np.searchsorted(self._starts, docs, side="right") - 1
+        if not len(docs):
+            return shard, np.zeros((0, 3), dtype=np.int64)
+        low, high = int(shard.min()), int(shard.max())  # a window spans few shards
+        if low == high:
+            return shard, np.asarray(split.shards[low].index[docs - self._starts[low]],
+                                     dtype=np.int64)
         rows = np.empty((len(docs), 3), dtype=np.int64)
-        for k in np.unique(shard).tolist():
+        for k in range(low, high + 1):
             mine = shard == k
-            rows[mine] = split.shards[k].index[docs[mine] - self._starts[k]]
+            if mine.any():
+                rows[mine] = split.shards[k].index[docs[mine] - self._starts[k]]
         return shard, rows
 
     def columns(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -208,9 +215,10 @@ class PreparedDocuments(Sequence[Example]):
 
 
 class ShardMaps:
-    """A split's shards as ``rows.kernels.fill_causal`` reads them: ``table [S,
-    MAP_FIELDS]``, each shard's token map, index map ``[documents, 3]`` (int64) and
-    packed ownership bits (``chat``) as addresses and element counts; ``sample``,
+    """A split's shards as the causal kernel (``rows.kernels.CausalFill``) reads
+    them: ``table [S, MAP_FIELDS]``, each shard's token map, index map ``[documents,
+    3]`` (int64) and packed ownership bits (``chat``) as addresses and element
+    counts; ``sample``,
     an empty array of the token dtype; ``starts``, the first global document id of
     each shard and the count. It keeps the arrays (read-only views of the maps)
     alive for as long as the addresses are used. ``table`` is ``None`` when the
@@ -236,6 +244,17 @@ class ShardMaps:
             self.table = None  # the kernel reads uint16 or uint32 tokens
         self.table_address = None if self.table is None else kernels.address(self.table)
         self.starts_address = kernels.address(self.starts)
+        self._fills: dict[tuple, kernels.CausalFill] = {}
+
+    def causal_fill(self, seq_len: int, pad_id: int, keep: bool, reset: bool,
+                    screen: tuple[int, bool, bool] | None) -> kernels.CausalFill:
+        """The causal kernel over these maps for one stream's settings (``CausalFill``'s
+        arguments), made once per settings."""
+        key = (seq_len, pad_id, keep, reset, screen)
+        fill = self._fills.get(key)
+        if fill is None:
+            fill = self._fills[key] = kernels.CausalFill(self, *key)
+        return fill
 
 
 def read_only(array: np.ndarray) -> np.ndarray:

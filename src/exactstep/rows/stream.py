@@ -104,10 +104,11 @@ class RowStream(BatchSource):
         rows = self.planner.next_plan(self.cfg.rows)
         if not rows:
             return None
-        batch = compile_rows(rows, self.examples, self.cfg, self.pad_id, self.vocab_size,
-                             weighted=self.weighted, compiler=self.compiler)
+        batch, targets = compile_counted(rows, self.examples, self.cfg, self.pad_id,
+                                         self.vocab_size, weighted=self.weighted,
+                                         compiler=self.compiler)
         self.batches += 1
-        self.supervised_rows += batch.num_targets()
+        self.supervised_rows += targets
         if self.cfg.boundary == "keep":
             self.boundary_targets += sum(max(len(segs) - 1, 0) for segs in batch.segments)
         return batch
@@ -204,6 +205,27 @@ def compile_rows(
     if cfg.check_invariants:
         compiler.check(batch, vocab_size, cfg)
     return batch
+
+
+def compile_counted(
+    rows: list,
+    examples: Sequence[Example],
+    cfg: BatchConfig,
+    pad_id: int,
+    vocab_size: int | None,
+    *,
+    weighted: bool,
+    compiler: RowCompiler,
+) -> tuple[Batch, int]:
+    """``compile_rows`` and the batch's ``num_targets()``: in one step where the
+    compiler has one (``compile_counted``, ``rows.compiler``)."""
+    together = getattr(compiler, "compile_counted", None)
+    if together is not None:
+        return together(rows, examples, cfg, pad_id=pad_id, weighted=weighted,
+                        vocab_size=vocab_size)
+    batch = compile_rows(rows, examples, cfg, pad_id, vocab_size, weighted=weighted,
+                         compiler=compiler)
+    return batch, batch.num_targets()
 
 
 def data_report(
