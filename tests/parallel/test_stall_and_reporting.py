@@ -191,6 +191,26 @@ def test_a_rank_stopped_after_its_peer_timed_out_is_named_stalled() -> None:
                            "rank 1 (SIGTERM)")
 
 
+def test_a_rank_stopped_in_the_second_its_peer_raised_is_not_the_cause() -> None:
+    """Rank 1 raised its own error (a damaged shard); the launcher stopped rank 0 with
+    SIGTERM within the same second (timestamps are whole seconds): the line is rank
+    1's error, not "rank 0 died"."""
+    failures = {0: failure(-15, SIGNALLED[15], timestamp=100),
+                1: reported(1, "DataError: shard train-00001.tokens is damaged", 100)}
+    rank, root = launch.root_cause(failures)
+    assert rank == 1
+    line = launch.failure_line(rank, root, failures, None, ARGV, 2)
+    assert line.startswith("error: ") and "train-00001.tokens" in line
+
+
+def test_a_rank_killed_from_outside_is_still_the_cause_over_its_peers() -> None:
+    """A SIGKILL from outside (no other rank raised its own error) stays the cause over
+    the peers it made fail, even when they recorded their failure first."""
+    failures = {0: peer_echo(0, "Connection closed by peer", timestamp=99),
+                1: failure(-9, SIGNALLED[9], timestamp=100)}
+    assert launch.root_cause(failures)[0] == 1
+
+
 def test_negative_control_a_peer_that_died_is_not_called_stalled() -> None:
     failures = {0: peer_echo(0, "Connection closed by peer"), 1: failure(-9, SIGNALLED[9])}
     rank, root = launch.root_cause(failures)

@@ -25,7 +25,7 @@ from planner_reference import LatestOnTies, ReferencePlanner
 
 from exactstep.data.prepared import PreparedSplit, Shard
 from exactstep.errors import BatchInvariantError, DataError
-from exactstep.rows.batch import Batch
+from exactstep.rows.batch import Batch, Segment
 from exactstep.rows.causal import compile_causal_batch, compile_plan
 from exactstep.rows.compiler import CAUSAL
 from exactstep.rows.config import BatchConfig
@@ -265,13 +265,15 @@ def test_the_screen_in_the_fill_is_the_screen() -> None:
     maps = docs.kernel_maps()
     for vocab in (300, int(tokens.max())):  # the second refuses the largest id
         fill = kernels.CausalFill(maps, 16, 0, False, True, (vocab, True, True))
-        (ids, labels, positions, segs), bad, clean, count = fill(plan.pieces, plan.row_starts)
-        batch = Batch(ids, labels, positions, segs, segments=((),) * 2)
+        (ids, labels, positions, segs), bad, clean, count, segments = fill(
+            plan.pieces, plan.row_starts, Segment)
+        batch = Batch(ids, labels, positions, segs, segments=segments)
         assert bad == -1 and clean == is_clean(batch, vocab, "ignore", next_token_targets=True)
         assert clean == (vocab == 300)
         assert count == int((labels != -100).sum())
+        assert segments == kernels.plan_segments(plan.pieces, plan.row_starts, Segment)
     unscreened = kernels.CausalFill(maps, 16, 0, False, True, None)
-    assert unscreened(plan.pieces, plan.row_starts)[2] is False
+    assert unscreened(plan.pieces, plan.row_starts, Segment)[2] is False
 
 
 def test_the_planner_frame_follows_a_grown_buffer() -> None:
@@ -352,19 +354,23 @@ def test_the_fill_refuses_row_starts_outside_its_plan() -> None:
     maps = docs.kernel_maps()
     pieces = np.array([[0, 1], [0, 0], [20, 20], [0, 0], [0, 0]], dtype=np.int64)
     fill = kernels.CausalFill(maps, 24, 0, False, True, None)
-    (inputs, *_), bad, _, _ = fill(pieces, np.array([0, 1, 2]))
+    (inputs, *_), bad, _, _, _ = fill(pieces, np.array([0, 1, 2]), Segment)
     assert bad == -1 and inputs[1, :20].tolist() == list(range(20, 40))
     for starts in ([1, 2], [0, 3], [0, 2, 1], []):
         with pytest.raises(ValueError, match="row starts"):
-            fill(pieces, np.array(starts, dtype=np.int64))
+            fill(pieces, np.array(starts, dtype=np.int64), Segment)
+    for bad_pieces in (pieces[:4].copy(), pieces.astype(np.int32), pieces[:, ::-1]):
+        with pytest.raises(ValueError, match="row kernels need"):
+            fill(bad_pieces, np.array([0, 1, 2]), Segment)
+    with pytest.raises(TypeError, match="tuple subclass"):
+        fill(pieces, np.array([0, 1, 2]), list)
 
 
 def test_segments_are_built_only_from_a_well_formed_plan() -> None:
-    """``plan_segments`` (the one C-API function) reads the plan through the buffer
+    """``plan_segments`` (a C-API function) reads the plan through the buffer
     protocol and refuses, as ``ValueError``, what it cannot read safely; the
     segments it builds are ``Segment``s with the plan's fields in their order."""
     from exactstep.rows import kernels
-    from exactstep.rows.batch import Segment
 
     pieces = np.arange(15, dtype=np.int64).reshape(5, 3)  # example, offset, length, piece, col
     rows = kernels.plan_segments(pieces, np.array([0, 2, 2, 3]), Segment)
@@ -381,7 +387,7 @@ def test_segments_are_built_only_from_a_well_formed_plan() -> None:
         (pieces, np.array([-1, 1])),  # before the plan
         (pieces, np.zeros(0, dtype=np.int64)),  # no row starts at all
     ]:
-        with pytest.raises(ValueError, match="plan_segments needs"):
+        with pytest.raises(ValueError, match="row kernels need"):
             kernels.plan_segments(bad_pieces, bad_starts, Segment)
     with pytest.raises(TypeError, match="tuple subclass"):
         kernels.plan_segments(pieces, np.array([0, 3]), list)

@@ -16,12 +16,12 @@ Figures:
   ``[rows, seq_len]`` (nanoGPT's reader), from one memory map read on where it
   stopped, timed interleaved with the candidate;
 - ``throughput_ratio``: the two rates' ratio (candidate / baseline);
-- ``plan_us`` / ``fill_us`` / ``segments_us`` / ``batch_us``: microseconds per
-  batch of each part of ``RowStream.next_batch`` on the larger corpus (the
-  planner's ``next_plan``; the causal kernel's one call, ``kernels.CausalFill``,
-  that fills the four tensors it allocates, screens them (R7) and counts the
-  targets; the rows' ``Segment``s; the ``Batch``), the median over blocks of 100
-  batches, and ``parts_us`` their sum;
+- ``plan_us`` / ``fill_us`` / ``batch_us``: microseconds per batch of each part of
+  ``RowStream.next_batch`` on the larger corpus (the planner's ``next_plan``; the
+  causal kernel's one call, ``kernels.CausalFill``, that fills the four tensors it
+  allocates, screens them (R7), counts the targets and builds the rows'
+  ``Segment``s; the ``Batch``), the median over blocks of 100 batches, and
+  ``parts_us`` their sum;
 - ``kernels_us``: the compiled work alone on the last block's plans: the C fill,
   screen and count (``fill_screened``) called with arguments made beforehand, into
   outputs allocated once (so they stay in cache): a floor under what any Python
@@ -210,8 +210,7 @@ def batch_parts(path: Path, blocks: int, per_block: int) -> dict:
     """Microseconds per batch of each part of ``RowStream.next_batch`` over ``path``
     (the median over ``blocks`` blocks of ``per_block`` batches), and of the compiled
     work alone on the same plans (``kernels_us``: see the module doc)."""
-    from exactstep.rows.batch import Batch
-    from exactstep.rows.causal import plan_segments
+    from exactstep.rows.batch import Batch, Segment
 
     stream = packing_stream(path)
     for _ in range(20):
@@ -219,7 +218,7 @@ def batch_parts(path: Path, blocks: int, per_block: int) -> dict:
     tok = ByteTokenizer()
     fill = stream.examples.kernel_maps().causal_fill(SEQ_LEN, tok.pad_id, False, True,
                                                      (tok.vocab_size, True, True))
-    names = ("plan", "fill", "segments", "batch")
+    names = ("plan", "fill", "batch")
     times = {name: [] for name in names}
     clock = time.perf_counter_ns
     plans = []
@@ -229,16 +228,14 @@ def batch_parts(path: Path, blocks: int, per_block: int) -> dict:
             t0 = clock()
             plan = stream.planner.next_plan(ROWS)
             t1 = clock()
-            tensors, bad, clean, _ = fill(plan.pieces, plan.row_starts)
+            tensors, bad, clean, _, segments = fill(plan.pieces, plan.row_starts, Segment)
             t2 = clock()
-            segments = plan_segments(plan)
-            t3 = clock()
             Batch(*tensors, segments=segments)
-            t4 = clock()
+            t3 = clock()
             if bad != -1 or not clean:
                 raise RuntimeError("a benchmark batch was not clean; the parts measured "
                                    "another path than the stream's")
-            for name, ns in zip(names, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            for name, ns in zip(names, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 spent[name] += ns
             plans.append(plan)
         for name in names:

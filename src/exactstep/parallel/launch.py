@@ -338,11 +338,21 @@ def failure_text(failure: Any) -> str:
 
 
 def root_cause(failures: Mapping[int, Any]) -> tuple[int, Any]:
-    """The failure that explains the others: a rank that did not fail *because* a
-    collective failed (it died, or raised its own error), earliest first; failing
-    that, the earliest peer failure. Ties go to the lower rank."""
-    def is_echo(failure: Any) -> bool:
-        return PEER_FAILURE_TEXT in failure_text(failure)
+    """The failure that explains the others: a rank that raised its own error or died
+    by a signal the launcher does not send, earliest first; failing that, a rank
+    ended by the launcher's stop signals without a report (stopped after another
+    failure, or killed from outside); failing that, the earliest peer failure (a
+    collective failed because of another rank). Ties go to the lower rank. Failure
+    timestamps are whole seconds, so a rank the launcher stopped in the second that
+    another rank raised its error is not taken for the cause."""
+    stops = {s.name for s in LAUNCHER_STOP_SIGNALS}
+
+    def echo_level(failure: Any) -> int:
+        if PEER_FAILURE_TEXT in failure_text(failure):
+            return 2
+        if killed_without_report(failure) and signal_name(-failure.exitcode) in stops:
+            return 1
+        return 0
 
     return min(failures.items(),
-               key=lambda item: (is_echo(item[1]), item[1].timestamp, item[0]))
+               key=lambda item: (echo_level(item[1]), item[1].timestamp, item[0]))

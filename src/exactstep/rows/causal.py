@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from exactstep.errors import DataError
-from exactstep.rows import kernels
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.example import Example
 from exactstep.rows.packing import Piece, RowPlan
@@ -172,8 +171,8 @@ def fill_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: str,
     """``compile_causal_screened`` of ``plan`` over ``maps`` (the kernel's call);
     ``IndexError`` as ``compile_plan`` raises."""
     fill = maps.causal_fill(seq_len, pad_id, boundary == "keep", positions == "reset", screen)
-    (input_ids, labels, position_ids, segment_ids), bad, clean, count = fill(
-        plan.pieces, plan.row_starts)
+    (input_ids, labels, position_ids, segment_ids), bad, clean, count, segments = fill(
+        plan.pieces, plan.row_starts, Segment)  # the segments as plan_segments builds them
     if bad >= 0:
         raise IndexError(f"piece {plan.pieces[:4, bad].tolist()} (example, offset, length, "
                          "piece) lies outside its document")
@@ -182,15 +181,9 @@ def fill_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: str,
         labels=labels,
         position_ids=position_ids,
         segment_ids=segment_ids,
-        segments=plan_segments(plan),
+        segments=segments,
     )
     return batch, clean, count
-
-
-def plan_segments(plan: RowPlan) -> tuple[tuple[Segment, ...], ...]:
-    """Each row's ``Segment`` addresses (R6) of ``plan``, whose pieces are placed in
-    column order with their first column (``kernels.COLUMN``), built in C."""
-    return kernels.plan_segments(plan.pieces, plan.row_starts, Segment)
 
 
 class Layout:

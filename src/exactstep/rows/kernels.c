@@ -1,9 +1,10 @@
 /* The compiled kernels of exactstep.rows.kernels (whose doc gives the layouts and
  * the Python signatures; the callers, rows.packing, rows.causal and
  * rows.invariants, own the semantics). Plain C over int64 arrays passed by
- * address through ctypes, which releases the GIL for the call; the one exception,
- * plan_segments at the end, builds Python objects and so is a function of the
- * module, called through the Python C API with the GIL held.
+ * address through ctypes, which releases the GIL for the call; the exceptions,
+ * plan_segments and causal_batch at the end, build Python objects and so are
+ * functions of the module, called through the Python C API (causal_batch
+ * releases the GIL while it fills).
  *
  * Every array is C-contiguous; a 2-D array [F, C] is addressed a[f * C + i]. The
  * layout constants below are checked against rows.kernels at load (layout()). */
@@ -440,16 +441,24 @@ i64 fill_screened(const i64 *f, const i64 *plan, i64 pieces, const i64 *row_star
     return (count << 1) | clean;
 }
 
-/* The one function called through the Python C API, because it builds objects:
- * plan_segments(pieces, row_starts, kind), each row's segment addresses of a
- * plan (rows.causal.plan_segments): a tuple of rows, each a tuple of `kind`
+/* The functions called through the Python C API, because they build objects:
+ *
+ * plan_segments(pieces, row_starts, kind): each row's segment addresses of a plan
+ * (rows.causal.plan_segments): a tuple of rows, each a tuple of `kind`
  * (rows.batch.Segment, a tuple subclass of five fields) of (example, piece,
  * offset, column, length). `pieces` is a C-contiguous int64 [PLAN_FIELDS, P]
  * buffer and `row_starts` an int64 [R + 1] one, non-decreasing within [0, P]; a
- * buffer of another kind is a ValueError. It holds the GIL (it makes objects). */
+ * buffer of another kind is a ValueError.
+ *
+ * causal_batch(frame, pieces, row_starts, input_ids, labels, position_ids,
+ * segment_ids, kind): fill_screened of the plan (rows.kernels.CausalFill, whose
+ * frame is the int64 [FILL_FRAME] buffer) into the outputs at those addresses
+ * (ints: the caller's tensors of R * seq_len slots), with the GIL released, then
+ * the plan's segments as plan_segments builds them: (answer, segments), segments
+ * None unless the fill succeeded (answer >= 0). */
 static int int64_buffer(PyObject *obj, Py_buffer *view, int ndim) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_SetString(PyExc_ValueError, "plan_segments needs C-contiguous int64 arrays");
+        PyErr_SetString(PyExc_ValueError, "the row kernels need C-contiguous int64 arrays");
         return -1;
     }
     const char *f = view->format;
@@ -457,10 +466,35 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, int ndim) {
         || !(strcmp(f, "l") == 0 || strcmp(f, "q") == 0 || strcmp(f, "<l") == 0
              || strcmp(f, "<q") == 0 || strcmp(f, "=l") == 0 || strcmp(f, "=q") == 0)) {
         PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "plan_segments needs C-contiguous int64 arrays");
+        PyErr_SetString(PyExc_ValueError, "the row kernels need C-contiguous int64 arrays");
         return -1;
     }
     return 0;
+}
+
+static int segment_kind(PyObject *kind) {
+    if (PyType_Check(kind) && PyType_IsSubtype((PyTypeObject *)kind, &PyTuple_Type)) return 0;
+    PyErr_SetString(PyExc_TypeError, "the segments' kind must be a tuple subclass");
+    return -1;
+}
+
+/* pieces [PLAN_FIELDS, P] and row_starts [R + 1] as buffers (released by the
+ * caller on success), refused as ValueError unless the row starts are
+ * non-decreasing within [0, P]. */
+static int plan_buffers(PyObject *pieces, PyObject *row_starts, Py_buffer *pv, Py_buffer *sv) {
+    if (int64_buffer(pieces, pv, 2) < 0) return -1;
+    if (int64_buffer(row_starts, sv, 1) < 0) { PyBuffer_Release(pv); return -1; }
+    const i64 *starts = sv->buf;
+    i64 rows = sv->shape[0] - 1, count = pv->shape[1];
+    int valid = pv->shape[0] == PLAN_FIELDS && rows >= 0 && (rows == 0 || starts[0] >= 0);
+    for (i64 r = 0; valid && r < rows; r++)
+        valid = starts[r] <= starts[r + 1] && starts[r + 1] <= count;
+    if (valid) return 0;
+    PyBuffer_Release(pv);
+    PyBuffer_Release(sv);
+    PyErr_SetString(PyExc_ValueError, "the row kernels need a [PLAN_FIELDS, P] plan and row "
+                    "starts non-decreasing within [0, P]");
+    return -1;
 }
 
 static PyObject *segment_of(PyTypeObject *kind, const i64 *plan, i64 pieces, i64 q) {
@@ -475,30 +509,11 @@ static PyObject *segment_of(PyTypeObject *kind, const i64 *plan, i64 pieces, i64
     return segment;
 }
 
-static PyObject *plan_segments(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 3 || !PyType_Check(args[2])
-        || !PyType_IsSubtype((PyTypeObject *)args[2], &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "plan_segments(pieces, row_starts, kind): kind "
-                        "must be a tuple subclass");
-        return NULL;
-    }
-    PyTypeObject *kind = (PyTypeObject *)args[2];
-    Py_buffer pv, sv;
-    if (int64_buffer(args[0], &pv, 2) < 0) return NULL;
-    if (int64_buffer(args[1], &sv, 1) < 0) { PyBuffer_Release(&pv); return NULL; }
-    const i64 *plan = pv.buf, *starts = sv.buf;
-    i64 pieces = pv.shape[1], rows = sv.shape[0] - 1;
-    PyObject *out = NULL;
-    int valid = pv.shape[0] == PLAN_FIELDS && rows >= 0 && (rows == 0 || starts[0] >= 0);
-    for (i64 r = 0; valid && r < rows; r++)
-        valid = starts[r] <= starts[r + 1] && starts[r + 1] <= pieces;
-    if (!valid) {
-        PyErr_SetString(PyExc_ValueError, "plan_segments needs a [PLAN_FIELDS, P] plan and "
-                        "row starts non-decreasing within [0, P]");
-        goto done;
-    }
-    out = PyTuple_New(rows);
+/* The rows' tuples of segments of a plan whose buffers plan_buffers accepted. */
+static PyObject *segments_of(PyTypeObject *kind, const Py_buffer *pv, const Py_buffer *sv) {
+    const i64 *plan = pv->buf, *starts = sv->buf;
+    i64 pieces = pv->shape[1], rows = sv->shape[0] - 1;
+    PyObject *out = PyTuple_New(rows);
     for (i64 r = 0; out != NULL && r < rows; r++) {
         PyObject *row = PyTuple_New(starts[r + 1] - starts[r]);
         if (row == NULL) { Py_CLEAR(out); break; }
@@ -509,15 +524,71 @@ static PyObject *plan_segments(PyObject *self, PyObject *const *args, Py_ssize_t
             PyTuple_SET_ITEM(row, q - starts[r], segment);
         }
     }
-done:
+    return out;
+}
+
+static PyObject *plan_segments(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "plan_segments(pieces, row_starts, kind)");
+        return NULL;
+    }
+    Py_buffer pv, sv;
+    if (segment_kind(args[2]) < 0 || plan_buffers(args[0], args[1], &pv, &sv) < 0) return NULL;
+    PyObject *out = segments_of((PyTypeObject *)args[2], &pv, &sv);
     PyBuffer_Release(&pv);
     PyBuffer_Release(&sv);
     return out;
 }
 
+static PyObject *causal_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "causal_batch(frame, pieces, row_starts, input_ids, "
+                        "labels, position_ids, segment_ids, kind)");
+        return NULL;
+    }
+    void *out[4];
+    int missing = 0; /* an output without memory: only for a batch of no slots */
+    for (int k = 0; k < 4; k++) {
+        out[k] = PyLong_AsVoidPtr(args[3 + k]);
+        if (out[k] == NULL && PyErr_Occurred()) return NULL;
+        missing |= out[k] == NULL;
+    }
+    Py_buffer fv, pv, sv;
+    if (segment_kind(args[7]) < 0 || int64_buffer(args[0], &fv, 1) < 0) return NULL;
+    if (fv.shape[0] != FILL_FRAME) {
+        PyBuffer_Release(&fv);
+        PyErr_SetString(PyExc_ValueError, "causal_batch needs a frame of FILL_FRAME settings");
+        return NULL;
+    }
+    if (plan_buffers(args[1], args[2], &pv, &sv) < 0) { PyBuffer_Release(&fv); return NULL; }
+    if (missing && sv.shape[0] > 1 && ((const i64 *)fv.buf)[X_SEQ_LEN] > 0) {
+        PyBuffer_Release(&fv);
+        PyBuffer_Release(&pv);
+        PyBuffer_Release(&sv);
+        PyErr_SetString(PyExc_ValueError, "causal_batch needs the outputs' addresses");
+        return NULL;
+    }
+    i64 answer;
+    Py_BEGIN_ALLOW_THREADS
+    answer = fill_screened(fv.buf, pv.buf, pv.shape[1], sv.buf, sv.shape[0] - 1, out[0],
+                           out[1], out[2], out[3]);
+    Py_END_ALLOW_THREADS
+    PyObject *segments = answer >= 0 ? segments_of((PyTypeObject *)args[7], &pv, &sv)
+                                     : Py_NewRef(Py_None);
+    PyBuffer_Release(&fv);
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&sv);
+    if (segments == NULL) return NULL;
+    return Py_BuildValue("(LN)", (long long)answer, segments);
+}
+
 static PyMethodDef methods[] = {
     {"plan_segments", (PyCFunction)(void (*)(void))plan_segments, METH_FASTCALL,
      "Each row's segment addresses of a plan (see kernels.c)."},
+    {"causal_batch", (PyCFunction)(void (*)(void))causal_batch, METH_FASTCALL,
+     "A plan's causal batch filled, screened and counted, and its segments (see kernels.c)."},
     {NULL, NULL, 0, NULL},
 };
 

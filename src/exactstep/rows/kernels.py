@@ -292,12 +292,14 @@ def pending_columns(slots: np.ndarray) -> list[list[int]]:
 
 class CausalFill:
     """The causal arrays of a plan over the shards of ``maps``
-    (``rows.prepared.ShardMaps``), then the R7 screen and the supervised count of
-    the batch written, in one call (``fill_screened`` of ``kernels.c``: the fill,
-    the screen and the count in turn), for one stream's settings. ``screen``: ``(vocab_size, ignore_boundary, next_token)`` as
-    ``screen`` takes them (``vocab_size`` -1: no upper bound), or ``None`` for no
-    screen. The settings are a read-only ``frame`` (``X_*``), so one ``CausalFill``
-    may serve several threads."""
+    (``rows.prepared.ShardMaps``), the R7 screen and the supervised count of the
+    batch written, and the plan's segments, in one call (``causal_batch`` of
+    ``kernels.c``: the fill, the screen and the count in turn, a row at a time,
+    with the GIL released; then ``plan_segments``), for one stream's settings.
+    ``screen``: ``(vocab_size, ignore_boundary, next_token)`` as ``screen`` takes
+    them (``vocab_size`` -1: no upper bound), or ``None`` for no screen. The
+    settings are a read-only ``frame`` (``X_*``), so one ``CausalFill`` may serve
+    several threads."""
 
     def __init__(self, maps, seq_len: int, pad_id: int, keep: bool, reset: bool,
                  screen: tuple[int, bool, bool] | None) -> None:
@@ -309,30 +311,33 @@ class CausalFill:
                               dtype=np.int64)
         self.frame.flags.writeable = False
         self.seq_len = seq_len
-        self._at = address(self.frame)
-        self._call = compiled_library().fill_screened
+        self._call = compiled_module().causal_batch
 
-    def __call__(self, plan: np.ndarray, row_starts: np.ndarray) -> tuple[tuple, int, bool, int]:
-        """``(tensors, bad, clean, count)`` of ``plan`` (``[PLAN_FIELDS, P]``, int64)
-        and ``row_starts``: the new host tensors ``[rows, seq_len]`` ``input_ids``,
-        ``labels``, ``position_ids`` (int64) and ``segment_ids`` (int32); ``bad`` -1 or the first piece outside its document or shard
-        (then nothing else was computed: ``clean`` False, ``count`` 0); ``clean``
-        whether the screen found nothing (False without a screen); ``count`` the
-        labels that are not ``IGNORE``. ``ValueError`` for arrays of another shape or
-        row starts that do not begin at 0 and rise within the plan."""
-        rows, seq_len = len(row_starts) - 1, self.seq_len
-        if rows < 0 or plan.ndim != 2 or plan.shape[0] != PLAN_FIELDS:
-            raise ValueError("the causal fill needs a [PLAN_FIELDS, P] plan and its row starts")
-        empty, int64 = torch.empty, torch.int64
+    def __call__(self, plan: np.ndarray, row_starts: np.ndarray,
+                 kind: type) -> tuple[tuple, int, bool, int, tuple | None]:
+        """``(tensors, bad, clean, count, segments)`` of ``plan`` (``[PLAN_FIELDS,
+        P]``, int64) and ``row_starts``: the new host tensors ``[rows, seq_len]``
+        ``input_ids``, ``labels``, ``position_ids`` (int64) and ``segment_ids``
+        (int32); ``bad`` -1, or the first piece outside its document or shard (then
+        nothing else was computed: ``clean`` False, ``count`` 0, ``segments``
+        ``None``); ``clean`` whether the screen found nothing (False without a
+        screen); ``count`` the labels that are not ``IGNORE``; ``segments`` each
+        row's tuple of ``kind`` (``plan_segments``). ``ValueError`` for arrays of
+        another kind or shape, or row starts that do not begin at 0 and rise within
+        the plan."""
+        rows = len(row_starts) - 1
+        if rows < 0:
+            raise ValueError("the causal fill needs row starts from 0, rising within the plan")
+        empty, int64, seq_len = torch.empty, torch.int64, self.seq_len
         outputs = (empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=int64),
                    empty(rows, seq_len, dtype=int64), empty(rows, seq_len, dtype=torch.int32))
-        answer = self._call(self._at, address(plan), plan.shape[1], address(row_starts), rows,
-                            *(t.data_ptr() for t in outputs))
+        answer, segments = self._call(self.frame, plan, row_starts,
+                                      *[t.data_ptr() for t in outputs], kind)
         if answer >= 0:
-            return outputs, -1, bool(answer & 1), answer >> 1
+            return outputs, -1, bool(answer & 1), answer >> 1, segments
         if answer == MALFORMED:
             raise ValueError("the causal fill needs row starts from 0, rising within the plan")
-        return outputs, -3 - answer, False, 0
+        return outputs, -3 - answer, False, 0, None
 
 
 def plan_segments(pieces: np.ndarray, row_starts: np.ndarray, kind: type) -> tuple:
