@@ -287,16 +287,13 @@ SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat, 
             int32_t *restrict segment = segment_ids + s;                                 \
             int32_t number = (int32_t)(q - first + 1);                                   \
             i64 origin = reset ? 0 : column;                                             \
-            for (i64 t = 0; t < last; t++) { /* one pass: each label is the next input */ \
-                in[t] = tokens[t];                                                       \
-                label[t] = tokens[t + 1];                                                \
-                position[t] = origin + t;                                                \
-                segment[t] = number;                                                     \
-            }                                                                            \
-            in[last] = tokens[last];                                                     \
+            /* one output at a time (four store streams at once run at two thirds of    \
+             * the speed); the piece's tokens stay in L1 between the loops */             \
+            for (i64 t = 0; t < length; t++) in[t] = tokens[t];                         \
+            for (i64 t = 0; t < last; t++) label[t] = tokens[t + 1]; /* the next input */ \
             label[last] = IGNORE;                                                        \
-            position[last] = origin + last;                                              \
-            segment[last] = number;                                                      \
+            for (i64 t = 0; t < length; t++) position[t] = origin + t;                  \
+            for (i64 t = 0; t < length; t++) segment[t] = number;                       \
             if (chat) { /* a label only where its token is an owned target (R5) */      \
                 for (i64 t = 0; t < last; t++) {                                         \
                     i64 bit = a + t + 1;                                                 \
