@@ -249,6 +249,44 @@ i64 plan_framed(i64 *f, i64 row, i64 rows, i64 refill_first) {
                      AT(const i64 *, f[F_SETTINGS]), rows, refill_first, &f[F_HELP]);
 }
 
+/* Where piece (doc, offset, length) of a plan starts among its shard's tokens (and
+ * *shard, the shard's row of maps [S, MAP_FIELDS]), or -1 when the document is not
+ * in the maps (documents = starts[shards]), the piece is not inside its document
+ * or the document's index entry is not inside its shard. */
+static i64 piece_start(const i64 *maps, const i64 *starts, i64 shards, i64 doc, i64 offset,
+                       i64 length, const i64 **shard) {
+    if (doc < 0 || doc >= starts[shards] || length < 1 || offset < 0) return -1;
+    i64 k = 0, hi = shards; /* the shard holding doc: starts[k] <= doc < starts[k + 1] */
+    while (hi - k > 1) {
+        i64 mid = (k + hi) / 2;
+        if (starts[mid] <= doc) k = mid; else hi = mid;
+    }
+    *shard = maps + k * MAP_FIELDS;
+    const i64 *index = (const i64 *)(intptr_t)(*shard)[INDEX_AT];
+    i64 row = 3 * (doc - starts[k]);
+    if (row + 2 >= (*shard)[INDEX_SIZE] || offset + length > index[row + 1]) return -1;
+    i64 a = index[row] + offset;
+    return a < 0 || a + length > (*shard)[TOKENS_SIZE] ? -1 : a;
+}
+
+/* Ask the caches for the tokens of pieces [first, stop) of the plan (frame f's
+ * shards), so that their reads from the memory maps overlap the fill of the row
+ * before them. Only a hint: a piece piece_start refuses is skipped (the fill
+ * refuses it). */
+static void prefetch_pieces(const i64 *f, const i64 *plan, i64 pieces, i64 first, i64 stop) {
+    const i64 *maps = AT(const i64 *, f[X_TABLE]), *starts = AT(const i64 *, f[X_STARTS]);
+    i64 size = f[X_TOKEN_SIZE];
+    for (i64 q = first; q < stop; q++) {
+        const i64 *shard;
+        i64 length = plan[2 * pieces + q];
+        i64 a = piece_start(maps, starts, f[X_SHARDS], plan[q], plan[pieces + q], length,
+                            &shard);
+        if (a < 0) continue;
+        const char *at = (const char *)(intptr_t)shard[TOKENS_AT] + a * size;
+        for (i64 b = 0; b < length * size; b += 64) __builtin_prefetch(at + b, 0, 3);
+    }
+}
+
 /* The causal arrays (rows.causal's semantics) of the rows of plan [PLAN_FIELDS,
  * pieces] that row_starts [rows + 1] list, over shards maps [S, MAP_FIELDS] (tokens
  * of TOKEN, unsigned), written row-major into the [rows * seq_len] outputs. Returns
@@ -260,24 +298,16 @@ SWEEP static i64 NAME(const i64 *maps, const i64 *starts, i64 shards, int chat, 
                 i64 seq_len, i64 pad_id, int keep, int reset, i64 *restrict input_ids,   \
                 i64 *restrict labels, i64 *restrict position_ids,                       \
                 int32_t *restrict segment_ids) {                                        \
-    i64 documents = starts[shards];                                                      \
     for (i64 r = 0; r < rows; r++) {                                                     \
         i64 base = r * seq_len, first = row_starts[r], stop = row_starts[r + 1];         \
         i64 used = 0;                                                                    \
         for (i64 q = first; q < stop; q++) {                                             \
             i64 doc = plan[q], offset = plan[pieces + q], length = plan[2 * pieces + q];  \
             i64 column = plan[COLUMN * pieces + q];                                      \
-            if (doc < 0 || doc >= documents || length < 1 || column < 0                  \
-                || column + length > seq_len) return q;                                  \
-            i64 k = 0, hi = shards; /* the shard holding doc: starts[k] <= doc < starts[k+1] */ \
-            while (hi - k > 1) { i64 mid = (k + hi) / 2; if (starts[mid] <= doc) k = mid; else hi = mid; } \
-            const i64 *shard = maps + k * MAP_FIELDS;                                    \
-            const i64 *index = (const i64 *)(intptr_t)shard[INDEX_AT];                   \
-            i64 row = 3 * (doc - starts[k]);                                             \
-            if (row + 2 >= shard[INDEX_SIZE]) return q;                                  \
-            if (offset < 0 || offset + length > index[row + 1]) return q;                \
-            i64 a = index[row] + offset;                                                 \
-            if (a < 0 || a + length > shard[TOKENS_SIZE]) return q;                      \
+            if (column < 0 || column + length > seq_len) return q;                       \
+            const i64 *shard;                                                            \
+            i64 a = piece_start(maps, starts, shards, doc, offset, length, &shard);       \
+            if (a < 0) return q;                                                         \
             const TOKEN *restrict tokens = (const TOKEN *)(intptr_t)shard[TOKENS_AT] + a; \
             const uint8_t *owned = (const uint8_t *)(intptr_t)shard[OWNED_AT];           \
             if (chat && (a + length + 7) / 8 > shard[OWNED_SIZE]) return q;              \
@@ -425,8 +455,10 @@ i64 fill_screened(const i64 *f, const i64 *plan, i64 pieces, const i64 *row_star
     i64 seq_len = f[X_SEQ_LEN], count = 0;
     int clean = f[X_SCREEN] != 0;
     if (malformed(row_starts, rows, pieces)) return MALFORMED;
+    if (rows) prefetch_pieces(f, plan, pieces, row_starts[0], row_starts[1]);
     for (i64 r = 0; r < rows; r++) {
         i64 s = r * seq_len;
+        if (r + 1 < rows) prefetch_pieces(f, plan, pieces, row_starts[r + 1], row_starts[r + 2]);
         i64 bad = fill_rows(f, plan, pieces, row_starts + r, 1, input_ids + s, labels + s,
                             position_ids + s, segment_ids + s);
         if (bad >= 0) return -3 - bad;
