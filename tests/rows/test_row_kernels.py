@@ -222,7 +222,7 @@ def test_the_kernel_told_the_other_boundary_rule_disagrees() -> None:
 @PROPERTY
 @given(prepared_cases(), st.sampled_from([None, 300, 150]), st.booleans())
 def test_one_call_fills_screens_and_counts_as_the_three_steps_do(case, vocab, check) -> None:
-    """The causal compiler's ``compile_counted`` (fill, R7 screen and count in one
+    """The causal compiler's ``batch_maker`` (fill, R7 screen and count in one
     kernel call over prepared shards) against the steps it replaces -- the NumPy
     compiler, ``check_batch`` and a count of the labels in torch: the same batch,
     the same refusal (a vocabulary of 150 is smaller than the shards' ids, so the
@@ -231,6 +231,7 @@ def test_one_call_fills_screens_and_counts_as_the_three_steps_do(case, vocab, ch
     docs, planner, settings_, rows = case
     cfg = BatchConfig(seq_len=settings_["seq_len"], rows=rows, boundary=settings_["boundary"],
                       positions=settings_["positions"], check_invariants=check)
+    make = CAUSAL.batch_maker(docs, cfg, pad_id=301, weighted=False, vocab_size=vocab)
     for _ in range(3):
         plan = planner.next_plan(rows)
         expected = compile_causal_batch(plan.rows(), docs, **settings_)  # lists: NumPy
@@ -240,8 +241,7 @@ def test_one_call_fills_screens_and_counts_as_the_three_steps_do(case, vocab, ch
         except BatchInvariantError as exc:
             refusal = str(exc)
         try:
-            batch, count = CAUSAL.compile_counted(plan, docs, cfg, pad_id=301, weighted=False,
-                                                  vocab_size=vocab)
+            batch, count = make(plan)
         except BatchInvariantError as exc:
             assert check and str(exc) == refusal
             continue

@@ -289,17 +289,22 @@ def test_a_label_on_the_boundary_changes_the_digests(golden: dict, monkeypatch) 
     """Negative control: batches whose first row's last real label is not ignored."""
     from exactstep.rows import stream as stream_module
 
-    original = stream_module.compile_counted
+    original = stream_module.batch_maker
 
-    def leaky(*args, **kw):
-        batch, targets = original(*args, **kw)
-        labels = batch.labels.clone()
-        seg = batch.segments[0][0]
-        labels[0, seg.stop - 1] = 7
-        return Batch(batch.input_ids, labels, batch.position_ids, batch.segment_ids,
-                     batch.segments, weights=batch.weights), targets + 1
+    def leaky_maker(*args, **kw):
+        make = original(*args, **kw)
 
-    monkeypatch.setattr(stream_module, "compile_counted", leaky)
+        def leaky(rows):
+            batch, targets = make(rows)
+            labels = batch.labels.clone()
+            seg = batch.segments[0][0]
+            labels[0, seg.stop - 1] = 7
+            return Batch(batch.input_ids, labels, batch.position_ids, batch.segment_ids,
+                         batch.segments, weights=batch.weights), targets + 1
+
+        return leaky
+
+    monkeypatch.setattr(stream_module, "batch_maker", leaky_maker)
     got = stream_digests(CASES["memory-text-weighted"])
     assert got["batches"][0] != golden["streams"]["memory-text-weighted"]["batches"][0]
 

@@ -26,14 +26,14 @@ Two builders, one semantics: the planner's ``RowPlan`` over prepared shards (a
 table with ``kernel_maps``) is compiled by the causal kernel
 (``rows.kernels.CausalFill``) straight from the memory maps, one pass per slot,
 which can also screen (R7) and count the batch it wrote in the same call
-(``compile_causal_screened``); every other input (examples in memory, weighted
+(``causal_screened``); every other input (examples in memory, weighted
 batches, rows given as lists) by the NumPy concatenation below. Tests hold the two
 to the same golden digests and to each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ def compile_causal_batch(
     concatenation (or repeat) over ``B * T`` slots, and each label is the next
     slot's input, set to ``IGNORE_INDEX`` where the module doc says so.
     """
-    shard_maps = plan_maps(rows, examples, weighted)
+    shard_maps = None if weighted or not isinstance(rows, RowPlan) else kernel_maps(examples)
     if shard_maps is not None:
         return compile_plan(rows, shard_maps, seq_len=seq_len, pad_id=pad_id,
                             boundary=boundary, positions=positions)
@@ -119,8 +119,7 @@ def compile_causal_batch(
     )
 
 
-def compile_causal_screened(
-    rows: Sequence[Sequence[Piece]],
+def causal_screened(
     examples: Sequence[Example],
     *,
     seq_len: int,
@@ -129,30 +128,36 @@ def compile_causal_screened(
     positions: str,
     weighted: bool,
     screen: tuple[int, bool, bool] | None,
-) -> tuple[Batch, bool, int]:
-    """``compile_causal_batch``'s batch, whether the R7 screen with the settings
-    ``screen`` (``rows.invariants.screen_settings``; ``None``: no screen) cleared it,
-    and its supervised count (``Batch.num_targets``). A ``RowPlan`` over prepared
-    shards is filled, screened and counted in one kernel call; any other batch is
-    not screened here (``False``: the caller checks it) and is counted after."""
-    shard_maps = plan_maps(rows, examples, weighted)
-    if shard_maps is None:
+) -> Callable[[Sequence[Sequence[Piece]]], tuple[Batch, bool, int]]:
+    """``compile_causal_batch`` over one stream's ``examples`` and settings, as a
+    function of the rows that also says whether the R7 screen with the settings
+    ``screen`` (``rows.invariants.screen_settings``; ``None``: no screen) cleared the
+    batch, and counts its supervised labels (``Batch.num_targets``): ``rows ->
+    (batch, clean, count)``. A ``RowPlan`` over prepared shards is filled, screened
+    and counted in one kernel call (the kernel for these settings is found here,
+    once); any other batch is not screened (``False``: the caller checks it) and is
+    counted after it is built."""
+    maps = None if weighted else kernel_maps(examples)
+    fill = None if maps is None else maps.causal_fill(
+        seq_len, pad_id, boundary == "keep", positions == "reset", screen)
+
+    def screened(rows: Sequence[Sequence[Piece]]) -> tuple[Batch, bool, int]:
+        if fill is not None and isinstance(rows, RowPlan):
+            return filled_batch(fill, rows)
         batch = compile_causal_batch(rows, examples, seq_len=seq_len, pad_id=pad_id,
                                      boundary=boundary, positions=positions,
                                      weighted=weighted)
         return batch, False, batch.num_targets()
-    return fill_plan(rows, shard_maps, seq_len=seq_len, pad_id=pad_id, boundary=boundary,
-                     positions=positions, screen=screen)
+
+    return screened
 
 
-def plan_maps(rows, examples, weighted: bool):
-    """The shard maps the causal kernel reads ``rows`` from (``ShardMaps``), or
-    ``None`` when the NumPy builder compiles them: rows that are not a ``RowPlan``,
-    examples that are not prepared shards the kernel reads, or weighted batches."""
+def kernel_maps(examples: Sequence[Example]):
+    """The shard maps the causal kernel reads ``examples`` from
+    (``rows.prepared.ShardMaps``), or ``None`` when the NumPy builder compiles them
+    (examples that are not prepared shards the kernel reads)."""
     maps = getattr(examples, "kernel_maps", None)
-    if maps is None or weighted or not isinstance(rows, RowPlan):
-        return None
-    return maps()
+    return None if maps is None else maps()
 
 
 def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: str,
@@ -161,16 +166,13 @@ def compile_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: st
     (``maps``: ``rows.prepared.ShardMaps``), by the causal kernel; raises
     ``IndexError`` for a piece outside its document (or an index entry outside its
     shard), as slicing it would."""
-    return fill_plan(plan, maps, seq_len=seq_len, pad_id=pad_id, boundary=boundary,
-                     positions=positions, screen=None)[0]
+    fill = maps.causal_fill(seq_len, pad_id, boundary == "keep", positions == "reset", None)
+    return filled_batch(fill, plan)[0]
 
 
-def fill_plan(plan: RowPlan, maps, *, seq_len: int, pad_id: int, boundary: str,
-              positions: str, screen: tuple[int, bool, bool] | None
-              ) -> tuple[Batch, bool, int]:
-    """``compile_causal_screened`` of ``plan`` over ``maps`` (the kernel's call);
-    ``IndexError`` as ``compile_plan`` raises."""
-    fill = maps.causal_fill(seq_len, pad_id, boundary == "keep", positions == "reset", screen)
+def filled_batch(fill, plan: RowPlan) -> tuple[Batch, bool, int]:
+    """``(batch, clean, count)`` of ``plan`` by the kernel ``fill``
+    (``rows.kernels.CausalFill``); ``IndexError`` as ``compile_plan`` raises."""
     (input_ids, labels, position_ids, segment_ids), bad, clean, count, segments = fill(
         plan.pieces, plan.row_starts, Segment)  # the segments as plan_segments builds them
     if bad >= 0:

@@ -7,12 +7,13 @@ owns everything the family means: where the shift happens (R1), which positions 
 targets, how visibility is described (``segment_ids``, ``causal``, ``prefix_len``,
 ``source``, ``order``), and which R7 checks its batches must pass.
 
-A compiler may also have ``compile_counted(rows, examples, cfg, *, pad_id,
-weighted, vocab_size) -> (Batch, int)``: its ``compile``, its ``check`` when
-``cfg.check_invariants`` and the batch's ``num_targets()`` in one step, which a
-stream then takes instead of the three (``rows.stream.compile_counted``; the
-causal compiler fills, screens and counts prepared shards in one kernel call). It
-must give the same batch, raise the same errors and count the same targets.
+A compiler may also have ``batch_maker(examples, cfg, *, pad_id, weighted,
+vocab_size) -> (rows -> (Batch, int))``: for one stream, its ``compile``, its
+``check`` when ``cfg.check_invariants`` and the batch's ``num_targets()`` in one
+step, with whatever the stream's settings fix resolved once; a stream then takes
+it instead of the three (``rows.stream.batch_maker``; the causal compiler fills,
+screens and counts prepared shards in one kernel call). It must give the same
+batch, raise the same errors and count the same targets.
 
 A compiler may also have ``render(batch, tokenizer, rows) -> str``: what
 ``exactstep inspect`` prints for its rows when ``rows.inspect.render_rows`` (input,
@@ -40,11 +41,11 @@ Invariants every compiler keeps (checked by the tests of each family):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from exactstep.rows.batch import Batch
-from exactstep.rows.causal import compile_causal_batch, compile_causal_screened
+from exactstep.rows.causal import causal_screened, compile_causal_batch
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.invariants import check_batch, screen_settings
@@ -110,27 +111,33 @@ class CausalCompiler:
     def check(self, batch: Batch, vocab_size: int | None, cfg: BatchConfig) -> None:
         check_batch(batch, vocab_size, cfg.boundary, next_token_targets=True)
 
-    def compile_counted(
+    def batch_maker(
         self,
-        rows: Sequence[Sequence[Piece]],
         examples: Sequence[Example],
         cfg: BatchConfig,
         *,
         pad_id: int,
         weighted: bool,
         vocab_size: int | None,
-    ) -> tuple[Batch, int]:
+    ) -> Callable[[Sequence[Sequence[Piece]]], tuple[Batch, int]]:
         """``compile``, ``check`` (with ``cfg.check_invariants``) and the supervised
-        count (module doc): the kernel's screen clears a clean batch over prepared
-        shards in the call that fills it; any other goes through ``check``."""
+        count for one stream (module doc): the kernel's screen clears a clean batch
+        over prepared shards in the call that fills it; any other goes through
+        ``check``."""
         check = cfg.check_invariants
-        screen = screen_settings(vocab_size, cfg.boundary, next_token_targets=True)
-        batch, clean, count = compile_causal_screened(
-            rows, examples, seq_len=cfg.seq_len, pad_id=pad_id, boundary=cfg.boundary,
-            positions=cfg.positions, weighted=weighted, screen=screen if check else None)
-        if check and not clean:
-            self.check(batch, vocab_size, cfg)
-        return batch, count
+        screened = causal_screened(
+            examples, seq_len=cfg.seq_len, pad_id=pad_id, boundary=cfg.boundary,
+            positions=cfg.positions, weighted=weighted,
+            screen=screen_settings(vocab_size, cfg.boundary, next_token_targets=True)
+            if check else None)
+
+        def make(rows: Sequence[Sequence[Piece]]) -> tuple[Batch, int]:
+            batch, clean, count = screened(rows)
+            if check and not clean:
+                self.check(batch, vocab_size, cfg)
+            return batch, count
+
+        return make
 
 
 CAUSAL = CausalCompiler()

@@ -28,7 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from exactstep.rows.batch import Batch
@@ -95,6 +95,8 @@ class RowStream(BatchSource):
             cost=piece_cost(compiler, cfg),
         )
         self.weighted = all_weighted(examples)  # batches carry weights (L3)
+        self._make = batch_maker(compiler, examples, cfg, pad_id, vocab_size,
+                                 weighted=self.weighted)
         self.batches = 0
         self.supervised_rows = 0
         self.boundary_targets = 0
@@ -104,9 +106,7 @@ class RowStream(BatchSource):
         rows = self.planner.next_plan(self.cfg.rows)
         if not rows:
             return None
-        batch, targets = compile_counted(rows, self.examples, self.cfg, self.pad_id,
-                                         self.vocab_size, weighted=self.weighted,
-                                         compiler=self.compiler)
+        batch, targets = self._make(rows)
         self.batches += 1
         self.supervised_rows += targets
         if self.cfg.boundary == "keep":
@@ -207,25 +207,28 @@ def compile_rows(
     return batch
 
 
-def compile_counted(
-    rows: list,
+def batch_maker(
+    compiler: RowCompiler,
     examples: Sequence[Example],
     cfg: BatchConfig,
     pad_id: int,
     vocab_size: int | None,
     *,
     weighted: bool,
-    compiler: RowCompiler,
-) -> tuple[Batch, int]:
-    """``compile_rows`` and the batch's ``num_targets()``: in one step where the
-    compiler has one (``compile_counted``, ``rows.compiler``)."""
-    together = getattr(compiler, "compile_counted", None)
-    if together is not None:
-        return together(rows, examples, cfg, pad_id=pad_id, weighted=weighted,
-                        vocab_size=vocab_size)
-    batch = compile_rows(rows, examples, cfg, pad_id, vocab_size, weighted=weighted,
-                         compiler=compiler)
-    return batch, batch.num_targets()
+) -> Callable[[list], tuple[Batch, int]]:
+    """One stream's ``rows -> (batch, batch.num_targets())``, the batch as
+    ``compile_rows`` makes it: the compiler's own where it has one
+    (``batch_maker``, ``rows.compiler``), else ``compile_rows`` and the count."""
+    own = getattr(compiler, "batch_maker", None)
+    if own is not None:
+        return own(examples, cfg, pad_id=pad_id, weighted=weighted, vocab_size=vocab_size)
+
+    def make(rows: list) -> tuple[Batch, int]:
+        batch = compile_rows(rows, examples, cfg, pad_id, vocab_size, weighted=weighted,
+                             compiler=compiler)
+        return batch, batch.num_targets()
+
+    return make
 
 
 def data_report(
