@@ -30,7 +30,7 @@ from exactstep.rows.causal import compile_causal_batch, compile_plan
 from exactstep.rows.compiler import CAUSAL
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
-from exactstep.rows.invariants import check_batch, is_clean
+from exactstep.rows.invariants import check_batch, is_clean, screen_settings
 from exactstep.rows.packing import PackPlanner
 from exactstep.rows.prepared import PreparedDocuments
 
@@ -232,9 +232,15 @@ def test_one_call_fills_screens_and_counts_as_the_three_steps_do(case, vocab, ch
     cfg = BatchConfig(seq_len=settings_["seq_len"], rows=rows, boundary=settings_["boundary"],
                       positions=settings_["positions"], check_invariants=check)
     make = CAUSAL.batch_maker(docs, cfg, pad_id=301, weighted=False, vocab_size=vocab)
+    fill = docs.kernel_maps().causal_fill(
+        cfg.seq_len, 301, cfg.boundary == "keep", cfg.positions == "reset",
+        screen_settings(vocab, cfg.boundary, next_token_targets=True))
     for _ in range(3):
         plan = planner.next_plan(rows)
         expected = compile_causal_batch(plan.rows(), docs, **settings_)  # lists: NumPy
+        # the screen run a row at a time says what the whole batch's screen says
+        assert fill(plan.pieces, plan.row_starts, Segment)[2] == is_clean(
+            expected, vocab, cfg.boundary, next_token_targets=True)
         refusal = None
         try:
             check_batch(expected, vocab, cfg.boundary, next_token_targets=True)

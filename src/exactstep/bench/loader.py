@@ -21,7 +21,10 @@ Figures:
   causal kernel's one call, ``kernels.CausalFill``, that fills the four tensors it
   allocates, screens them (R7), counts the targets and builds the rows'
   ``Segment``s; the ``Batch``), the median over blocks of 100 batches, and
-  ``parts_us`` their sum;
+  ``parts_us`` their sum (each batch is dropped before the next is built, as in the
+  rates' loops, so a new batch is written into memory the last one left in cache;
+  a training loop that holds its batch while the next is packed writes colder
+  memory);
 - ``kernels_us``: the compiled work alone on the last block's plans: the C fill,
   screen and count (``fill_screened``) called with arguments made beforehand, into
   outputs allocated once (so they stay in cache): a floor under what any Python
@@ -221,9 +224,9 @@ def batch_parts(path: Path, blocks: int, per_block: int) -> dict:
     names = ("plan", "fill", "batch")
     times = {name: [] for name in names}
     clock = time.perf_counter_ns
-    plans = []
     for _ in range(blocks):
         spent = dict.fromkeys(names, 0)
+        plans = []
         for _ in range(per_block):
             t0 = clock()
             plan = stream.planner.next_plan(ROWS)
@@ -235,13 +238,16 @@ def batch_parts(path: Path, blocks: int, per_block: int) -> dict:
             if bad != -1 or not clean:
                 raise RuntimeError("a benchmark batch was not clean; the parts measured "
                                    "another path than the stream's")
+            del tensors, segments  # dropped before the next, as the rates' loops drop theirs
             for name, ns in zip(names, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 spent[name] += ns
             plans.append(plan)
         for name in names:
             times[name].append(spent[name] / per_block / 1e3)
     parts = {f"{name}_us": median(v) for name, v in times.items()}
-    kernel_s, tokens = compiled_work(plans[-per_block:], fill, tensors)
+    outputs = tuple(torch.empty(ROWS, SEQ_LEN, dtype=d)
+                    for d in (torch.int64, torch.int64, torch.int64, torch.int32))
+    kernel_s, tokens = compiled_work(plans, fill, outputs)
     return {**parts, "parts_us": sum(parts.values()), "kernels_us": kernel_s * 1e6,
             "kernels_tokens_per_s": tokens / kernel_s}
 
