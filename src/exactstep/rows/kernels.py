@@ -1,9 +1,13 @@
 """Compiled kernels of the hot data path (P2, R4, R7): the planner's best-fit
-buffer, the causal compiler over prepared shards, and the R7 screen.
+buffer, the causal compiler over prepared shards (with the R7 screen and the
+target count of the batch it writes, and its rows' addresses, in the same call),
+and the R7 screen.
 
 The kernels are C (``kernels.c``, built with the package as ``rows._kernels``),
 called through ``ctypes`` (which releases the GIL for the call, so a loader thread
-packs while the step runs) with the addresses of contiguous arrays. This module
+packs while the step runs) with the addresses of contiguous arrays; the two that
+build Python objects (``plan_segments``, and ``CausalFill``'s ``causal_batch``,
+which releases the GIL while it fills) through the C API. This module
 holds the layouts they share with their callers, loads the library on first use
 (``compiled_library``: a missing build is a clear ``ImportError``), and wraps each
 kernel with the checks that make a call memory-safe. The callers own the semantics and
@@ -350,7 +354,7 @@ def plan_segments(pieces: np.ndarray, row_starts: np.ndarray, kind: type) -> tup
 
 @functools.cache
 def compiled_module():
-    """The compiled kernels as a Python module (for its one C-API function)."""
+    """The compiled kernels as a Python module (for its C-API functions)."""
     compiled_library()  # built and of this layout, or a clear ImportError
     return importlib.import_module("exactstep.rows._kernels")
 

@@ -2,7 +2,9 @@
 
 ``RowStream`` composes the packing plan (``rows.packing``), a family's compiler
 (``rows.compiler``: the causal one by default, ``rows.causal``) and that family's
-R7 checks. Every objective family (R8) uses the same planner and cursor with its
+R7 checks (bound once per stream: ``batch_maker``, which takes the compiler's own
+where it has one, so that the causal compiler fills, screens and counts a batch of
+prepared shards in one kernel call). Every objective family (R8) uses the same planner and cursor with its
 own compiler, so the resume contract is the same for all of them.
 
 Invariants:
