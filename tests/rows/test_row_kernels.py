@@ -182,6 +182,17 @@ def prepared_cases(draw):
     return docs, planner, settings_, draw(st.integers(1, 4))
 
 
+def uniform_docs(count: int, length: int, *, seed: int, block: int):
+    """One text shard of ``count`` documents of ``length`` random ids below 300, as
+    ``PreparedDocuments``, and its tokens."""
+    part = np.full(count, length)
+    tokens = np.random.default_rng(seed).integers(0, 300, count * length).astype(np.uint16)
+    index = np.stack([np.arange(count) * length, part, part - 1], axis=1).astype(np.int64)
+    split = PreparedSplit([Shard(tokens, index, None)],
+                          {"min_length": length, "max_length": length})
+    return PreparedDocuments(split, block=block), tokens
+
+
 def assert_same_batch(a, b) -> None:
     for name in ("input_ids", "labels", "position_ids", "segment_ids"):
         x, y = getattr(a, name), getattr(b, name)
@@ -205,12 +216,7 @@ def test_causal_kernel_builds_what_numpy_builds(case) -> None:
 def test_the_kernel_told_the_other_boundary_rule_disagrees() -> None:
     """Negative control: the equality above can fail -- the kernel with the boundary
     rule flipped is not the NumPy compiler's batch."""
-    rng = np.random.default_rng(3)
-    part = np.full(12, 5)
-    tokens = rng.integers(0, 300, int(part.sum())).astype(np.uint16)
-    index = np.stack([np.arange(12) * 5, part, part - 1], axis=1).astype(np.int64)
-    docs = PreparedDocuments(PreparedSplit([Shard(tokens, index, None)],
-                                           {"min_length": 5, "max_length": 5}), block=4)
+    docs, _ = uniform_docs(12, 5, seed=3, block=4)
     plan = PackPlanner(docs, seq_len=16, buffer=6, overlong="split", seed=0).next_plan(2)
     slow = compile_causal_batch(plan.rows(), docs, seq_len=16, pad_id=301, boundary="ignore")
     flipped = compile_plan(plan, docs.kernel_maps(), seq_len=16, pad_id=301,
@@ -261,12 +267,7 @@ def test_the_screen_in_the_fill_is_the_screen() -> None:
     or not, and without a screen reports nothing clean (so the caller checks)."""
     from exactstep.rows import kernels
 
-    rng = np.random.default_rng(5)
-    part = np.full(6, 7)
-    tokens = rng.integers(0, 300, int(part.sum())).astype(np.uint16)
-    index = np.stack([np.arange(6) * 7, part, part - 1], axis=1).astype(np.int64)
-    docs = PreparedDocuments(PreparedSplit([Shard(tokens, index, None)],
-                                           {"min_length": 7, "max_length": 7}), block=3)
+    docs, tokens = uniform_docs(6, 7, seed=5, block=3)
     plan = PackPlanner(docs, seq_len=16, buffer=4, overlong="split", seed=0).next_plan(2)
     maps = docs.kernel_maps()
     for vocab in (300, int(tokens.max())):  # the second refuses the largest id
