@@ -25,7 +25,7 @@ typedef int64_t i64;
 #endif
 
 #define IGNORE (-100)
-#define MALFORMED (-2) /* fill_causal's answer to row starts outside its plan */
+#define MALFORMED (-2) /* the causal fill's answer to row starts outside its plan */
 enum { EXAMPLE, OFFSET, LENGTH, PIECE, ARRIVAL, NEXT, SLOT_FIELDS };
 enum { COLUMN = 4, PLAN_FIELDS = 5 };
 enum { N, CURSOR, NEXT_ARRIVAL, FREE, STATE_FIELDS };

@@ -232,7 +232,7 @@ class PieceBuffer:
         self.lib.push_framed(self._at, int(self.cost[length]), example, offset, length, piece)
 
     def admit(self) -> bool:
-        """Admit from the window at the cursor (``admit_run`` in ``kernels.c``); whether
+        """Admit from the window at the cursor (``admit`` in ``kernels.c``); whether
         the buffer is full."""
         return bool(self.lib.admit_framed(self._at))
 

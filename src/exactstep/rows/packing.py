@@ -431,7 +431,7 @@ class PackPlanner(PlannerSettings):
     The buffer is ``rows.kernels.PieceBuffer`` (a queue of pending pieces per cost
     and a bitmap of the costs present: the best fit is the head of the highest
     cost that fits, the earliest arrival among ties), refilled and emptied into rows
-    by compiled kernels (``admit_run``, ``plan_rows``); the planner itself, in
+    by compiled kernels (``admit`` and ``plan_rows`` of ``kernels.c``); the planner itself, in
     Python, reads the next window of the order, cuts over-long examples by their
     ownership and moves from one epoch to the next (the places the kernel hands back).
     """
