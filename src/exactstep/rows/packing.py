@@ -282,9 +282,9 @@ class RowPlan(Sequence[list[Piece]]):
     ``[PLAN_FIELDS, P]`` (``rows.kernels``: example, offset, length, piece, first
     column), ``epochs [P]`` (given as one ``int`` when one epoch admitted every
     piece, and then built on first use) and ``row_starts [R + 1]`` (row ``r`` holds
-    pieces ``row_starts[r]:row_starts[r + 1]``). As a sequence it is the rows of ``Piece``
-    that every compiler reads (built once, on first use); a compiler that reads
-    arrays (``rows.causal`` over prepared shards) reads them directly."""
+    pieces ``row_starts[r]:row_starts[r + 1]``). As a sequence it is the rows of
+    ``Piece`` that every compiler reads (built once, on first use); a compiler that
+    reads arrays (``rows.causal`` over prepared shards) reads them directly."""
 
     def __init__(self, pieces: np.ndarray, epochs: np.ndarray | int,
                  row_starts: np.ndarray) -> None:
@@ -431,9 +431,10 @@ class PackPlanner(PlannerSettings):
     The buffer is ``rows.kernels.PieceBuffer`` (a queue of pending pieces per cost
     and a bitmap of the costs present: the best fit is the head of the highest
     cost that fits, the earliest arrival among ties), refilled and emptied into rows
-    by compiled kernels (``admit`` and ``plan_rows`` of ``kernels.c``); the planner itself, in
-    Python, reads the next window of the order, cuts over-long examples by their
-    ownership and moves from one epoch to the next (the places the kernel hands back).
+    by compiled kernels (``admit`` and ``plan_rows`` of ``kernels.c``); the planner
+    itself, in Python, reads the next window of the order, cuts over-long examples by
+    their ownership and moves from one epoch to the next (the places the kernel hands
+    back).
     """
 
     def __init__(self, examples: Sequence[Example] | DocumentTable, **settings) -> None:

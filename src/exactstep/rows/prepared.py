@@ -218,9 +218,8 @@ class ShardMaps:
     """A split's shards as the causal kernel (``rows.kernels.CausalFill``) reads
     them: ``table [S, MAP_FIELDS]``, each shard's token map, index map ``[documents,
     3]`` (int64) and packed ownership bits (``chat``) as addresses and element
-    counts; ``sample``,
-    an empty array of the token dtype; ``starts``, the first global document id of
-    each shard and the count. It keeps the arrays (read-only views of the maps)
+    counts; ``sample``, an empty array of the token dtype; ``starts``, the first
+    global document id of each shard and the count. It keeps the arrays (read-only views of the maps)
     alive for as long as the addresses are used. ``table`` is ``None`` when the
     shards' token types differ or a map is not contiguous."""
 
