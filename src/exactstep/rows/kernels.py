@@ -181,11 +181,9 @@ class PieceBuffer:
         self.frame[[F_COST, F_STATE, F_COUNTS, F_SETTINGS, F_COSTS]] = (
             address(self.cost), address(self.state), address(self.counts),
             address(self.settings), self.seq_len + 1)
-        self.out = np.zeros((PLAN_FIELDS, 0), dtype=np.int64)
-        self.row_starts = np.zeros(1, dtype=np.int64)
+        self._set_plan(np.zeros((PLAN_FIELDS, 0), dtype=np.int64), np.zeros(1, dtype=np.int64))
         self.set_window(np.zeros((3, 0), dtype=np.int64))
         self.empty(capacity)
-        self._set_plan(self.out, self.row_starts)
 
     def empty(self, capacity: int) -> None:
         """No pending piece, ``capacity`` slots; the next arrival is kept."""
@@ -215,7 +213,6 @@ class PieceBuffer:
         self.frame[[F_SLOTS, F_CAP, F_QUEUES, F_BITS, F_FREE]] = (
             address(self.slots), self.slots.shape[1], address(self.queues), address(self.bits),
             address(self.free))
-        self._rows_held = self._room()
 
     def set_window(self, window: np.ndarray) -> None:
         """The next window of the epoch order (``[3, width]``); the cursor is 0."""
@@ -243,8 +240,7 @@ class PieceBuffer:
         the buffer's own, grown before the call to hold any ``rows`` rows."""
         if row == 0:
             self.row_starts[0] = 0
-        if row or rows > self._rows_held:
-            self._reserve(row, rows)
+        self._reserve(row, rows)
         made = self.lib.plan_framed(self._at, row, rows, refill_first)
         help_ = self.frame[F_HELP]
         if help_ < 0:
@@ -278,12 +274,6 @@ class PieceBuffer:
         """The plan's new arrays, and the frame's entries for them."""
         self.out, self.row_starts = out, row_starts
         self.frame[[F_OUT, F_OUT_CAP, F_STARTS]] = address(out), out.shape[1], address(row_starts)
-        self._rows_held = self._room()
-
-    def _room(self) -> int:
-        """How many rows a new plan has room for without ``_reserve`` (kept as
-        ``_rows_held`` whenever the slots or the plan's arrays are replaced)."""
-        return min(self.out.shape[1] // max(self._per_row(), 1), len(self.row_starts) - 1)
 
 
 def pending_columns(slots: np.ndarray) -> list[list[int]]:
