@@ -22,6 +22,9 @@ Invariants:
   sha256 of the canonical JSON of the rest of ``prepared.json``; ``open_prepared`` checks sizes
   and digests and names the first file that differs (S6) before a byte is used.
 - Documents are never empty (the writer refuses them), so ``min_length >= 1``.
+- ``prepared.json`` is checked whole (``check_schema``: keys, types, ranges, counts
+  against shards and file sizes) before a key is used: an edited file that was
+  fingerprinted again is one ``DataError`` naming the key (X4), not a ``KeyError``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import bisect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -174,6 +177,144 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+class _Schema:
+    """The checks of ``check_schema``: each names the dotted key it refuses (X4)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, problem: str) -> NoReturn:
+        raise DataError(f"{self.path / MANIFEST} is malformed: key '{key}' {problem}; it was "
+                        f"not written by this version of 'exactstep prepare' (or was edited): "
+                        f"prepare {self.path} again")
+
+    def get(self, node: dict[str, Any], key: str, where: str, kind: str, *,
+            optional: bool = False, low: int = 0) -> Any:
+        """``node[key]`` of ``kind`` (``int`` at least ``low``, ``str``, ``hex``,
+        ``str?``, ``dict``, ``list``); a missing key is ``None`` when ``optional``."""
+        dotted = f"{where}.{key}" if where else key
+        if key not in node:
+            if optional:
+                return None
+            self.fail(dotted, "is missing")
+        value = node[key]
+        if kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                self.fail(dotted, f"must be an integer, not {value!r}")
+            if value < low:
+                self.fail(dotted, f"must be at least {low}, not {value}")
+        elif kind == "hex":
+            if not (isinstance(value, str) and len(value) == 64
+                    and all(c in "0123456789abcdef" for c in value)):
+                self.fail(dotted, f"must be a sha256 (64 hex digits), not {value!r}")
+        elif kind == "str?":
+            if value is not None and not isinstance(value, str):
+                self.fail(dotted, f"must be a string or null, not {value!r}")
+        elif not isinstance(value, {"str": str, "dict": dict, "list": list}[kind]):
+            self.fail(dotted, f"must be a {'JSON object' if kind == 'dict' else kind}, "
+                              f"not {type(value).__name__}")
+        return value
+
+    def one_of(self, node: dict[str, Any], key: str, where: str, allowed: tuple) -> Any:
+        value = node.get(key) if key in node else self.get(node, key, where, "str")
+        if value not in allowed:
+            dotted = f"{where}.{key}" if where else key
+            self.fail(dotted, f"must be one of {', '.join(map(repr, allowed))}, not {value!r}")
+        return value
+
+
+def check_schema(path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a ``prepared.json`` that is not whole (X4, S6), before any key is used.
+
+    Every key the readers use is checked for presence, type and range, and the
+    records for consistency: each split's counts are the sums of its shards', a
+    shard's files are the kind's (``owned`` exactly for chat) and are recorded in
+    ``files``, each recorded file is a plain name in the directory with a size and a
+    sha256, and an index or token file's size is what its counts make it. The
+    fingerprint covers the file, but a ``prepared.json`` edited and fingerprinted again
+    must fail here, naming the key, not deep in a loader. Keys no reader uses (a
+    count, a description) are covered by the fingerprint alone.
+    """
+    s = _Schema(path)
+    s.get(meta, "fingerprint", "", "hex")
+    kind = s.one_of(meta, "kind", "", ("text", "chat"))
+    dtype = s.one_of(meta, "dtype", "", ("uint16", "uint32"))
+    for key in ("source", "source_fingerprint", "split_rule"):
+        s.get(meta, key, "", "str")
+    for key in ("source_fingerprint_rule", "source_name"):
+        s.get(meta, key, "", "str", optional=True)
+    s.get(meta, "skipped_empty", "", "int", optional=True)
+    representation = s.get(meta, "representation", "", "dict")
+    s.get(representation, "tokenizer_hash", "representation", "str")
+    s.get(representation, "template_hash", "representation", "str?")
+    order = s.get(meta, "order", "", "dict")
+    s.one_of(order, "rule", "order", ("block-permutation",))
+    s.get(order, "block_documents", "order", "int", low=1)
+    if kind == "chat":
+        s.get(meta, "max_len", "", "int", low=1)
+        s.get(meta, "chat_policy", "", "dict")
+    files = s.get(meta, "files", "", "dict")
+    for name, record in files.items():
+        where = f"files.{name}"
+        if not name or name in (".", "..", MANIFEST) or "/" in name or "\\" in name:
+            s.fail("files", f"names {name!r}, which is not a file of the directory")
+        if not isinstance(record, dict):
+            s.fail(where, f"must be a JSON object, not {type(record).__name__}")
+        s.get(record, "bytes", where, "int")
+        s.get(record, "sha256", where, "hex")
+    splits = s.get(meta, "splits", "", "dict")
+    for split in SPLITS:
+        _check_split(s, s.get(splits, split, "splits", "dict"), f"splits.{split}", files,
+                     chat=kind == "chat", itemsize=np.dtype(dtype).itemsize)
+        unigram = f"{split}.unigram"
+        if unigram not in files:
+            s.fail("files", f"does not record {unigram}")
+        if files[unigram]["bytes"] % 8:
+            s.fail(f"files.{unigram}.bytes", "must be a whole number of int64 counts")
+
+
+def _check_split(s: _Schema, info: dict[str, Any], where: str, files: dict[str, Any], *,
+                 chat: bool, itemsize: int) -> None:
+    documents = s.get(info, "documents", where, "int")
+    tokens = s.get(info, "tokens", where, "int")
+    targets = s.get(info, "targets", where, "int")
+    low = s.get(info, "min_length", where, "int")
+    high = s.get(info, "max_length", where, "int")
+    if targets > tokens:
+        s.fail(f"{where}.targets", f"({targets}) exceeds {where}.tokens ({tokens})")
+    if documents and not 1 <= low <= high:
+        s.fail(f"{where}.min_length", f"({low}) must be at least 1 and at most "
+                                      f"{where}.max_length ({high})")
+    shards = s.get(info, "shards", where, "list")
+    counted = [0, 0]
+    for k, shard in enumerate(shards):
+        at = f"{where}.shards.{k}"
+        if not isinstance(shard, dict):
+            s.fail(at, f"must be a JSON object, not {type(shard).__name__}")
+        n = s.get(shard, "documents", at, "int")
+        size = s.get(shard, "tokens", at, "int")
+        counted[0] += n
+        counted[1] += size
+        names = s.get(shard, "files", at, "dict")
+        expected = {"tokens": size * itemsize, "index": n * INDEX_COLUMNS * 8}
+        if chat:
+            expected["owned"] = -(-size // 8)
+        for role in sorted(expected.keys() | names.keys()):
+            key = f"{at}.files.{role}"
+            if role not in expected:
+                s.fail(key, f"is not a file of a {'chat' if chat else 'text'} shard")
+            name = s.get(names, role, f"{at}.files", "str")
+            if name not in files:
+                s.fail(key, f"names {name!r}, which 'files' does not record")
+            if files[name]["bytes"] != expected[role]:
+                s.fail(f"files.{name}.bytes", f"is {files[name]['bytes']}, but the shard's "
+                                              f"counts ({at}) make it {expected[role]}")
+    if counted[0] != documents:
+        s.fail(f"{where}.documents", f"is {documents}, but its shards hold {counted[0]}")
+    if counted[1] != tokens:
+        s.fail(f"{where}.tokens", f"is {tokens}, but its shards hold {counted[1]}")
+
+
 def check_file(path: Path, name: str, record: dict[str, Any], *, digest: bool) -> None:
     """Refuse a missing, truncated or altered shard file, naming it (S6)."""
     file = path / name
@@ -201,6 +342,7 @@ def open_prepared(path: str | Path, *, verify: bool = True,
     """
     path = Path(path)
     meta = read_meta(path)
+    check_schema(path, meta)
     files = meta["files"]
     if fingerprint_of(meta) != meta.get("fingerprint"):
         raise DataError(f"{path / MANIFEST} was edited (its fingerprint does not match its "
