@@ -357,6 +357,13 @@ def verify_command(path: Path) -> int:
         target = latest_checkpoint(path / "checkpoints") or path / "checkpoints"
     report = verify_checkpoint(target)
     print(report.format())
+    if report.ok:  # what a bitwise continuation from it depends on (S9)
+        from exactstep.parallel.checkpoint import DcpFormat
+        from exactstep.state.checkpointer import checkpoint_progress
+        from exactstep.state.environment import describe
+
+        recorded = checkpoint_progress(target, DcpFormat).get("environment")
+        print(f"  numerics  {describe(recorded)}")
     return 0 if report.ok else 1
 
 

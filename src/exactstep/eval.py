@@ -402,6 +402,7 @@ class EvalReport:
     checkpoint: str
     result: EvalResult
     unigram: float | None  # bits per target
+    environment: str = ""  # the numerics environment evaluated in, against the record (S9)
 
     def format(self) -> str:
         r = self.result
@@ -415,6 +416,8 @@ class EvalReport:
             per_target.append(("token", r.bits_per_token, self.unigram))
         for unit, bits, unigram in per_target:
             lines.append(f"  bits per {unit} {fmt(bits)} (unigram baseline {fmt(unigram)})")
+        if self.environment:
+            lines.append(f"  numerics {self.environment}")
         return "\n".join(lines)
 
 
@@ -434,20 +437,32 @@ def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalR
     from exactstep.manifest import read_manifest
     from exactstep.parallel.checkpoint import DcpFormat
     from exactstep.parallel.process_group import resolve_rank_device, single_process
-    from exactstep.state.checkpointer import load_weights
+    from exactstep.state import environment
+    from exactstep.state.checkpointer import load_weights, recorded_environment
     from exactstep.state.resume import choose_resume_point
 
     run_dir = Path(run_dir)
-    cfg = config_from_manifest(read_manifest(run_dir))
+    manifest = read_manifest(run_dir)
+    cfg = config_from_manifest(manifest)
     point = choose_resume_point(run_dir / "checkpoints", from_checkpoint)
     if point.path is None:
         raise ResumeError(f"{run_dir} has no checkpoint to evaluate yet; train or resume it first")
     device = resolve_rank_device(cfg.train.device, 0)
-    parts = open_family(cfg)
-    tokenizer, data = parts.tokenizer, parts.data
-    model = parts.family.build_model(cfg, tokenizer.vocab_size).to(device)
-    load_weights(point.path, model, DcpFormat(single_process(device)))
-    validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
-                          tokenizer.vocab_size, device, cfg.train.eval_tokens,
-                          byte_lengths=tokenizer.byte_lengths(), compiler=parts.compiler)
-    return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits())
+    recorded = recorded_environment(point.path, manifest, DcpFormat)
+    with environment.threads_restored():  # the checkpoint's thread count (S9)
+        if recorded is not None:
+            torch.set_num_threads(int(recorded["threads"]))
+        now = environment.capture(device)
+        changed = environment.differences(recorded, now)
+        said = environment.describe(now) + (
+            f" (differs from the checkpoint's record: {'; '.join(changed)})" if changed
+            else " (as the checkpoint recorded)")
+        parts = open_family(cfg)
+        tokenizer, data = parts.tokenizer, parts.data
+        model = parts.family.build_model(cfg, tokenizer.vocab_size).to(device)
+        load_weights(point.path, model, DcpFormat(single_process(device)))
+        validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
+                              tokenizer.vocab_size, device, cfg.train.eval_tokens,
+                              byte_lengths=tokenizer.byte_lengths(), compiler=parts.compiler)
+        return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits(),
+                          said)

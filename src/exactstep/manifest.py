@@ -198,16 +198,23 @@ def diff_manifests(a: Manifest, b: Manifest) -> list[str]:
 
 # Keys that change presentation only; they are left out of the manifest so that a
 # resume may change them (S4).
-PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.threads", "train.prefetch",
-                     "train.loader")
+PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.prefetch", "train.loader")
+
+# Keys that ask for a numerics environment: what the run actually got is recorded in
+# the ``environment`` section (S9), so a resume that changes them is a declared,
+# non-bitwise continuation rather than another run.
+ENVIRONMENT_KEYS = ("train.threads",)
 
 
 def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
                  parent: dict | None = None, model: dict | None = None,
-                 objective: dict | None = None) -> dict[str, Any]:
+                 objective: dict | None = None,
+                 environment: dict | None = None) -> dict[str, Any]:
     """The S1 sections a training run declares, from its ``RunConfig`` and ``DataBundle``.
 
-    The resolved configuration is recorded whole (X2) but for ``PRESENTATION_KEYS``;
+    The resolved configuration is recorded whole (X2) but for ``PRESENTATION_KEYS``
+    and ``ENVIRONMENT_KEYS`` (``environment``, the numerics environment the run
+    started in, S9, records what those asked for);
     ``parent`` (a warm start's origin, S4) becomes its own section, and so does
     ``model``, a model's own ``describe()`` where it has one (a Hugging Face model's
     resolved architecture, initial weights and library version). ``objective`` is
@@ -215,7 +222,7 @@ def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
     estimator); without one it is derived from ``data.kind``.
     """
     config = cfg.to_dict()
-    for key in PRESENTATION_KEYS:
+    for key in PRESENTATION_KEYS + ENVIRONMENT_KEYS:
         section, name = key.split(".")
         config[section].pop(name, None)
     if objective is None:
@@ -249,6 +256,8 @@ def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
         sections["parent"] = parent
     if model is not None:
         sections["model"] = model
+    if environment is not None:
+        sections["environment"] = environment
     return sections
 
 

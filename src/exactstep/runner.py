@@ -17,6 +17,7 @@ Disposition``; this module wires the stages and calls three components: the
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -30,7 +31,7 @@ import torch
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.durable import Journal, ensure_writable_dir
-from exactstep.errors import DistributedError, Interrupted, ResumeError
+from exactstep.errors import CheckpointError, DistributedError, Interrupted, ResumeError
 from exactstep.eval import Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
@@ -54,7 +55,8 @@ from exactstep.rows.background import BackgroundStream
 from exactstep.rows.example import DataBundle
 from exactstep.rows.loader_process import LoaderProcess
 from exactstep.rows.stream import RowStream
-from exactstep.state.checkpointer import Checkpointer, load_weights
+from exactstep.state import environment
+from exactstep.state.checkpointer import Checkpointer, load_weights, recorded_environment
 from exactstep.state.resume import (
     StopRequest,
     check_journals,
@@ -88,6 +90,7 @@ class Run:
     manifest: Manifest
     ctx: DistContext
     parts: FamilyParts
+    environment: dict[str, Any]  # the numerics environment this process runs in (S9)
 
     @property
     def checkpoints(self) -> Path:
@@ -104,6 +107,8 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     Under torchrun (D1-D4) the process joins the job: the stream is sharded by rank
     (D3), the model is sharded when ``parallel.strategy = "fsdp"``, and the engine's
     reducer agrees D, the finite decision and the no-objective decision (D2).
+    ``train.threads`` (0: PyTorch's count) is set for the process here and the
+    numerics environment recorded after it (S9).
     """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -132,16 +137,19 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),
                           inputs=parts.family.inputs(cfg))
     distribute_engine(engine, ctx, cfg.parallel)
+    env = environment.capture(ctx.device)
     manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent,
-                                           model_section(model), parts.family.objective(cfg)))
+                                           model_section(model), parts.family.objective(cfg),
+                                           env))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, ctx.device, cfg.train.eval_tokens,
                           precision.autocast, tokenizer.byte_lengths(), parts.compiler)
     checkpointer = Checkpointer(out_dir / "checkpoints", keep=cfg.checkpoint.keep, model=model,
                                 engine=engine, stream=stream, ctx=ctx,
-                                manifest_digest=manifest.digest, multi_rank=DcpFormat(ctx))
+                                manifest_digest=manifest.digest, multi_rank=DcpFormat(ctx),
+                                environment=env)
     return Run(cfg, out_dir, tokenizer, data, stream, model, engine, validator, checkpointer,
-               manifest, ctx, parts)
+               manifest, ctx, parts, env)
 
 
 # --------------------------------------------------------------------------- windows
@@ -248,11 +256,12 @@ def train(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict[str, 
     """A new run in ``out_dir``. Refuses a directory that already holds another run."""
     started = time.perf_counter()
     ensure_writable_dir(out_dir, "--out")
-    run = build_run(cfg, out_dir)
-    try:
-        return train_new(run, started, progress)
-    finally:
-        shutdown(run.ctx)
+    with environment.threads_restored():
+        run = build_run(cfg, out_dir)
+        try:
+            return train_new(run, started, progress)
+        finally:
+            shutdown(run.ctx)
 
 
 def train_new(run: Run, started: float, progress: bool) -> dict[str, Any]:
@@ -302,9 +311,12 @@ def resume(
     """Continue ``run_dir`` exactly (S4), or warm-start a new run from its weights.
 
     Every check (manifest, checkpoint choice and verification, journals) runs before
-    anything on disk changes (S8). A different world size is a declared migration
-    (S7): refused unless ``reshard``, which keeps the run's manifest, re-partitions
-    the data cursor and records a RESHARD line in the ledger.
+    anything on disk changes (S8). The numerics environment the checkpoint recorded
+    is restored (its thread count, unless ``train.threads`` is overridden); what
+    cannot be restored makes the resume a declared, non-bitwise continuation: one
+    line, and a CONTINUATION line in the ledger (S9). A different world size is a
+    declared migration (S7): refused unless ``reshard``, which keeps the run's
+    manifest, re-partitions the data cursor and records a RESHARD line in the ledger.
     """
     started = time.perf_counter()
     old = read_manifest(run_dir)
@@ -313,43 +325,117 @@ def resume(
         return warm_start(run_dir, old, cfg, warm_start_dir, from_checkpoint, progress)
     ensure_writable_dir(run_dir, "run directory")
     point = choose_resume_point(Path(run_dir) / "checkpoints", from_checkpoint)
-    run = build_run(cfg, run_dir)
-    try:
-        if reshard and set(diff_manifests(old, run.manifest)) <= {"parallel.world_size"}:
-            run.manifest = old
-            run.checkpointer.manifest_digest = old.digest
-        require_same_manifest(old, run.manifest)
-        next_window, events, marks = 0, [], {}
-        if point.path is not None:
-            restored = run.checkpointer.restore(point.path, reshard=reshard)
-            check_progress_digest(restored.progress, run.manifest, point.path)
-            check_journals(run_dir, restored.journals, point.path,
-                           marks_of=run.checkpointer.journal_marks)
-            next_window, events, marks = restored.next_window, restored.events, restored.journals
-        notes = [point.note, f"resuming {run_dir} at window {next_window}"
-                 + (f" from {point.path.name}" if point.path else "")]
-        run_windows(run, next_window, progress,
-                    lambda: reopen_journals(run, marks, events, notes))
-        return finish(run, started)
-    finally:
-        shutdown(run.ctx)
+    if point.path is None:
+        refuse_lost_checkpoints(Path(run_dir), cfg)
+    recorded = recorded_environment(point.path, old, DcpFormat)
+    if recorded is not None and not overridden(overrides, "train.threads"):
+        cfg = replace(cfg, train=replace(cfg.train, threads=int(recorded["threads"])))
+    with environment.threads_restored():
+        run = build_run(cfg, run_dir)
+        try:
+            keep_run_manifest(run, old, reshard)
+            require_same_manifest(old, run.manifest)
+            next_window, events, marks = 0, [], {}
+            if point.path is not None:
+                restored = run.checkpointer.restore(point.path, reshard=reshard)
+                check_progress_digest(restored.progress, run.manifest, point.path)
+                check_journals(run_dir, restored.journals, point.path,
+                               marks_of=run.checkpointer.journal_marks)
+                next_window, events, marks = (restored.next_window, restored.events,
+                                              restored.journals)
+            notes = [point.note, f"resuming {run_dir} at window {next_window}"
+                     + (f" from {point.path.name}" if point.path else "")]
+            changed = environment.differences(recorded, run.environment)
+            if changed:
+                notes.append(f"declared non-bitwise continuation at window {next_window}: "
+                             f"the numerics environment differs ({'; '.join(changed)})")
+                events.append(continuation_record(next_window, recorded, run.environment,
+                                                  changed))
+            run_windows(run, next_window, progress,
+                        lambda: reopen_journals(run, marks, events, notes))
+            return finish(run, started)
+        finally:
+            shutdown(run.ctx)
+
+
+def overridden(overrides: Sequence[str], key: str) -> bool:
+    """Whether ``--set key=...`` is among ``overrides``."""
+    return any(item.partition("=")[0].strip() == key for item in overrides)
+
+
+def keep_run_manifest(run: Run, old: Manifest, reshard: bool) -> None:
+    """Keep the run's own manifest when the rebuilt one differs only where a resume
+    may differ: the numerics environment (a declared continuation, S9) and, with
+    ``reshard``, the world size (a declared migration, S7)."""
+    allowed = {"parallel.world_size"} if reshard else set()
+    fields = diff_manifests(old, run.manifest)
+    if fields and all(f in allowed or f.split(".")[0] == "environment" for f in fields):
+        run.manifest = old
+        run.checkpointer.manifest_digest = old.digest
+
+
+def continuation_record(window: int, recorded: dict[str, Any] | None, now: dict[str, Any],
+                        changed: list[str]) -> dict[str, Any]:
+    """The ledger's account of a declared, non-bitwise continuation (S9)."""
+    return {"event": "CONTINUATION", "bitwise": False, "next_window": window,
+            "differs": changed, "recorded": recorded, "environment": now}
+
+
+def refuse_lost_checkpoints(run_dir: Path, cfg: RunConfig) -> None:
+    """A run whose history proves a checkpoint was published, but none is left, is not
+    started again from window 0 (S8): that would rewrite the history.
+
+    Evidence: ``summary.json`` (a run finishes only after its final checkpoint), or
+    a ledger with more windows than the checkpoint cadence (the checkpoint after
+    window ``checkpoint.every`` is published before the next window is logged).
+    """
+    windows = ledger_windows(run_dir / LEDGER_FILE)
+    every = cfg.checkpoint.every
+    if (run_dir / "summary.json").exists():
+        evidence = "summary.json shows the run finished, which publishes a final checkpoint"
+    elif every and windows > every:
+        evidence = (f"ledger.jsonl holds {windows} windows, and a checkpoint is published "
+                    f"every {every}")
+    else:
+        return
+    raise CheckpointError(
+        f"no checkpoint in {run_dir / 'checkpoints'} verifies, but {evidence}: the "
+        "checkpoints were lost; nothing was changed; restore the checkpoints directory "
+        "from a copy, or start a new run with a new --out"
+    )
+
+
+def ledger_windows(path: Path) -> int:
+    """How many window lines a ledger holds (event lines, such as RESHARD, excluded)."""
+    if not path.is_file():
+        return 0
+    count = 0
+    for line in path.read_bytes().splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            count += isinstance(record, dict) and "window" in record
+    return count
 
 
 def reopen_journals(run: Run, marks: dict[str, dict], events: list[dict],
                     notes: Sequence[str | None]) -> tuple[Ledger | None, Journal | None]:
     """Rank 0, once every check passed: drop unpublished leftovers and the journal
-    tails written after the checkpoint, record migration events, print ``notes``."""
+    tails written after the checkpoint, record migration and continuation events,
+    print ``notes``."""
     if not run.ctx.is_main:
         return None, None
     clean_uncommitted(run.checkpoints)
     if not marks:
-        return start_journals(run, notes, fresh_manifest=False)
-    ledger = Ledger.open_at(run.out_dir / LEDGER_FILE, marks[LEDGER_FILE])
-    metrics = Journal.open_at(run.out_dir / METRICS_FILE, marks[METRICS_FILE])
+        ledger, metrics = start_journals(run, notes, fresh_manifest=False)
+    else:
+        ledger = Ledger.open_at(run.out_dir / LEDGER_FILE, marks[LEDGER_FILE])
+        metrics = Journal.open_at(run.out_dir / METRICS_FILE, marks[METRICS_FILE])
+        announce(notes)
+        attach(run, ledger, metrics)
+    assert ledger is not None
     for event in events:
         ledger.append(event)
-    announce(notes)
-    return attach(run, ledger, metrics)
+    return ledger, metrics
 
 
 def warm_start(run_dir: Path, old: Manifest, cfg: RunConfig, new_dir: Path,
@@ -365,12 +451,13 @@ def warm_start(run_dir: Path, old: Manifest, cfg: RunConfig, new_dir: Path,
               "manifest_digest": old.digest}
     started = time.perf_counter()
     ensure_writable_dir(new_dir, "--warm-start")
-    run = build_run(cfg, new_dir, parent=parent)
-    try:
-        load_weights(point.path, run.model, DcpFormat(run.ctx))
-        return train_new(run, started, progress)
-    finally:
-        shutdown(run.ctx)
+    with environment.threads_restored():
+        run = build_run(cfg, new_dir, parent=parent)
+        try:
+            load_weights(point.path, run.model, DcpFormat(run.ctx))
+            return train_new(run, started, progress)
+        finally:
+            shutdown(run.ctx)
 
 
 __all__ = ["train", "resume"]

@@ -23,6 +23,7 @@ import torch
 
 from exactstep.durable import Journal
 from exactstep.errors import CheckpointError, DistributedError, StorageError
+from exactstep.manifest import Manifest
 from exactstep.state.checkpoint import FORMAT, load_checkpoint, publish_checkpoint, read_part
 from exactstep.state.rng import capture_rng, restore_rng
 from exactstep.state.store import checkpoint_format, read_latest_name
@@ -91,7 +92,8 @@ class Checkpointer:
     def __init__(self, root: Path, *, keep: int, model: torch.nn.Module, engine: Engine,
                  stream: Stream, ctx: Context, manifest_digest: str,
                  journals: dict[str, Journal] | None = None,
-                 multi_rank: MultiRankFormat | None = None) -> None:
+                 multi_rank: MultiRankFormat | None = None,
+                 environment: dict[str, Any] | None = None) -> None:
         if ctx.distributed and multi_rank is None:
             raise ValueError("a multi-rank job needs a multi-rank checkpoint format")
         self.root = Path(root)
@@ -103,6 +105,7 @@ class Checkpointer:
         self.manifest_digest = manifest_digest
         self.journals = journals or {}
         self.multi_rank = multi_rank
+        self.environment = environment  # recorded with each checkpoint (S9)
 
     # ------------------------------------------------------------------ save
 
@@ -121,6 +124,7 @@ class Checkpointer:
             "next_window": next_window,
             "manifest_digest": self.manifest_digest,
             "journals": {Path(j.path).name: j.mark() for j in self.journals.values()},
+            "environment": self.environment,
         }
         try:
             if self.ctx.distributed:
@@ -209,10 +213,7 @@ class Checkpointer:
     def journal_marks(self, path: Path) -> dict[str, dict[str, Any]] | None:
         """The journal marks a checkpoint recorded, or ``None`` if it cannot be read."""
         try:
-            if checkpoint_format(path) == FORMAT:
-                progress = read_part(path, "progress")
-            else:
-                progress = self._multi_rank_format().read_progress(path)
+            progress = checkpoint_progress(path, self.multi_rank)
         except (CheckpointError, DistributedError):
             return None
         return dict(progress.get("journals", {}))
@@ -222,6 +223,28 @@ class Checkpointer:
             raise DistributedError("this checkpoint was written by several ranks; resume it "
                                    "with --reshard (or under torchrun)")
         return self.multi_rank
+
+
+def checkpoint_progress(path: Path, multi_rank: MultiRankFormat | None) -> dict[str, Any]:
+    """A checkpoint's verified progress part (window, journal marks, manifest digest,
+    numerics environment), in either format; ``multi_rank`` reads a multi-rank one."""
+    if checkpoint_format(path) == FORMAT:
+        return read_part(path, "progress")
+    if multi_rank is None:
+        raise DistributedError(f"{path} is a multi-rank checkpoint; no reader for it was given")
+    return multi_rank.read_progress(path)
+
+
+def recorded_environment(checkpoint: Path | None, manifest: Manifest,
+                         multi_rank: MultiRankFormat | None) -> dict[str, Any] | None:
+    """The numerics environment a run continues from (S9): the checkpoint's own
+    record, or the manifest's (the run's start) when there is no checkpoint yet;
+    ``None`` for a run written before environments were recorded."""
+    if checkpoint is not None:
+        recorded = checkpoint_progress(checkpoint, multi_rank).get("environment")
+    else:
+        recorded = manifest.to_dict().get("environment")
+    return dict(recorded) if recorded else None
 
 
 def _restored(progress: dict[str, Any], events: list[dict[str, Any]]) -> Restored:

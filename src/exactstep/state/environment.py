@@ -1,0 +1,85 @@
+"""The numerics environment (S9): what a bitwise continuation depends on besides the
+state a checkpoint holds.
+
+The same weights, optimizer state, RNG and data cursor continue bit for bit only
+under the same kernels reducing in the same order: the intra-op thread count, the
+PyTorch build, the device, the CPU's kernel dispatch and the deterministic-algorithm
+switch. ``capture`` records them; the manifest keeps the run's first record and each
+checkpoint the record it was written under; ``differences`` names what a resume
+would change, which then makes it a declared, non-bitwise continuation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: The fields of a record, in the order they are printed.
+FIELDS = ("threads", "torch", "device", "cpu_capability", "cpu", "deterministic",
+          "gpu", "cuda")
+
+
+def capture(device: torch.device | str) -> dict[str, Any]:
+    """This process's numerics environment as plain data (JSON-ready).
+
+    Call it after the run has set its thread count: ``threads`` is the count PyTorch
+    will use, not the one asked for. ``gpu`` and ``cuda`` are ``None`` on the CPU.
+    """
+    kind = torch.device(device).type
+    on_cuda = kind == "cuda"
+    return {
+        "threads": torch.get_num_threads(),
+        "torch": str(torch.__version__),
+        "device": kind,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": cpu_model(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "gpu": torch.cuda.get_device_name(torch.device(device)) if on_cuda else None,
+        "cuda": str(torch.version.cuda) if on_cuda else None,
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def differences(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
+    """``field recorded -> current`` for each field that differs; a missing record
+    (a run from before S9 was recorded) differs as a whole."""
+    if recorded is None:
+        return ["environment not recorded"]
+    return [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
+            for key in FIELDS if recorded.get(key) != current.get(key)]
+
+
+def describe(record: Mapping[str, Any] | None) -> str:
+    """One line: ``threads=1 torch=2.13.0+cpu device=cpu ...`` (``checkpoint verify``,
+    ``eval``)."""
+    if record is None:
+        return "not recorded"
+    return " ".join(f"{key}={record[key]!r}" if isinstance(record[key], str) and " " in
+                    record[key] else f"{key}={record[key]}"
+                    for key in FIELDS if record.get(key) is not None)
+
+
+@contextlib.contextmanager
+def threads_restored() -> Iterator[None]:
+    """Give the process its intra-op thread count back on exit: a run sets its own
+    (``train.threads``, or the count its checkpoint recorded), a library caller's
+    process keeps the one it had."""
+    previous = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
