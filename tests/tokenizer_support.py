@@ -165,6 +165,30 @@ UNSTABLE_MARKED = jinja(
     "{% for m in messages %}<|im_start|>{{ m.role }}⏎{% if m.role == 'assistant' %}"
     "{% generation %}{{ m.content }}{% if loop.last %}<|im_end|>{% endif %}{% endgeneration %}"
     "{% else %}{{ m.content }}{% if loop.last %}<|im_end|>{% endif %}{% endif %}⏎{% endfor %}")
+# Phi-3 style: every turn ends with its end-of-turn marker, but the conversation as a
+# whole ends with EOS only when no generation prompt follows, so a shorter
+# conversation renders an EOS where the longer one continues (not prefix-stable).
+PHI3_STYLE_MARKED = jinja(
+    "{% for m in messages %}<|im_start|>{{ m.role }}⏎{% if m.role == 'assistant' %}"
+    "{% generation %}{{ m.content }}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c | tojson }}</tool_call>{% endfor %}{% endif %}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m.content }}<|im_end|>{% endif %}⏎{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant⏎{% else %}{{ eos_token }}{% endif %}")
+PHI3_STYLE = PHI3_STYLE_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+# Qwen3 style: an earlier turn changes once a later one exists. The reasoning of an
+# assistant answer (before '</think>') is rendered only in the last message.
+REASONING_MARKED = jinja(
+    "{% for m in messages %}<|im_start|>{{ m.role }}⏎{% if m.role == 'assistant' %}"
+    "{% generation %}{{ m.content if loop.last else m.content.split('</think>')[-1] }}"
+    "<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}⏎{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant⏎{% endif %}")
+# A marked template that is not prefix-stable and also marks its user turns: the marks
+# give more generation spans than there are assistant messages.
+PHI3_STYLE_MARKS_USERS = jinja(
+    "{% for m in messages %}<|im_start|>{{ m.role }}⏎{% if m.role != 'system' %}"
+    "{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}"
+    "<|im_end|>{% endif %}⏎{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant⏎{% else %}{{ eos_token }}{% endif %}")
 # No assistant tokens: assistant messages are not rendered at all.
 NO_ASSISTANT = jinja(
     "{% for m in messages %}{% if m.role != 'assistant' %}<|im_start|>{{ m.role }}⏎"

@@ -27,6 +27,10 @@ from tokenizer_support import (
     EOT_OUTSIDE_MARKED,
     NO_ASSISTANT,
     NO_ASSISTANT_MARKED,
+    PHI3_STYLE,
+    PHI3_STYLE_MARKED,
+    PHI3_STYLE_MARKS_USERS,
+    REASONING_MARKED,
     TEMPLATES,
     UNSTABLE,
     UNSTABLE_MARKED,
@@ -242,6 +246,79 @@ def test_an_assistant_opening_needs_markers(tokenizers) -> None:
     np.testing.assert_array_equal(got, expected_mask(kinds, "default"))
 
 
+# Templates that are not prefix-stable: with {% generation %} markers the marks alone
+# say what each assistant turn generates (H2), as transformers'
+# return_assistant_tokens_mask does; without them ownership cannot be derived.
+PHI3_PIECES = [*PIECES["chatml"], ("</s>", "P")]  # EOS closes only the whole conversation
+THINKING = Conversation((
+    Message("user", "What is 2+2?"),
+    Message("assistant", "<think>2 and 2</think>4"),
+    Message("user", "And 3+3?"),
+    Message("assistant", "<think>3 and 3</think>6, of course."),
+), name="think.jsonl:3")
+THINKING_PIECES = [  # the earlier answer loses its reasoning once a later turn exists
+    ("<|im_start|>user\nWhat is 2+2?<|im_end|>\n", "P"),
+    ("<|im_start|>assistant\n", "P"),
+    ("4", "C1"), ("<|im_end|>", "E1"), ("\n", "S1"),
+    ("<|im_start|>user\nAnd 3+3?<|im_end|>\n", "P"),
+    ("<|im_start|>assistant\n", "P"),
+    ("<think>3 and 3</think>6, of course.", "C2"), ("<|im_end|>", "E2"), ("\n", "S2"),
+]
+UNSTABLE_CASES = [
+    ("phi3", PHI3_STYLE_MARKED, CONV, PHI3_PIECES),
+    ("phi3-tools", PHI3_STYLE_MARKED, TOOLS, [*TOOL_PIECES, ("</s>", "P")]),
+    ("reasoning", REASONING_MARKED, THINKING, THINKING_PIECES),
+]
+
+
+@pytest.mark.parametrize("policy", ["default", "no-eot", "last-turn", "no-tool-calls"])
+@pytest.mark.parametrize(("source", "conversation", "pieces"),
+                         [case[1:] for case in UNSTABLE_CASES],
+                         ids=[case[0] for case in UNSTABLE_CASES])
+def test_a_marked_template_that_is_not_prefix_stable_owns_what_its_marks_say(
+        tmp_path, source, conversation, pieces, policy) -> None:
+    directory = save_tokenizer(tmp_path / "tok", chat_template=source)
+    tok = load_hf_tokenizer(directory)
+    renders = [template_for(tok).render(conversation.messages[:k], tok).tokens.tolist()
+               for k in range(1, len(conversation.messages) + 1)]
+    assert any(longer[: len(shorter)] != shorter  # the premise: not prefix-stable
+               for shorter, longer in zip(renders, renders[1:], strict=False))
+    want_ids, kinds = expected_tokens(directory, pieces)
+    tokens, got = owned(tok, conversation, POLICIES[policy][0])
+    assert tokens.tolist() == want_ids
+    np.testing.assert_array_equal(got, expected_mask(kinds, policy))
+
+
+def test_negative_control_the_same_template_without_markers_is_refused(tmp_path) -> None:
+    tok = load_hf_tokenizer(save_tokenizer(tmp_path / "tok", chat_template=PHI3_STYLE))
+    with pytest.raises(DataError, match=r"chat.jsonl:7: template .* is not prefix-stable.*"
+                                        r"add \{% generation %\} markers"):
+        owned(tok, CONV, ChatPolicy())
+
+
+def test_negative_control_unstable_marks_on_user_turns_are_refused(tmp_path) -> None:
+    """Without prefix stability the marks are matched to assistant messages in order:
+    a template that also marks its user turns gives four spans for two answers."""
+    tok = load_hf_tokenizer(save_tokenizer(tmp_path / "tok", chat_template=PHI3_STYLE_MARKS_USERS))
+    with pytest.raises(DataError, match=r"chat.jsonl:7: template .* marks 4 generation spans "
+                                        r"for 2 assistant messages"):
+        owned(tok, CONV, ChatPolicy())
+
+
+def test_the_prompt_of_a_template_that_is_not_prefix_stable(tmp_path) -> None:
+    """The prompt is what the template renders with the generation prompt (no EOS:
+    that closes only a finished conversation), its header the assistant's."""
+    directory = save_tokenizer(tmp_path / "tok", chat_template=PHI3_STYLE_MARKED)
+    tok = load_hf_tokenizer(directory)
+    want_ids, _ = expected_tokens(directory, PIECES["chatml"][:8])
+    prompt = template_for(tok).render_prompt(CONV.messages[:4], tok)
+    assert prompt.tokens.tolist() == want_ids
+    header = prompt.message == 4
+    assert tok.decode(prompt.tokens[header]) == "<|im_start|>assistant\n"
+    assert (prompt.role[header] == Role.ASSISTANT).all()
+    assert (prompt.part[header] == Part.HEADER).all()
+
+
 # --------------------------------------------------------------------------- negative controls
 
 
@@ -287,9 +364,8 @@ def test_negative_control_a_generation_block_one_token_too_wide_is_seen(tmp_path
     assert [tok.token_text(int(tokens[j])) for j in extra] == ["\\n", "\\n"]
 
 
-@pytest.mark.parametrize("source", [UNSTABLE, UNSTABLE_MARKED], ids=["prefixes", "markers"])
-def test_negative_control_a_prefix_unstable_template_is_refused(tmp_path, source) -> None:
-    directory = save_tokenizer(tmp_path / "tok", chat_template=source)
+def test_negative_control_a_prefix_unstable_template_is_refused(tmp_path) -> None:
+    directory = save_tokenizer(tmp_path / "tok", chat_template=UNSTABLE)
     tok = load_hf_tokenizer(directory)
     with pytest.raises(DataError) as caught:
         owned(tok, CONV, ChatPolicy())
@@ -297,6 +373,28 @@ def test_negative_control_a_prefix_unstable_template_is_refused(tmp_path, source
     assert message.startswith("chat.jsonl:7: template ") and str(directory) in message
     assert "is not prefix-stable: the rendering of the first 1 message" in message
     assert "(token 14: '<|im_end|>' vs '\\n')" in message and "\n" not in message
+    assert "add {% generation %} markers" in message
+
+
+def test_markers_without_prefix_stability_still_need_an_end_of_turn_in_every_turn(
+        tmp_path) -> None:
+    """With markers prefix stability is not asked for, but the marks' own checks are:
+    this template closes only the last turn, so assistant message 2 generates no
+    end-of-turn token. Without ``chat.supervise_eot`` the same marks are accepted and
+    own the hand-written content."""
+    directory = save_tokenizer(tmp_path / "tok", chat_template=UNSTABLE_MARKED)
+    tok = load_hf_tokenizer(directory)
+    with pytest.raises(DataError, match=r"chat.jsonl:7: template .* renders no end-of-turn "
+                                        r"token in the generation of assistant message 2"):
+        owned(tok, CONV, ChatPolicy())
+    want_ids, kinds = expected_tokens(directory, [
+        ("<|im_start|>system\nBe brief.\n", "P"), ("<|im_start|>user\nWhat is 2+2?\n", "P"),
+        ("<|im_start|>assistant\n", "P"), ("4", "C1"), ("\n", "S1"),
+        ("<|im_start|>user\nAnd 3+3?\n", "P"), ("<|im_start|>assistant\n", "P"),
+        ("6, of course.", "C2"), ("<|im_end|>", "E2"), ("\n", "S2")])
+    tokens, got = owned(tok, CONV, ChatPolicy(supervise_eot=False))
+    assert tokens.tolist() == want_ids
+    np.testing.assert_array_equal(got, expected_mask(kinds, "no-eot"))
 
 
 @pytest.mark.parametrize("source", [NO_ASSISTANT, NO_ASSISTANT_MARKED],

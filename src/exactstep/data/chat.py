@@ -144,7 +144,9 @@ class RenderedChat:
     """Parallel per-token arrays of one rendered conversation (R5).
 
     ``tokens`` int64 [n]; ``role`` int8 [n] (``Role``); ``message`` int32 [n], the
-    index of the message a token belongs to (-1 for BOS); ``part`` int8 [n] (``Part``).
+    index of the message a token belongs to (-1, role ``NONE``, for a token no message
+    owns: the BOS, and under a marked template that is not prefix-stable every token
+    outside its generation marks, ``data.hf_chat``); ``part`` int8 [n] (``Part``).
     Invariant: all four have the same length, and token ``j``'s role and span are
     ``(role[j], message[j], part[j])`` as emitted by the template, never inferred.
     """

@@ -43,13 +43,27 @@ Derivation, for a conversation of messages ``0..n-1``:
    no end-of-turn marker.
 4. **Other messages.** Their tokens are ``CONTENT`` of their role, never targets; a
    generation marker on them is refused.
+5. **Marked templates that are not prefix-stable** (Phi-3 closes only a finished
+   conversation with EOS; Qwen3 drops the reasoning of earlier answers once a later
+   turn exists). The markers alone define what each assistant turn generates, as
+   ``return_assistant_tokens_mask`` does, so no message spans are needed: the runs of
+   marked tokens of ``R_n``, in order, are the generations of the assistant messages,
+   in order (there must be exactly one run per assistant message). In a run, the
+   last special token is ``END_OF_TURN``, tokens at or after the tool-call start
+   (where the run first differs from the same run rendered without the message's
+   tool calls) and before it ``TOOL_CALL``, the rest ``CONTENT``. Tokens outside
+   every run belong to no message the template identifies: role ``NONE``, message
+   -1, never targets. A prompt (``render_prompt``) is ``G_k``; the tokens it shares
+   with ``R_k`` keep their labels and the rest is the assistant's header.
 
 Checks, each a ``DataError`` naming the template (``rows.chat`` prefixes the
-conversation): prefix stability of every ``R_k`` and ``G_k``, the marked
-tokenization equal to ``R_n``, no marker outside assistant messages, and a render
-the template itself refuses (``raise_exception``, a Jinja error). ``rows.chat`` then
-checks that every selected assistant turn has a non-empty generation and, under
-``chat.supervise_eot``, its end-of-turn marker inside it.
+conversation): prefix stability of every ``R_k`` and ``G_k`` for a template without
+markers (with markers, one marked run per assistant message where prefix stability
+does not hold), the marked tokenization equal to ``R_n``, no marker outside
+assistant messages, and a render the template itself refuses (``raise_exception``,
+a Jinja error). ``rows.chat`` then checks that every selected assistant turn has a
+non-empty generation and, under ``chat.supervise_eot``, its end-of-turn marker
+inside it (H2).
 """
 
 from __future__ import annotations
@@ -120,8 +134,12 @@ class HFChatTemplate:
         rendering = _Rendering(self, tokenizer, messages)
         done = rendering.rendered() if messages else _empty_chat()
         prompt = rendering.tokens(len(messages), prompt=True)
-        rendering.require_prefix(done.tokens.tolist(), prompt, _first(len(messages)),
-                                 _prompted(len(messages)))
+        shared = done.tokens.tolist()
+        if self.marked and prompt[: len(shared)] != shared:  # marks only (docstring, 5)
+            done = _head(done, _common_prefix(shared, prompt))
+        else:
+            rendering.require_prefix(shared, prompt, _first(len(messages)),
+                                     _prompted(len(messages)))
         header = prompt[len(done):]
         if not header:
             raise rendering.no_header()
@@ -161,17 +179,26 @@ class _Rendering:
 
     def marked_mask(self, tokens: list[int]) -> np.ndarray:
         """The template's assistant mask over the whole conversation (bool [n])."""
-        try:
-            out = self.tokenizer.hf.apply_chat_template(
-                self.dicts, chat_template=self.template.source, tokenize=True,
-                return_dict=True, return_assistant_tokens_mask=True)
-        except Exception as exc:  # a user's template may raise anything
-            raise self.failed(len(self.dicts), exc) from None
-        if list(out["input_ids"]) != tokens:
+        ids, mask = self.assistant_mask(self.dicts)
+        if ids != tokens:
             raise DataError(f"template {self.template.label}: the rendering with its "
                             "generation markers tokenizes differently from the plain one; "
                             "check the tokenizer and the template")
-        return np.asarray(out["assistant_masks"], dtype=bool)
+        return mask
+
+    def assistant_mask(self, conversation: list[dict]) -> tuple[list[int], np.ndarray]:
+        """(ids, assistant mask bool [n]) of ``conversation`` as transformers marks it."""
+        try:
+            out = self.tokenizer.hf.apply_chat_template(
+                conversation, chat_template=self.template.source, tokenize=True,
+                return_dict=True, return_assistant_tokens_mask=True)
+        except Exception as exc:  # a user's template may raise anything
+            raise self.failed(len(conversation), exc) from None
+        mask = np.asarray(out["assistant_masks"], dtype=bool)
+        if mask.shape != (len(out["input_ids"]),):
+            raise DataError(f"template {self.template.label}: its assistant mask has "
+                            f"{mask.size} entries for {len(out['input_ids'])} tokens")
+        return list(out["input_ids"]), mask
 
     # ------------------------------------------------------------------ labelling
 
@@ -180,6 +207,8 @@ class _Rendering:
             return _empty_chat()
         prefixes = [self.tokens(k) for k in range(1, len(self.messages) + 1)]
         for k in range(1, len(prefixes)):
+            if self.template.marked and prefixes[k][: len(prefixes[k - 1])] != prefixes[k - 1]:
+                return self.marks_only(prefixes[-1])
             self.require_prefix(prefixes[k - 1], prefixes[k], _first(k), _first(k + 1))
         tokens = prefixes[-1]
         mask = self.marked_mask(tokens) if self.template.marked else None
@@ -228,6 +257,48 @@ class _Rendering:
             else:
                 parts[i - lo] = int(Part.CONTENT)
         return parts
+
+    def marks_only(self, tokens: list[int]) -> RenderedChat:
+        """Labels from the generation marks alone, for a marked template that is not
+        prefix-stable (module docstring, 5)."""
+        runs = _runs(self.marked_mask(tokens))
+        turns = [k for k, msg in enumerate(self.messages) if msg.role == "assistant"]
+        if len(runs) != len(turns):
+            raise self.runs_mismatch(len(runs), len(turns))
+        n = len(tokens)
+        role = np.full(n, int(Role.NONE), dtype=np.int8)
+        message = np.full(n, -1, dtype=np.int32)
+        part = np.full(n, int(Part.BEGIN), dtype=np.int8)
+        for index, (k, (lo, hi)) in enumerate(zip(turns, runs, strict=True)):
+            role[lo:hi] = int(Role.ASSISTANT)
+            message[lo:hi] = k
+            part[lo:hi] = int(Part.CONTENT)
+            eot = self.end_of_turn(tokens, lo, hi)
+            if self.messages[k].tool_calls:
+                start = self.marked_tool_call_start(k, index, lo, hi, tokens)
+                part[start:hi if eot is None else eot] = int(Part.TOOL_CALL)
+            if eot is not None:
+                part[eot] = int(Part.END_OF_TURN)
+        return RenderedChat(tokens=np.asarray(tokens, dtype=np.int64), role=role,
+                            message=message, part=part)
+
+    def marked_tool_call_start(self, k: int, index: int, lo: int, hi: int,
+                               tokens: list[int]) -> int:
+        """Where assistant message ``k``'s marked run ``[lo, hi)`` (its ``index``-th)
+        first differs from the run of a rendering without its tool calls; ``lo`` when
+        that rendering generates nothing for it."""
+        without = [*self.dicts]
+        without[k] = {"role": "assistant", "content": self.messages[k].content}
+        ids, mask = self.assistant_mask(without)
+        runs = _runs(mask)
+        turns = sum(msg.role == "assistant" for msg in self.messages)
+        if len(runs) == turns - 1:
+            return lo
+        if len(runs) != turns:
+            raise self.runs_mismatch(len(runs), turns,
+                                     f" (with message {k}'s tool calls left out)")
+        a, b = runs[index]
+        return lo + _common_prefix(tokens[lo:hi], ids[a:b])
 
     def header_end(self, k: int, lo: int, hi: int, tokens: list[int]) -> int:
         """Where assistant message ``k``'s header ends: the end of ``G_k``."""
@@ -278,7 +349,17 @@ class _Rendering:
             f"template {self.template.label} is not prefix-stable: the rendering of "
             f"{shorter_what} ({len(shorter)} tokens) is not a token prefix of the rendering of "
             f"{longer_what} (token {at}: '{got}' vs '{other}'); ownership needs every prefix "
-            "of a conversation to render as a token prefix of it")
+            "of a conversation to render as a token prefix of it"
+            + ("" if self.template.marked else
+               ", or the template to mark what the model generates: add {% generation %} "
+               "markers around each assistant turn's answer and end-of-turn token"))
+
+    def runs_mismatch(self, runs: int, turns: int, what: str = "") -> DataError:
+        return DataError(
+            f"template {self.template.label} is not prefix-stable, so only its "
+            "{% generation %} marks can tell the assistant turns apart, and it marks "
+            f"{runs} generation spans for {turns} assistant messages{what}; mark each "
+            "assistant turn's answer (never empty) and nothing else")
 
     def no_header(self) -> DataError:
         return DataError(
@@ -303,3 +384,24 @@ def _prompted(k: int) -> str:
 def _empty_chat() -> RenderedChat:
     return RenderedChat(tokens=np.zeros(0, dtype=np.int64), role=np.zeros(0, dtype=np.int8),
                         message=np.zeros(0, dtype=np.int32), part=np.zeros(0, dtype=np.int8))
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """The maximal runs ``[lo, hi)`` of true entries of a bool mask, in order."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(),
+                    strict=True))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _head(chat: RenderedChat, n: int) -> RenderedChat:
+    return RenderedChat(tokens=chat.tokens[:n], role=chat.role[:n], message=chat.message[:n],
+                        part=chat.part[:n])
