@@ -7,6 +7,11 @@ optimizer, schedule, scaler, RNG, data cursor and progress, and identical ledger
 Negative controls: the same comparison run on a resume that drops the data cursor,
 or the RNG state, must fail.
 
+Each launch runs under the next of ``OMP_NUM_THREADS`` unset, ``1`` and ``2`` (the
+caller's value is never used), so every lineage crosses thread defaults: a run
+trained with ``train.threads=1`` resumes at its recorded count whatever the resuming
+process's default (S9).
+
 Every process runs through a small launcher (written into ``tmp_path``) that
 (0) seeds every RNG stream from the run's seed when it starts a new run (the
 streams otherwise start from OS entropy); (1) advances the Python, NumPy and torch RNG streams at the start of each window,
@@ -17,11 +22,14 @@ observable; (2) optionally SIGKILLs its own process at a named moment; and
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -119,7 +127,22 @@ def settings(corpus: Path) -> list[str]:
     return out
 
 
+#: The thread settings launches cycle through (None: the variable is unset).
+OMP_SETTINGS = (None, "1", "2")
+
+
+def omp_env(setting: str | None) -> dict[str, str]:
+    """This process's environment with ``OMP_NUM_THREADS`` set to ``setting`` (or unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if setting is not None:
+        env["OMP_NUM_THREADS"] = setting
+    return env
+
+
 class Harness:
+    _settings = itertools.cycle(OMP_SETTINGS)
+    _lock = threading.Lock()
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.launcher = root / "launch.py"
@@ -135,12 +158,18 @@ class Harness:
         defect: str = "none",
         kill_after_lines: int = 0,
         run_dir: Path,
+        omp: str | None | bool = False,
     ) -> int:
         """Run one process; with ``kill_after_lines`` the parent SIGKILLs it as soon
-        as the ledger holds that many lines. Returns the exit status."""
+        as the ledger holds that many lines. ``omp`` is its ``OMP_NUM_THREADS``
+        (``None``: unset; by default the next of ``OMP_SETTINGS``). Returns the exit
+        status."""
         args = [sys.executable, str(self.launcher), kill_at, defect, *command]
+        with Harness._lock:
+            setting = next(Harness._settings) if omp is False else omp
         proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.root
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.root,
+            env=omp_env(setting),
         )
         if kill_after_lines:
             kill_once_ledger_has(proc, run_dir, kill_after_lines)
