@@ -55,7 +55,9 @@ class TrainConfig:
     thread (``rows.background``), or ``"process"``, a loader process started with
     ``spawn`` (``rows.loader_process``; a script that trains must then do so under
     ``if __name__ == "__main__":``). Neither changes the batches or the resume state,
-    so a resume may change them.
+    so a resume may change them. ``threads``: intra-op threads (0 = PyTorch's count);
+    the count used is recorded (S9), a resume restores it, and a resume given another
+    count is a declared, non-bitwise continuation.
     """
 
     steps: int = 800
