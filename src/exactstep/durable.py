@@ -14,21 +14,35 @@ Every file exactstep must not lose goes through here:
   (``check_mark``) before truncating the tail written after that checkpoint.
 * ``ensure_writable_dir``: refuse a run directory that cannot be written, before
   anything is built.
+* ``locked_directory`` / ``exclusive_lock``: one process at a time on a run directory
+  or an output (S8, X4): an exclusive ``flock`` on a lock file holding the holder's
+  PID, which the kernel releases when the process ends, however it ends. A second
+  process is refused (``DirectoryInUse``, naming the PID) before it touches anything.
+  A clean exit removes the lock file; one left by a killed process holds no lock and
+  is taken over by the next command (nothing else reads it).
+* ``stale_temporaries``: the temporary siblings (``.NAME.tmp-PID``) that a killed
+  process left beside ``NAME``; never published, so a rerun may remove them (S8).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from exactstep.errors import ConfigError
+from exactstep.errors import ConfigError, DirectoryInUse, StorageError
 
 # Bytes hashed per read when a journal's prefix is verified.
 _CHUNK = 1 << 20
+#: A run directory's lock file (``RUN/.exactstep.lock``, see ``locked_directory``).
+LOCK_FILE = ".exactstep.lock"
 
 
 def fsync_path(path: Path) -> None:
@@ -130,6 +144,222 @@ def ensure_writable_dir(path: Path, what: str) -> None:
                           "directory you can write to") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} {path} is not writable; choose a directory you can write to")
+
+
+# --------------------------------------------------------------------------- locks
+
+
+def lock_beside(path: Path) -> Path:
+    """The lock file of an output that is published whole at ``path`` (``.NAME.lock``
+    beside it, since ``path`` itself must not exist, or stay empty, until then)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_path`` for the block, or raise ``DirectoryInUse``
+    naming the holder's PID (``what`` names the thing locked, e.g. ``--out runs/x``).
+
+    The lock is ``flock`` on the file, so the kernel drops it when the holder ends,
+    even by SIGKILL; the file holds the holder's PID and is removed on release. The
+    descriptor is not inherited by child processes (PEP 446), so a worker that
+    outlives its parent holds no lock. On a file system without ``flock`` the block
+    runs unlocked after one warning line. Directories made for the lock file are
+    removed again on release if they are empty then (a refused ``--out a/b/c`` leaves
+    no ``a/b``).
+    """
+    lock_path = Path(lock_path)
+    made = _first_missing(lock_path.parent)
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot create {lock_path.parent} ({exc.strerror}); "
+                          "choose a directory you can write to") from None
+    fd = acquire_lock(lock_path, what)
+    try:
+        yield
+    finally:
+        release_lock(fd, lock_path)
+        if made is not None:
+            _remove_empty(lock_path.parent, made)
+
+
+def acquire_lock(lock_path: Path, what: str) -> int | None:
+    """``exclusive_lock``'s first half: the locked descriptor (``None``: no locks here)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        _unlocked(what, "this system has no flock")
+        return None
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StorageError(f"cannot create the lock file {lock_path} of {what} "
+                               f"({exc.strerror}); choose a directory you can write to"
+                               ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise DirectoryInUse(f"{what} is in use by {holder} (it holds {lock_path}); "
+                                 "wait for it to end, or stop it, then run this command "
+                                 "again") from None
+        except OSError as exc:  # ENOLCK, EOPNOTSUPP: a file system without locks
+            os.close(fd)
+            _unlocked(what, exc.strerror or str(exc))
+            return None
+        if _names(fd, lock_path):
+            break
+        os.close(fd)  # its last holder removed that file meanwhile: lock the one there now
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError:
+        pass  # the lock is held; the PID only helps the message of a second process
+    return fd
+
+
+def release_lock(fd: int | None, lock_path: Path) -> None:
+    """Remove ``lock_path`` (if it is still the file locked) and drop the lock."""
+    if fd is None:
+        return
+    try:
+        if _names(fd, Path(lock_path)):
+            os.unlink(lock_path)
+    except OSError:
+        pass  # a lock file left behind holds no lock
+    finally:
+        os.close(fd)
+
+
+def _names(fd: int, path: Path) -> bool:
+    """Whether ``path`` is (still) the file open as ``fd``."""
+    try:
+        there = os.stat(path)
+    except OSError:
+        return False
+    here = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino)
+
+
+def _lock_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    return f"process {text}" if text.isdigit() else "another process"
+
+
+def _unlocked(what: str, why: str) -> None:
+    print(f"exactstep: warning: {what} cannot be locked ({why}); nothing stops another "
+          "process from using it at the same time", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def locked_directory(path: Path, what: str, *, committed: str | None = None
+                     ) -> Iterator[Path]:
+    """Create ``path`` if needed (``ensure_writable_dir``) and hold its lock
+    (``path/LOCK_FILE``, ``exclusive_lock``) for the block (S8, X4).
+
+    With ``committed`` (a file whose presence means the directory holds something
+    committed, e.g. a run's ``manifest.json``): when the block raises before that file
+    exists, what this call created is removed again: the entries that appeared in
+    ``path`` during the block and, when ``path`` did not exist before, ``path`` itself
+    with the parents this call made. A refused start leaves nothing new behind; a
+    directory holding a committed file, or anything present before, is never touched.
+    """
+    path = Path(path)
+    made = _first_missing(path)
+    ensure_writable_dir(path, what)
+    lock = path / LOCK_FILE
+    fd = acquire_lock(lock, f"{what} {path}")
+    try:
+        before = set(os.listdir(path)) | {LOCK_FILE}
+        try:
+            yield path
+        except BaseException:
+            if committed is not None and not (path / committed).exists():
+                _remove_created(path, before, made)
+            raise
+    finally:
+        release_lock(fd, lock)
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet (or ``None``)."""
+    missing = None
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            break
+        missing = candidate
+    return missing
+
+
+def _remove_created(path: Path, before: set[str], made: Path | None) -> None:
+    """``locked_directory``'s clean-up of a refused start (never raises)."""
+    try:
+        for name in set(os.listdir(path)) - before:
+            entry = path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        if made is None:
+            return
+        (path / LOCK_FILE).unlink(missing_ok=True)  # still locked: a waiter looks again
+        _remove_empty(path, made)
+    except OSError:
+        pass  # what is left is this process's own and empty of anything committed
+
+
+def _remove_empty(path: Path, made: Path) -> None:
+    """rmdir ``path`` and its parents up to ``made`` while they are empty."""
+    for directory in (path, *path.parents):
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+        if directory == made:
+            return
+
+
+# Temporary sibling names: ``.NAME.tmp-PID`` (``_temporary_sibling``, an export's directory).
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)")
+
+
+def stale_temporaries(path: Path) -> list[Path]:
+    """The temporary siblings of ``path`` (``.NAME.tmp-PID``) whose process no longer
+    runs: a process removes its own on every exit it sees, so these were left by a
+    killed one and were never published (S8). A name whose PID runs is kept."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    stale = []
+    for entry in sorted(path.parent.iterdir()):
+        match = _TEMPORARY.fullmatch(entry.name)
+        if match and match["name"] == path.name and not pid_running(int(match["pid"])):
+            stale.append(entry)
+    return stale
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has ended)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc here: it exists
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 class Journal:

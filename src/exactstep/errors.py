@@ -58,3 +58,11 @@ class StorageError(ExactstepError):
 
 class ExportError(ExactstepError):
     """An export could not be written or failed its handoff check (H3); nothing was published."""
+
+
+class DirectoryInUse(ExactstepError):
+    """Another process holds the lock of a run directory (or a ``prepare`` or ``export``
+    output); the message names its PID. Nothing was touched: run the command again once
+    that process has ended. Exit code 75 (``EX_TEMPFAIL``: try again later)."""
+
+    exit_code = 75

@@ -30,12 +30,13 @@ import torch
 
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
 from exactstep.data.tokenizer import ByteTokenizer
-from exactstep.durable import Journal, ensure_writable_dir
+from exactstep.durable import Journal, ensure_writable_dir, locked_directory
 from exactstep.errors import CheckpointError, DistributedError, Interrupted, ResumeError
 from exactstep.eval import Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
 from exactstep.manifest import (
+    MANIFEST_FILE,
     Manifest,
     build_manifest,
     diff_manifests,
@@ -46,7 +47,12 @@ from exactstep.manifest import (
 from exactstep.model.decoder import model_section
 from exactstep.parallel.checkpoint import DcpFormat
 from exactstep.parallel.launch import collective_guard
-from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
+from exactstep.parallel.process_group import (
+    DistContext,
+    init_distributed,
+    launcher_values,
+    shutdown,
+)
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.window import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.wrap import shard_model
@@ -253,15 +259,30 @@ def identity_of(run: Run, start: int) -> RunIdentity:
 
 
 def train(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
-    """A new run in ``out_dir``. Refuses a directory that already holds another run."""
+    """A new run in ``out_dir``. Refuses a directory that already holds another run, or
+    that another process works in (``hold_run_dir``)."""
     started = time.perf_counter()
-    ensure_writable_dir(out_dir, "--out")
-    with environment.threads_restored():
+    with hold_run_dir(out_dir, "--out", new=True), environment.threads_restored():
         run = build_run(cfg, out_dir)
         try:
             return train_new(run, started, progress)
         finally:
             shutdown(run.ctx)
+
+
+def hold_run_dir(path: Path, what: str, *, new: bool = False
+                 ) -> contextlib.AbstractContextManager:
+    """The run directory's lock for the life of this command (S8, X4; durable's
+    ``locked_directory``): a second ``train``, ``resume`` or warm start into it is
+    refused, naming this process, before it changes anything. Held by the job's rank 0
+    (the only process, or rank 0 under torchrun; ``--nproc``'s launcher holds none),
+    so the ranks of one job never lock each other out. ``new``: a start refused before
+    the run's manifest was written leaves no new directory behind."""
+    values = launcher_values(os.environ)
+    if values is not None and values[0] != 0:
+        ensure_writable_dir(path, what)
+        return contextlib.nullcontext()
+    return locked_directory(path, what, committed=MANIFEST_FILE if new else None)
 
 
 def train_new(run: Run, started: float, progress: bool) -> dict[str, Any]:
@@ -323,7 +344,15 @@ def resume(
     cfg = apply_overrides(config_from_manifest(old), overrides)
     if warm_start_dir is not None:
         return warm_start(run_dir, old, cfg, warm_start_dir, from_checkpoint, progress)
-    ensure_writable_dir(run_dir, "run directory")
+    with hold_run_dir(run_dir, "run directory"):  # before a checkpoint is chosen (S8)
+        return continue_run(run_dir, old, cfg, overrides, from_checkpoint, reshard, progress,
+                            started)
+
+
+def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequence[str],
+                 from_checkpoint: Path | None, reshard: bool, progress: bool,
+                 started: float) -> dict[str, Any]:
+    """``resume``'s exact continuation, with the run directory held."""
     point = choose_resume_point(Path(run_dir) / "checkpoints", from_checkpoint)
     if point.path is None:
         refuse_lost_checkpoints(Path(run_dir), cfg)
@@ -450,8 +479,7 @@ def warm_start(run_dir: Path, old: Manifest, cfg: RunConfig, new_dir: Path,
     parent = {"run_dir": str(run_dir), "checkpoint": point.path.name,
               "manifest_digest": old.digest}
     started = time.perf_counter()
-    ensure_writable_dir(new_dir, "--warm-start")
-    with environment.threads_restored():
+    with hold_run_dir(new_dir, "--warm-start", new=True), environment.threads_restored():
         run = build_run(cfg, new_dir, parent=parent)
         try:
             load_weights(point.path, run.model, DcpFormat(run.ctx))
