@@ -1,7 +1,10 @@
 """H3 export of a built-in decoder run: plain ``transformers`` loads the directory, its
 logits match the checkpoint's model, its tokenizer is the byte tokenizer, its chat
 template renders what exactstep rendered (and owns what exactstep owned), and the
-handoff check refuses a wrong artifact before anything is published.
+handoff check refuses a wrong artifact before anything is published. An HF run with a
+tokenizer from ``exactstep tokenizer train`` exports that tokenizer and its special
+ids in config.json, generation_config.json and the tokenizer alike, or is refused
+naming why (Qwen2).
 
 Expectations are independent of the export code: the checkpoint's weights are loaded
 into the built-in decoder by the test, the byte ids are the text's UTF-8 bytes, and
@@ -177,16 +180,17 @@ def test_chat_export_renders_and_owns_what_exactstep_did(tmp_path) -> None:
 
 
 def test_an_hf_model_run_exports_as_itself(tmp_path) -> None:
-    """A run that trained an HF model (here Qwen2 from a config) exports that model;
-    plain transformers reproduces the checkpoint's logits (H1 + H3)."""
-    config = json.dumps({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
-                         "num_hidden_layers": 2, "num_attention_heads": 4,
+    """A run that trained an HF model (here Qwen3 from a config) exports that model;
+    plain transformers reproduces the checkpoint's logits (H1 + H3) and loads the
+    byte tokenizer back as itself (a decomposed accent stays its three bytes)."""
+    config = json.dumps({"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+                         "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8,
                          "num_key_value_heads": 2, "max_position_embeddings": 64})
     run = train(tmp_path, "hf", "model.source=hf", f"model.hf_config={config}")
     out = tmp_path / "exported"
     assert main(["export", str(run), "--out", str(out)]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
     weights = load_checkpoint(latest_checkpoint(run / "checkpoints"))[0]
     fresh = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**{**json.loads(config), "vocab_size": TOK.vocab_size}))
@@ -195,7 +199,26 @@ def test_an_hf_model_run_exports_as_itself(tmp_path) -> None:
     ids = torch.tensor([[TOK.bos_id, *TEXTS[0].encode("utf-8")]])
     with torch.no_grad():
         assert (hf(input_ids=ids).logits - fresh(input_ids=ids).logits).abs().max() <= 1e-5
-    assert json.loads((out / "passport.json").read_text())["architecture"] == "Qwen2ForCausalLM"
+    assert json.loads((out / "passport.json").read_text())["architecture"] == "Qwen3ForCausalLM"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) == TOK.vocab_size
+    for text in [*TEXTS, "e\u0301te\u0301"]:
+        assert tokenizer.encode(text, add_special_tokens=False) == list(text.encode("utf-8"))
+
+
+def test_a_qwen2_run_with_the_byte_tokenizer_is_refused(tmp_path) -> None:
+    """Under model_type qwen2 plain transformers would load the byte tokenizer as
+    Qwen2Tokenizer: NFC-normalized text (a decomposed accent no longer its bytes) and
+    an added '<|endoftext|>' at id 259, outside the model's 259 embedding rows. The
+    export is refused, naming that; Qwen3 above is the negative control."""
+    config = json.dumps({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+                         "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "max_position_embeddings": 64})
+    run = train(tmp_path, "hf", "model.source=hf", f"model.hf_config={config}")
+    with pytest.raises(ExportError, match=r"as Qwen2Tokenizer .* normalizer.*260 tokens "
+                                          r"instead of 259"):
+        export_module.export_run(run, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
 
 
 def test_an_hf_tokenizer_run_exports_its_tokenizer_and_template(tmp_path) -> None:
@@ -283,3 +306,107 @@ def test_the_tolerance_is_transformers_own_spread_and_a_near_miss_is_refused(
     with pytest.raises(ExportError, match="logits differ"):
         export_module.export_run(run, tmp_path / "near")
     assert not (tmp_path / "near").exists()
+
+
+# --------------------------------------------------------------------------- HF runs with a
+# tokenizer from `exactstep tokenizer train` (H2 + H3)
+
+HF_SHAPES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+# Text where a pre-tokenizer or normalizer other than the trained one would cut differently:
+# digit runs, punctuation before letters, a decomposed accent.
+BPE_TEXTS = [*TEXTS, "12: the quick brown fox.", "x.the (fox) 47 owls", "e\u0301te\u0301"]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> tuple[Path, Path]:
+    """(corpus, tokenizer directory) written by ``exactstep tokenizer train``."""
+    root = tmp_path_factory.mktemp("bpe")
+    corpus = root / "corpus.jsonl"
+    write_corpus(corpus)
+    tok = root / "tok"
+    assert main(["tokenizer", "train", "--source", str(corpus), "--vocab-size", "300",
+                 "--out", str(tok)]) == 0
+    return corpus, tok
+
+
+def train_hf_bpe(tmp_path: Path, bpe: tuple[Path, Path], model_type: str) -> Path:
+    corpus, tok = bpe
+    config = json.dumps({"model_type": model_type, **HF_SHAPES})
+    run = tmp_path / model_type
+    assert main(["train", "--no-progress", "--out", str(run), "--set", f"data.source={corpus}",
+                 "data.tokenizer=hf", f"data.tokenizer_path={tok}", "model.source=hf",
+                 f"model.hf_config={config}", *SHAPES]) == 0
+    return run
+
+
+def test_an_hf_llama_run_exports_its_tokenizer_and_its_special_ids_everywhere(tmp_path,
+                                                                             bpe) -> None:
+    """Plain transformers loads the trained BPE back as itself, and config.json,
+    generation_config.json and the tokenizer all name the run's BOS / EOS / PAD (the
+    trained tokenizer's 0 / 1 / 2), not the architecture's defaults (negative control:
+    LlamaConfig's own 1 / 2 / none, where 2 is ``<pad>``)."""
+    from exactstep.data.hf_tokenizer import load_hf_tokenizer
+
+    run = train_hf_bpe(tmp_path, bpe, "llama")
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    ours = load_hf_tokenizer(bpe[1])
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(exported) == len(ours.hf) == 300
+    for text in BPE_TEXTS:
+        assert exported.encode(text, add_special_tokens=False) == ours.encode(text)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    want = (ours.bos_id, ours.eos_id, ours.pad_id)
+    assert want == (0, 1, 2) and ours.special_tokens() == {"bos": "<bos>", "eos": "<eos>",
+                                                           "pad": "<pad>"}
+    for where in (model.config, model.generation_config, exported):
+        assert (where.bos_token_id, where.eos_token_id, where.pad_token_id) == want, where
+    default = transformers.LlamaConfig()
+    assert (default.bos_token_id, default.eos_token_id, default.pad_token_id) != want
+    assert json.loads((out / "passport.json").read_text())["special_ids"] == {
+        "bos": 0, "eos": 1, "pad": 2}
+
+
+def test_a_qwen2_run_whose_tokenizer_transformers_would_replace_is_refused(tmp_path, bpe,
+                                                                           capsys) -> None:
+    """transformers loads a ``qwen2`` directory's tokenizer as Qwen2Tokenizer whatever
+    tokenizer_config.json says, and Qwen2Tokenizer rebuilds the trained BPE with its
+    own normalizer and pre-tokenizer (and one more token): the export is refused before
+    anything is published, naming that cause and what to do instead. The same
+    tokenizer under Llama exports (the test above) is the negative control."""
+    run = train_hf_bpe(tmp_path, bpe, "qwen2")
+    out = tmp_path / "exported"
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    line = err[0]
+    assert "Qwen2Tokenizer" in line and "model_type 'qwen2'" in line
+    assert "pre_tokenizer" in line and "normalizer" in line and "301 tokens" in line
+    assert "'llama'" in line and "nothing was published" in line
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_qwen2_run_with_a_tokenizer_qwen2tokenizer_reproduces_exports(tmp_path, bpe) -> None:
+    """The refusal above is about the tokenizer, not about Qwen2: the same vocabulary
+    and merges saved by Qwen2Tokenizer itself (so trained and exported with Qwen2's
+    own pipeline) export, and plain transformers loads that tokenizer back as it was."""
+    from transformers import Qwen2Tokenizer
+
+    from exactstep.data.hf_tokenizer import load_hf_tokenizer
+
+    corpus, trained = bpe
+    core = json.loads((trained / "tokenizer.json").read_text())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in core["merges"]]
+    qwen = Qwen2Tokenizer(vocab=core["vocab"], merges=merges, bos_token="<bos>",
+                          eos_token="<eos>", pad_token="<pad>", unk_token=None)
+    qwen.save_pretrained(tmp_path / "qwen-tok")
+    run = train_hf_bpe(tmp_path, (corpus, tmp_path / "qwen-tok"), "qwen2")
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    ours = load_hf_tokenizer(tmp_path / "qwen-tok")
+    assert type(exported).__name__ == "Qwen2Tokenizer" and len(exported) == len(ours.hf)
+    for text in BPE_TEXTS:
+        assert exported.encode(text, add_special_tokens=False) == ours.encode(text)

@@ -8,8 +8,15 @@ tokenizer exports that tokenizer (and its chat template); a byte-tokenizer run t
 byte tokenizer described below. It is accepted only after the
 *written* artifact, loaded back with plain ``transformers``, reproduces the training
 model's logits on held-out documents in fp32 and its tokenizer reproduces the training
-tokenizer's ids on them. The logits must agree within ``LOGIT_TOLERANCE``, or within
-twice the spread of transformers' own two attention paths (``sdpa`` against
+tokenizer's ids on them. The tokenizer ``AutoTokenizer`` returns must moreover be the
+one written (the same normalizer, pre-tokenizer, model, added tokens, post-processor
+and decoder): for some model types transformers picks its own tokenizer class
+whatever ``tokenizer_config.json`` says (``qwen2``: ``Qwen2Tokenizer``, which rebuilds
+the vocabulary with Qwen2's own normalizer and pre-tokenizer), and such an export is
+refused naming the class and what to do instead. ``config.json``,
+``generation_config.json`` and the tokenizer all carry the run's BOS / EOS / PAD ids,
+never an architecture's defaults. The logits must agree within ``LOGIT_TOLERANCE``, or
+within twice the spread of transformers' own two attention paths (``sdpa`` against
 ``eager``, the same artifact, the same rows) where that is larger: two fp32
 implementations of a trained model differ by rounding that grows with its logits
 (1.8e-5 between transformers' own paths on the default model after ``make train``),
@@ -138,6 +145,67 @@ def byte_tokenizer_hf(tokenizer: Any, chat_template: str | None = None):
                                    model_max_length=1 << 30, **specials)
 
 
+# The parts of a ``tokenizer.json`` that decide what ids a text gets, and what text ids
+# decode to (``truncation`` and ``padding`` are call state, not the mapping).
+TOKENIZER_PARTS = ("normalizer", "pre_tokenizer", "model", "added_tokens", "post_processor",
+                   "decoder")
+SPECIAL_ROLES = ("bos", "eos", "pad")
+
+
+def special_ids_of(where: Any) -> dict[str, Any]:
+    """``{"bos": ..., "eos": ..., "pad": ...}`` of a config, generation config or
+    tokenizer (``*_token_id``; a one-element list counts as its element)."""
+    out = {}
+    for role in SPECIAL_ROLES:
+        value = getattr(where, f"{role}_token_id", None)
+        out[role] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    return out
+
+
+def check_tokenizer(tmp: Path, written: Any, special: dict[str, int]) -> Any:
+    """``AutoTokenizer.from_pretrained(tmp)`` must be the tokenizer written (H2, H3).
+
+    Compares the backend pipelines part by part (``TOKENIZER_PARTS``) and the special
+    ids with the run's. Returns the loaded tokenizer; raises ``ExportError`` naming
+    the class transformers chose, the differing parts and what to do instead.
+    """
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tmp)
+    ours = json.loads(written.backend_tokenizer.to_str())
+    theirs = json.loads(loaded.backend_tokenizer.to_str())
+    parts = [part for part in TOKENIZER_PARTS if ours.get(part) != theirs.get(part)]
+    if parts:
+        model_type = _json(tmp / "config.json").get("model_type")
+        declared = _json(tmp / "tokenizer_config.json").get("tokenizer_class")
+        chosen = type(loaded).__name__
+        why = "" if chosen == declared else (
+            f" (for model_type {model_type!r} transformers chooses that class itself, whatever "
+            f"tokenizer_config.json's tokenizer_class {declared!r} says)")
+        sizes = "" if len(loaded) == len(written) else (
+            f", with {len(loaded)} tokens instead of {len(written)}")
+        raise ExportError(
+            f"plain transformers loads the exported tokenizer as {chosen}{why}, and it differs "
+            f"from the run's tokenizer in its {', '.join(parts)}{sizes}: it would tokenize text "
+            f"differently from training; export a run whose tokenizer {chosen} reproduces (one "
+            f"saved by {chosen} itself), or train with a model type whose tokenizer "
+            "transformers loads as written (e.g. 'llama', or 'qwen3' for Qwen2's layout); "
+            "nothing was published")
+    got = special_ids_of(loaded)
+    if got != special:
+        raise ExportError(f"the exported tokenizer's special ids {got} differ from the run's "
+                          f"{special}; nothing was published")
+    return loaded
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 # --------------------------------------------------------------------------- export
 
 
@@ -191,7 +259,8 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_artifact(tmp, model, cfg, tokenizer, template)
+        written = write_artifact(tmp, model, cfg, tokenizer, template)
+        check_tokenizer(tmp, written, tokenizer.special_ids())
         figures = handoff_check(tmp, model, tokenizer, data.val,
                                 max_tokens=min(CHECK_TOKENS, cfg.batch.seq_len))
         passport = {
@@ -201,6 +270,7 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
             "checkpoint": point.path.name,
             "checkpoint_manifest_sha256": _sha256(point.path / CHECKPOINT_MANIFEST),
             "tokenizer_hash": tokenizer.fingerprint(),
+            "special_ids": tokenizer.special_ids(),
             "template_hash": data.representation.get("template_hash"),
             "dtype": "float32",
             "architecture": (model.hf.config.architectures or [type(model.hf).__name__])[0]
@@ -226,14 +296,19 @@ def check_out(out: Path) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: str | None) -> None:
+def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: str | None) -> Any:
     """``save_pretrained`` of the model (the built-in one mapped onto Llama, an HF one
-    as it is), the tokenizer and the generation config."""
+    as it is), the tokenizer and the generation config; returns the tokenizer written.
+
+    ``config.json`` and ``generation_config.json`` carry the run's BOS / EOS / PAD ids
+    (an HF model's config keeps its architecture's defaults otherwise)."""
     from transformers import GenerationConfig
 
     special = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
     hf_model = model.hf if cfg.model.source == "hf" else llama_model(model, cfg, tokenizer,
                                                                      special)
+    for role, token_id in special.items():
+        setattr(hf_model.config, f"{role}_token_id", token_id)
     hf_model.generation_config = GenerationConfig(
         bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"])
     hf_model.save_pretrained(tmp, safe_serialization=True)
@@ -243,6 +318,7 @@ def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: st
     elif template is not None:
         hf_tokenizer.chat_template = template  # data.chat_template, when the run set one
     hf_tokenizer.save_pretrained(tmp)
+    return hf_tokenizer
 
 
 def llama_model(model: Any, cfg: Any, tokenizer: Any, special: dict[str, int]) -> Any:
@@ -279,6 +355,12 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
     eager = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(tmp)
+    special = tokenizer.special_ids()
+    for name, where in (("config.json", loaded.config),
+                        ("generation_config.json", loaded.generation_config)):
+        if special_ids_of(where) != special:
+            raise ExportError(f"the exported {name} names special ids {special_ids_of(where)}, "
+                              f"not the run's {special}; nothing was published")
     worst, spread, tokens, used = 0.0, 0.0, 0, 0
     with torch.no_grad():
         for example in list(documents)[:CHECK_DOCUMENTS]:
@@ -289,9 +371,16 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
             spread = max(spread, float((got - eager(input_ids=ids).logits.float()).abs().max()))
             special = {tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id}
             text = tokenizer.decode([int(t) for t in example.tokens if int(t) not in special])
-            if hf_tokenizer.encode(text, add_special_tokens=False) != tokenizer.encode(text):
-                raise ExportError("the exported tokenizer encodes a held-out document "
-                                  "differently from the run's tokenizer; nothing was published")
+            got_ids = hf_tokenizer.encode(text, add_special_tokens=False)
+            want_ids = tokenizer.encode(text)
+            if got_ids != want_ids:
+                at = next((j for j, (a, b) in enumerate(zip(got_ids, want_ids, strict=False))
+                           if a != b), min(len(got_ids), len(want_ids)))
+                raise ExportError(
+                    f"the exported tokenizer ({type(hf_tokenizer).__name__}, as plain "
+                    f"transformers loads it) encodes held-out document {used} differently from "
+                    f"the run's tokenizer (from token {at}: {got_ids[at:at + 4]} instead of "
+                    f"{want_ids[at:at + 4]}); nothing was published")
             tokens += ids.shape[1]
             used += 1
     if used == 0:
@@ -326,3 +415,4 @@ def _sha256(path: Path) -> str:
 
 def read_passport(out: Path) -> dict[str, Any]:
     return json.loads((Path(out) / PASSPORT).read_text(encoding="utf-8"))
+
