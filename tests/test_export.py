@@ -4,7 +4,8 @@ template renders what exactstep rendered (and owns what exactstep owned), and th
 handoff check refuses a wrong artifact before anything is published. An HF run with a
 tokenizer from ``exactstep tokenizer train`` exports that tokenizer and its special
 ids in config.json, generation_config.json and the tokenizer alike, or is refused
-naming why (Qwen2).
+naming why (Qwen2). ``exactstep export verify`` (and ``checkpoint verify`` on an
+export) recomputes the passport's digests and names a damaged file.
 
 Expectations are independent of the export code: the checkpoint's weights are loaded
 into the built-in decoder by the test, the byte ids are the text's UTF-8 bytes, and
@@ -28,6 +29,7 @@ from exactstep.data.chat import DEFAULT_TEMPLATE
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ExportError
 from exactstep.eval import single_segment_batch
+from exactstep.export import read_passport
 from exactstep.manifest import read_manifest
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
@@ -410,3 +412,83 @@ def test_a_qwen2_run_with_a_tokenizer_qwen2tokenizer_reproduces_exports(tmp_path
     assert type(exported).__name__ == "Qwen2Tokenizer" and len(exported) == len(ours.hf)
     for text in BPE_TEXTS:
         assert exported.encode(text, add_special_tokens=False) == ours.encode(text)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def flip_one_byte(path: Path, at: int = -100) -> None:
+    """One bit of one byte changed (by default in the tensor data at the end)."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_export_verify_recomputes_the_passport_digests(text_export, tmp_path, capsys) -> None:
+    """Healthy: OK, exit 0. One flipped byte in the weights (negative control): FAILED
+    naming model.safetensors, exit 1; every other file still ok."""
+    import shutil
+
+    _, out = text_export
+    capsys.readouterr()
+    assert main(["export", "verify", str(out)]) == 0
+    healthy = capsys.readouterr().out
+    assert healthy.rstrip().endswith("verdict   OK")
+    assert all(f" {name} " in healthy for name in read_passport(out)["files"])
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    flip_one_byte(damaged / "model.safetensors")
+    assert main(["export", "verify", str(damaged)]) == 1
+    report = capsys.readouterr().out
+    assert report.rstrip().endswith("verdict   FAILED")
+    bad = [line for line in report.splitlines() if "corrupted" in line]
+    assert len(bad) == 1 and "model.safetensors" in bad[0], report
+
+
+def test_export_verify_names_a_missing_or_unlisted_file(text_export, tmp_path, capsys) -> None:
+    import shutil
+
+    _, out = text_export
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    (damaged / "tokenizer.json").unlink()
+    (damaged / "extra.bin").write_bytes(b"x")
+    capsys.readouterr()
+    assert main(["export", "verify", str(damaged)]) == 1
+    report = capsys.readouterr().out
+    assert "missing" in report and "tokenizer.json" in report
+    assert "extra.bin is not listed in passport.json" in report
+    (tmp_path / "bare").mkdir()
+    assert main(["export", "verify", str(tmp_path / "bare")]) == 1
+    assert "no passport.json" in capsys.readouterr().out
+
+
+def test_checkpoint_verify_recognises_an_export(text_export, tmp_path, capsys) -> None:
+    """``checkpoint verify`` on an export verifies it as an export (it has no
+    checkpoint manifest, and a healthy one is not FAILED); a damaged one still fails."""
+    import shutil
+
+    _, out = text_export
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "FAILED" not in report and "exactstep export verify" in report
+    assert report.rstrip().endswith("verdict   OK")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    flip_one_byte(damaged / "model.safetensors")
+    assert main(["checkpoint", "verify", str(damaged)]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_export_verify_usage_errors_are_one_line(text_export, tmp_path, capsys) -> None:
+    run, out = text_export
+    for argv, words in [(["export", "verify"], "export verify DIR"),
+                        (["export", str(run)], "--out"),
+                        (["export", "verify", str(out), "--out", str(tmp_path / "x")], "--out"),
+                        (["export", "verify", str(tmp_path / "nope")], "does not exist")]:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], (argv, err)

@@ -78,10 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run_dir", help="a run directory (uses its LATEST checkpoint)")
     evaluate.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
 
-    export = sub.add_parser("export", help="write a Hugging Face model directory, checked (H3)")
-    export.add_argument("run_dir", help="a run directory (uses the checkpoint a resume would)")
+    export = sub.add_parser(
+        "export", help="write a Hugging Face model directory, checked (H3); "
+                       "'export verify DIR' checks one against its passport",
+        usage="exactstep export RUN_DIR [--from CHECKPOINT] --out DIR\n"
+              "       exactstep export verify DIR")
+    export.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a run directory (uses the checkpoint a resume would), or "
+                             "'verify' followed by an export directory")
+    export.add_argument("export_dir", nargs="?", metavar="DIR",
+                        help="with 'verify': the export directory whose passport digests "
+                             "are recomputed")
     export.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
-    export.add_argument("--out", required=True, help="the new export directory")
+    export.add_argument("--out", help="the new export directory (required to export)")
 
     inspect = sub.add_parser("inspect", help="print rows: input -> target, segment, position, masks")
     add_config_args(inspect)
@@ -273,6 +282,8 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from exactstep.export import export_run
 
+        if export_verify_requested(args):
+            return export_verify_command(Path(args.export_dir))
         report = export_run(
             Path(args.run_dir), Path(args.out),
             from_checkpoint=Path(args.from_checkpoint) if args.from_checkpoint else None,
@@ -348,10 +359,45 @@ def parse_range(text: str) -> range:
     return range(a, b)
 
 
+def export_verify_requested(args: argparse.Namespace) -> bool:
+    """``export verify DIR`` (True) or ``export RUN_DIR --out DIR`` (False); any other
+    combination is a ``ConfigError`` naming both forms."""
+    forms = "export with 'exactstep export RUN_DIR --out DIR', check one with " \
+            "'exactstep export verify DIR'"
+    if args.run_dir == "verify" and (args.export_dir is not None or args.out is None):
+        if args.export_dir is None:
+            raise ConfigError(f"exactstep export verify needs the export directory: {forms}")
+        if args.out is not None or args.from_checkpoint is not None:
+            raise ConfigError(f"exactstep export verify DIR takes no --out or --from; {forms}")
+        return True
+    if args.export_dir is not None:
+        raise ConfigError(f"exactstep export: unexpected argument {args.export_dir!r}; {forms}")
+    if args.out is None:
+        raise ConfigError("exactstep export: the following arguments are required: --out; "
+                          "see 'exactstep export --help'")
+    return False
+
+
+def export_verify_command(path: Path) -> int:
+    """``exactstep export verify DIR``: the passport's digests, OK (0) or FAILED (1)."""
+    from exactstep.export import verify_export
+
+    report = verify_export(path)
+    print(report.format())
+    return 0 if report.ok else 1
+
+
 def verify_command(path: Path) -> int:
-    """Verify one checkpoint, or a run directory's ``LATEST`` checkpoint (S6)."""
+    """Verify one checkpoint, or a run directory's ``LATEST`` checkpoint (S6); an export
+    directory is verified as one, against its passport (H3)."""
+    from exactstep.export import PASSPORT, is_export, verify_export
     from exactstep.state.store import latest_checkpoint, verify_checkpoint
 
+    if is_export(path):
+        report = verify_export(path)
+        print(report.format(f"export {path}: a Hugging Face export, not a checkpoint; its "
+                            f"{PASSPORT} digests (as exactstep export verify checks them)"))
+        return 0 if report.ok else 1
     target = path
     if (path / "checkpoints").is_dir():
         target = latest_checkpoint(path / "checkpoints") or path / "checkpoints"

@@ -22,7 +22,9 @@ implementations of a trained model differ by rounding that grows with its logits
 (1.8e-5 between transformers' own paths on the default model after ``make train``),
 while a wrong mapping differs by orders of magnitude more. The directory is
 written under a temporary sibling name and renamed into place only after the check
-passes, so a failed or interrupted export publishes nothing.
+passes, so a failed or interrupted export publishes nothing. ``verify_export``
+(``exactstep export verify``) recomputes the sha256 of every file the passport lists
+(S6 for exports).
 
 The built-in decoder maps onto ``LlamaConfig`` exactly: the fused ``qkv`` projection
 splits into ``q/k/v_proj`` (heads in order), ``gate_up`` into ``gate_proj`` then
@@ -416,3 +418,84 @@ def _sha256(path: Path) -> str:
 def read_passport(out: Path) -> dict[str, Any]:
     return json.loads((Path(out) / PASSPORT).read_text(encoding="utf-8"))
 
+
+# --------------------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    """One file of an export as ``verify_export`` found it."""
+
+    name: str
+    status: str  # "ok" | "missing" | "corrupted"
+    sha256: str | None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ExportVerifyReport:
+    """Result of ``verify_export``: one ``FileCheck`` per file the passport lists, plus
+    problems of the export as a whole (no or unreadable passport, unlisted files)."""
+
+    path: Path
+    files: tuple[FileCheck, ...] = ()
+    problems: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(f.status == "ok" for f in self.files)
+
+    def format(self, heading: str | None = None) -> str:
+        """Lines for ``exactstep export verify`` (``heading`` replaces the first)."""
+        lines = [heading or f"export {self.path} (digests from its {PASSPORT})"]
+        for f in self.files:
+            extra = f"  ({f.detail})" if f.detail else ""
+            lines.append(f"  {f.status:<9} {f.name:<24} sha256 {f.sha256 or '-'}{extra}")
+        lines += [f"  problem   {problem}" for problem in self.problems]
+        lines.append("  verdict   " + ("OK" if self.ok else "FAILED"))
+        return "\n".join(lines)
+
+
+def is_export(path: Path) -> bool:
+    """Whether ``path`` is an export directory (a passport, no checkpoint manifest)."""
+    from exactstep.state.store import CHECKPOINT_MANIFEST
+
+    path = Path(path)
+    return (path / PASSPORT).is_file() and not (path / CHECKPOINT_MANIFEST).exists()
+
+
+def verify_export(out: Path) -> ExportVerifyReport:
+    """Recompute the sha256 of every file ``passport.json`` lists (H3, S6).
+
+    Never raises for a damaged export: a missing or unreadable passport, a missing
+    or changed file, and a file the passport does not list are reported. Raises
+    ``ConfigError`` only when ``out`` is not a directory.
+    """
+    out = Path(out)
+    if not out.is_dir():
+        what = "is not a directory" if out.exists() else "does not exist"
+        raise ConfigError(f"export directory {out} {what}; name a directory written by "
+                          "exactstep export")
+    try:
+        listed = read_passport(out)["files"]
+        if not isinstance(listed, dict):
+            raise TypeError
+    except FileNotFoundError:
+        return ExportVerifyReport(out, problems=(
+            f"no {PASSPORT}: not an exactstep export (or its passport was lost)",))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ExportVerifyReport(out, problems=(
+            f"{PASSPORT} is unreadable or lists no files; the export cannot be verified",))
+    checks = []
+    for name, expected in sorted(listed.items()):
+        file = out / name
+        if not file.is_file():
+            checks.append(FileCheck(name, "missing", None, "file does not exist"))
+            continue
+        found = _sha256(file)
+        checks.append(FileCheck(name, "ok", found) if found == expected else
+                      FileCheck(name, "corrupted", found, f"the passport says {expected}"))
+    present = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    unlisted = tuple(f"file {name} is not listed in {PASSPORT}" for name in present
+                     if name not in listed and name != PASSPORT)
+    return ExportVerifyReport(out, tuple(checks), unlisted)
