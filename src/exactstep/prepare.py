@@ -25,9 +25,17 @@ Invariants:
   ``prepare`` into the same ``--out`` removes before starting again; a refused one
   (an ``ExactstepError``) removes it at once.
 
+- One process at a time per ``--out`` (S8, X4): ``prepare`` holds ``.<out>.lock``
+  beside it (``durable.exclusive_lock``) from before it looks at ``out`` until it has
+  published, so a second ``prepare`` into the same ``out`` is refused naming the
+  first one's PID, and never removes the first one's ``.partial`` directory.
+- The workers die with the process that started them, however it ends: a SIGKILL
+  runs none of the pool's clean-up, so each worker ends itself (``die_with_parent``).
+
 Failure modes (one ``error:`` line each at the CLI): a source with no document, a
 malformed line (file and line named by the reader), an empty train or validation
-split, an ``--out`` that already holds something, ``--workers`` below 1.
+split, an ``--out`` that already holds something or that another process prepares
+into (``DirectoryInUse``), ``--workers`` below 1.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -68,7 +78,13 @@ from exactstep.data.prepared import (
     shard_names,
     token_dtype,
 )
-from exactstep.durable import fsync_path, sha256_file, write_durably
+from exactstep.durable import (
+    exclusive_lock,
+    fsync_path,
+    lock_beside,
+    sha256_file,
+    write_durably,
+)
 from exactstep.errors import ConfigError, DataError, ExactstepError
 from exactstep.families import family_tokenizer
 from exactstep.rows.chat import ChatReport, chat_example
@@ -87,6 +103,8 @@ from exactstep.rows.sources import (
 CHUNK_DOCUMENTS = 256  # documents per encoding task (fixed: output must not depend on workers)
 SHARD_TOKENS = 1 << 27  # ~128 M tokens per shard (256 MB as uint16)
 BLOCK_DOCUMENTS = 4096  # documents per block of the declared epoch order
+WATCH_S = 0.5  # how often a worker checks that its parent is still there
+PR_SET_PDEATHSIG = 1  # Linux prctl option: a signal for this process when its parent ends
 
 
 def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
@@ -94,13 +112,22 @@ def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
             progress: bool = True) -> dict[str, Any]:
     """Prepare ``source`` with ``cfg``'s tokenizer (and chat settings) into ``out``.
 
-    Returns the published ``prepared.json`` content.
+    Returns the published ``prepared.json`` content. ``out`` is held for the whole
+    call (``.<out>.lock`` beside it); another process holding it is a
+    ``DirectoryInUse`` before anything is read or written.
     """
     if workers < 1:
         raise ConfigError(f"--workers expects a positive number of processes; got {workers}")
     if shard_tokens < 1 or block_documents < 1:
         raise ConfigError("--shard-tokens and --block-documents must be at least 1")
     out = Path(out)
+    with exclusive_lock(lock_beside(out), f"--out {out}"):  # S8, X4
+        return prepare_held(cfg, source, out, workers, shard_tokens, block_documents, progress)
+
+
+def prepare_held(cfg: Any, source: str, out: Path, workers: int, shard_tokens: int,
+                 block_documents: int, progress: bool) -> dict[str, Any]:
+    """``prepare`` with ``out`` held."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not empty; choose a new --out "
                           "or remove it")
@@ -294,11 +321,46 @@ class Encoded:
 _WORKER: dict[str, Any] = {}
 
 
-def init_worker(cfg: Any) -> None:
-    """Build the tokenizer (and template) once per process."""
+def init_worker(cfg: Any, parent: int | None = None) -> None:
+    """Build the tokenizer (and template) once per process; a pool's worker (``parent``:
+    the PID of the process that started it) first arranges to die with its parent."""
+    if parent is not None:
+        die_with_parent(parent)
     tokenizer = family_tokenizer(cfg)
     _WORKER.update(cfg=cfg, tokenizer=tokenizer,
                    template=template_for(tokenizer) if cfg.data.kind == "chat" else None)
+
+
+def die_with_parent(parent: int) -> None:
+    """End this worker as soon as ``parent`` ends, even by SIGKILL (which runs none of
+    the pool's clean-up, and leaves idle workers waiting forever on a queue whose
+    other end they hold themselves).
+
+    On Linux ``PR_SET_PDEATHSIG`` has the kernel send SIGKILL when the thread that
+    started the worker ends (``encoder`` starts and uses its pool in one thread, for
+    the pool's whole life). Everywhere, a daemon thread checks every ``WATCH_S`` that
+    ``parent`` is still this process's parent (a dead parent's children are adopted
+    by another process), which also covers a parent that died before the first line
+    here ran. With the workers gone, multiprocessing's resource tracker sees the end
+    of its pipe and exits too.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the thread below is enough
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exactstep-parent-watch", daemon=True).start()
 
 
 def encode_chunk(pairs: Sequence[tuple[str, Any]]) -> Encoded:
@@ -333,7 +395,8 @@ class encoder:  # noqa: N801 (a context manager used like a function)
             init_worker(self.cfg)
             return lambda items: map(encode_chunk, items)
         self.pool = ProcessPoolExecutor(self.workers, mp_context=get_context("spawn"),
-                                        initializer=init_worker, initargs=(self.cfg,))
+                                        initializer=init_worker,
+                                        initargs=(self.cfg, os.getpid()))
         return self.ordered
 
     def ordered(self, chunks: Iterable[Any]) -> Iterator[Encoded]:
