@@ -162,6 +162,42 @@ def test_export_into_an_existing_directory_is_one_line(text_export, capsys) -> N
     assert len(err) == 1 and err[0].startswith("error: ") and "not an empty directory" in err[0]
 
 
+def test_an_export_in_progress_refuses_another_and_a_killed_ones_leftover_goes(
+        text_export, tmp_path, capfd) -> None:
+    """One export at a time per --out (S8, X4): while an export is inside its handoff
+    check (its ``.OUT.tmp-PID`` written), a second into the same --out is refused in
+    one line naming its PID and touches nothing. A SIGKILL then leaves that temporary
+    directory, which no rerun used to remove (4 of 4 times); the rerun removes it (its
+    process has ended: never published) and publishes. Negative control: a temporary
+    name whose process still runs is kept (``tests/test_durable_lock.py``)."""
+    from hold_support import Held, error_lines
+
+    from exactstep.errors import DirectoryInUse
+
+    run, _ = text_export
+    out = tmp_path / "exported"
+    argv = ["export", str(run), "--out", str(out)]
+    first = Held.start(tmp_path, "export", argv)
+    try:
+        first.wait_reached()
+        leftover = tmp_path / f".exported.tmp-{first.pid}"
+        assert leftover.is_dir()
+        before = sorted(p.name for p in tmp_path.iterdir())
+        capfd.readouterr()
+        assert main(argv) == DirectoryInUse.exit_code
+        err = capfd.readouterr().err
+        assert len(error_lines(err)) == 1 and f"process {first.pid}" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+        first.kill()
+    finally:
+        first.stop()
+    assert leftover.is_dir() and not out.exists()
+    capfd.readouterr()
+    assert main(argv) == 0, capfd.readouterr().err
+    assert read_passport(out)["run_manifest_digest"] == read_manifest(run).digest
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".exported")]
+
+
 def test_chat_export_renders_and_owns_what_exactstep_did(tmp_path) -> None:
     """The exported Jinja template gives exactstep's tokens, and its generation
     markers give exactly the targets exactstep supervises (R5 through the handoff)."""

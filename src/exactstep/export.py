@@ -26,6 +26,13 @@ passes, so a failed or interrupted export publishes nothing. ``verify_export``
 (``exactstep export verify``) recomputes the sha256 of every file the passport lists
 (S6 for exports).
 
+One export at a time per ``OUT`` (S8, X4): ``export_run`` holds ``.OUT.lock`` beside it
+for the whole export (``durable.exclusive_lock``), so a second export into ``OUT`` is
+refused naming the first one's PID; holding it, it removes the temporary directory a
+killed export left (``.OUT.tmp-PID`` whose process has ended: never published). The
+run directory is only read, from committed checkpoints (S3), and is not locked, so a
+run can be exported while it trains.
+
 The built-in decoder maps onto ``LlamaConfig`` exactly: the fused ``qkv`` projection
 splits into ``q/k/v_proj`` (heads in order), ``gate_up`` into ``gate_proj`` then
 ``up_proj``, RoPE rotates the pairs ``(i, i + Dh/2)`` (``rotate_half``) with the same
@@ -46,7 +53,14 @@ from typing import Any
 import torch
 
 from exactstep import __version__
-from exactstep.durable import fsync_path, json_bytes, write_durably
+from exactstep.durable import (
+    exclusive_lock,
+    fsync_path,
+    json_bytes,
+    lock_beside,
+    stale_temporaries,
+    write_durably,
+)
 from exactstep.errors import ConfigError, ExportError
 
 LOGIT_TOLERANCE = 1e-5
@@ -215,8 +229,21 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     """Export ``run_dir``'s checkpoint (``--from`` or the one a resume would choose) to ``out``.
 
     Raises ``ConfigError`` when ``out`` exists and is not empty or cannot be written,
-    ``ExportError`` when the handoff check fails (nothing is published then).
+    ``DirectoryInUse`` when another process exports into ``out``, ``ExportError`` when
+    the handoff check fails (nothing is published then).
     """
+    out = Path(out)
+    check_out(out)
+    with exclusive_lock(lock_beside(out), f"--out {out}"):
+        for leftover in stale_temporaries(out):  # a killed export's, never published (S8)
+            shutil.rmtree(leftover, ignore_errors=True)
+        return export_held(run_dir, out, from_checkpoint=from_checkpoint)
+
+
+def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
+                ) -> ExportReport:
+    """``export_run`` with ``out`` held (``check_out`` again: another export may have
+    published it before this one got the lock)."""
     from transformers.utils import logging as hf_logging
 
     from exactstep.config import config_from_manifest
