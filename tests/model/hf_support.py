@@ -2,7 +2,9 @@
 
 ``FAMILIES`` holds one small config per architecture (hidden 32, 2 layers, no
 dropout); ``hf_model`` builds it through exactstep's ``build_model`` with
-``model.source = "hf"``.
+``model.source = "hf"``. Llama 4 and Mllama are the CausalLMs whose ``base_model``
+is the CausalLM itself (the decoder stack is found another way, H1); Mllama's text
+model has one cross-attention layer, which a text-only forward skips.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi3": {"model_type": "phi3", **COMMON, "pad_token_id": 0},
     "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "llama4": {"model_type": "llama4_text", **COMMON, "head_dim": 8,
+               "intermediate_size_mlp": 64, "num_local_experts": 2},
+    "mllama": {"model_type": "mllama", "text_config": {
+        **COMMON, "num_hidden_layers": 3, "cross_attention_layers": [1], "pad_token_id": 0}},
 }
 
 

@@ -26,14 +26,14 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from hf_equivalence import equivalence_error, flat, logits_error, run_separately  # noqa: E402
+from hf_equivalence import run_packed as packed_run  # noqa: E402
 from hf_support import FAMILIES, hf_model  # noqa: E402
 from model_batches import fill_rows, packed_batch  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 
 from exactstep.model.attention import dense_visibility_mask  # noqa: E402
 from exactstep.model.hf import HFCausalLM  # noqa: E402
-from exactstep.rows.batch import IGNORE_INDEX  # noqa: E402
 
 VOCAB = 64
 TOL = 1e-5  # R3: fp32, 1e-5
@@ -46,49 +46,8 @@ def documents() -> list[list[list[int]]]:
     return fill_rows(DOC_LENGTHS, VOCAB, seed=1)
 
 
-def flat(rows: list[list[list[int]]]) -> list[list[int]]:
-    return [doc for row in rows for doc in row]
-
-
 def run_packed(model: HFCausalLM, rows, *, continue_positions: bool = False):
-    """Per-document logits, token-mean loss and gradients from one packed batch."""
-    batch = packed_batch(rows, SEQ_LEN, positions="continue" if continue_positions else "reset")
-    model.zero_grad(set_to_none=True)
-    logits = model.logits(model(batch))  # [B, T, V]
-    supervised = batch.labels != IGNORE_INDEX
-    loss = F.cross_entropy(logits[supervised], batch.labels[supervised], reduction="sum")
-    loss = loss / supervised.sum()
-    loss.backward()
-    per_doc = [logits[b, s.start : s.stop].detach()
-               for b, row in enumerate(batch.segments) for s in row]
-    return per_doc, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def run_separately(model: HFCausalLM, rows):
-    """The same objective from HF's own forward of each document alone (the reference)."""
-    docs = flat(rows)
-    total = sum(len(d) - 1 for d in docs)
-    model.zero_grad(set_to_none=True)
-    per_doc, loss = [], torch.zeros(())
-    for doc in docs:
-        ids = torch.tensor([doc])  # [1, n]
-        logits = model.hf(input_ids=ids, use_cache=False).logits[0]  # [n, V]
-        part = F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
-        (part / total).backward()
-        per_doc.append(logits.detach())
-        loss = loss + part.detach() / total
-    return per_doc, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def logits_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
-
-
-def equivalence_error(packed, separate) -> float:
-    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = packed, separate
-    errors = [logits_error(logits_a, logits_b), float((loss_a - loss_b).abs())]
-    errors += [float((grads_a[n] - grads_b[n]).abs().max()) for n in grads_a]
-    return max(errors)
+    return packed_run(model, rows, SEQ_LEN, continue_positions=continue_positions)
 
 
 @torch.no_grad()
@@ -107,7 +66,7 @@ def collator_logits(model: HFCausalLM, rows) -> list[torch.Tensor]:
 def maskless_logits(model: HFCausalLM, rows) -> list[torch.Tensor]:
     """WRONG on purpose: the packed rows handed over without a mask (HF's own call)."""
     batch = packed_batch(rows, SEQ_LEN)
-    hidden = model.hf.base_model(input_ids=batch.input_ids, use_cache=False).last_hidden_state
+    hidden = model.decoder(input_ids=batch.input_ids, use_cache=False).last_hidden_state
     logits = model.logits(hidden)  # [B, T, V]
     return [logits[b, s.start : s.stop] for b, row in enumerate(batch.segments) for s in row]
 

@@ -2,12 +2,16 @@
 
 ``HFCausalLM`` wraps an ``AutoModelForCausalLM`` and exposes exactly what the
 engine uses from the built-in ``Decoder``: ``forward(batch)`` returns the final
-hidden states ``[B, T, H]`` of the base model (after its final norm), never
+hidden states ``[B, T, H]`` of the decoder stack (after its final norm), never
 logits, and the HF model never receives ``labels=`` (R1: the collator owns the
 shift and exactstep owns the loss, fused with ``head_weight`` ``[V, H]``, L1);
 ``logits(hidden)`` and ``num_parameters()`` as on the built-in decoder. A tied
 embedding/head is one Parameter, so the optimizer groups and the clip norm see it
-once (U6).
+once (U6). The decoder stack is ``base_model``, else ``get_decoder()``, else a
+conventional attribute (``model``, ...): Llama 4's and Mllama's CausalLMs name a
+``base_model_prefix`` they do not have, so their ``base_model`` is the whole model
+(``decoder_name``); a stack that cannot be found, or returns no
+``last_hidden_state``, is a ``ModelError`` naming the class.
 
 Segment isolation (R3). A packed row reaches the model as ``batch.position_ids``
 (reset per document) plus a block-diagonal causal visibility built from
@@ -47,7 +51,8 @@ never targets (the rows compiler refuses label ids outside the tokenizer's
 vocabulary, R7); they stay classes of the model's softmax, as in HF's own loss,
 so the objective and its smoothing run over the model's ``V_model`` classes. A
 smaller model vocabulary is a ``ModelError`` naming both sizes. A random-init
-``hf_config`` without ``vocab_size`` gets the tokenizer's.
+``hf_config`` without ``vocab_size`` gets the tokenizer's (in its ``text_config``
+when the config nests one).
 
 Random init is deterministic in the seed (S5): the model is created inside
 ``isolated_rng`` with torch's CPU generator seeded from ``seed``, so every
@@ -91,6 +96,9 @@ HEAD_FEATURES: tuple[tuple[str, str, tuple], ...] = (
 #: RoPE types whose frequencies follow the longest position of the batch (R3)
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
+#: attributes where a CausalLM keeps its decoder stack when ``base_model`` is not it
+DECODER_ATTRIBUTES = ("model", "transformer", "language_model", "decoder", "gpt_neox")
+
 PROBE_LENGTHS = (3, 4)  # two documents packed in one row, then one padding column
 PROBE_TOLERANCE = 1e-4  # relative to the logits' magnitude; fp32 kernels agree to ~1e-6
 LEAK_TOLERANCE = 1e-6  # the same kernels on the same row: an isolated document moves by 0
@@ -99,7 +107,8 @@ LEAK_TOLERANCE = 1e-6  # the same kernels on the same row: an isolated document 
 class HFCausalLM(nn.Module):
     """An HF causal LM seen as an exactstep model (H1). Build it with ``build_hf_model``.
 
-    ``forward(batch) -> [B, T, H]`` final hidden states; ``head_weight`` ``[V, H]``;
+    ``forward(batch) -> [B, T, H]`` final hidden states of ``decoder`` (the module that
+    maps ``input_ids`` to them, found by ``decoder_name``); ``head_weight`` ``[V, H]``;
     ``logits(hidden)``; ``num_parameters()`` (unique, a tied head counted once).
     """
 
@@ -110,10 +119,16 @@ class HFCausalLM(nn.Module):
         self.hf = model
         self.attn_implementation = attn_implementation
         self.model_type: str = model.config.model_type
+        self.decoder_name = decoder_name(model)
         self.vocab_size = int(self.head_weight.shape[0])
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.sliding_window: int | None = sliding_window_of(model.config)
         self.initial_weights_sha256: str | None = None
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The HF decoder stack: ``input_ids`` -> ``last_hidden_state`` (after its final norm)."""
+        return self.hf.get_submodule(self.decoder_name)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -121,7 +136,7 @@ class HFCausalLM(nn.Module):
         return self.hf.get_output_embeddings().weight
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Final hidden states ``[B, T, H]`` of the base model (no logits, no labels: R1).
+        """Final hidden states ``[B, T, H]`` of the decoder stack (no logits, no labels: R1).
 
         Visibility: ``batch.position_ids`` and the block-diagonal causal mask of
         ``batch.segment_ids`` (R3). Refuses, without reading any device value,
@@ -135,14 +150,14 @@ class HFCausalLM(nn.Module):
                 "batch is bidirectional or carries prefix_len"
             )
         device = self.head_weight.device
-        out = self.hf.base_model(
+        out = self.decoder(
             input_ids=batch.input_ids.to(device),
             position_ids=batch.position_ids.to(device),
             attention_mask=self.attention_mask(batch.segment_ids.to(device)),
             use_cache=False,
             return_dict=True,
         )
-        return out.last_hidden_state  # [B, T, H]
+        return hidden_states_of(out, self)  # [B, T, H]
 
     def attention_mask(self, segment_ids: torch.Tensor) -> torch.Tensor:
         """The 4D mask ``[B, 1, T, T]`` in the form this backend honours (R3)."""
@@ -301,18 +316,29 @@ def load_config(transformers: Any, cfg: ModelConfig, vocab_size: int) -> Any:
             f"model.hf_config.model_type {model_type!r} is not a model type this transformers "
             f"({transformers.__version__}) knows"
         ) from None
-    unknown = sorted(set(table) - known_config_keys(config_class))
-    if unknown:
-        raise ConfigError(
-            f"model.hf_config.{unknown[0]} is not a key of {config_class.__name__}; check its "
-            "spelling against the model's configuration"
-        )
-    table.setdefault("vocab_size", vocab_size)
+    check_keys("model.hf_config", table, config_class)
+    text_class = (getattr(config_class, "sub_configs", None) or {}).get("text_config")
+    if isinstance(table.get("text_config"), dict) and isinstance(text_class, type):
+        # a multimodal config (Mllama, Llama 4): its decoder is built from text_config
+        check_keys("model.hf_config.text_config", table["text_config"], text_class)
+        table["text_config"] = {**table["text_config"]}
+        table["text_config"].setdefault("vocab_size", vocab_size)
+    else:
+        table.setdefault("vocab_size", vocab_size)
     try:
         return transformers.AutoConfig.for_model(model_type, **table)
     except Exception as exc:  # HF validators raise their own types
         raise ModelError(f"model.hf_config is not a valid {model_type} config ({first_line(exc)})"
                          ) from None
+
+
+def check_keys(prefix: str, table: dict[str, Any], config_class: type) -> None:
+    unknown = sorted(set(table) - known_config_keys(config_class) - {"model_type"})
+    if unknown:
+        raise ConfigError(
+            f"{prefix}.{unknown[0]} is not a key of {config_class.__name__}; check its "
+            "spelling against the model's configuration"
+        )
 
 
 def model_directory(directory: Path) -> Path:
@@ -404,6 +430,48 @@ def instantiate(transformers: Any, cfg: ModelConfig, config: Any, seed: int) -> 
     return model
 
 
+def decoder_name(model: nn.Module) -> str:
+    """The dotted name of ``model``'s decoder stack: the module that maps ``input_ids``
+    to the final hidden states, holds the input embedding and not the output head.
+
+    Tried in order: ``base_model``, ``get_decoder()``, then ``DECODER_ATTRIBUTES``
+    (Llama 4's and Mllama's CausalLMs name a ``base_model_prefix`` they do not have,
+    so ``base_model`` and ``get_decoder()`` are the CausalLM itself). None fits: one
+    ``ModelError`` naming the class (H1). That it returns hidden states is checked
+    on every forward (``hidden_states_of``) and first by the build-time probe.
+    """
+    names = {id(module): name for name, module in model.named_modules() if name}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    candidates = [getattr(model, "base_model", None)]
+    with contextlib.suppress(Exception):  # HF raises for models without the rule
+        candidates.append(model.get_decoder())
+    candidates += [getattr(model, name, None) for name in DECODER_ATTRIBUTES]
+    for module in candidates:
+        if not isinstance(module, nn.Module) or id(module) not in names:
+            continue
+        inside = {id(m) for m in module.modules()}
+        if id(embedding) in inside and id(head) not in inside:
+            return names[id(module)]
+    raise ModelError(
+        f"{type(model).__name__} (model type {model.config.model_type}): exactstep cannot find "
+        "its decoder stack, the module that maps input_ids to last_hidden_state before the "
+        "lm_head (neither its base_model, nor get_decoder(), nor an attribute named "
+        f"{', '.join(DECODER_ATTRIBUTES)}); use a causal LM whose base_model is that module"
+    )
+
+
+def hidden_states_of(out: Any, adapter: HFCausalLM) -> torch.Tensor:
+    """``out.last_hidden_state`` ``[B, T, H]``, or a ``ModelError`` naming the class."""
+    hidden = getattr(out, "last_hidden_state", None)
+    if not isinstance(hidden, torch.Tensor):
+        raise ModelError(
+            f"the decoder stack ({adapter.decoder_name!r}) of {type(adapter.hf).__name__} returns "
+            "no last_hidden_state; exactstep trains causal LMs whose base model returns its "
+            "final hidden states (H1); use another model"
+        )
+    return hidden
+
+
 def check_head(adapter: HFCausalLM) -> None:
     head = adapter.hf.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None or head.weight.ndim != 2:
@@ -492,13 +560,13 @@ def probe(adapter: HFCausalLM, vocab_size: int) -> None:
             for segment in batch.segments[0]:
                 doc = batch.input_ids[:, segment.start : segment.stop]  # [1, n]
                 native = adapter.hf(input_ids=doc, use_cache=False).logits[0]  # [n, V]
-                hidden = adapter.hf.base_model(input_ids=doc, use_cache=False).last_hidden_state
+                hidden = hidden_states_of(adapter.decoder(input_ids=doc, use_cache=False), adapter)
                 head_error = max(head_error, max_error(adapter.logits(hidden)[0], native))
                 isolation_error = max(
                     isolation_error, max_error(packed[segment.start : segment.stop], native)
                 )
             leak = max_error(moved[second.start :], packed[second.start :])
-        except (TypeError, ValueError, RuntimeError, IndexError) as exc:
+        except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError) as exc:
             raise ModelError(
                 f"model type {adapter.model_type} with attn_implementation "
                 f"{adapter.attn_implementation!r} cannot take packed rows (position_ids and a 4D "
