@@ -1,4 +1,4 @@
-"""Hugging Face architectures at the adapter's edges (H1, R3).
+"""Hugging Face architectures at the adapter's edges (H1, R1, R3, L3).
 
 * the decoder stack: ``Llama4ForCausalLM`` and ``MllamaForCausalLM`` name a
   ``base_model_prefix`` they do not have, so ``base_model`` (and ``get_decoder()``)
@@ -6,7 +6,13 @@
   before the head, and their packed rows equal their documents alone (in
   test_hf_packed through ``FAMILIES``); a CausalLM whose stack cannot be found, or
   whose stack returns no ``last_hidden_state``, is one ``ModelError`` naming its
-  class (one ``error:`` line from the CLI), never an ``AttributeError``.
+  class (one ``error:`` line from the CLI), never an ``AttributeError``;
+* MoE router logits (``output_router_logits``): the load-balancing loss HF adds to
+  its own loss would be dropped, so it is refused naming the key and the fix; off,
+  the same model builds and trains;
+* a model without ``sdpa``: the refusal names ``model.attn_implementation = 'eager'``
+  (and a backend that cannot isolate suggests ``eager``, not ``sdpa``, for it); the
+  eager model builds.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import torch  # noqa: E402
 import transformers  # noqa: E402
-from hf_support import hf_config, hf_model  # noqa: E402
+from hf_equivalence import equivalence_error, run_packed, run_separately  # noqa: E402
+from hf_support import COMMON, hf_config, hf_model  # noqa: E402
 from model_batches import fill_rows, packed_batch  # noqa: E402
 from text_corpus import write_corpus  # noqa: E402
 
@@ -29,6 +37,8 @@ from exactstep.model.config import ModelConfig  # noqa: E402
 from exactstep.model.decoder import build_model  # noqa: E402
 
 VOCAB = 64
+TOL = 1e-5  # R3
+SEQ_LEN = 12
 
 
 def build(table: dict, attn: str = "sdpa"):
@@ -91,3 +101,64 @@ def test_the_cli_prints_one_error_line_for_a_stack_it_cannot_find(monkeypatch, t
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Llama4ForCausalLM" in lines[0] and "Traceback" not in out + err
+
+
+# ------------------------------------------------------------------ MoE router logits
+
+MOE = {
+    "mixtral": {"model_type": "mixtral", **COMMON, "num_local_experts": 2,
+                "num_experts_per_tok": 1},
+    "qwen2_moe": {"model_type": "qwen2_moe", **COMMON, "num_experts": 2,
+                  "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+    "llama4": hf_config("llama4"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_router_logits_on_are_refused_naming_the_key_off_trains(family):
+    with pytest.raises(ModelError) as info:
+        build({**MOE[family], "output_router_logits": True})
+    message = str(info.value)
+    assert "model.hf_config.output_router_logits" in message and "false" in message
+    assert "load-balancing" in message and len(message.splitlines()) == 1
+    # negative control: the same model with router logits off builds and trains exactly
+    model = build({**MOE[family], "output_router_logits": False})
+    model.train()
+    rows = fill_rows([[4, 5], [8]], VOCAB, seed=1)
+    assert equivalence_error(run_packed(model, rows, SEQ_LEN), run_separately(model, rows)) <= TOL
+
+
+def test_router_logits_in_a_saved_config_name_its_file(tmp_path):
+    table = dict(MOE["mixtral"], vocab_size=VOCAB, output_router_logits=True)
+    config = transformers.AutoConfig.for_model(table.pop("model_type"), **table)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ModelError) as info:
+        build_model(ModelConfig(source="hf", path=str(tmp_path)), VOCAB, seed=0)
+    assert "output_router_logits" in str(info.value)
+    assert str(tmp_path / "config.json") in str(info.value)
+
+
+# ------------------------------------------------------------------ a model without sdpa
+
+GEMMA2 = {"model_type": "gemma2", **COMMON, "head_dim": 8, "final_logit_softcapping": None}
+
+
+def test_a_model_without_sdpa_is_refused_naming_eager():
+    with pytest.raises(ModelError) as info:
+        build(GEMMA2, "sdpa")
+    message = str(info.value)
+    assert "model.attn_implementation = 'eager'" in message and "gemma2" in message
+    assert len(message.splitlines()) == 1
+    # negative control: eager, the backend the message names, builds (its probe passes)
+    assert build(GEMMA2, "eager").attn_implementation == "eager"
+
+
+def test_a_backend_that_cannot_isolate_suggests_eager_where_sdpa_is_missing():
+    with pytest.raises(ModelError) as info:
+        build(GEMMA2, "flash_attention_2")
+    assert "model.attn_implementation = 'eager'" in str(info.value)
+    with pytest.raises(ModelError) as info:  # negative control: llama has sdpa
+        build(hf_config("llama"), "flash_attention_2")
+    assert "model.attn_implementation = 'sdpa'" in str(info.value)

@@ -22,7 +22,8 @@ padding query sees only itself), handed over as a 4D ``attention_mask``
 float (0 or the float32 minimum) for ``eager``, whose kernel *adds* the mask (a
 boolean mask there would be added as 0/1 and leak). Those two are the only
 backends accepted; ``flash_attention_2``, ``flex_attention`` and any other name
-are refused with a ``ModelError`` naming the model type and the backend.
+are refused with a ``ModelError`` naming the model type and the backend (and
+``eager`` as the fix for a model that has no ``sdpa``).
 
 The rules are not trusted blindly: ``build_hf_model`` runs a one-time probe
 (two short documents packed in one padded row through the real model, in eval
@@ -42,7 +43,9 @@ whose frequencies depend on the longest position in the batch (``dynamic``,
 Other refusals: rows longer than the model's ``max_position_embeddings`` or
 than a sliding attention window (the 4D mask replaces the model's own mask, so a
 window shorter than a row would not be applied); ``prefix_len`` and
-bidirectional batches (a causal LM trains causal objectives only).
+bidirectional batches (a causal LM trains causal objectives only); MoE router
+logits (``output_router_logits``), whose load-balancing loss HF adds to its own
+loss and exactstep's objective (L3) would drop.
 
 Vocabulary rule: the model's vocabulary (embedding and head rows, ``V_model``)
 must be at least the tokenizer's (``vocab_size``). ``V_model > vocab_size`` (an
@@ -216,7 +219,8 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
     From ``cfg.path`` (weights loaded, float32) or ``cfg.hf_config`` (random init,
     deterministic in ``seed``, global RNG streams untouched: S5). Raises
     ``ModelError`` for missing files, a backend or architecture that cannot isolate
-    packed documents (R3), a head that is not a plain linear map, or a model
+    packed documents (R3), a decoder stack that cannot be found, a head that is not a
+    plain linear map, router logits whose loss would be dropped (L3), or a model
     vocabulary smaller than ``vocab_size``; ``ConfigError`` for an unknown
     ``hf_config`` key.
     """
@@ -224,10 +228,11 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
     with quiet(transformers):
         config = load_config(transformers, cfg, vocab_size)
         model_type = config.model_type
-        if cfg.attn_implementation not in ISOLATING_BACKENDS:
-            raise ModelError(backend_message(model_type, cfg.attn_implementation))
-        refuse_head_features(config)
-        refuse_batch_dependent_rope(config)
+        text = text_config_of(config)
+        refuse_head_features(text)
+        refuse_batch_dependent_rope(text)
+        refuse_router_logits(text, cfg, nested=text is not config)
+        check_backend(transformers, config, cfg.attn_implementation)
         model = instantiate(transformers, cfg, config, seed)
         actual = getattr(model.config, "_attn_implementation", None)
         if actual != cfg.attn_implementation:
@@ -366,6 +371,62 @@ def known_config_keys(config_class: type) -> set[str]:
     return keys | {"rope_scaling"}  # the older spelling of rope_parameters
 
 
+def model_class_of(transformers: Any, config: Any) -> type | None:
+    """The class ``AutoModelForCausalLM`` builds for ``config``, or None if it has none."""
+    try:
+        return transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, AttributeError, ValueError):
+        return None
+
+
+def check_backend(transformers: Any, config: Any, backend: str) -> None:
+    """Only backends that honour exactstep's 4D mask (R3); a model without ``sdpa`` is
+    pointed to ``eager``, which every HF model has."""
+    model_class = model_class_of(transformers, config)
+    has_sdpa = getattr(model_class, "_supports_sdpa", True) is not False
+    if backend not in ISOLATING_BACKENDS:
+        raise ModelError(backend_message(config.model_type, backend,
+                                         "sdpa" if has_sdpa else "eager"))
+    if backend == "sdpa" and not has_sdpa:
+        raise ModelError(no_sdpa_message(config.model_type, model_class.__name__))
+
+
+def no_sdpa_message(model_type: str, class_name: str) -> str:
+    return (
+        f"model type {model_type} ({class_name}) has no sdpa attention in this transformers; "
+        "set model.attn_implementation = 'eager' (exactstep isolates packed documents under "
+        "eager too, R3)"
+    )
+
+
+def text_config_of(config: Any) -> Any:
+    """The decoder's config: ``config`` itself, or the text config a multimodal config
+    nests (Mllama, Llama 4), which is what its CausalLM is built from."""
+    get_text_config = getattr(config, "get_text_config", None)
+    try:
+        return get_text_config(decoder=True) if callable(get_text_config) else config
+    except (TypeError, ValueError, AttributeError):
+        return config
+
+
+def refuse_router_logits(config: Any, cfg: ModelConfig, *, nested: bool) -> None:
+    """An MoE model with ``output_router_logits`` adds a load-balancing loss to HF's own
+    loss; exactstep computes the loss itself (R1, L3) and has no such term, so the
+    router would silently train without it. Refused, naming where to turn it off."""
+    if getattr(config, "output_router_logits", False) is not True:
+        return
+    if cfg.path is not None:
+        where = f"output_router_logits = true in {Path(cfg.path) / 'config.json'}; set it to false"
+    else:
+        key = "model.hf_config." + ("text_config." if nested else "") + "output_router_logits"
+        where = f"{key} = true; set it to false"
+    raise ModelError(
+        f"model type {config.model_type} returns router logits for its load-balancing "
+        f"(auxiliary) loss, which exactstep's objective (L3) does not include and would drop: "
+        f"{where} (the load-balancing loss is not trained)"
+    )
+
+
 def refuse_head_features(config: Any) -> None:
     """A head that is not ``hidden @ W.T`` cannot be fused into exactstep's loss (L1)."""
     for attribute, feature, neutral in HEAD_FEATURES:
@@ -421,6 +482,9 @@ def instantiate(transformers: Any, cfg: ModelConfig, config: Any, seed: int) -> 
                 cfg.path, config=config, attn_implementation=cfg.attn_implementation,
                 dtype=torch.float32, local_files_only=True, output_loading_info=True)
     except Exception as exc:  # any failure of HF constructors: one line
+        if cfg.attn_implementation == "sdpa" and "scaled_dot_product_attention" in str(exc):
+            name = str(exc).split(" ", 1)[0]
+            raise ModelError(no_sdpa_message(config.model_type, name)) from None
         raise ModelError(f"building the {config.model_type} model with attn_implementation "
                          f"{cfg.attn_implementation!r} failed: {first_line(exc)}") from None
     lacking = sorted(info.get("missing_keys", ())) + sorted(info.get("mismatched_keys", ()))
@@ -593,12 +657,12 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def backend_message(model_type: str, backend: str) -> str:
+def backend_message(model_type: str, backend: str, suggestion: str = "sdpa") -> str:
     return (
         f"model type {model_type} with attn_implementation {backend!r} cannot isolate packed "
         f"documents here (R3): exactstep realises segment visibility for HF models as a 4D mask, "
         f"which only {' and '.join(map(repr, ISOLATING_BACKENDS))} honour; set "
-        "model.attn_implementation = 'sdpa'"
+        f"model.attn_implementation = {suggestion!r}"
     )
 
 
