@@ -11,7 +11,7 @@
   leaking (a real one: Jamba's recurrent layer; and the adapter's own mask
   withheld), a head that is not a plain linear map (named features, and the probe
   without the names), a vocabulary smaller than the tokenizer's, rows longer than
-  the positions or a sliding window.
+  the positions or a sliding window the adapter does not realise.
 """
 
 from __future__ import annotations
@@ -174,15 +174,15 @@ def test_the_probe_refuses_a_real_architecture_that_leaks_r3():
 def test_the_probe_refuses_when_the_mask_is_withheld(monkeypatch):
     """Negative control of the probe: the adapter's mask withheld (and HF's own position
     inference off, as with a cache) must be caught at build time."""
-    monkeypatch.setattr(hf.HFCausalLM, "attention_mask", lambda self, segment_ids: None)
-    monkeypatch.setattr(hf, "probe_batch", lambda vocab: without_positions(vocab))
+    monkeypatch.setattr(hf.HFCausalLM, "attention_mask", lambda self, *visibility: None)
+    monkeypatch.setattr(hf, "probe_batch", lambda vocab, **kw: without_positions(vocab, **kw))
     with pytest.raises(ModelError, match="llama with attn_implementation 'sdpa' does not isolate"):
         hf_model("llama", VOCAB)
 
 
-def without_positions(vocab):
+def without_positions(vocab, **kw):
     """The probe's row with positions counted along the row (no document restarts)."""
-    b = PROBE_BATCH(vocab)
+    b = PROBE_BATCH(vocab, **kw)
     return dataclasses.replace(b, position_ids=torch.arange(b.shape[1]).expand(b.shape).clone())
 
 
@@ -224,11 +224,15 @@ def test_vocabulary_rule_names_both_sizes():
     assert padded.head_weight.shape == (320, 32)
 
 
-def test_rows_beyond_positions_or_sliding_window_are_refused():
+def test_rows_beyond_positions_or_an_unrealised_sliding_window_are_refused():
+    """A window the build-time probe crosses is realised (tests/model/test_hf_windows.py);
+    one longer than the probe reaches is a refusal for longer rows."""
     model = hf_model("mistral", VOCAB, sliding_window=8)
-    model(packed_batch([[[1] * 8]], 8))  # a row within the window is fine
-    with pytest.raises(ModelError, match="sliding window"):
-        model(packed_batch([[[1] * 9]], 9))
+    model(packed_batch([[[1] * 12]], 12))  # realised: rows longer than the window are fine
+    wide = hf_model("mistral", VOCAB, sliding_window=2000, max_position_embeddings=4096)
+    wide.check_rows(2000)
+    with pytest.raises(ModelError, match="sliding_window = 2000 .sliding attention."):
+        wide(packed_batch([[[1] * 2001]], 2001))
     short = hf_model("gpt2", VOCAB, n_positions=12)
     with pytest.raises(ModelError, match="max_position_embeddings = 12"):
         short(packed_batch([[[1] * 13]], 13))

@@ -153,7 +153,7 @@ def test_an_hf_side_host_read_is_counted_u7(monkeypatch):
     """Negative control: without exactstep's mask, HF infers documents from the
     positions and reads a tensor into an ``if`` in every forward: the counter sees it."""
     model = hf_model("llama", VOCAB, seed=1)
-    monkeypatch.setattr(model, "attention_mask", lambda segment_ids: None)
+    monkeypatch.setattr(model, "attention_mask", lambda segment_ids, *_: None)
     assert host_reads_in_one_window(engine_for(model, accum=3), monkeypatch) > 1
 
 

@@ -97,5 +97,5 @@ def test_eager_packed_rows_equal_documents_alone(family):
     separate = run_separately(model, rows)
     assert equivalence_error(run_packed(model, rows), separate) <= TOL
     # negative control: the boolean mask (right for sdpa) leaks under eager
-    model.attention_mask = lambda segment_ids: dense_visibility_mask(segment_ids, causal=True)
+    model.attention_mask = lambda segment_ids, *_: dense_visibility_mask(segment_ids, causal=True)
     assert logits_error(run_packed(model, rows)[0], separate[0]) > LEAK

@@ -329,6 +329,30 @@ def dense_visibility_mask(
     return allowed[:, None]  # [B, 1, T, T]
 
 
+def windowed_visibility(
+    visible: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    sliding: int | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """``visible`` ``[B, 1, T, T]`` narrowed to an attention window (R3), read on the
+    rows' own positions: ``sliding`` keeps keys fewer than ``sliding`` positions back
+    (``pos_i - pos_j < sliding``), ``chunk`` keeps the keys of the query's chunk
+    (``pos_i // chunk == pos_j // chunk``). With positions that restart at 0 in each
+    document, a packed document sees exactly what it sees alone; every query still
+    sees itself.
+    """
+    pos_q = position_ids[:, None, :, None]  # [B, 1, T, 1]
+    pos_k = position_ids[:, None, None, :]  # [B, 1, 1, T]
+    if sliding is not None:
+        visible = visible & (pos_q - pos_k < sliding)
+    if chunk is not None:
+        visible = visible & (pos_q.div(chunk, rounding_mode="floor")
+                             == pos_k.div(chunk, rounding_mode="floor"))
+    return visible
+
+
 def _prepare_dense(batch: Batch, device: torch.device) -> Visibility:
     seg = host_to_device(batch.segment_ids, device)
     prefix = None if batch.prefix_len is None else host_to_device(batch.prefix_len, device)

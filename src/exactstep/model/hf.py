@@ -25,8 +25,21 @@ backends accepted; ``flash_attention_2``, ``flex_attention`` and any other name
 are refused with a ``ModelError`` naming the model type and the backend (and
 ``eager`` as the fix for a model that has no ``sdpa``).
 
+Attention windows (R3). The 4D mask replaces the model's own, so the windows a
+config applies (``sliding_window`` and its kin, Llama 4's ``attention_chunk_size``;
+``windows_of``, by layer type) are realised in it, on each document's own
+positions (``attention.windowed_visibility``): one mask when every layer has the
+same windows, one per layer type (the dict HF's decoders take) when they differ.
+A window is realised only when the build-time probe crossed it and found packed
+rows equal to their documents alone; a window the model applies itself (by
+index, inside its attention) passes the crossing probe unrealised and is left to
+it; any other window (longer than ``PROBE_WINDOW_LIMIT``, or failing both) is a
+refusal of rows longer than it. A coupling by row index that no mask undoes (Llama 4's
+attention temperature, ``floor_scale``) is a refusal of rows that reach it.
+
 The rules are not trusted blindly: ``build_hf_model`` runs a one-time probe
-(two short documents packed in one padded row through the real model, in eval
+(two documents packed in one padded row through the real model, the second
+longer than every window within reach, in eval
 mode, without gradients, inside ``isolated_rng``; see ``probe``) that compares
 each document's logits with HF's own unmasked forward of that document alone,
 checks that the second document's logits do not move when the first one's
@@ -40,12 +53,10 @@ final logit soft-capping (``final_logit_softcapping``), a final logit scale
 whose frequencies depend on the longest position in the batch (``dynamic``,
 ``longrope``), which would couple the documents of a row.
 
-Other refusals: rows longer than the model's ``max_position_embeddings`` or
-than a sliding attention window (the 4D mask replaces the model's own mask, so a
-window shorter than a row would not be applied); ``prefix_len`` and
-bidirectional batches (a causal LM trains causal objectives only); MoE router
-logits (``output_router_logits``), whose load-balancing loss HF adds to its own
-loss and exactstep's objective (L3) would drop.
+Other refusals: rows longer than the model's ``max_position_embeddings``;
+``prefix_len`` and bidirectional batches (a causal LM trains causal objectives
+only); MoE router logits (``output_router_logits``), whose load-balancing loss
+HF adds to its own loss and exactstep's objective (L3) would drop.
 
 Vocabulary rule: the model's vocabulary (embedding and head rows, ``V_model``)
 must be at least the tokenizer's (``vocab_size``). ``V_model > vocab_size`` (an
@@ -80,7 +91,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exactstep.errors import ConfigError, ModelError
-from exactstep.model.attention import dense_visibility_mask
+from exactstep.model.attention import dense_visibility_mask, windowed_visibility
 from exactstep.model.config import ModelConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.state.rng import isolated_rng
@@ -99,12 +110,41 @@ HEAD_FEATURES: tuple[tuple[str, str, tuple], ...] = (
 #: RoPE types whose frequencies follow the longest position of the batch (R3)
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
+#: config fields sizing a sliding window (a query sees the last ``size`` positions)
+SLIDING_FIELDS = ("sliding_window", "sliding_window_size", "attention_window_size",
+                  "local_attention_window_len", "window_size", "attention_window")
+#: config fields sizing chunked attention (a query sees its own ``size``-position chunk)
+CHUNK_FIELDS = ("attention_chunk_size",)
+
 #: attributes where a CausalLM keeps its decoder stack when ``base_model`` is not it
 DECODER_ATTRIBUTES = ("model", "transformer", "language_model", "decoder", "gpt_neox")
 
 PROBE_LENGTHS = (3, 4)  # two documents packed in one row, then one padding column
+PROBE_WINDOW_LIMIT = 512  # the longest window the build-time probe crosses (and realises)
 PROBE_TOLERANCE = 1e-4  # relative to the logits' magnitude; fp32 kernels agree to ~1e-6
 LEAK_TOLERANCE = 1e-6  # the same kernels on the same row: an isolated document moves by 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """An attention window a config applies (R3): ``kind`` ``"sliding"`` (a query sees
+    keys fewer than ``size`` positions back) or ``"chunked"`` (a query sees the keys of
+    its own ``size``-position chunk); ``field`` is the config field that sets it."""
+
+    field: str
+    kind: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLimit:
+    """A coupling of a row's documents that no mask can undo: rows longer than
+    ``max_len`` tokens are refused with ``reason`` (R3)."""
+
+    field: str
+    value: int
+    max_len: int
+    reason: str
 
 
 class HFCausalLM(nn.Module):
@@ -113,6 +153,11 @@ class HFCausalLM(nn.Module):
     ``forward(batch) -> [B, T, H]`` final hidden states of ``decoder`` (the module that
     maps ``input_ids`` to them, found by ``decoder_name``); ``head_weight`` ``[V, H]``;
     ``logits(hidden)``; ``num_parameters()`` (unique, a tied head counted once).
+
+    Windows (R3): ``windows`` maps each layer type (``None``: every layer) to the
+    attention windows its layers apply; ``realised`` holds the windows the mask
+    applies (those the build-time probe crossed and confirmed); ``refusals`` the
+    windows a row may not exceed; ``row_limits`` the couplings no mask can undo.
     """
 
     def __init__(self, model: nn.Module, *, attn_implementation: str) -> None:
@@ -125,7 +170,10 @@ class HFCausalLM(nn.Module):
         self.decoder_name = decoder_name(model)
         self.vocab_size = int(self.head_weight.shape[0])
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
-        self.sliding_window: int | None = sliding_window_of(model.config)
+        self.windows: dict[str | None, tuple[Window, ...]] = windows_of(model.config)
+        self.realised: frozenset[Window] = frozenset()  # until the probe confirms them
+        self.refusals: tuple[Window, ...] = used_windows(self.windows)
+        self.row_limits: tuple[RowLimit, ...] = row_limits_of(model.config)
         self.initial_weights_sha256: str | None = None
 
     @property
@@ -142,9 +190,10 @@ class HFCausalLM(nn.Module):
         """Final hidden states ``[B, T, H]`` of the decoder stack (no logits, no labels: R1).
 
         Visibility: ``batch.position_ids`` and the block-diagonal causal mask of
-        ``batch.segment_ids`` (R3). Refuses, without reading any device value,
-        a batch with ``prefix_len``, a bidirectional batch, and rows longer than
-        the model's positions or sliding window.
+        ``batch.segment_ids``, narrowed to the realised windows (R3). Refuses, without
+        reading any device value, a batch with ``prefix_len``, a bidirectional batch,
+        and rows longer than the model's positions, a window it does not realise or a
+        row limit.
         """
         self.check_rows(batch.shape[1])
         if batch.prefix_len is not None or not batch.causal:
@@ -153,19 +202,49 @@ class HFCausalLM(nn.Module):
                 "batch is bidirectional or carries prefix_len"
             )
         device = self.head_weight.device
+        position_ids = batch.position_ids.to(device)
         out = self.decoder(
             input_ids=batch.input_ids.to(device),
-            position_ids=batch.position_ids.to(device),
-            attention_mask=self.attention_mask(batch.segment_ids.to(device)),
+            position_ids=position_ids,
+            attention_mask=self.attention_mask(batch.segment_ids.to(device), position_ids),
             use_cache=False,
             return_dict=True,
         )
         return hidden_states_of(out, self)  # [B, T, H]
 
-    def attention_mask(self, segment_ids: torch.Tensor) -> torch.Tensor:
-        """The 4D mask ``[B, 1, T, T]`` in the form this backend honours (R3)."""
+    def attention_mask(
+        self, segment_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The 4D mask ``[B, 1, T, T]`` in the form this backend honours (R3).
+
+        With ``position_ids``, each realised window shorter than the row narrows the
+        mask of its layers: one mask when every layer has the same windows, else one
+        per layer type (``{layer_type: mask}``, the form HF's decoders take for mixed
+        layers).
+        """
         visible = dense_visibility_mask(segment_ids, causal=True)  # [B, 1, T, T] bool
-        if self.attn_implementation == "eager":  # eager adds the mask to the scores
+        T = segment_ids.shape[1]
+        active = {} if position_ids is None else {
+            key: tuple(w for w in windows if w in self.realised and w.size < T)
+            for key, windows in self.windows.items()}
+        active = {key: windows for key, windows in active.items() if windows}
+        if not active:
+            return self.mask_form(visible)
+        if None in active:  # no layer types: every layer applies the same windows
+            return self.mask_form(windowed(visible, position_ids, active[None]))
+        masks: dict[tuple[Window, ...], torch.Tensor] = {}
+        by_type = {}
+        for layer_type in dict.fromkeys(self.hf.config.layer_types):
+            windows = active.get(layer_type, ())
+            if windows not in masks:
+                masks[windows] = self.mask_form(windowed(visible, position_ids, windows))
+            by_type[layer_type] = masks[windows]
+        return by_type
+
+    def mask_form(self, visible: torch.Tensor) -> torch.Tensor:
+        """Boolean for ``sdpa``; additive float (0 or the float32 minimum) for ``eager``,
+        which adds the mask to the scores (a boolean mask would be added as 0/1)."""
+        if self.attn_implementation == "eager":
             blocked = torch.finfo(torch.float32).min
             return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, blocked)
         return visible
@@ -173,20 +252,32 @@ class HFCausalLM(nn.Module):
     def check_rows(self, seq_len: int) -> None:
         """Refuse rows of ``seq_len`` tokens that the model cannot take exactly.
 
-        Positions reach ``seq_len - 1`` at most; the 4D mask replaces the model's
-        own, so a sliding window shorter than a row would not be applied.
+        Positions reach ``seq_len - 1`` at most; the 4D mask replaces the model's own,
+        so a window it does not realise must not be shorter than a row (R3), and a row
+        limit (a coupling by row index) must not be reached.
         """
         if self.max_positions is not None and seq_len > self.max_positions:
             raise ModelError(
                 f"batch.seq_len = {seq_len} exceeds the {self.model_type} model's "
                 f"max_position_embeddings = {self.max_positions}; lower batch.seq_len"
             )
-        if self.sliding_window is not None and seq_len > self.sliding_window:
-            raise ModelError(
-                f"batch.seq_len = {seq_len} exceeds the {self.model_type} model's sliding "
-                f"window ({self.sliding_window}), which exactstep's block mask does not "
-                "realise; lower batch.seq_len to at most the window"
-            )
+        for limit in self.row_limits:
+            if seq_len > limit.max_len:
+                raise ModelError(
+                    f"batch.seq_len = {seq_len} reaches the {self.model_type} model's "
+                    f"{limit.field} = {limit.value}: {limit.reason}, so a packed document "
+                    f"would differ from itself alone (R3); lower batch.seq_len to at most "
+                    f"{limit.max_len}"
+                )
+        for window in self.refusals:
+            if seq_len > window.size:
+                raise ModelError(
+                    f"batch.seq_len = {seq_len} exceeds the {self.model_type} model's "
+                    f"{window.field} = {window.size} ({window.kind} attention), which "
+                    "exactstep's block mask does not realise for this model, so a packed row "
+                    f"would differ from its documents alone (R3); lower batch.seq_len to at "
+                    f"most {window.size}"
+                )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
@@ -454,15 +545,106 @@ def refuse_batch_dependent_rope(config: Any) -> None:
             )
 
 
-def sliding_window_of(config: Any) -> int | None:
-    """The sliding attention window a config applies to some layer, or None."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
+def windows_of(config: Any) -> dict[str | None, tuple[Window, ...]]:
+    """The attention windows ``config`` applies, by layer type (R3).
+
+    With ``layer_types``: a type whose name holds ``chunk`` is chunked by the first
+    set field of ``CHUNK_FIELDS``; one holding ``sliding`` or ``local`` slides by the
+    first set field of ``SLIDING_FIELDS``; any other type has no window here (what
+    it does is the probe's to see). Without ``layer_types``, every set window field
+    applies to every layer (key ``None``), except ``sliding_window`` under
+    ``use_sliding_window = False``. A windowed layer type without a size exactstep can
+    read is a ``ModelError``.
+    """
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    if layer_types:
+        windows: dict[str | None, tuple[Window, ...]] = {}
+        for layer_type in dict.fromkeys(layer_types):
+            kind = window_kind(str(layer_type))
+            if kind is None:
+                continue
+            found = window_field(config, CHUNK_FIELDS if kind == "chunked" else SLIDING_FIELDS)
+            if found is None:
+                raise ModelError(
+                    f"model type {config.model_type}: layer type {layer_type!r} has no window "
+                    f"size exactstep can read (none of {', '.join(SLIDING_FIELDS + CHUNK_FIELDS)}"
+                    "), so it cannot keep packed documents apart exactly (R3); use a model "
+                    "without it"
+                )
+            windows[layer_type] = (Window(found[0], kind, found[1]),)
+        return windows
+    every = []
+    sliding = window_field(config, SLIDING_FIELDS)
+    if sliding is not None and getattr(config, "use_sliding_window", True) is not False:
+        every.append(Window(sliding[0], "sliding", sliding[1]))
+    chunk = window_field(config, CHUNK_FIELDS)
+    if chunk is not None:
+        every.append(Window(chunk[0], "chunked", chunk[1]))
+    return {None: tuple(every)} if every else {}
+
+
+def window_kind(layer_type: str) -> str | None:
+    name = layer_type.lower()
+    if "chunk" in name:
+        return "chunked"
+    if "sliding" in name or "local" in name:
+        return "sliding"
+    return None
+
+
+def window_field(config: Any, fields: tuple[str, ...]) -> tuple[str, int] | None:
+    """The first of ``fields`` set on ``config`` to a positive size (the smallest, for a
+    per-layer list), with its name."""
+    for name in fields:
+        value = getattr(config, name, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        sizes = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        if sizes:
+            return name, min(sizes)
+    return None
+
+
+def used_windows(windows: dict[str | None, tuple[Window, ...]]) -> tuple[Window, ...]:
+    return tuple(dict.fromkeys(w for group in windows.values() for w in group))
+
+
+def declared_windows(config: Any) -> tuple[Window, ...]:
+    """Every window field ``config`` sets, used by a layer or not (the probe crosses them
+    all, so a field exactstep reads as unused is checked too)."""
+    declared = []
+    for fields, kind in ((SLIDING_FIELDS, "sliding"), (CHUNK_FIELDS, "chunked")):
+        for name in fields:
+            found = window_field(config, (name,))
+            if found is not None:
+                declared.append(Window(found[0], kind, found[1]))
+    return tuple(declared)
+
+
+def row_limits_of(config: Any) -> tuple[RowLimit, ...]:
+    """Couplings of a row's documents by row index, which no mask can undo (R3).
+
+    Llama 4's attention temperature (``attn_temperature_tuning``) scales the queries
+    of its NoPE layers by ``log1p(floor((i + 1) / floor_scale))`` of the row index
+    ``i``, not of the document's position: 1 while ``i + 1 < floor_scale``, so rows
+    of fewer than ``floor_scale`` tokens are exact.
+    """
+    floor_scale = getattr(config, "floor_scale", None)
+    nope = 0 in (getattr(config, "no_rope_layers", None) or ())
+    if getattr(config, "attn_temperature_tuning", False) and nope and isinstance(floor_scale, int):
+        return (RowLimit("floor_scale", floor_scale, floor_scale - 1,
+                         "with attn_temperature_tuning its NoPE layers scale queries by the row "
+                         "index, not by the document's position"),)
+    return ()
+
+
+def windowed(visible: torch.Tensor, position_ids: torch.Tensor,
+             windows: tuple[Window, ...]) -> torch.Tensor:
+    """``visible`` narrowed to each of ``windows`` (``attention.windowed_visibility``)."""
+    for window in windows:
+        size = {window.kind: window.size}
+        visible = windowed_visibility(visible, position_ids, sliding=size.get("sliding"),
+                                      chunk=size.get("chunked"))
+    return visible
 
 
 def instantiate(transformers: Any, cfg: ModelConfig, config: Any, seed: int) -> nn.Module:
@@ -562,10 +744,10 @@ def check_vocab(adapter: HFCausalLM, vocab_size: int) -> None:
 # ------------------------------------------------------------------------------ probe
 
 
-def probe_batch(vocab_size: int, seed: int = 0) -> Batch:
-    """Two documents packed in one row and one padding column (segment ids 1, 2, 0)."""
+def probe_batch(vocab_size: int, seed: int = 0, lengths: tuple[int, ...] = PROBE_LENGTHS) -> Batch:
+    """Documents of ``lengths`` packed in one row, then one padding column (segment ids
+    1, 2, ..., 0)."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = PROBE_LENGTHS
     T = sum(lengths) + 1
     ids = torch.randint(0, vocab_size, (1, T), generator=generator)
     positions = torch.zeros(1, T, dtype=torch.long)
@@ -578,6 +760,37 @@ def probe_batch(vocab_size: int, seed: int = 0) -> Batch:
         start += n
     labels = torch.full_like(ids, IGNORE_INDEX)
     return Batch(ids, labels, positions, segment_ids, (tuple(segments),))
+
+
+def probe_lengths(adapter: HFCausalLM, *, crossing: bool) -> tuple[int, int] | None:
+    """The probe's two document lengths.
+
+    ``crossing``: the second document is twice as long as the longest window the
+    config declares up to ``PROBE_WINDOW_LIMIT``, plus 2, so its last queries lose
+    half their keys to the window and a missing window moves their logits far above
+    the tolerance whatever the window's size (one key of ``W`` moves them by about
+    ``2 / W`` relative at random init); it starts after the first document, so a
+    window read on the row index instead of its positions shows too. None when the
+    config declares no such window or the row would pass the model's positions, a row
+    limit or a window the probe does not cross. Otherwise ``PROBE_LENGTHS``, shortened
+    to fit every refusal.
+    """
+    config = adapter.hf.config
+    windows = used_windows(adapter.windows) + declared_windows(config)
+    bounds = [limit.max_len for limit in adapter.row_limits]
+    bounds += [adapter.max_positions] if adapter.max_positions is not None else []
+    if crossing:
+        crossed = [w.size for w in windows if w.size <= PROBE_WINDOW_LIMIT]
+        bounds += [w.size for w in windows if w.size > PROBE_WINDOW_LIMIT]
+        if not crossed:
+            return None
+        lengths = (PROBE_LENGTHS[0], 2 * max(crossed) + 2)
+        return lengths if sum(lengths) + 1 <= min(bounds, default=sum(lengths) + 1) else None
+    room = min(bounds + [w.size for w in adapter.refusals], default=sum(PROBE_LENGTHS) + 1) - 1
+    if sum(PROBE_LENGTHS) <= room:
+        return PROBE_LENGTHS
+    first = max(1, room // 2)
+    return first, max(1, room - first)
 
 
 def perturbed_first_document(batch: Batch, vocab_size: int) -> Batch:
@@ -602,17 +815,47 @@ def frozen(model: nn.Module) -> Iterator[None]:
 
 
 def probe(adapter: HFCausalLM, vocab_size: int) -> None:
-    """Refuse a model whose head is not linear or whose packed documents interact.
+    """Refuse a model whose head is not linear or whose packed documents interact;
+    decide which windows the mask realises (R3).
+
+    When the config declares a window the probe can cross, the probe runs on
+    documents that cross every such window (``probe_lengths``), first with those
+    windows realised in the mask, then with none (a model that applies a window
+    itself, by index inside its attention, as GPT-Neo does); the first that passes
+    is kept. If neither passes (or without such windows), no window is realised,
+    every window the config declares becomes a refusal (``check_rows``), and the
+    probe runs on documents within them; a failure there is the ``ModelError``. See
+    ``probe_error`` for what is compared.
+    """
+    lengths = probe_lengths(adapter, crossing=True)
+    if lengths is not None:
+        used = used_windows(adapter.windows)
+        within = frozenset(w for w in used if w.size <= PROBE_WINDOW_LIMIT)
+        for realised in (within, frozenset()) if within else (within,):
+            adapter.realised = realised
+            adapter.refusals = tuple(w for w in used if w not in within)
+            if probe_error(adapter, vocab_size, lengths) is None:
+                return
+        adapter.realised = frozenset()
+        adapter.refusals = tuple(dict.fromkeys(used + declared_windows(adapter.hf.config)))
+    error = probe_error(adapter, vocab_size, probe_lengths(adapter, crossing=False))
+    if error is not None:
+        raise error
+
+
+def probe_error(adapter: HFCausalLM, vocab_size: int,
+                lengths: tuple[int, ...]) -> ModelError | None:
+    """Why ``adapter`` fails the probe on documents of ``lengths``, or None.
 
     Three comparisons on ``probe_batch`` (two documents, then padding): HF's own
     logits against ``hidden @ W.T`` (the head is linear); each packed document's
     logits against HF's own forward of that document alone, with no mask and
-    default positions (positions and visibility mean what the model means); and
-    the second document's logits when every token of the first changes, which
+    default positions (positions, visibility and windows mean what the model means);
+    and the second document's logits when every token of the first changes, which
     under true isolation stay equal to rounding (a leak too small at random init
     to show against the first reference, e.g. a recurrent state, shows here).
     """
-    batch = probe_batch(vocab_size)
+    batch = probe_batch(vocab_size, lengths=lengths)
     adapter.check_rows(batch.shape[1])
     second = batch.segments[0][1]
     with frozen(adapter):
@@ -631,26 +874,27 @@ def probe(adapter: HFCausalLM, vocab_size: int) -> None:
                 )
             leak = max_error(moved[second.start :], packed[second.start :])
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError) as exc:
-            raise ModelError(
+            return ModelError(
                 f"model type {adapter.model_type} with attn_implementation "
                 f"{adapter.attn_implementation!r} cannot take packed rows (position_ids and a 4D "
                 f"attention mask): {first_line(exc)}"
-            ) from None
+            )
     if head_error / scale > PROBE_TOLERANCE:
-        raise ModelError(
+        return ModelError(
             f"the output head of model type {adapter.model_type} is not a plain linear map of "
             f"its final hidden states (its logits differ from hidden @ W.T by "
             f"{head_error / scale:.1e} relative); exactstep fuses a linear head into its loss "
             "(L1) and cannot train it"
         )
     if isolation_error / scale > PROBE_TOLERANCE or leak / scale > LEAK_TOLERANCE:
-        raise ModelError(
+        return ModelError(
             f"model type {adapter.model_type} with attn_implementation "
             f"{adapter.attn_implementation!r} does not isolate packed documents: a document's "
             f"logits move by {max(isolation_error, leak) / scale:.1e} (relative) when another "
             "shares its row (R3); use an architecture that honours a 4D attention mask and "
             "position_ids"
         )
+    return None
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
