@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= runs/default
 
-.PHONY: train test lint bench clean gpu-smoke gpu-smoke-dry-run audit
+.PHONY: train test test-fast test-threads lint bench clean gpu-smoke gpu-smoke-dry-run audit
 
 $(STAMP): pyproject.toml setup.py src/exactstep/rows/kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,17 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --timeout 900 -rX tests
+
+# The edit loop: everything but the tests marked slow.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --timeout 900 -m "not slow" tests
+
+# The state tests (kill, resume, bitwise) again with the test process itself under
+# OMP_NUM_THREADS=1 and =2 (make test runs with the caller's setting): nothing may
+# depend on the thread default of the machine (S9). CI runs it after make test.
+test-threads: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --timeout 900 tests/state
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -n 2 --timeout 900 tests/state
 
 # The GPU smoke test (one CUDA device, a few minutes; install a CUDA build of PyTorch
 # with TORCH_SPEC). gpu-smoke-dry-run runs the same checks, tiny, on the CPU.
