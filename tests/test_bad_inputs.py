@@ -487,6 +487,16 @@ CASES: list[Case] = [
     Case("hf-config-unknown-model-type", hf({"model_type": "nosuch"}), "'nosuch' is not a model"),
     Case("hf-rows-beyond-positions", hf({"max_position_embeddings": 16}),
          "batch.seq_len = 32 exceeds the llama model's max_position_embeddings = 16"),
+    Case("hf-moe-router-logits",
+         hf({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 1,
+             "output_router_logits": True}), "model.hf_config.output_router_logits = true"),
+    Case("hf-model-without-sdpa",
+         hf({"model_type": "gemma2", "head_dim": 8, "final_logit_softcapping": None}),
+         "set model.attn_implementation = 'eager'"),
+    Case("hf-rows-reach-llama4-floor-scale",
+         hf({"model_type": "llama4_text", "head_dim": 8, "intermediate_size_mlp": 64,
+             "num_local_experts": 1, "no_rope_layer_interval": 2, "floor_scale": 16}),
+         "batch.seq_len = 32 reaches the llama4_text model's floor_scale = 16"),
 ]
 
 
