@@ -61,8 +61,17 @@ GPT_NEO = {"model_type": "gpt_neo", "hidden_size": 32, "num_layers": 2, "num_hea
            "attention_dropout": 0.0}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tolerances were measured with one intra-op thread; the caller's count is
+    restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def build(table: dict, attn: str = "sdpa", seed: int = 3):
-    torch.set_num_threads(1)  # the tolerances are measured with one thread
     return build_model(ModelConfig(source="hf", hf_config=table, attn_implementation=attn),
                        VOCAB, seed=seed)
 
