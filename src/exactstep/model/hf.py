@@ -139,12 +139,14 @@ class Window:
 @dataclasses.dataclass(frozen=True)
 class RowLimit:
     """A coupling of a row's documents that no mask can undo: rows longer than
-    ``max_len`` tokens are refused with ``reason`` (R3)."""
+    ``max_len`` tokens are refused with ``reason`` and the fix besides a shorter row,
+    ``alternative`` (R3)."""
 
     field: str
     value: int
     max_len: int
     reason: str
+    alternative: str
 
 
 class HFCausalLM(nn.Module):
@@ -267,7 +269,7 @@ class HFCausalLM(nn.Module):
                     f"batch.seq_len = {seq_len} reaches the {self.model_type} model's "
                     f"{limit.field} = {limit.value}: {limit.reason}, so a packed document "
                     f"would differ from itself alone (R3); lower batch.seq_len to at most "
-                    f"{limit.max_len}"
+                    f"{limit.max_len} or {limit.alternative}"
                 )
         for window in self.refusals:
             if seq_len > window.size:
@@ -507,14 +509,16 @@ def refuse_router_logits(config: Any, cfg: ModelConfig, *, nested: bool) -> None
     if getattr(config, "output_router_logits", False) is not True:
         return
     if cfg.path is not None:
-        where = f"output_router_logits = true in {Path(cfg.path) / 'config.json'}; set it to false"
+        where = f"output_router_logits = true in {Path(cfg.path) / 'config.json'}"
+        fix = "set it to false there"
     else:
         key = "model.hf_config." + ("text_config." if nested else "") + "output_router_logits"
-        where = f"{key} = true; set it to false"
+        where, fix = f"{key} = true", f"set {key} = false"
     raise ModelError(
-        f"model type {config.model_type} returns router logits for its load-balancing "
-        f"(auxiliary) loss, which exactstep's objective (L3) does not include and would drop: "
-        f"{where} (the load-balancing loss is not trained)"
+        f"model type {config.model_type} has {where}: HF would add a load-balancing "
+        "(auxiliary) loss to its own loss, which exactstep's objective (L3) does not "
+        f"include, so the router would train without it; {fix} to train without the "
+        "load-balancing loss knowingly"
     )
 
 
@@ -633,7 +637,8 @@ def row_limits_of(config: Any) -> tuple[RowLimit, ...]:
     if getattr(config, "attn_temperature_tuning", False) and nope and isinstance(floor_scale, int):
         return (RowLimit("floor_scale", floor_scale, floor_scale - 1,
                          "with attn_temperature_tuning its NoPE layers scale queries by the row "
-                         "index, not by the document's position"),)
+                         "index, not by the document's position",
+                         "set attn_temperature_tuning = false in the model's config"),)
     return ()
 
 
