@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from exactstep.data.arith import last_turn_prompt
-from exactstep.data.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTokenizer, Conversation
+from exactstep.data.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTokenizer
+from exactstep.data.conversation import Conversation
 from exactstep.errors import DataError
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.cross_entropy import fused_row_losses

@@ -59,14 +59,16 @@ from typing import Any
 
 import numpy as np
 
-from exactstep.data.chat import iter_chat_jsonl, template_for
-from exactstep.data.corpus import check_split, iter_jsonl, load_corpus, split_rule, val_bucket
+from exactstep.data.chat import template_for
+from exactstep.data.conversation import iter_chat_jsonl
+from exactstep.data.corpus import check_split, load_corpus, split_rule, val_bucket
 from exactstep.data.datasets_source import (
     is_dataset_source,
     iter_chat_source,
     iter_text_source,
     shard_files,
 )
+from exactstep.data.documents import iter_jsonl
 from exactstep.data.prepared import (
     FORMAT,
     INDEX_COLUMNS,

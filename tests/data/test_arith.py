@@ -14,7 +14,8 @@ from exactstep.data.arith import (
     last_turn_prompt,
     write_arith_jsonl,
 )
-from exactstep.data.chat import DEFAULT_TEMPLATE, Conversation, load_chat_jsonl
+from exactstep.data.chat import DEFAULT_TEMPLATE, load_chat_jsonl
+from exactstep.data.conversation import Conversation
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ConfigError, DataError
 from exactstep.eval import greedy_answer_accuracy

@@ -193,7 +193,7 @@ def test_a_document_quoting_a_special_token_gets_no_special_id(tmp_path) -> None
     """A document's text is data: ``<eos>`` written in it is five bytes of text, not
     the EOS id (the only EOS of a text example is the one exactstep appends). A
     rendered template's ``encode`` (negative control) does turn it into the id."""
-    from exactstep.data.corpus import Document
+    from exactstep.data.documents import Document
     from exactstep.data.hf_tokenizer import load_hf_tokenizer
     from exactstep.rows.example import encode_documents
 

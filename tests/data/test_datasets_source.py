@@ -25,8 +25,9 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 
-from exactstep.data.chat import Message, load_chat_jsonl  # noqa: E402
+from exactstep.data.chat import load_chat_jsonl  # noqa: E402
 from exactstep.data.config import DataConfig  # noqa: E402
+from exactstep.data.conversation import Message  # noqa: E402
 from exactstep.data.corpus import load_corpus, read_source  # noqa: E402
 from exactstep.data.tokenizer import ByteTokenizer  # noqa: E402
 from exactstep.errors import DataError  # noqa: E402

@@ -18,7 +18,7 @@ from tokenizer_support import CHATML, GEMMA, LLAMA3, raw_tokenizer, save_tokeniz
 
 from exactstep.config import load_config
 from exactstep.data.config import DataConfig
-from exactstep.data.corpus import Document
+from exactstep.data.documents import Document
 from exactstep.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from exactstep.data.tokenizer import ByteTokenizer, build_tokenizer
 from exactstep.errors import ConfigError, DataError

@@ -513,7 +513,7 @@ def test_parquet_shards_are_streamed_one_file_at_a_time(tmp_path: Path, monkeypa
 def test_parallel_encoding_keeps_a_bounded_number_of_chunks_in_flight() -> None:
     """P2's promise at prepare time: the source is read no further ahead than
     ``2 * workers`` chunks of the result being handed back."""
-    from exactstep.data.corpus import Document
+    from exactstep.data.documents import Document
 
     read = [0]
 
@@ -600,7 +600,7 @@ def test_a_streamed_chat_jsonl_gives_the_runs_own_split_and_ownership(tmp_path: 
 def test_chat_jsonl_is_read_one_line_at_a_time(tmp_path: Path) -> None:
     """The streamed reader hands over the conversations before a later malformed line
     is reached (nothing reads the whole file first), then names that line."""
-    from exactstep.data.chat import iter_chat_jsonl
+    from exactstep.data.conversation import iter_chat_jsonl
 
     source = tmp_path / "chat.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in chat_lines(4)) + "{not json\n")

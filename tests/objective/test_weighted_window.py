@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from exactstep.data.corpus import read_jsonl
+from exactstep.data.documents import read_jsonl
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch

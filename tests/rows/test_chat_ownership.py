@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exactstep.data.chat import DEFAULT_TEMPLATE, Conversation, Message, Part, Role
+from exactstep.data.chat import DEFAULT_TEMPLATE, Part, Role
+from exactstep.data.conversation import Conversation, Message
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ConfigError, DataError
 from exactstep.rows.batch import IGNORE_INDEX, Batch

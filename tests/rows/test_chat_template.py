@@ -7,14 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from exactstep.data.chat import (
-    DEFAULT_TEMPLATE,
-    ChatTemplate,
+from exactstep.data.chat import DEFAULT_TEMPLATE, ChatTemplate, Part, Role, load_chat_jsonl
+from exactstep.data.conversation import (
     Conversation,
     Message,
-    Part,
-    Role,
-    load_chat_jsonl,
     parse_conversation,
     write_chat_jsonl,
 )

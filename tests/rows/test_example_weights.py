@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from exactstep.config import load_config
-from exactstep.data.chat import load_chat_jsonl, write_chat_jsonl
-from exactstep.data.corpus import Document, corpus_fingerprint, read_jsonl
+from exactstep.data.chat import load_chat_jsonl
+from exactstep.data.conversation import write_chat_jsonl
+from exactstep.data.corpus import corpus_fingerprint
+from exactstep.data.documents import Document, read_jsonl
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ConfigError, DataError, ExactstepError
 from exactstep.rows.chat import ChatPolicy, chat_examples

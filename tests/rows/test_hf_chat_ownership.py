@@ -41,7 +41,8 @@ from tokenizer_support import (
 )
 
 from exactstep.data.arith import arith_conversations
-from exactstep.data.chat import DEFAULT_TEMPLATE, Conversation, Message, Part, Role, template_for
+from exactstep.data.chat import DEFAULT_TEMPLATE, Part, Role, template_for
+from exactstep.data.conversation import Conversation, Message
 from exactstep.data.hf_chat import HFChatTemplate
 from exactstep.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from exactstep.data.tokenizer import ByteTokenizer

@@ -10,7 +10,7 @@ import pytest
 import torch
 from rows_reference import WRONG_COMPILERS, assert_causal_rows, text_example
 
-from exactstep.data.corpus import Document
+from exactstep.data.documents import Document
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.rows.batch import IGNORE_INDEX
 from exactstep.rows.causal import compile_causal_batch

@@ -8,7 +8,7 @@ import re
 import pytest
 from rows_reference import WRONG_COMPILERS
 
-from exactstep.data.corpus import Document
+from exactstep.data.documents import Document
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import encode_documents

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exactstep.data.chat import Conversation, Message, write_chat_jsonl
+from exactstep.data.conversation import Conversation, Message, write_chat_jsonl
 from exactstep.errors import ConfigError, DataError
 from exactstep.ranges import at_least, check
 

@@ -64,8 +64,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from exactstep.data.chat import Conversation, parse_conversation
-from exactstep.data.corpus import Document, iter_jsonl, read_jsonl
+from exactstep.data.conversation import Conversation, parse_conversation
+from exactstep.data.documents import Document, iter_jsonl, read_jsonl
 from exactstep.data.jsonl import records, unicode_text
 from exactstep.data.weights import WEIGHT_FIELD, parse_weight
 from exactstep.errors import ConfigError, DataError

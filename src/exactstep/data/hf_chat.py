@@ -77,7 +77,8 @@ from typing import Any
 
 import numpy as np
 
-from exactstep.data.chat import Message, Part, RenderedChat, Role
+from exactstep.data.chat import Part, RenderedChat, Role
+from exactstep.data.conversation import Message
 from exactstep.errors import DataError
 
 # The test transformers itself applies before it computes an assistant mask.

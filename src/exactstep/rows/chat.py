@@ -36,11 +36,11 @@ from exactstep.data.chat import (
     GENERATED_PARTS,
     ChatRenderer,
     ChatTokenizer,
-    Conversation,
     Part,
     RenderedChat,
     Role,
 )
+from exactstep.data.conversation import Conversation
 from exactstep.errors import ConfigError, DataError
 from exactstep.rows.example import Example
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from exactstep.data.corpus import Document
+from exactstep.data.documents import Document
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ConfigError
 

@@ -26,7 +26,8 @@ from dataclasses import asdict
 from typing import Any
 
 from exactstep.data.arith import ArithSpec, arith_conversations
-from exactstep.data.chat import ChatRenderer, Conversation, load_chat_jsonl, template_for
+from exactstep.data.chat import ChatRenderer, load_chat_jsonl, template_for
+from exactstep.data.conversation import Conversation
 from exactstep.data.corpus import check_split, load_corpus
 from exactstep.data.prepared import is_prepared
 from exactstep.data.tokenizer import Tokenizer
