@@ -30,14 +30,14 @@ from exactstep.data.config import DataConfig
 from exactstep.errors import ConfigError
 from exactstep.model.config import ModelConfig
 from exactstep.objective.config import ObjectiveConfig
-from exactstep.objective.scheduled_sampling import ScheduledSamplingConfig
+from exactstep.objective.scheduled_sampling_config import ScheduledSamplingConfig
 from exactstep.parallel.config import ParallelConfig
 from exactstep.ranges import INT64_MAX, at_least, between, check, check_finite, check_int
 from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.encdec_config import EncDecConfig
 from exactstep.rows.mlm_config import MLMConfig
-from exactstep.rows.permutation import PermutationConfig
+from exactstep.rows.permutation_config import PermutationConfig
 from exactstep.rows.span_config import SpanConfig
 from exactstep.state.config import CheckpointConfig
 from exactstep.tracking import LogConfig

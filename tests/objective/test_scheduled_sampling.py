@@ -18,10 +18,10 @@ from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.scheduled_sampling import (
     ScheduledSampling,
-    ScheduledSamplingConfig,
     construct_inputs,
     model_input_mask,
 )
+from exactstep.objective.scheduled_sampling_config import ScheduledSamplingConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.causal import compile_causal_batch
 from exactstep.rows.example import Example

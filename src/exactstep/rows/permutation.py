@@ -46,7 +46,6 @@ The family (``FAMILY``) trains ``model.permutation.TwoStreamDecoder`` on text.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,26 +60,11 @@ from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.invariants import check_batch, fail_at, where
 from exactstep.rows.packing import Piece
+from exactstep.rows.permutation_config import PermutationConfig
 
 #: The second word of every order draw's address: ``b"perm"`` as an integer, so these
 #: draws never coincide with another family's draws at the same (seed, epoch, example).
 ORDER_TAG = 0x7065726D
-
-
-@dataclass(frozen=True, kw_only=True)
-class PermutationConfig:
-    """The ``[permutation]`` section (R8): the permutation LM's partial prediction.
-
-    ``predict_one_in`` (K >= 1): the last ``ceil(F / K)`` free tokens of each
-    segment's factorisation order are predicted (F: the segment's free tokens, i.e.
-    its owned targets; capped at ``length - 1`` so the first token of the order is
-    always context). 6 is XLNet's K; 1 predicts every free token.
-    """
-
-    predict_one_in: int = 6
-
-    def __post_init__(self) -> None:
-        check("permutation.predict_one_in", self.predict_one_in, at_least(1))
 
 
 def settings_of(cfg: Any) -> PermutationConfig:
