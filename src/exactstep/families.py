@@ -11,6 +11,14 @@ before the manifest records it (S1) and points a family at its built-in data whe
 the run did not choose any (``data.source`` left at ``"stdlib"``), so
 ``exactstep train --set objective.family=X`` alone is a working run.
 
+Families and data kinds: each family reads one kind, ``data_kind_of``: ``text``
+(causal, mlm, span, permutation; encdec, whose pairs are two texts each; scheduled
+sampling over either), or ``chat`` (chat, prefix). ``data.kind`` left at ``auto``
+becomes that kind; a ``data.kind`` set to the other one is refused naming both keys
+(X4), never trained on the family's own kind without a word. The manifest records
+the resolved ``config.data.kind``, and the data section the kind actually read
+(``pairs`` for encdec).
+
 Each ``Family`` declares:
 
 - ``model`` and ``build_model(cfg, vocab_size)``: ``"decoder"`` (the built-in
@@ -212,19 +220,39 @@ def family_of(cfg: Any) -> Family:
     return family if isinstance(family, Family) else family(cfg)  # one built per run
 
 
-def resolve(cfg: Any) -> Any:
-    """``cfg`` with its family explicit and its data pointed at the family's built-in
-    source when the run left ``data.source`` at the default (see module doc).
+def data_kind_of(family: Family) -> str:
+    """The ``data.kind`` ``family`` reads: ``chat`` or ``text`` (pairs are texts)."""
+    return "chat" if family.data_kind == "chat" else "text"
 
-    A family reads one kind of data: its ``data_kind`` replaces ``data.kind``, so
-    ``objective.family = "chat"`` reads conversations. Raises ``ConfigError`` for a
-    family not built yet.
+
+READS = {"text": "text", "chat": "conversations"}
+
+
+def run_data_kind(cfg: Any) -> str:
+    """``data.kind`` as the run's family reads it (``auto`` made explicit); a kind the
+    family does not read is a ``ConfigError`` naming both keys (R8, X4)."""
+    family = family_of(cfg)
+    kind = data_kind_of(family)
+    if cfg.data.kind not in ("auto", kind):
+        what = "pairs of texts" if family.data_kind == "pairs" else READS[kind]
+        raise ConfigError(
+            f"objective.family = {family.name!r} reads {what} (data.kind = {kind!r}), "
+            f"but data.kind = {cfg.data.kind!r}; set data.kind = {kind!r} or leave it unset, "
+            f"or leave objective.family at 'auto' to train on {READS[cfg.data.kind]}")
+    return kind
+
+
+def resolve(cfg: Any) -> Any:
+    """``cfg`` with its family and data kind explicit and its data pointed at the
+    family's built-in source when the run left ``data.source`` at the default (see
+    module doc). Raises ``ConfigError`` for a family not built yet or a ``data.kind``
+    the family does not read (``run_data_kind``).
     """
     family = family_of(cfg)
+    kind = run_data_kind(cfg)
     data = cfg.data
     source = data.source
     if source == DEFAULT_SOURCE and family.default_source != DEFAULT_SOURCE:
         source = family.default_source
-    kind = family.data_kind if family.data_kind in ("text", "chat") else data.kind
     data = replace(data, source=source, kind=kind)
     return replace(cfg, data=data, objective=replace(cfg.objective, family=family.name))

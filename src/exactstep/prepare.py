@@ -88,7 +88,7 @@ from exactstep.durable import (
     write_durably,
 )
 from exactstep.errors import ConfigError, DataError, ExactstepError
-from exactstep.families import family_tokenizer
+from exactstep.families import family_tokenizer, run_data_kind
 from exactstep.rows.chat import ChatReport, chat_example
 from exactstep.rows.example import encode_documents
 from exactstep.rows.prepared import ORDER_RULE
@@ -134,6 +134,7 @@ def prepare_held(cfg: Any, source: str, out: Path, workers: int, shard_tokens: i
         raise ConfigError(f"--out {out} already exists and is not empty; choose a new --out "
                           "or remove it")
     cfg = replace(cfg, data=replace(cfg.data, source=source))
+    cfg = replace(cfg, data=replace(cfg.data, kind=run_data_kind(cfg)))  # "auto": the family's
     tokenizer = family_tokenizer(cfg)
     chat = cfg.data.kind == "chat"
     template = template_for(tokenizer) if chat else None

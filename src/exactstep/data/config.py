@@ -21,6 +21,10 @@ class DataConfig:
     ``text_field`` names the field (column) holding a text example, and
     ``messages_field`` the one holding a conversation's messages (``kind = "chat"``).
 
+    ``kind``: ``text`` (documents), ``chat`` (conversations), or ``auto`` (unset): the
+    kind the objective family reads (``families.resolve`` makes it explicit before the
+    manifest records it; a kind the family does not read is refused there, R8).
+
     ``source``: ``"stdlib"`` (the Python standard library's own source files, one
     document per file) or a path to a JSONL file of ``{"text": ...}`` lines (or
     ``{"messages": [...]}`` lines when ``kind = "chat"``). ``val_fraction`` of the
@@ -37,7 +41,7 @@ class DataConfig:
     """
 
     source: str = "stdlib"
-    kind: Literal["text", "chat"] = "text"
+    kind: Literal["auto", "text", "chat"] = "auto"
     text_field: str = "text"
     messages_field: str = "messages"
     val_fraction: float = 0.05

@@ -297,9 +297,10 @@ def load_prepared_bundle(cfg: Any, tokenizer: Any, representation: dict[str, Any
     source = cfg.data.source
     prepared = open_prepared(source, share=share)
     meta = prepared.meta
-    if meta["kind"] != cfg.data.kind:
+    kind = "chat" if cfg.data.kind == "chat" else "text"  # "auto" (unresolved) reads text
+    if meta["kind"] != kind:
         raise ConfigError(f"{source} was prepared as data.kind = {meta['kind']!r} but the run "
-                          f"sets data.kind = {cfg.data.kind!r}; set data.kind = "
+                          f"sets data.kind = {kind!r}; set data.kind = "
                           f"{meta['kind']!r}")
     check_representation(source, meta["representation"], representation)
     if meta["kind"] == "chat" and meta.get("max_len") != cfg.batch.seq_len:

@@ -115,7 +115,7 @@ def load_text_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
     corpus = load_corpus(cfg.data)
     section = {
         "source": corpus.source,
-        "kind": cfg.data.kind,
+        "kind": "text",
         "fingerprint": corpus.fingerprint,
         "split": corpus.split_rule,
         "train_documents": len(corpus.train),
