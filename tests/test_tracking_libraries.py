@@ -210,3 +210,76 @@ def test_a_tracker_that_cannot_start_leaves_no_run_behind(tmp_path):
     assert "Traceback" not in done.stderr
     left = {p.name for p in (tmp_path / "run").iterdir()} if (tmp_path / "run").exists() else set()
     assert not left & {"manifest.json", "ledger.jsonl", "metrics.jsonl"}
+
+
+def refused_start(out: Path, source: Path, blocker: Path) -> list[str]:
+    """``train --out OUT`` with TensorBoard and W&B (offline) starting, then MLflow
+    refusing; returns its stderr lines (after checking the one-line refusal)."""
+    import subprocess
+
+    args = [sys.executable, "-m", "exactstep", "train", "--out", str(out)]
+    for pair in [f"{k}={v}" for k, v in TINY.items()] + [
+            f"data.source={source}", "train.steps=2", "train.progress=false",
+            "log.tensorboard=true", "log.wandb=offline", f"log.mlflow={blocker / 'store'}"]:
+        args += ["--set", pair]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "log.mlflow: cannot create" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr.splitlines()
+
+
+def open_files_under(root: Path) -> list[str]:
+    """What this process holds open below ``root`` (Linux's /proc/self/fd)."""
+    found = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = str(fd.readlink())
+        except OSError:
+            continue
+        if target.startswith(str(root) + "/"):
+            found.append(target)
+    return found
+
+
+def test_a_refused_start_leaves_no_new_directory_and_no_tracker_logs(tmp_path):
+    """S8, X4: the trackers that had started (TensorBoard's events, W&B's offline run)
+    are closed and removed with the --out this start created; an --out that existed
+    (empty) is left as it was. Negative control: a directory holding a committed run
+    keeps every file when a start into it is refused."""
+    from run_support import tree_digests
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    source = write_texts(tmp_path / "docs.jsonl", short_texts(20))
+    refused_start(tmp_path / "new" / "run", source, blocker)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "file"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused_start(empty, source, blocker)
+    assert list(empty.iterdir()) == []
+
+    from exactstep.runner import train
+
+    with pytest.raises(ConfigError, match="log.mlflow: cannot create"):  # in this process
+        train(load_config(None, [f"{k}={v}" for k, v in TINY.items()] + [
+            f"data.source={source}", "train.steps=2", "train.progress=false",
+            "log.tensorboard=true", "log.wandb=offline", f"log.mlflow={blocker / 'store'}"]),
+            tmp_path / "in", progress=False)
+    assert not (tmp_path / "in").exists()
+    if Path("/proc/self/fd").is_dir():  # the trackers that started were closed: W&B's
+        # log was left open in the removed directory while its run was never finished
+        assert open_files_under(tmp_path / "in") == []
+
+    done = tmp_path / "done"
+    train(load_config(None, [f"{k}={v}" for k, v in TINY.items()] + [
+        f"data.source={source}", "train.steps=2", "train.progress=false"]), done,
+        progress=False)
+    before = tree_digests(done)
+    with pytest.raises(ConfigError, match="log.mlflow: cannot create"):
+        train(load_config(None, [f"{k}={v}" for k, v in TINY.items()] + [
+            f"data.source={source}", "train.steps=2", "train.progress=false",
+            f"log.mlflow={blocker / 'store'}"]), done, progress=False)
+    assert tree_digests(done) == before

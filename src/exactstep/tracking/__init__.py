@@ -142,20 +142,28 @@ def segment_curve(segments: list[tuple[int, dict[int, float]]]) -> dict[int, flo
 
 def build_trackers(cfg: LogConfig, run_dir: Path, identity: RunIdentity) -> list[Tracker]:
     """The trackers ``cfg`` asks for (rank 0 only calls this), opened at
-    ``identity.start``."""
+    ``identity.start``. When one cannot start, those already started are closed
+    before the error goes on, so nothing of theirs is still writing into the run
+    directory that the refused start then removes (S8)."""
     trackers: list[Tracker] = []
-    if cfg.tensorboard:
-        from exactstep.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardTracker
+    try:
+        if cfg.tensorboard:
+            from exactstep.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardTracker
 
-        trackers.append(TensorBoardTracker(run_dir / TENSORBOARD_DIR, start=identity.start))
-    if cfg.wandb != "off":
-        from exactstep.tracking.wandb_run import WandbTracker
+            trackers.append(TensorBoardTracker(run_dir / TENSORBOARD_DIR, start=identity.start))
+        if cfg.wandb != "off":
+            from exactstep.tracking.wandb_run import WandbTracker
 
-        trackers.append(WandbTracker(run_dir, identity, mode=cfg.wandb,
-                                     project=cfg.wandb_project))
-    if cfg.mlflow:
-        from exactstep.tracking.mlflow_run import MlflowTracker
+            trackers.append(WandbTracker(run_dir, identity, mode=cfg.wandb,
+                                         project=cfg.wandb_project))
+        if cfg.mlflow:
+            from exactstep.tracking.mlflow_run import MlflowTracker
 
-        trackers.append(MlflowTracker(cfg.mlflow, identity, experiment=cfg.mlflow_experiment))
+            trackers.append(MlflowTracker(cfg.mlflow, identity,
+                                          experiment=cfg.mlflow_experiment))
+    except BaseException:
+        for tracker in trackers:
+            tracker.close()
+        raise
     return trackers
 
