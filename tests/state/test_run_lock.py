@@ -119,3 +119,34 @@ def test_two_resumes_of_a_killed_run_at_once_leave_one_ledger(tmp_path):
     assert [r["window"] for r in ledger(run)] == list(range(WINDOWS))
     later = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert later.returncode == 0, later.stderr
+
+
+def test_a_multi_process_job_is_refused_as_one_and_its_own_ranks_share_the_run(tmp_path):
+    """Under ``--nproc 2`` rank 0 holds the run directory (the launcher holds nothing):
+    a job started on a run in use ends with the one line rank 0 printed. Negative
+    control: a job on a free run directory trains, its two ranks inside one lock."""
+    import subprocess
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus)
+    run = tmp_path / "run"
+    first = Held.start(tmp_path, "window:3",
+                       ["train", "--no-progress", "--out", str(run), *settings(corpus)])
+    command = [sys.executable, "-m", "exactstep"]
+    try:
+        first.wait_reached()
+        job = subprocess.run([*command, "resume", "--no-progress", str(run), "--nproc", "2"],
+                             capture_output=True, text=True, timeout=300)
+        refused_naming(job.returncode, job.stderr, first)
+        code, _, err = first.release()
+    finally:
+        first.stop()
+    assert code == 0, err
+
+    other = tmp_path / "other"
+    job = subprocess.run([*command, "train", "--no-progress", "--out", str(other),
+                          "--nproc", "2", *settings(corpus)],
+                         capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr
+    assert [r["window"] for r in ledger(other)] == list(range(WINDOWS))
+    assert not (other / LOCK_FILE).exists()
