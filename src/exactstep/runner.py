@@ -12,6 +12,7 @@ Disposition``; this module wires the stages and calls three components: the
     RUN/data_report.json  packing outcomes and efficiency (R4)
     RUN/summary.json      end-of-run summary
     RUN/checkpoints/      atomically published checkpoints + LATEST (S3, S8)
+    RUN/.exactstep.lock   held by the one command working in RUN (``hold_run_dir``)
 """
 
 from __future__ import annotations
