@@ -109,3 +109,18 @@ def test_a_kind_the_family_reads_trains_and_the_manifest_records_its_meaning(
     assert manifest["config"]["data"]["kind"] == config_kind
     assert manifest["data"]["kind"] == data_kind
     assert manifest["objective"]["family"] == objective
+
+
+def test_prepare_refuses_the_same_pairs(tmp_path: Path, capfd) -> None:
+    """``exactstep prepare`` resolves the kind as a run does: a pair the run would
+    refuse is refused before anything is written."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"text": "one document"}) + "\n")
+    capfd.readouterr()
+    code = main(["prepare", str(source), "--out", str(tmp_path / "p"), "--no-progress",
+                 "--set", "objective.family=span", "--set", "data.kind=chat"])
+    err = capfd.readouterr().err
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "objective.family = 'span'" in lines[0] and "data.kind = 'chat'" in lines[0]
+    assert not (tmp_path / "p").exists()
