@@ -14,7 +14,6 @@ out (``tests/parallel``).
 from __future__ import annotations
 
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -107,10 +106,8 @@ def test_two_resumes_of_a_killed_run_at_once_leave_one_ledger(tmp_path):
     def resume_once(_: int) -> subprocess.CompletedProcess:
         return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
-    started = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
         done = list(pool.map(resume_once, range(2)))
-    assert time.monotonic() - started < 600
     codes = sorted(d.returncode for d in done)
     assert codes in ([0, 0], [0, DirectoryInUse.exit_code]), [d.stderr for d in done]
     for d in done:
