@@ -24,6 +24,7 @@ from exactstep.data.pairs import (
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import DataError
 from exactstep.families import open_family, resolve
+from exactstep.families.encdec import greedy_exact_match
 from exactstep.model.config import ModelConfig
 from exactstep.model.encdec import EncoderDecoder, greedy_decode
 from exactstep.objective.config import ObjectiveConfig
@@ -37,7 +38,6 @@ from exactstep.rows.encdec import (
     PairPiece,
     compile_pair_batch,
     encode_pairs,
-    greedy_exact_match,
 )
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.groups import build_optimizer
@@ -149,7 +149,7 @@ def test_greedy_decoding_equals_decoding_through_the_training_forward():
 
 def test_exact_match_counts_whole_answers(monkeypatch):
     """An answer counts only when it is exactly the target between BOS and EOS."""
-    import exactstep.model.encdec as encdec_model
+    import exactstep.families.encdec as encdec_family
 
     examples, _ = encode_pairs([Pair("1", "ab"), Pair("2", "c"), Pair("3", "de")], TOK,
                                seq_len=16, source_len=8, overlong="split")
@@ -160,7 +160,7 @@ def test_exact_match_counts_whole_answers(monkeypatch):
         seen["sources"] = [list(s) for s in sources]
         return answers
 
-    monkeypatch.setattr(encdec_model, "greedy_decode", fake)
+    monkeypatch.setattr(encdec_family, "greedy_decode", fake)
     score = greedy_exact_match(tiny_model(), examples, TOK, device="cpu", max_new_tokens=4,
                                source_pad_id=PAD)
     assert score == 1 / 3

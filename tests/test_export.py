@@ -28,11 +28,11 @@ from exactstep.data.arith import arith_conversations
 from exactstep.data.chat import DEFAULT_TEMPLATE
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ExportError
-from exactstep.eval import single_segment_batch
 from exactstep.export import read_passport
 from exactstep.manifest import read_manifest
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
+from exactstep.rows.batch import single_segment_batch
 from exactstep.rows.chat import ChatPolicy, chat_examples
 from exactstep.state import latest_checkpoint, load_checkpoint
 

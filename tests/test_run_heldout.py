@@ -30,7 +30,7 @@ from run_support import (
 
 from exactstep import Example, eval_batches
 from exactstep.cli import main
-from exactstep.eval import evaluate_run
+from exactstep.finished_run import evaluate_run
 from exactstep.rows.config import BatchConfig
 from exactstep.state import latest_checkpoint, load_checkpoint
 

@@ -51,7 +51,7 @@ _EXPORTS = {
     "publish_checkpoint": "exactstep.state.checkpoint",
     "load_checkpoint": "exactstep.state.checkpoint",
     "verify_checkpoint": "exactstep.state.store",
-    "evaluate_run": "exactstep.eval",
+    "evaluate_run": "exactstep.finished_run",
     "train": "exactstep.runner",
     "resume": "exactstep.runner",
     "evaluate": "exactstep.eval",

@@ -271,7 +271,7 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "prepare":
         return prepare_command(args)
     if args.command == "eval":
-        from exactstep.eval import evaluate_run
+        from exactstep.finished_run import evaluate_run
 
         report = evaluate_run(
             Path(args.run_dir),
@@ -292,7 +292,7 @@ def dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "inspect":
         from exactstep.config import load_config
-        from exactstep.rows.inspect import inspect_rows
+        from exactstep.families.inspect import inspect_rows
 
         cfg = load_config(args.config, args.overrides)
         print(inspect_rows(cfg, parse_range(args.rows), split=args.split))

@@ -149,6 +149,29 @@ def ensure_writable_dir(path: Path, what: str) -> None:
 # --------------------------------------------------------------------------- locks
 
 
+def check_out(out: Path) -> None:
+    """``--out`` of a directory published whole must be absent or an empty directory;
+    its parent is created."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} already exists and is not an empty directory; "
+                          "choose a new export directory")
+    if not out.parent.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def publish_directory(tmp: Path, out: Path) -> None:
+    """Publish a finished directory whole: fsync every file and the directory, rename
+    it to ``out`` (absent, or the empty directory ``check_out`` allowed), fsync the
+    parent."""
+    for path in tmp.iterdir():
+        fsync_path(path)
+    fsync_path(tmp)
+    if out.exists():
+        out.rmdir()  # empty (checked before anything was written)
+    os.rename(tmp, out)
+    fsync_path(out.parent)
+
+
 def lock_beside(path: Path) -> Path:
     """The lock file of an output that is published whole at ``path`` (``.NAME.lock``
     beside it, since ``path`` itself must not exist, or stay empty, until then)."""

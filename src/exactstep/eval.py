@@ -19,7 +19,6 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,7 +31,7 @@ from exactstep.errors import DataError
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.cross_entropy import fused_row_losses
 from exactstep.objective.perplexity import NotAvailable, perplexity
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+from exactstep.rows.batch import IGNORE_INDEX, Batch, single_segment_batch
 from exactstep.rows.compiler import CAUSAL, RowCompiler
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
@@ -103,30 +102,37 @@ def evaluate(
     lengths = torch.from_numpy(np.asarray(byte_lengths, dtype=np.int64)) \
         if byte_lengths is not None else None
     target_bytes = 0
-    with eval_mode(model):
-        with isolated_rng(), torch.no_grad():
-            for batch in batches:
-                if tokens >= max_tokens:
-                    break
-                n = batch.num_targets()
-                if n == 0:
-                    continue
-                on_device = batch.to(device)
-                with autocast() if autocast is not None else nullcontext():
-                    hidden = model(on_device)  # [B, T, H]
-                _, gold = fused_row_losses(
-                    hidden.reshape(-1, hidden.shape[-1]),
-                    _head_weight(model),
-                    on_device.labels.reshape(-1),
-                    cfg,
-                    pad_id=pad_id,
-                )
-                nll_sum += gold.double().sum()
-                tokens += n
-                if lengths is not None:
-                    target_bytes += int(lengths[batch.labels[batch.labels != IGNORE_INDEX]].sum())
+    with isolated(model):
+        for batch in batches:
+            if tokens >= max_tokens:
+                break
+            n = batch.num_targets()
+            if n == 0:
+                continue
+            on_device = batch.to(device)
+            with autocast() if autocast is not None else nullcontext():
+                hidden = model(on_device)  # [B, T, H]
+            _, gold = fused_row_losses(
+                hidden.reshape(-1, hidden.shape[-1]),
+                _head_weight(model),
+                on_device.labels.reshape(-1),
+                cfg,
+                pad_id=pad_id,
+            )
+            nll_sum += gold.double().sum()
+            tokens += n
+            if lengths is not None:
+                target_bytes += int(lengths[batch.labels[batch.labels != IGNORE_INDEX]].sum())
     return EvalResult(gold_nll_sum=float(nll_sum), tokens=tokens,
                       target_bytes=target_bytes if lengths is not None else None)
+
+
+@contextlib.contextmanager
+def isolated(model: torch.nn.Module) -> Iterator[None]:
+    """The E1 isolation every held-out figure runs under: eval mode (each module's
+    prior mode restored after), no gradients, every RNG stream restored after."""
+    with eval_mode(model), isolated_rng(), torch.no_grad():
+        yield
 
 
 @contextlib.contextmanager
@@ -298,24 +304,6 @@ class DecoderLike(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [B, T, V]
 
 
-def single_segment_batch(prompts: torch.Tensor, prefix_len: int | None = None) -> Batch:
-    """A batch of ``G`` equal-length prompts, one segment each, positions ``0..L-1``;
-    with ``prefix_len`` every row's first ``prefix_len`` columns are a bidirectional
-    prefix (prefix LM, R8), the rest causal."""
-    rows, length = prompts.shape  # [G, L]
-    positions = torch.arange(length, dtype=torch.int64).expand(rows, length)
-    segment = (Segment(example_id=0, piece=0, offset=0, start=0, length=length),)
-    prefix = None if prefix_len is None else torch.full((rows, 1), prefix_len, dtype=torch.int64)
-    return Batch(
-        input_ids=prompts,
-        labels=torch.full_like(prompts, IGNORE_INDEX),
-        position_ids=positions.to(prompts.device),
-        segment_ids=torch.ones(rows, length, dtype=torch.int32, device=prompts.device),
-        segments=tuple(segment for _ in range(rows)),
-        prefix_len=prefix,
-    )
-
-
 @torch.no_grad()
 def _greedy_continue(
     model: DecoderLike, prompts: torch.Tensor, eos_id: int, max_new_tokens: int,
@@ -424,46 +412,3 @@ class EvalReport:
 
 def fmt(x: float | None) -> str:
     return f"{x:.4f}" if x is not None else "N/A"
-
-
-def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalReport:
-    """Evaluate a run's checkpoint on its validation split (E1, L5).
-
-    Builds only the model and the data; the weights come from ``--from`` or the
-    checkpoint a resume would choose (``LATEST``, or the newest that verifies).
-    """
-    from exactstep.config import config_from_manifest
-    from exactstep.errors import ResumeError
-    from exactstep.families import open_family
-    from exactstep.manifest import read_manifest
-    from exactstep.parallel.checkpoint import DcpFormat
-    from exactstep.parallel.process_group import resolve_rank_device, single_process
-    from exactstep.state import environment
-    from exactstep.state.checkpointer import load_weights, recorded_environment
-    from exactstep.state.resume import choose_resume_point
-
-    run_dir = Path(run_dir)
-    manifest = read_manifest(run_dir)
-    cfg = config_from_manifest(manifest)
-    point = choose_resume_point(run_dir / "checkpoints", from_checkpoint)
-    if point.path is None:
-        raise ResumeError(f"{run_dir} has no checkpoint to evaluate yet; train or resume it first")
-    device = resolve_rank_device(cfg.train.device, 0)
-    recorded = recorded_environment(point.path, manifest, DcpFormat)
-    with environment.threads_restored():  # the checkpoint's thread count (S9)
-        if recorded is not None:
-            torch.set_num_threads(int(recorded["threads"]))
-        now = environment.capture(device)
-        changed = environment.differences(recorded, now)
-        said = environment.describe(now) + (
-            f" (differs from the checkpoint's record: {'; '.join(changed)})" if changed
-            else " (as the checkpoint recorded)")
-        parts = open_family(cfg)
-        tokenizer, data = parts.tokenizer, parts.data
-        model = parts.family.build_model(cfg, tokenizer.vocab_size).to(device)
-        load_weights(point.path, model, DcpFormat(single_process(device)))
-        validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
-                              tokenizer.vocab_size, device, cfg.train.eval_tokens,
-                              byte_lengths=tokenizer.byte_lengths(), compiler=parts.compiler)
-        return EvalReport(point.path.name, validator.evaluate(), validator.baseline_bits(),
-                          said)

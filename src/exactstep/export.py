@@ -54,10 +54,11 @@ import torch
 
 from exactstep import __version__
 from exactstep.durable import (
+    check_out,
     exclusive_lock,
-    fsync_path,
     json_bytes,
     lock_beside,
+    publish_directory,
     stale_temporaries,
     write_durably,
 )
@@ -246,25 +247,15 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
     published it before this one got the lock)."""
     from transformers.utils import logging as hf_logging
 
-    from exactstep.config import config_from_manifest
-    from exactstep.data.tokenizer import build_tokenizer
-    from exactstep.errors import ResumeError
     from exactstep.families import family_name
-    from exactstep.manifest import read_manifest
-    from exactstep.model.decoder import build_model
-    from exactstep.parallel.checkpoint import DcpFormat
-    from exactstep.parallel.process_group import single_process
-    from exactstep.rows.sources import load_bundle
-    from exactstep.state.checkpointer import load_weights
-    from exactstep.state.resume import choose_resume_point
+    from exactstep.finished_run import open_finished_run, run_config
     from exactstep.state.store import CHECKPOINT_MANIFEST
 
     hf_logging.disable_progress_bar()  # one summary line, not transformers' bars
     hf_logging.set_verbosity_error()
     run_dir, out = Path(run_dir), Path(out)
     check_out(out)
-    manifest = read_manifest(run_dir)
-    cfg = config_from_manifest(manifest)
+    _, cfg = run_config(run_dir)
     family = family_name(cfg)
     if family not in EXPORTABLE_FAMILIES:
         raise ConfigError(
@@ -272,13 +263,15 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
             f"Hugging Face causal LMs, from runs of the {' or '.join(EXPORTABLE_FAMILIES)} "
             "family"
         )
-    point = choose_resume_point(run_dir / "checkpoints", from_checkpoint)
-    if point.path is None:
-        raise ResumeError(f"{run_dir} has no checkpoint to export yet; train or resume it first")
-    tokenizer = build_tokenizer(cfg)
-    data = load_bundle(cfg, tokenizer)
-    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed)
-    load_weights(point.path, model, DcpFormat(single_process(torch.device("cpu"))))
+    with open_finished_run(run_dir, from_checkpoint=from_checkpoint, device="cpu",
+                           purpose="export") as run:
+        return publish_export(run, out, CHECKPOINT_MANIFEST)
+
+
+def publish_export(run: Any, out: Path, checkpoint_manifest: str) -> ExportReport:
+    """Write, check (H3) and publish the export of an opened run (``FinishedRun``)."""
+    cfg, manifest, tokenizer, data = run.cfg, run.manifest, run.parts.tokenizer, run.parts.data
+    model = run.model
     model.eval()
     # The byte tokenizer's chat template is the built-in one, whatever the run trained
     # on, so an export of a text run can be fine-tuned on chat; an HF tokenizer keeps
@@ -296,8 +289,8 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
             "format": "exactstep-export/1",
             "exactstep": __version__,
             "run_manifest_digest": manifest.digest,
-            "checkpoint": point.path.name,
-            "checkpoint_manifest_sha256": _sha256(point.path / CHECKPOINT_MANIFEST),
+            "checkpoint": run.checkpoint.name,
+            "checkpoint_manifest_sha256": _sha256(run.checkpoint / checkpoint_manifest),
             "tokenizer_hash": tokenizer.fingerprint(),
             "special_ids": tokenizer.special_ids(),
             "template_hash": data.representation.get("template_hash"),
@@ -315,14 +308,6 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ExportReport(out, passport)
-
-
-def check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} already exists and is not an empty directory; "
-                          "choose a new export directory")
-    if not out.parent.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
 
 
 def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: str | None) -> Any:
@@ -378,7 +363,7 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from exactstep.eval import single_segment_batch
+    from exactstep.rows.batch import single_segment_batch
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     eager = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32,
@@ -423,17 +408,6 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
     return {"max_abs_logit_diff": worst, "tolerance": tolerance,
             "base_tolerance": LOGIT_TOLERANCE, "transformers_sdpa_eager_spread": spread,
             "documents": used, "tokens": tokens}
-
-
-def publish_directory(tmp: Path, out: Path) -> None:
-    """fsync every file and the directory, rename it to ``out``, fsync the parent."""
-    for path in tmp.iterdir():
-        fsync_path(path)
-    fsync_path(tmp)
-    if out.exists():
-        out.rmdir()  # empty (checked before anything was written)
-    os.rename(tmp, out)
-    fsync_path(out.parent)
 
 
 def _sha256(path: Path) -> str:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from mlm_support import alone, compile_rows, compiler, plan, random_examples
 
-from exactstep.families import build_encoder
+from exactstep.families.mlm import build_encoder
 from exactstep.model.attention import Visibility, prepare_visibility
 from exactstep.rows.batch import IGNORE_INDEX
 

@@ -22,7 +22,7 @@ from exactstep.config import load_config
 from exactstep.data.hf_chat import HFChatTemplate
 from exactstep.data.hf_tokenizer import load_hf_tokenizer
 from exactstep.data.tokenizer import build_tokenizer
-from exactstep.rows.inspect import inspect_rows
+from exactstep.families.inspect import inspect_rows
 from exactstep.rows.sources import load_bundle
 
 pytestmark = pytest.mark.timeout(240)

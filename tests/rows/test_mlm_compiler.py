@@ -36,9 +36,10 @@ from mlm_support import (
 
 from exactstep.config import load_config
 from exactstep.errors import BatchInvariantError, ConfigError
+from exactstep.families.mlm import mlm_compiler
 from exactstep.rows.batch import Batch
 from exactstep.rows.config import BatchConfig
-from exactstep.rows.mlm import MLMCompiler, mlm_compiler, selection_count
+from exactstep.rows.mlm import MLMCompiler, selection_count
 from exactstep.rows.packing import Piece
 from exactstep.rows.stream import RowStream
 

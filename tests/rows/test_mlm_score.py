@@ -18,8 +18,8 @@ from torch import nn
 
 from exactstep.config import load_config
 from exactstep.families import open_family, resolve
+from exactstep.families.mlm import mlm_score
 from exactstep.report import format_summary
-from exactstep.rows.mlm import mlm_score
 from exactstep.rows.stream import eval_batches
 
 VOCAB = 260

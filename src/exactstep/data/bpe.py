@@ -37,6 +37,7 @@ from typing import Any
 
 from exactstep.data.config import DataConfig
 from exactstep.data.corpus import Corpus, load_corpus
+from exactstep.durable import check_out, publish_directory
 from exactstep.errors import ConfigError
 
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
@@ -57,8 +58,6 @@ def train_bpe_tokenizer(source: str, vocab_size: int, out: Path, *,
     ``out`` that exists and is not an empty directory, and ``DataError`` (from the
     corpus) for missing or malformed data, before anything is written.
     """
-    from exactstep.export import check_out, publish_directory
-
     check_vocab_size(vocab_size)
     out = Path(out)
     check_out(out)

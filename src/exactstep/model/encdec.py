@@ -60,7 +60,7 @@ from exactstep.errors import ConfigError, ModelError
 from exactstep.model.attention import Visibility, choose_buckets, prepare_visibility
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import Attention, Block, SwiGLU, rope_tables
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide, single_segment_batch
 from exactstep.transfer import host_to_device
 
 CROSS_IMPLEMENTATIONS = ("dense", "pairs")
@@ -457,7 +457,7 @@ def build_encoder_decoder(cfg: Any, vocab_size: int) -> EncoderDecoder:
 
 def source_rows(sources: Sequence[Sequence[int]], pad_id: int) -> SourceSide:
     """``G`` sources, one per row, left-aligned and padded with ``pad_id`` to the
-    longest: one segment each (example 0, as ``eval.single_segment_batch`` addresses
+    longest: one segment each (example 0, as ``rows.batch.single_segment_batch`` addresses
     the decoder rows), positions from 0, padding segment 0."""
     width = max(len(s) for s in sources)
     ids = torch.full((len(sources), width), pad_id, dtype=torch.int64)
@@ -480,8 +480,6 @@ def greedy_decode(model: EncoderDecoder, sources: Sequence[Sequence[int]], *, bo
     target). The source is encoded once per chunk of ``batch_size``; sources of
     different lengths share a chunk (padding is never attended). Runs under
     ``no_grad``; the caller chooses the model's mode and RNG isolation (E1)."""
-    from exactstep.eval import single_segment_batch
-
     answers: list[list[int]] = []
     for start in range(0, len(sources), batch_size):
         chunk = sources[start:start + batch_size]

@@ -21,7 +21,6 @@ _EXPORTS = {
     "chat_examples": "exactstep.rows.chat",
     "check_batch": "exactstep.rows.invariants",
     "eval_batches": "exactstep.rows.stream",
-    "inspect_rows": "exactstep.rows.inspect",
     "load_bundle": "exactstep.rows.sources",
     "load_prepared_bundle": "exactstep.rows.prepared",
     "render_rows": "exactstep.rows.inspect",

@@ -136,3 +136,21 @@ class Batch:
             order=fn(self.order),
             source=None if self.source is None else self.source.map(fn),
         )
+
+
+def single_segment_batch(prompts: torch.Tensor, prefix_len: int | None = None) -> Batch:
+    """A batch of ``G`` equal-length prompts, one segment each, positions ``0..L-1``;
+    with ``prefix_len`` every row's first ``prefix_len`` columns are a bidirectional
+    prefix (prefix LM, R8), the rest causal."""
+    rows, length = prompts.shape  # [G, L]
+    positions = torch.arange(length, dtype=torch.int64).expand(rows, length)
+    segment = (Segment(example_id=0, piece=0, offset=0, start=0, length=length),)
+    prefix = None if prefix_len is None else torch.full((rows, 1), prefix_len, dtype=torch.int64)
+    return Batch(
+        input_ids=prompts,
+        labels=torch.full_like(prompts, IGNORE_INDEX),
+        position_ids=positions.to(prompts.device),
+        segment_ids=torch.ones(rows, length, dtype=torch.int32, device=prompts.device),
+        segments=tuple(segment for _ in range(rows)),
+        prefix_len=prefix,
+    )

@@ -56,8 +56,7 @@ from exactstep.data.pairs import (
     numwords_pairs,
     pairs_fingerprint,
 )
-from exactstep.errors import BatchInvariantError, ConfigError, DataError
-from exactstep.families import Family
+from exactstep.errors import BatchInvariantError, DataError
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide
 from exactstep.rows.causal import example_weight
 from exactstep.rows.config import BatchConfig
@@ -390,67 +389,3 @@ def load_pair_bundle(cfg: Any, tokenizer: Any, *, share: tuple[int, int] = (0, 1
     bundle = DataBundle(train, val, section, representation_of(tokenizer))
     bundle.require_weights(cfg.objective.reduction)
     return bundle
-
-
-# ------------------------------------------------------------------------- family
-
-
-def encdec_compiler(cfg: Any, tokenizer: Any) -> EncDecCompiler:
-    """The run's compiler; ``ConfigError`` for a source pad id outside the vocabulary
-    or ``batch.boundary = "keep"`` (a target never crosses into the next pair)."""
-    source_pad = source_pad_of(cfg, tokenizer)
-    if not 0 <= source_pad < tokenizer.vocab_size:
-        raise ConfigError(f"encdec.source_pad_id = {source_pad} is outside the vocabulary "
-                          f"[0, {tokenizer.vocab_size}); use -1 for the tokenizer's pad id")
-    if cfg.batch.boundary != "ignore":
-        raise ConfigError("batch.boundary = 'keep' has no meaning for objective.family = "
-                          "'encdec' (each pair's targets are its own); use 'ignore'")
-    return EncDecCompiler(source_len=source_len_of(cfg), pad_id=tokenizer.pad_id,
-                          source_pad_id=source_pad)
-
-
-def encdec_objective(cfg: Any) -> dict[str, Any]:
-    return {"family": "encoder_decoder", "shift_owner": "collator",
-            "ownership": "target_tokens", "estimator": "teacher_forced_mle",
-            "decoder_input": "tgt[:-1]", "targets": "tgt[1:]",
-            "source_len": source_len_of(cfg)}
-
-
-def build_encdec_model(cfg: Any, vocab_size: int) -> Any:
-    from exactstep.model.encdec import build_encoder_decoder
-
-    return build_encoder_decoder(cfg, vocab_size)
-
-
-def greedy_exact_match(model: Any, examples: Sequence[PairExample], tokenizer: Any, *,
-                       device: Any, max_new_tokens: int, source_pad_id: int) -> float:
-    """The fraction of ``examples`` whose greedy answer (from ``BOS``, until ``EOS``,
-    at most ``max_new_tokens`` tokens) is exactly the target. Isolated (E1): eval mode,
-    no gradient, every RNG stream restored, the model's modes restored."""
-    from exactstep.eval import eval_mode
-    from exactstep.model.encdec import greedy_decode
-    from exactstep.state.rng import isolated_rng
-
-    inner = getattr(model, "module", model)  # a DDP-wrapped model decodes as itself
-    with eval_mode(model), isolated_rng():
-        answers = greedy_decode(inner, [e.source for e in examples], bos_id=tokenizer.bos_id,
-                                eos_id=tokenizer.eos_id, source_pad_id=source_pad_id,
-                                max_new_tokens=max_new_tokens, device=device)
-    wanted = [e.tokens[1:-1].tolist() for e in examples]
-    return sum(a == w for a, w in zip(answers, wanted, strict=True)) / len(examples)
-
-
-def encdec_score(model: Any, parts: Any, cfg: Any, device: Any) -> dict[str, Any]:
-    """End-of-run greedy exact match on at most ``encdec.n_heldout`` validation pairs."""
-    spec = encdec_of(cfg)
-    examples = [e for e in parts.data.val if isinstance(e, PairExample)][: spec.n_heldout]
-    accuracy = greedy_exact_match(model, examples, parts.tokenizer, device=device,
-                                  max_new_tokens=spec.max_new_tokens,
-                                  source_pad_id=source_pad_of(cfg, parts.tokenizer))
-    return {"exact_match": accuracy, "exact_match_n": len(examples),
-            "exact_match_of": "held-out pairs"}
-
-
-FAMILY = Family("encdec", "encdec", "pairs", NUMWORDS_SOURCE, encdec_compiler,
-                encdec_objective, build_encdec_model, load=load_pair_bundle,
-                score=encdec_score)

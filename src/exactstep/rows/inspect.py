@@ -15,9 +15,8 @@ pieces and special tokens), and the columns widen to the longest one.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
-from exactstep.errors import ConfigError
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 
 NO_TARGET = "·"
@@ -103,26 +102,3 @@ def render_report(report: dict) -> str:
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         lines.append(f"  {key:<{width}}  {shown}")
     return "\n".join(lines)
-
-
-def inspect_rows(cfg: Any, rows: range, *, split: str = "train") -> str:
-    """Render rows of the first microbatch a run with ``cfg`` would see (R6).
-
-    Raises ``ConfigError`` when ``rows`` reaches past the microbatch.
-    """
-    from exactstep.families import open_family, resolve
-    from exactstep.rows.stream import RowStream, eval_batches
-
-    parts = open_family(resolve(cfg))
-    tokenizer, data, compiler = parts.tokenizer, parts.data, parts.compiler
-    if split == "train":
-        batch = next(iter(RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id,
-                                    seed=cfg.seed, compiler=compiler)))
-    else:
-        batch = next(iter(eval_batches(data.val, cfg.batch, pad_id=tokenizer.pad_id,
-                                       compiler=compiler)))
-    if rows.stop > batch.input_ids.shape[0]:
-        raise ConfigError(f"--rows {rows.start}:{rows.stop} is outside the microbatch's "
-                          f"{batch.input_ids.shape[0]} rows")
-    render = getattr(compiler, "render", None)  # a family with more to show (R8)
-    return render(batch, tokenizer, rows) if render else render_rows(batch, tokenizer, rows)

@@ -40,7 +40,7 @@ refused by ``PermutationCompiler`` when it is built.
 ranks, every supervised label is the token at its own column, rank 0 is never
 supervised, and the supervised columns are exactly the last ones of the order.
 
-The family (``FAMILY``) trains ``model.permutation.TwoStreamDecoder`` on text.
+The family around it (``families.permutation``) trains ``model.permutation.TwoStreamDecoder`` on text.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import numpy as np
 import torch
 
 from exactstep.errors import BatchInvariantError, ConfigError
-from exactstep.families import DEFAULT_SOURCE, Family
 from exactstep.ranges import at_least, check
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.causal import example_weight
@@ -252,42 +251,3 @@ def render_row(batch: Batch, b: int, show) -> str:
         lines.append(f"  {col:>4} {segment_ids[col]:>3} {positions[col]:>4} {ranks[col]:>4}  "
                      f"{shown[col]:<{w}} → {targets[col]:<{w}} {seen}")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- the family
-
-
-def permutation_compiler(cfg: Any, tokenizer: Any) -> PermutationCompiler:
-    """The run's compiler; refuses settings the family cannot honour (``ConfigError``)."""
-    require_ignore_boundary(cfg.batch)
-    return PermutationCompiler(seed=cfg.seed, predict_one_in=settings_of(cfg).predict_one_in)
-
-
-def permutation_objective(cfg: Any) -> dict[str, Any]:
-    """The manifest's ``objective`` section (S1): what identifies the objective (the
-    factorisation program, its cutoff and RNG address, the streams, no memory)."""
-    k = settings_of(cfg).predict_one_in
-    return {
-        "family": "permutation_lm",
-        "shift_owner": "collator",
-        "ownership": f"last ceil(free/{k}) tokens of each segment's factorisation order",
-        "estimator": "teacher_forced_mle",
-        "predict_one_in": k,
-        "factorisation": "context tokens first in natural order, then a uniform "
-                         "permutation of the free tokens",
-        "order_rng": f"numpy PCG64 default_rng([seed, {ORDER_TAG:#x}, epoch, example_id, "
-                     "piece]).permutation",
-        "positions": "natural",
-        "streams": "two_stream (content: ranks <= own; query: ranks < own; shared weights)",
-        "memory": "none",
-    }
-
-
-def build_permutation_model(cfg: Any, vocab_size: int) -> Any:
-    from exactstep.model.permutation import build_two_stream
-
-    return build_two_stream(cfg.model, vocab_size, seed=cfg.seed)
-
-
-FAMILY = Family("permutation", "decoder", "text", DEFAULT_SOURCE, permutation_compiler,
-                permutation_objective, build_permutation_model)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from exactstep.errors import ConfigError
-from exactstep.tracking import FigureTracker, RunIdentity
+from exactstep.tracking.base import FigureTracker, RunIdentity
 
 PARAMS_PER_BATCH = 100  # MLflow's limit on parameters per log_batch call
 PARAM_CHARS = 6000  # MLflow's limit on a parameter's value

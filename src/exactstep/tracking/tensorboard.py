@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from exactstep.errors import ConfigError
-from exactstep.tracking import FigureTracker
+from exactstep.tracking.base import FigureTracker
 
 TENSORBOARD_DIR = "tensorboard"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from exactstep.errors import ConfigError
-from exactstep.tracking import FigureTracker, RunIdentity
+from exactstep.tracking.base import FigureTracker, RunIdentity
 
 WANDB_DIR = "wandb"
 

@@ -51,11 +51,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from exactstep.data.tokenizer import Tokenizer, build_tokenizer
 from exactstep.errors import ConfigError
-from exactstep.rows.compiler import CAUSAL, RowCompiler
+from exactstep.rows.compiler import RowCompiler
 from exactstep.rows.example import DataBundle
 from exactstep.rows.sources import load_bundle
 
@@ -65,13 +65,13 @@ SPECIFIED = ("causal", "chat", "prefix", "encdec", "mlm", "span", "permutation",
 DEFAULT_SOURCE = "stdlib"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
-    """One objective family (see module doc)."""
+    """One objective family (see module doc), built with keywords."""
 
     name: str
-    model: str  # "decoder" | "encoder" | "encdec"
-    data_kind: str  # "text" | "chat" | "pairs"
+    model: Literal["decoder", "encoder", "encdec"]
+    data_kind: Literal["text", "chat", "pairs"]
     default_source: str
     compiler: Callable[[Any, Any], RowCompiler]
     objective: Callable[[Any], dict[str, Any]]
@@ -112,90 +112,16 @@ def family_tokenizer(cfg: Any) -> Tokenizer:
     return build_tokenizer(cfg, family_of(cfg).specials(cfg))
 
 
-def causal_objective(cfg: Any) -> dict[str, Any]:
-    return {"family": "causal_lm", "shift_owner": "collator",
-            "ownership": "all_next_tokens", "estimator": "teacher_forced_mle"}
-
-
-def chat_objective(cfg: Any) -> dict[str, Any]:
-    return {"family": "chat_sft", "shift_owner": "collator",
-            "ownership": "assistant_targets", "estimator": "teacher_forced_mle"}
-
-
-def build_decoder(cfg: Any, vocab_size: int) -> Any:
-    from exactstep.model.decoder import build_model
-
-    return build_model(cfg.model, vocab_size, seed=cfg.seed)
-
-
-def build_encoder(cfg: Any, vocab_size: int) -> Any:
-    """The built-in block stack as a bidirectional encoder (its batches are not causal)."""
-    if cfg.model.source != "builtin":
-        raise ConfigError(
-            f"objective.family = {cfg.objective.family!r} trains the built-in bidirectional "
-            "encoder; set model.source = 'builtin' (Hugging Face models are causal LMs here)"
-        )
-    return build_decoder(cfg, vocab_size)
-
-
-def causal_compiler(cfg: Any, tokenizer: Any) -> RowCompiler:
-    return CAUSAL
-
-
-def chat_score(model: Any, parts: FamilyParts, cfg: Any, device: Any) -> dict[str, Any]:
-    """Greedy exact match on the built-in demo's held-out conversations (none for a
-    user's chat data, which has no checkable answer)."""
-    conversations = parts.data.heldout_conversations
-    if conversations is None:
-        return {}
-    from exactstep.data.chat import template_for
-    from exactstep.eval import greedy_answer_accuracy
-    from exactstep.rows.sources import arith_spec_of
-
-    accuracy = greedy_answer_accuracy(
-        model, parts.tokenizer, conversations, device=device,
-        max_new_tokens=arith_spec_of(cfg).max_new_tokens, template=template_for(parts.tokenizer))
-    return {"exact_match": accuracy, "exact_match_n": len(conversations),
-            "exact_match_of": "held-out conversations"}
-
-
-CAUSAL_FAMILY = Family("causal", "decoder", "text", DEFAULT_SOURCE, causal_compiler,
-                       causal_objective, build_decoder)
-CHAT_FAMILY = Family("chat", "decoder", "chat", "arith", causal_compiler, chat_objective,
-                     build_decoder, score=chat_score)
-
-def scheduled_inputs(cfg: Any) -> Any:
-    from exactstep.objective.scheduled_sampling import ScheduledSampling
-
-    return ScheduledSampling(cfg.scheduled_sampling, seed=cfg.seed)
-
-
-def scheduled_sampling_family(cfg: Any) -> Family:
-    """Scheduled sampling over its base family (``scheduled_sampling.over``: the causal
-    decoder on text, or the encoder-decoder on pairs): the base's data, compiler, model
-    and score, with the input program and the manifest saying the estimator changed."""
-    base = family_of(replace(cfg, objective=replace(cfg.objective,
-                                                    family=cfg.scheduled_sampling.over)))
-
-    def objective(cfg: Any) -> dict[str, Any]:
-        family = base.objective(cfg)["family"]
-        return {**base.objective(cfg), "family": f"scheduled_sampling_{family}",
-                "estimator": "scheduled_sampling (not teacher-forced maximum likelihood)",
-                "inputs": cfg.scheduled_sampling.describe()}
-
-    return replace(base, name="scheduled_sampling", objective=objective,
-                   inputs=scheduled_inputs)
-
 #: The built families: name -> ``"module:attribute"`` of its ``Family``.
 BUILT: dict[str, str] = {
-    "causal": "exactstep.families:CAUSAL_FAMILY",
-    "chat": "exactstep.families:CHAT_FAMILY",
-    "scheduled_sampling": "exactstep.families:scheduled_sampling_family",
-    "permutation": "exactstep.rows.permutation:FAMILY",
-    "encdec": "exactstep.rows.encdec:FAMILY",
-    "prefix": "exactstep.rows.prefix:FAMILY",
-    "span": "exactstep.rows.span:SPAN_FAMILY",
-    "mlm": "exactstep.rows.mlm:FAMILY",
+    "causal": "exactstep.families.causal:FAMILY",
+    "chat": "exactstep.families.chat:FAMILY",
+    "scheduled_sampling": "exactstep.families.scheduled_sampling:family",
+    "permutation": "exactstep.families.permutation:FAMILY",
+    "encdec": "exactstep.families.encdec:FAMILY",
+    "prefix": "exactstep.families.prefix:FAMILY",
+    "span": "exactstep.families.span:FAMILY",
+    "mlm": "exactstep.families.mlm:FAMILY",
 }
 
 

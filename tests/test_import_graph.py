@@ -1,0 +1,191 @@
+"""The house's import graph (DESIGN): no import loop between modules, and no import
+running back up the floors written down in ``FLOORS`` (the one place they are).
+
+A room is a top-level module or a sub-package of ``exactstep``; a room may import
+rooms on lower floors only (inside one room, modules import each other freely, but
+never in a loop). Function-local imports count like any other, except in the rooms
+that load lazily on purpose (``LAZY``: the command line, benchmarks, the audit).
+The graph is read from the source with ``ast``, never by importing it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "exactstep"
+
+#: Floor of each room, from the ground up: data flows upward through them.
+FLOORS = {
+    "errors": 1, "lazy": 1,
+    "durable": 2, "ranges": 2,
+    "manifest": 3,
+    "data": 4, "state": 4,
+    "rows": 5,
+    "transfer": 6,
+    "objective": 7,
+    "update": 8,
+    "tracking": 9, "parallel": 9, "model": 9,
+    "report": 10, "config": 10,
+    "eval": 11,
+    "families": 12,
+    "finished_run": 13, "prepare": 13, "runner": 13, "audit": 13,
+    "export": 14,
+    "bench": 15,
+    "cli": 16,
+    "__main__": 17,
+}
+#: The package's face (``exactstep/__init__.py``) hands names on lazily and is no room.
+FACE = "__init__"
+#: Rooms whose function-local imports are there to keep start-up light.
+LAZY = {"cli", "bench", "audit"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return FACE if len(parts) == 1 else parts[1]
+
+
+def imports_of(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
+    """``(module imported, line, at top level)`` for each ``exactstep`` import."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "exactstep":
+                names = [f"exactstep.{a.name}" for a in node.names]
+                names = [n if n in known else "exactstep" for n in names]
+            elif node.module.startswith("exactstep."):
+                names = [node.module]
+                names += [f"{node.module}.{a.name}" for a in node.names
+                          if f"{node.module}.{a.name}" in known]
+            else:
+                continue
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] == "exactstep"]
+        else:
+            continue
+        found += [(name, node.lineno, id(node) in top) for name in names]
+    return found
+
+
+def the_graph() -> tuple[dict[str, set[str]], list[str]]:
+    """Module -> modules it imports (every import outside the lazy rooms), and every
+    import that runs back up (``file:line room -> room``)."""
+    files = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    known = set(files)
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    upward = []
+    for module, path in files.items():
+        source = room_of(module)
+        for target, line, top in imports_of(path, known):
+            if not top and source in LAZY:
+                continue
+            edges[module].add(target)
+            if runs_up(module, target):
+                dest = room_of(target)
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} "
+                              f"{source} (floor {FLOORS[source]}) -> {dest} "
+                              f"(floor {FLOORS[dest]})")
+    return edges, upward
+
+
+def runs_up(module: str, target: str) -> bool:
+    """Whether ``module`` importing ``target`` leaves its room for one not below it."""
+    source, dest = room_of(module), room_of(target)
+    if source in (dest, FACE) or dest == FACE:
+        return False
+    return FLOORS[dest] >= FLOORS[source]
+
+
+def loops(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in edges:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_room_has_a_floor():
+    rooms = {room_of(module_name(p)) for p in PACKAGE.rglob("*.py")} - {FACE}
+    assert rooms == set(FLOORS), (rooms - set(FLOORS), set(FLOORS) - rooms)
+
+
+def test_no_import_runs_back_up():
+    _, upward = the_graph()
+    assert upward == []
+
+
+def test_no_import_loop():
+    edges, _ = the_graph()
+    # a parent package's __init__ imports its modules and they import it back only for
+    # names; a loop through a package's face is still a loop of modules
+    assert loops(edges) == []
+
+
+def test_the_checks_can_fail():
+    """Negative controls: a loop and an upward import planted in a copy of the graph
+    are found."""
+    edges, _ = the_graph()
+    planted = {m: set(t) for m, t in edges.items()}
+    planted["exactstep.durable"].add("exactstep.manifest")  # manifest imports durable
+    assert any({"exactstep.durable", "exactstep.manifest"} <= set(c) for c in loops(planted))
+    assert runs_up("exactstep.rows.mlm", "exactstep.families.registry")
+    assert runs_up("exactstep.model.encdec", "exactstep.model.attention") is False
+    assert runs_up("exactstep.families.mlm", "exactstep.rows.mlm") is False
+    assert runs_up("exactstep.report", "exactstep.config")  # one floor: not below
+
+
+def test_importing_the_configuration_does_not_load_torch():
+    code = "import sys, exactstep.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"
+
+
+def test_the_readme_map_lists_every_room():
+    """README's map of the house names each room of ``FLOORS`` (a file as ``name.py``,
+    a package as ``name/``), and no room that does not exist."""
+    text = (PACKAGE.parents[1] / "README.md").read_text(encoding="utf-8")
+    block = text.split("The house, in data-flow order")[1].split("```")[1]
+    named = {word.rstrip("/").removesuffix(".py") for line in block.splitlines()
+             for word in line.split()[:3] if word.endswith((".py", "/"))}
+    assert named == set(FLOORS)
