@@ -44,7 +44,7 @@ def test_negative_control_a_blocking_copy_is_counted() -> None:
 
 
 def test_batches_are_pinned_before_the_copy() -> None:
-    from exactstep.parallel.window import empty_microbatch
+    from exactstep.parallel.agreement import empty_microbatch
 
     pinned = empty_microbatch(2, 8, 0).pin_memory()
     assert pinned.input_ids.is_pinned() and pinned.segment_ids.is_pinned()

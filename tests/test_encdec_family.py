@@ -30,7 +30,7 @@ from exactstep.model.encdec import EncoderDecoder, greedy_decode
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.cross_entropy import fused_row_losses
 from exactstep.objective.smoothing import Smoothing, target_distribution
-from exactstep.parallel.window import empty_microbatch
+from exactstep.parallel.agreement import empty_microbatch
 from exactstep.rows.batch import IGNORE_INDEX, Batch
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.encdec import (

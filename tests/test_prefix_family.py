@@ -31,8 +31,8 @@ from exactstep.objective.config import ObjectiveConfig
 from exactstep.rows import prefix as prefix_module
 from exactstep.rows.batch import Batch
 from exactstep.rows.stream import RowStream
-from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
+from exactstep.state.safetensors_format import load_checkpoint
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.disposition import Outcome
 from exactstep.update.groups import build_optimizer

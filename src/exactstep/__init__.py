@@ -48,8 +48,8 @@ _EXPORTS = {
     "Outcome": "exactstep.update.disposition",
     # state and runs
     "build_manifest": "exactstep.manifest",
-    "publish_checkpoint": "exactstep.state.checkpoint",
-    "load_checkpoint": "exactstep.state.checkpoint",
+    "publish_checkpoint": "exactstep.state.safetensors_format",
+    "load_checkpoint": "exactstep.state.safetensors_format",
     "verify_checkpoint": "exactstep.state.store",
     "evaluate_run": "exactstep.finished_run",
     "train": "exactstep.runner",

@@ -404,7 +404,7 @@ def verify_command(path: Path) -> int:
     report = verify_checkpoint(target)
     print(report.format())
     if report.ok:  # what a bitwise continuation from it depends on (S9)
-        from exactstep.parallel.checkpoint import DcpFormat
+        from exactstep.parallel.dcp_format import DcpFormat
         from exactstep.state.checkpointer import checkpoint_progress
         from exactstep.state.environment import describe
 

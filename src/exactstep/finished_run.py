@@ -18,7 +18,7 @@ from exactstep.errors import ResumeError
 from exactstep.eval import EvalReport, Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.manifest import Manifest, read_manifest
-from exactstep.parallel.checkpoint import DcpFormat
+from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.process_group import resolve_rank_device, single_process
 from exactstep.state import environment
 from exactstep.state.checkpointer import load_weights, recorded_environment

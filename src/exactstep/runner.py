@@ -46,7 +46,8 @@ from exactstep.manifest import (
     write_manifest,
 )
 from exactstep.model.decoder import model_section
-from exactstep.parallel.checkpoint import DcpFormat
+from exactstep.parallel.agreement import agreed_stop, agreed_windows, distribute_engine
+from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.process_group import (
     DistContext,
@@ -55,7 +56,6 @@ from exactstep.parallel.process_group import (
     shutdown,
 )
 from exactstep.parallel.reducer import build_reducer
-from exactstep.parallel.window import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.wrap import shard_model
 from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
 from exactstep.rows.background import BackgroundStream

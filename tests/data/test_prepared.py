@@ -411,7 +411,7 @@ def test_a_declared_reshard_continues_with_the_next_epochs_declared_order(prepar
     start of the next epoch, and each then packs exactly its stride of that epoch's
     declared order. Loading an old rank's cursor without the rule is refused."""
     from exactstep.errors import ResumeError
-    from exactstep.parallel.checkpoint import reshard_stream_state
+    from exactstep.parallel.dcp_format import reshard_stream_state
 
     old = [stream(prepared, repeat=False, rank=r, world=2) for r in range(2)]
     for s in old:

@@ -184,7 +184,7 @@ def test_an_empty_filler_microbatch_needs_no_weights_d1_l3(tmp_path) -> None:
     weights are still refused, naming the reduction and the field."""
     from exactstep.errors import ObjectiveError
     from exactstep.objective import plan_window
-    from exactstep.parallel.window import empty_microbatch
+    from exactstep.parallel.agreement import empty_microbatch
 
     batches = window(write_docs(tmp_path / "docs.jsonl"))
     cfg = ObjectiveConfig(reduction="weighted")

@@ -10,7 +10,7 @@ import torch
 from workers import build_engine, ckpt_main, spawn_ranks, stream_for, tiny_examples
 
 from exactstep.errors import CheckpointError, DistributedError
-from exactstep.parallel.checkpoint import (
+from exactstep.parallel.dcp_format import (
     COMMON_FILE,
     load_distributed_checkpoint,
     rank_file,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from exactstep.errors import DistributedError
+from exactstep.parallel.agreement import agreed_window, empty_microbatch
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import (
     free_port,
@@ -18,7 +19,6 @@ from exactstep.parallel.process_group import (
     shutdown,
 )
 from exactstep.parallel.reducer import DDPReducer, build_reducer
-from exactstep.parallel.window import agreed_window, empty_microbatch
 from exactstep.parallel.wrap import shard_model, wrap_train_module
 
 

@@ -1,7 +1,7 @@
 """SIGTERM to one rank only, off the checkpoint cadence (D1, D2, S3, S5, X4).
 
 A scheduler (or a user) may signal a single worker of ``exactstep train --nproc 2``.
-That rank sets its stop flag; ``parallel.window.agreed_stop`` all-reduces the flags
+That rank sets its stop flag; ``parallel.agreement.agreed_stop`` all-reduces the flags
 after every window, so both ranks stop after the same window, publish one checkpoint
 there together and exit: the command ends with status 130 and one ``error:`` line,
 ``checkpoints/LATEST`` names that window (3, between the cadence's 2 and 4), and
@@ -173,7 +173,7 @@ def test_negative_control_local_stop_flags_do_not_stop_together(runs) -> None:
 AGREE_WORKER = r"""
 import sys
 import torch.distributed as dist
-from exactstep.parallel.window import agreed_stop
+from exactstep.parallel.agreement import agreed_stop
 dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2,
                         init_method=f"file://{sys.argv[2]}")
 class Reducer:

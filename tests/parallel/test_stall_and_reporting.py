@@ -246,12 +246,12 @@ def test_report_child_failure_prints_the_nccl_line_once(tmp_path, capsys) -> Non
 def test_checkpoint_barriers_and_dcp_run_on_the_host_group(monkeypatch) -> None:
     import torch
 
-    from exactstep.parallel import checkpoint
+    from exactstep.parallel import dcp_format
 
     host = object()
     calls = []
-    monkeypatch.setattr(checkpoint.dist, "barrier", lambda group=None: calls.append(group))
+    monkeypatch.setattr(dcp_format.dist, "barrier", lambda group=None: calls.append(group))
     ctx = DistContext(0, 2, 0, torch.device("cuda", 0), "nccl", host_group=host)
-    checkpoint._barrier(ctx)
+    dcp_format._barrier(ctx)
     assert calls == [host]
-    assert checkpoint._group(ctx) is host
+    assert dcp_format._group(ctx) is host

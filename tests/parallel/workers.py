@@ -24,11 +24,11 @@ from exactstep.errors import ExactstepError
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig
+from exactstep.parallel.agreement import distribute_engine
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.process_group import free_port, init_distributed, launcher_env, shutdown
 from exactstep.parallel.reducer import DDPReducer
-from exactstep.parallel.window import distribute_engine
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.precision import Precision
@@ -254,7 +254,7 @@ def stream_for(rank: int, world: int):
 
 
 def train_windows(engine, stream, first: int, count: int, reducer) -> list[dict]:
-    from exactstep.parallel.window import agreed_window
+    from exactstep.parallel.agreement import agreed_window
 
     it = iter(stream)
     cfg = batch_cfg()
@@ -281,7 +281,7 @@ def load_common(engine, common: dict) -> None:
 def ckpt_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     """Straight: 2 windows, checkpoint, 2 windows. Resumed: load, 2 windows. Control:
     weights only (fresh optimizer), 2 windows. Writes params, ledgers and RNG draws."""
-    from exactstep.parallel.checkpoint import (
+    from exactstep.parallel.dcp_format import (
         load_distributed_checkpoint,
         save_distributed_checkpoint,
     )

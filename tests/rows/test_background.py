@@ -103,8 +103,8 @@ def test_a_run_with_background_loading_is_bitwise_the_run_without(tmp_path):
 
     from exactstep.config import load_config
     from exactstep.runner import resume, train
-    from exactstep.state.checkpoint import load_checkpoint
     from exactstep.state.compare import state_differences
+    from exactstep.state.safetensors_format import load_checkpoint
     from exactstep.state.store import latest_checkpoint
 
     source = write_texts(tmp_path / "docs.jsonl", short_texts())

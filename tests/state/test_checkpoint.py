@@ -15,9 +15,9 @@ import torch
 
 from exactstep.errors import CheckpointError, StorageError
 from exactstep.state import store
-from exactstep.state.checkpoint import load_checkpoint, publish_checkpoint
 from exactstep.state.compare import state_differences
 from exactstep.state.rng import capture_rng
+from exactstep.state.safetensors_format import load_checkpoint, publish_checkpoint
 from exactstep.state.store import (
     clean_uncommitted,
     latest_checkpoint,

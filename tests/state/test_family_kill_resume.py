@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from state.test_kill_resume import Harness, settings
 
-from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
+from exactstep.state.safetensors_format import load_checkpoint
 from exactstep.state.store import latest_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.slow

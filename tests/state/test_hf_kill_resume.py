@@ -23,8 +23,8 @@ import pytest
 from state.test_family_kill_resume import killed_lineage, lines, straight_run
 from state.test_kill_resume import Harness
 
-from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
+from exactstep.state.safetensors_format import load_checkpoint
 from exactstep.state.store import latest_checkpoint
 
 pytest.importorskip("transformers")

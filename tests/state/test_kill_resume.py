@@ -37,8 +37,8 @@ import pytest
 from run_support import kill_once_ledger_has
 from text_corpus import write_corpus, write_whole
 
-from exactstep.state.checkpoint import load_checkpoint
 from exactstep.state.compare import state_differences
+from exactstep.state.safetensors_format import load_checkpoint
 from exactstep.state.store import latest_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -10,13 +10,13 @@ import torch
 
 from exactstep.errors import CheckpointError, ResumeError
 from exactstep.manifest import REQUIRED_SECTIONS, build_manifest
-from exactstep.state.checkpoint import publish_checkpoint
 from exactstep.state.resume import (
     StopRequest,
     check_progress_digest,
     choose_resume_point,
     require_same_manifest,
 )
+from exactstep.state.safetensors_format import publish_checkpoint
 
 
 def manifest(**update):

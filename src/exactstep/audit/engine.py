@@ -31,15 +31,15 @@ from exactstep.eval import evaluate
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig
+from exactstep.parallel.agreement import distribute_engine
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import DistContext
-from exactstep.parallel.window import distribute_engine
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.causal import compile_causal_batch
 from exactstep.rows.example import Example
 from exactstep.rows.packing import Piece
-from exactstep.state.checkpoint import load_checkpoint, publish_checkpoint
 from exactstep.state.rng import capture_rng, restore_rng
+from exactstep.state.safetensors_format import load_checkpoint, publish_checkpoint
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.disposition import Outcome
 from exactstep.update.groups import build_optimizer

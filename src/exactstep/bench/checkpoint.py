@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from exactstep.bench.common import interleaved_times, median
-from exactstep.state.checkpoint import load_checkpoint, publish_checkpoint
 from exactstep.state.rng import capture_rng
+from exactstep.state.safetensors_format import load_checkpoint, publish_checkpoint
 
 
 def build_state(d_model: int, n_layers: int, vocab: int) -> tuple[dict[str, torch.Tensor], dict]:

@@ -108,9 +108,9 @@ def _plain_window(module, optimizer, batches, plan_window, cfg, clip: float) -> 
 def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
     from exactstep.objective import plan_window
     from exactstep.objective.config import ObjectiveConfig
+    from exactstep.parallel.agreement import agreed_stop, agreed_window, distribute_engine
     from exactstep.parallel.config import ParallelConfig
     from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
-    from exactstep.parallel.window import agreed_stop, agreed_window, distribute_engine
 
     torch.set_num_threads(1)
     cfg = ParallelConfig(timeout_s=60.0)

@@ -5,15 +5,15 @@ from exactstep.lazy import lazy_exports
 
 _EXPORTS = {
     "DDPReducer": "exactstep.parallel.reducer",
-    "DcpFormat": "exactstep.parallel.checkpoint",
+    "DcpFormat": "exactstep.parallel.dcp_format",
     "DistContext": "exactstep.parallel.process_group",
     "ParallelConfig": "exactstep.parallel.config",
-    "agreed_window": "exactstep.parallel.window",
+    "agreed_window": "exactstep.parallel.agreement",
     "build_reducer": "exactstep.parallel.reducer",
-    "distribute_engine": "exactstep.parallel.window",
+    "distribute_engine": "exactstep.parallel.agreement",
     "init_distributed": "exactstep.parallel.process_group",
-    "load_distributed_checkpoint": "exactstep.parallel.checkpoint",
-    "save_distributed_checkpoint": "exactstep.parallel.checkpoint",
+    "load_distributed_checkpoint": "exactstep.parallel.dcp_format",
+    "save_distributed_checkpoint": "exactstep.parallel.dcp_format",
     "shard_model": "exactstep.parallel.wrap",
     "single_process": "exactstep.parallel.process_group",
 }

@@ -5,8 +5,8 @@ Built once per run with everything S2 names: the model, the update engine
 remainder), the journals whose position a checkpoint records (``ledger.jsonl``,
 ``metrics.jsonl``), and the run's manifest digest. Every RNG stream is captured at
 save time. The format is picked at construction: one process writes
-``state.checkpoint``'s safetensors format; a multi-rank job writes through the
-``MultiRankFormat`` it is given (``parallel.checkpoint``, over DCP). A restore picks
+``state.safetensors_format``'s safetensors format; a multi-rank job writes through the
+``MultiRankFormat`` it is given (``parallel.dcp_format``, over DCP). A restore picks
 the loader by the checkpoint's own format, so a migration between them works in
 both directions when the caller allows it (``reshard``).
 """
@@ -24,8 +24,13 @@ import torch
 from exactstep.durable import Journal
 from exactstep.errors import CheckpointError, DistributedError, StorageError
 from exactstep.manifest import Manifest
-from exactstep.state.checkpoint import FORMAT, load_checkpoint, publish_checkpoint, read_part
 from exactstep.state.rng import capture_rng, restore_rng
+from exactstep.state.safetensors_format import (
+    FORMAT,
+    load_checkpoint,
+    publish_checkpoint,
+    read_part,
+)
 from exactstep.state.store import checkpoint_format, read_latest_name
 
 # Checkpoint part names (what ``checkpoint verify`` reports) for the engine's state keys.
@@ -53,7 +58,7 @@ class Stream(Protocol):
 
 
 class MultiRankFormat(Protocol):
-    """What a multi-rank checkpoint format offers (``parallel.checkpoint.DcpFormat``).
+    """What a multi-rank checkpoint format offers (``parallel.dcp_format.DcpFormat``).
 
     The runner hands one in; ``state`` never imports ``parallel`` (which builds on
     ``state.store``), so the packages do not import each other.

@@ -1,6 +1,6 @@
 """The checkpoint store: how any checkpoint format is published, found, verified,
-pruned and quarantined (S3, S6, S8). Formats (``state.checkpoint`` for one process,
-``parallel.checkpoint`` for many ranks) write files; only this module publishes.
+pruned and quarantined (S3, S6, S8). Formats (``state.safetensors_format`` for one process,
+``parallel.dcp_format`` for many ranks) write files; only this module publishes.
 
 Layout of ``root`` (a run's ``checkpoints/`` directory)::
 
