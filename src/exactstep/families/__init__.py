@@ -4,6 +4,7 @@ manifest section, score and specials) and the registry that picks the run's
 ``objective`` and ``eval``; nothing below imports it.
 """
 
+from exactstep.families.inspect import inspect_rows
 from exactstep.families.registry import (
     BUILT,
     DEFAULT_SOURCE,
@@ -19,4 +20,5 @@ from exactstep.families.registry import (
 )
 
 __all__ = ["BUILT", "DEFAULT_SOURCE", "SPECIFIED", "Family", "FamilyParts", "family_name",
-           "family_of", "family_tokenizer", "open_family", "resolve", "run_data_kind"]
+           "family_of", "family_tokenizer", "inspect_rows", "open_family", "resolve",
+           "run_data_kind"]
