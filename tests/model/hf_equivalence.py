@@ -62,8 +62,3 @@ def logits_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def equivalence_error(packed, separate) -> float:
-    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = packed, separate
-    errors = [logits_error(logits_a, logits_b), float((loss_a - loss_b).abs())]
-    errors += [float((grads_a[n] - grads_b[n]).abs().max()) for n in grads_a]
-    return max(errors)

@@ -25,7 +25,8 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from hf_equivalence import equivalence_error, run_packed, run_separately  # noqa: E402
+from equivalence import equivalence_error  # noqa: E402
+from hf_equivalence import run_packed, run_separately  # noqa: E402
 from hf_support import COMMON, hf_config, hf_model  # noqa: E402
 from model_batches import fill_rows, packed_batch  # noqa: E402
 from text_corpus import write_corpus  # noqa: E402

@@ -26,7 +26,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from hf_equivalence import equivalence_error, flat, logits_error, run_separately  # noqa: E402
+from equivalence import equivalence_error  # noqa: E402
+from hf_equivalence import flat, logits_error, run_separately  # noqa: E402
 from hf_equivalence import run_packed as packed_run  # noqa: E402
 from hf_support import FAMILIES, hf_model  # noqa: E402
 from model_batches import fill_rows, packed_batch  # noqa: E402

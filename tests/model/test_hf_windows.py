@@ -34,7 +34,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from hf_equivalence import equivalence_error, logits_error, run_packed, run_separately  # noqa: E402
+from equivalence import equivalence_error  # noqa: E402
+from hf_equivalence import logits_error, run_packed, run_separately  # noqa: E402
 from hf_support import COMMON, hf_config  # noqa: E402
 from model_batches import fill_rows  # noqa: E402
 

@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import equivalence_error
 from mlm_support import alone, compile_rows, compiler, plan, random_examples
 
 from exactstep.families.mlm import build_encoder
@@ -91,12 +92,6 @@ def run_one_by_one(model):
     return per_piece, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def equivalence_error(packed, separate) -> float:
-    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = packed, separate
-    errors = [float((a - b).abs().max()) for a, b in zip(logits_a, logits_b, strict=True)]
-    errors.append(float((loss_a - loss_b).abs()))
-    errors += [float((grads_a[n] - grads_b[n]).abs().max()) for n in grads_a]
-    return max(errors)
 
 
 @pytest.mark.parametrize("attention", ["segments", "dense"])

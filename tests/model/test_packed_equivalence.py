@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import equivalence_error
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from model_batches import fill_rows, packed_batch
@@ -71,12 +72,6 @@ def run_one_by_one(model, documents):
     return per_doc, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def equivalence_error(packed, separate) -> float:
-    (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) = packed, separate
-    errors = [float((a - b).abs().max()) for a, b in zip(logits_a, logits_b, strict=True)]
-    errors.append(float((loss_a - loss_b).abs()))
-    errors += [float((grads_a[n] - grads_b[n]).abs().max()) for n in grads_a]
-    return max(errors)
 
 
 @pytest.mark.parametrize("attention", ["segments", "dense"])

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import equivalence_error
 
 from exactstep.errors import ModelError
 from exactstep.model.config import ModelConfig
@@ -257,11 +258,6 @@ def loss_and_grads(net, batches, total: int, masks=None):
     return per_doc, loss, {n: p.grad.clone() for n, p in net.named_parameters()}
 
 
-def equivalence_error(a, b) -> float:
-    errors = [float((x - y).abs().max()) for x, y in zip(a[0], b[0], strict=True) if x.numel()]
-    errors.append(float((a[1] - b[1]).abs()))
-    errors += [float((a[2][n] - b[2][n]).abs().max()) for n in a[2]]
-    return max(errors)
 
 
 def leaky(batch):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import equivalence_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_batches import fill_rows, packed_batch
@@ -319,11 +320,6 @@ def separate_run(model, docs, prefix):
     return per_doc, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def equivalence_error(a, b) -> float:
-    errors = [float((x - y).abs().max()) for x, y in zip(a[0], b[0], strict=True)]
-    errors.append(float((a[1] - b[1]).abs()))
-    errors += [float((a[2][n] - b[2][n]).abs().max()) for n in a[2]]
-    return max(errors)
 
 
 DOCS = fill_rows([[5, 9, 3], [12, 4], [2, 7]], VOCAB, seed=1)
