@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from state.test_family_kill_resume import killed_lineage, lines, straight_run
+from families.test_family_kill_resume import killed_lineage, lines, straight_run
 from state.test_kill_resume import Harness
 
 from exactstep.state.compare import state_differences

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from families.test_family_kill_resume import FAMILIES, FamilyHarness, lines
 from run_support import TINY, set_args, tree_digests
-from state.test_family_kill_resume import FAMILIES, FamilyHarness, lines
 from state.test_kill_resume import final_state, killed
 from text_corpus import write_corpus
 

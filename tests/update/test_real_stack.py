@@ -15,7 +15,7 @@ import contextlib
 
 import pytest
 import torch
-from update_support import IGNORE_INDEX, make_batch
+from update.update_support import IGNORE_INDEX, make_batch
 
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model

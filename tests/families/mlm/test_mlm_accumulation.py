@@ -10,7 +10,7 @@ moves the parameters elsewhere.
 from __future__ import annotations
 
 from mlm_support import compile_rows, compiler, plan, random_examples
-from test_real_stack import real_engine
+from update.test_real_stack import real_engine
 
 from exactstep.config import load_config
 from exactstep.families.mlm import build_encoder

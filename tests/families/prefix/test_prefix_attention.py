@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from equivalence import equivalence_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from model_batches import fill_rows, packed_batch
+from model.model_batches import fill_rows, packed_batch
 
 from exactstep.data.arith import arith_conversations
 from exactstep.data.tokenizer import ByteTokenizer

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from state.test_family_kill_resume import FAMILIES, FamilyHarness, final_state
+from families.test_family_kill_resume import FAMILIES, FamilyHarness, final_state
 from state.test_kill_resume import LAUNCHER
 from text_corpus import write_whole
 
