@@ -154,6 +154,33 @@ def test_no_import_runs_back_up():
     assert upward == []
 
 
+def test_a_function_local_import_says_why():
+    """Outside the lazy rooms a function-local ``exactstep`` import is the exception: it
+    carries ``# lazy: <reason>`` on its line (a plug-in chosen by configuration), never
+    a way around a loop."""
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if room_of(module_name(path)) not in LAZY:
+            unexplained += [f"{path.relative_to(PACKAGE.parent)}:{line}"
+                            for line in unexplained_local_imports(path)]
+    assert unexplained == []
+
+
+def unexplained_local_imports(path: Path) -> list[int]:
+    """Lines of function-local ``exactstep`` imports without a ``# lazy:`` reason."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return sorted({line for _, line, top in imports_of(path, set())
+                   if not top and "# lazy:" not in lines[line - 1]})
+
+
+def test_an_unexplained_local_import_is_found(tmp_path):
+    """Negative control of the rule above."""
+    module = tmp_path / "planted.py"
+    module.write_text("import os\n\n\ndef f():\n    from exactstep.rows import batch\n"
+                      "    from exactstep.data import chat  # lazy: a plug-in\n")
+    assert unexplained_local_imports(module) == [5]
+
+
 def test_no_import_loop():
     edges, _ = the_graph()
     # a parent package's __init__ imports its modules and they import it back only for

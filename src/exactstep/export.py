@@ -59,10 +59,15 @@ from exactstep.durable import (
     json_bytes,
     lock_beside,
     publish_directory,
+    sha256_file,
     stale_temporaries,
     write_durably,
 )
 from exactstep.errors import ConfigError, ExportError
+from exactstep.families import family_name
+from exactstep.finished_run import open_finished_run, run_config
+from exactstep.rows.batch import single_segment_batch
+from exactstep.state.store import CHECKPOINT_MANIFEST
 
 LOGIT_TOLERANCE = 1e-5
 PASSPORT = "passport.json"
@@ -247,10 +252,6 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
     published it before this one got the lock)."""
     from transformers.utils import logging as hf_logging
 
-    from exactstep.families import family_name
-    from exactstep.finished_run import open_finished_run, run_config
-    from exactstep.state.store import CHECKPOINT_MANIFEST
-
     hf_logging.disable_progress_bar()  # one summary line, not transformers' bars
     hf_logging.set_verbosity_error()
     run_dir, out = Path(run_dir), Path(out)
@@ -363,8 +364,6 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from exactstep.rows.batch import single_segment_batch
-
     loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     eager = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
@@ -411,8 +410,6 @@ def handoff_check(tmp: Path, model: Any, tokenizer: Any, documents: Any, *,
 
 
 def _sha256(path: Path) -> str:
-    from exactstep.durable import sha256_file
-
     return sha256_file(path)
 
 
@@ -459,8 +456,6 @@ class ExportVerifyReport:
 
 def is_export(path: Path) -> bool:
     """Whether ``path`` is an export directory (a passport, no checkpoint manifest)."""
-    from exactstep.state.store import CHECKPOINT_MANIFEST
-
     path = Path(path)
     return (path / PASSPORT).is_file() and not (path / CHECKPOINT_MANIFEST).exists()
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exactstep import __version__
 from exactstep.durable import create_durably
 from exactstep.errors import CheckpointError, ConfigError, ResumeError
 
@@ -263,8 +264,6 @@ def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
 
 def _version(package: str) -> str:
     if package == "exactstep":
-        from exactstep import __version__
-
         return __version__
     return importlib.metadata.version(package)
 

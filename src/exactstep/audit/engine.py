@@ -1,20 +1,11 @@
 """The ``exactstep`` target: exactstep's own engine behind ``TrainingStep`` (A1).
 
-Everything the probes measure runs through the production path: documents become
-``Example``s and rows through the causal compiler (``compile_causal_batch``: the one
-shift, ownership, position reset, segment ids; R1-R3, R5), the built-in ``Decoder``,
-the window transaction ``UpdateEngine.run_window`` (plan, token mean, unscale, clip,
-skip, schedule; U1-U6), ``exactstep.eval.evaluate`` (E1, L5) and the checkpoint
-store with RNG capture (S2); under a process group (the data-parallel probe) the
-engine is one rank of a DDP job through ``distribute_engine`` (D1, D5). The adapter
-only translates data and settings.
-
-Its own data order (``set_data``/``train_steps``, the optional cursor capability of
-``exactstep.audit.protocol``) is a minimal cursor with the row stream's permutation
-law (``rows.packing.ExampleTable``: ``numpy.random.default_rng([seed, epoch])``
-permutes each epoch): the position ``(epoch, index)`` is saved with the checkpoint,
-so the order itself is recomputed, never stored. The probe's windows are already
-packed, so they do not go through ``RowStream``'s packer.
+Everything the probes measure runs through the production path: the causal compiler
+(R1-R3, R5), the built-in ``Decoder``, the window transaction ``UpdateEngine.run_window``
+(U1-U6), ``exactstep.eval.evaluate`` (E1, L5), the checkpoint store with RNG capture
+(S2), and, under a process group, one rank of a DDP job (D1, D5). The adapter only
+translates data and settings.
+Design and derivations: docs/design/audit.md#auditenginepy (A1, S2, D1, D5).
 """
 
 from __future__ import annotations
@@ -51,7 +42,11 @@ DEVICE = torch.device("cpu")
 
 
 class ExactstepStep(WindowCursor):
-    """``TrainingStep`` over ``UpdateEngine`` and the built-in decoder."""
+    """``TrainingStep`` over ``UpdateEngine`` and the built-in decoder.
+
+    Its own data order permutes each epoch with ``numpy.random.default_rng([seed,
+    epoch])`` (the row stream's law); ``save`` keeps ``(epoch, index)``, never the order.
+    """
 
     smoothing_convention = "harvard"
     data_parallel = True  # under a process group: one rank, distribute_engine (D1, D5)

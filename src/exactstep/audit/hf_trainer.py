@@ -1,34 +1,11 @@
 """The ``hf-trainer`` target: Hugging Face ``Trainer`` behind ``TrainingStep`` (A1).
 
-What is audited is ``transformers.Trainer`` as users run it: a tiny random-init
-``LlamaForCausalLM`` built from a config (nothing downloaded), the model's own loss
-(labels shifted inside the model), ``TrainingArguments`` for accumulation, learning
-rate, warmup, clipping, weight decay, label smoothing, dropout and sequential
-sampling, a stock collator, ``Trainer.evaluate`` with ``exp(eval_loss)`` as the
-perplexity (as the example scripts report it). The probe fixes only which examples
-form each microbatch (a batch sampler over the probe's rows); the collator, the
-accumulation, the loss normalization, the optimizer groups, the scheduler and the
-step are the Trainer's.
-
-Collators (``hf-trainer:NAME``):
-
-- ``padding`` (default): ``DataCollatorForSeq2Seq`` padding each microbatch's rows,
-  ``labels`` = the row's tokens with ``-100`` where a token is not an owned target
-  (chat prompts, padding); a packed row is one example, as naive packing makes it.
-- ``flattening``: ``DataCollatorWithFlattening``: every document is an example; a
-  microbatch becomes one row with ``position_ids`` restarting per document.
-
-The Trainer continues a run only through its own checkpoint directory
-(``resume_from_checkpoint``), replaying its own dataset, so ``save``/``load`` are
-offered only for the loop's own data (``set_data``/``train_steps``, the optional
-cursor of ``exactstep.audit.protocol``): the dataset is the Trainer's
-``train_dataset``, its stock dataloader and sampler (``train_sampling_strategy =
-random``, one probe microbatch's rows per batch) give the order, each
-``train_steps(n)`` is one ``Trainer.train`` to ``max_steps`` = the steps so far +
-``n``, resuming from the Trainer's latest checkpoint (``save_steps = 1``), and on
-resume the Trainer skips the batches already trained (``ignore_data_skip=False``, its
-default; ``ignore_data_skip`` on the adapter turns it off). ``resume``, which hands
-new microbatches after the reload, stays N/A.
+What is audited is ``transformers.Trainer`` as users run it, on a tiny random-init
+``LlamaForCausalLM`` (nothing downloaded). The probe fixes only which examples form each
+microbatch; the collator (``hf-trainer:padding``, the default, or ``:flattening``), the
+accumulation, the loss normalization, the optimizer groups, the scheduler and the step
+are the Trainer's.
+Design and derivations: docs/design/audit.md#audithf_trainerpy (A1, S2).
 """
 
 from __future__ import annotations
@@ -50,7 +27,14 @@ COLLATORS = ("padding", "flattening")
 
 
 class HFTrainerStep:
-    """``TrainingStep`` over ``transformers.Trainer``."""
+    """``TrainingStep`` over ``transformers.Trainer``.
+
+    ``collator``: ``padding`` (``DataCollatorForSeq2Seq``, a packed row is one example)
+    or ``flattening`` (``DataCollatorWithFlattening``, one example per document).
+    ``save``/``load`` work only for the loop's own data (``set_data``/``train_steps``,
+    through the Trainer's checkpoints; ``ignore_data_skip`` turns off its data skip on
+    resume), else ``NotApplicable``; so is a loss scale without CUDA.
+    """
 
     smoothing_convention = "uniform"  # TrainingArguments.label_smoothing_factor
 

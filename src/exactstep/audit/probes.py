@@ -1,15 +1,10 @@
 """The conformance probes (A1): one observation each, one contract each.
 
-A probe builds the target from a ``ProbeSpec``, feeds it probe data, observes
-(parameter deltas, logits, logged and reported values, RNG and modes, state after a
-reload) and compares with an expectation it computes itself (``reference``). It
-returns a ``Measure``; it raises ``NotApplicable`` when the target cannot show the
-property (e.g. a model without dropout) and ``TargetFault`` when the target never
-stepped or produced non-finite values where a number was due. ``run_probe`` turns
-any exception into a per-probe ``ERROR``, never an audit crash.
-
-Tolerances: fp32 updates agree with the reference to ``RTOL`` of the largest
-expected parameter change; a probe that allows mixed precision says so.
+A probe builds the target from a ``ProbeSpec``, feeds it probe data, observes it and
+compares with an expectation it computes itself (``reference``), returning a
+``Measure``; ``run_probe`` turns any exception into that probe's ``ERROR``, never an
+audit crash. fp32 updates must agree with the reference to ``RTOL``.
+Design and derivations: docs/design/audit.md#auditprobespy (A1).
 """
 
 from __future__ import annotations

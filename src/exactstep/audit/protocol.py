@@ -1,64 +1,11 @@
 """What a training step must offer to be audited (A1): ``TrainingStep``.
 
-The audit treats a target as a black box and measures it by observation only:
-parameter deltas after ``train``, logits under perturbation, logged values, values
-``evaluate`` reports, RNG and parameters around ``evaluate``, and state after
-``save``/``load``. It never reads the target's code. Every expected value is computed
-by the probe itself, in plain PyTorch, from the target's *model* (``logits``) and the
-declared ``ProbeSpec``: the model's forward is an observable, everything between the
-logits and the update (shift, masks, normalization, accumulation, clipping, the
-optimizer, the schedule, skipping) is recomputed by the probe.
-
-A hand-written loop is wrapped in about 30 lines (see ``exactstep.audit.examples``):
-
-- ``build(spec)``: a fresh model, optimizer and schedule from ``spec``, seeded by
-  ``spec.seed`` (two builds with one spec give bitwise equal parameters);
-- ``module``: the model (an ``nn.Module``; its unique named parameters are what the
-  probes watch);
-- ``logits(input_ids, position_ids, document_ids)``: the model's forward as the
-  loop's model computes it, ``[B, T]`` inputs to ``[B, T, V]`` logits, with autograd,
-  in the module's current mode. ``document_ids`` says which tokens may see each other
-  (equal ids, causal; 0 is padding);
-- ``train(microbatches)``: run the loop once over the microbatches, closing a window
-  every ``spec.accum`` microbatches and on the remainder; returns the loss it logs
-  for each window (``None`` when it logs none);
-- ``evaluate(microbatches)``: held-out ``(loss, perplexity)``;
-- ``save(path)`` / ``load(path)``: everything the loop needs to continue exactly;
-- ``smoothing_convention``: the label-smoothing convention the loop implements
-  (``uniform`` for ``F.cross_entropy(label_smoothing=...)``, ``harvard`` for the
-  Annotated Transformer's criterion; L2).
-
-Optional: ``data_parallel = True`` declares that, when a default process group is
-initialized (``torch.distributed.is_initialized()``), ``build`` and ``train`` run as
-one rank of a data-parallel job: every rank builds the same model, trains on its own
-microbatches, and each window's update is the token mean over every rank's targets
-(D1, D5). The ``ddp_token_mean`` probe then forks two gloo ranks; a target without
-the attribute gets N/A there.
-
-Optional: the loop's own data order (S2: the sampler cursor). A loop that iterates
-a dataset of its own, rather than taking microbatches from its caller, offers
-
-- ``set_data(windows)`` after ``build``: its dataset, a sequence of windows (each a
-  sequence of microbatches, one update per window). The loop visits them in its own
-  order: in sequence, or a shuffle per epoch that the loop seeds itself;
-- ``train_steps(n)``: the next ``n`` windows of that order, continuing where the
-  previous call stopped (into the next epoch when one ends); returns the logged
-  losses as ``train`` does;
-
-and ``save``/``load`` then carry its position (epoch, index, the shuffle's seed).
-``WindowCursor`` implements the pair for a loop that defines ``epoch_order()``. The
-``resume_data`` probe compares four windows straight with two, a reload into a fresh
-build handed the same dataset, and two more; a target without the two methods gets
-N/A there. The wrapper is a few more lines (see the examples).
-
-Loss scale: under ``ProbeSpec.loss_scale`` the loop trains as it would in mixed
-precision (an fp16 autocast, or fp32 under the ``GradScaler`` only). The
-``resume_scaler`` probe observes the target's own overflow threshold (the scale at
-which a fresh build skips a window), so neither needs declaring.
-
-A microbatch holds *documents* (``Microbatch``): the loop decides the shift, the
-masks and the normalization, which is what is audited. ``spec`` declares the
-objective a correct step implements; ``ProbeSpec`` documents each choice.
+The audit treats a target as a black box and measures it by observation only; every
+expected value is computed by the probe itself, in plain PyTorch, from the target's
+model (``logits``) and the declared ``ProbeSpec``. ``TrainingStep`` lists what a loop
+offers (the required methods, then the optional data-parallel and own-data-order
+capabilities); a hand-written loop is wrapped in about 30 lines (``audit.examples``).
+Design and derivations: docs/design/audit.md#auditprotocolpy (A1, A2, S2, D1, D5).
 """
 
 from __future__ import annotations
@@ -139,6 +86,8 @@ class Microbatch:
     position of each token inside its document (0 at each document's first token).
     ``owned``: bool ``[B, L]``, token ``j`` is a supervised *target* (never a
     document's first token, never padding; for chat only the assistant's tokens).
+    A microbatch holds documents, not rows: the loop under audit decides the shift, the
+    masks and the normalization.
     """
 
     tokens: torch.Tensor
@@ -155,12 +104,35 @@ class Microbatch:
 
 @runtime_checkable
 class TrainingStep(Protocol):
-    """The adapter protocol (see the module docstring for each method's contract)."""
+    """The adapter protocol: what the audit calls, and what each call must do.
+
+    - ``build(spec)``: a fresh model, optimizer and schedule from ``spec``, seeded by
+      ``spec.seed`` (two builds with one spec give bitwise equal parameters).
+    - ``module``: the model; its unique named parameters are what the probes watch.
+    - ``logits(input_ids, position_ids, document_ids)``: the loop's model forward,
+      ``[B, T]`` inputs to ``[B, T, V]`` logits, with autograd, in the module's current
+      mode; tokens with equal ``document_ids`` see each other causally, 0 is padding.
+    - ``train(microbatches)``: run the loop once, closing a window every
+      ``spec.accum`` microbatches and on the remainder; returns the loss it logs for
+      each window (``None`` when it logs none).
+    - ``evaluate(microbatches)``: held-out ``(loss, perplexity)``.
+    - ``save(path)`` / ``load(path)``: everything the loop needs to continue exactly.
+    - ``smoothing_convention``: ``uniform`` (``F.cross_entropy(label_smoothing=...)``),
+      ``non_pad`` or ``harvard`` (the Annotated Transformer's criterion; L2).
+
+    Optional: ``data_parallel = True`` (under an initialized default process group,
+    ``build`` and ``train`` run as one rank and each window's update is the token mean
+    over every rank's targets, D1, D5); ``set_data(windows)`` after ``build`` and
+    ``train_steps(n)``, the next ``n`` windows in the loop's own order, with
+    ``save``/``load`` carrying that position (S2; ``WindowCursor``). A probe needing
+    an optional capability the target lacks is N/A. Details:
+    docs/design/audit.md#auditprotocolpy.
+    """
 
     module: nn.Module
     smoothing_convention: SmoothingConvention
     # optional: data_parallel = True; set_data(windows) and train_steps(n) (see the
-    # module docstring)
+    # class docstring)
 
     def build(self, spec: ProbeSpec) -> None: ...
 

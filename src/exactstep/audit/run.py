@@ -1,12 +1,10 @@
 """Resolve an audit target and run the probes against it (A1).
 
-Targets: ``exactstep`` (the engine, ``exactstep.audit.engine``),
-``python:MODULE:FUNCTION`` (``FUNCTION()`` returns a ``TrainingStep``; the current
-directory is importable, as with ``python -m``) and ``hf-trainer[:COLLATOR]``
-(Hugging Face ``Trainer``, ``exactstep.audit.hf_trainer``) and ``trl-sft[:VARIANT]``
-(``trl``'s ``SFTTrainer``, ``exactstep.audit.trl_sft``). A target that cannot be resolved is
-a ``ConfigError`` (one ``error:`` line, exit 2); a target that fails while probed is
-that probe's ``ERROR``.
+Targets: ``exactstep`` (``audit.engine``), ``python:MODULE:FUNCTION`` (``FUNCTION()``
+returns a ``TrainingStep``; the current directory is importable, as with ``python -m``),
+``hf-trainer[:COLLATOR]`` (``audit.hf_trainer``) and ``trl-sft[:VARIANT]``
+(``audit.trl_sft``). An unresolvable target is a ``ConfigError`` (one ``error:`` line,
+exit 2); a target that fails while probed is that probe's ``ERROR``.
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """The ``trl-sft`` target: ``trl``'s ``SFTTrainer`` behind ``TrainingStep`` (A1).
 
-Driven like ``hf-trainer`` (``exactstep.audit.hf_trainer``): the same tiny random-init
-``LlamaForCausalLM`` built from a config (nothing downloaded), the same options mapped
-to ``SFTConfig`` (which extends ``TrainingArguments``), a word-level tokenizer over the
-probe's ids. What differs is that ``SFTTrainer`` prepares the data itself: every
-``train``/``evaluate`` call gives it the probe's documents as a ``datasets.Dataset`` and
-``SFTTrainer`` tokenizes (chat variant), builds the labels from the masks, packs and
-collates with its own ``DataCollatorForLanguageModeling``. The probe fixes only which
-prepared rows form each microbatch, read from a ``probe_microbatch`` column that
-preparation carries through (or, after packing, from the documents each packed row
-holds).
-
-Two SFTConfig values are not trl's defaults: ``bf16=False`` (trl turns bf16 on; the
-update probes compare fp32 updates at 1e-4) and the probe's own learning rate.
-
-Variants (``trl-sft[:VARIANT]``):
-
-- ``completion_only_loss`` (default): tokenized examples with a ``completion_mask``
-  column (the owned targets), ``completion_only_loss=True``, padded batches; a row
-  holding several documents is one example (naive packing), as in ``hf-trainer``.
-- ``assistant_only_loss``: conversational examples (``messages``: unowned runs are
-  ``user`` turns, owned runs ``assistant`` turns) rendered by a chat template with
-  ``{% generation %}`` markers, ``assistant_only_loss=True``; trl tokenizes them.
-- ``padding_free``: as the default, one example per document, ``padding_free=True``
-  (one flattened row, ``position_ids`` per document, no attention mask).
-- ``packing``: one example per document, ``packing=True`` (trl's default ``bfd``
-  strategy, which implies padding-free rows). trl decides which documents share a
-  packed row; a probe whose microbatches trl packs together is N/A.
-
-Resume is N/A, as for ``hf-trainer`` (the Trainer resumes only from its own checkpoint),
-and so is the loop's own data order (``set_data``): ``SFTTrainer`` prepares its dataset
-on every call, so the Trainer's data skip on resume is measured by ``hf-trainer`` only.
+Driven like ``hf-trainer`` (the same tiny ``LlamaForCausalLM``, the same options mapped
+to ``SFTConfig``), except that ``SFTTrainer`` prepares the data itself: it tokenizes,
+builds the labels from the masks, packs and collates; the probe fixes only which
+prepared rows form each microbatch. Variants: ``completion_only_loss`` (default),
+``assistant_only_loss``, ``padding_free`` and ``packing``.
+Design and derivations: docs/design/audit.md#audittrl_sftpy (A1).
 """
 
 from __future__ import annotations
@@ -54,7 +29,12 @@ CHAT_TEMPLATE = (
 
 
 class TRLSFTStep(HFTrainerStep):
-    """``TrainingStep`` over ``trl.SFTTrainer``."""
+    """``TrainingStep`` over ``trl.SFTTrainer``.
+
+    ``variant``: ``completion_only_loss`` (default), ``assistant_only_loss``,
+    ``padding_free`` or ``packing``. Resume and the loop's own data order are
+    ``NotApplicable``: ``SFTTrainer`` prepares its dataset on every call.
+    """
 
     def __init__(self, variant: str = "completion_only_loss") -> None:
         if variant not in VARIANTS:

@@ -1,7 +1,11 @@
-"""Data sources: the stdlib corpus, JSONL text and chat, the byte tokenizer and Hugging
-Face tokenizers, chat templates with ownership (built-in and Jinja), and the built-in
-arithmetic demo, and the prepared-shard format read through memory maps (R5, S1,
-H2, P1)."""
+"""The data stage: where examples come from, before rows are compiled (R5, S1, H2, P1).
+
+Text and chat sources (the stdlib corpus, JSONL, Parquet/Arrow shards, the built-in
+arithmetic and number-words demos), the byte tokenizer and Hugging Face tokenizers,
+chat templates with ownership (built-in and Jinja), and the prepared-shard format read
+through memory maps; ``rows/`` compiles what they yield into batches.
+Design and derivations: docs/design/data.md (R5, S1, H2, P1).
+"""
 
 from exactstep.lazy import lazy_exports
 

@@ -1,19 +1,10 @@
 """A built-in chat SFT demo: multi-turn arithmetic with checkable answers (R5).
 
-``arith_conversations`` deterministically generates conversations such as::
-
-    user:      What is 37+45?
-    assistant: 82
-    user:      Now multiply that by 3.
-    assistant: 246
-
-Every assistant answer is an exact integer, so a model's greedy answer to the LAST
-turn of a held-out conversation can be scored by exact match
-(``exactstep.eval.greedy_answer_accuracy``, with ``last_turn_prompt``). The train and held-out splits are disjoint: a problem
-(its operands and operations, which fix every message) belongs to the held-out split
-exactly when a hash of it falls in the held-out bucket, whatever the seed.
-
-``exactstep.rows.sources`` compiles them into supervised examples for a run.
+``arith_conversations`` generates the conversations deterministically, with train and
+held-out splits that never share a problem; a model's greedy answer to the last turn of
+a held-out conversation is scored by exact match (``exactstep.eval``), and
+``exactstep.rows.sources`` compiles the conversations into examples for a run.
+Design and derivations: docs/design/data.md#dataarithpy (R5).
 """
 
 from __future__ import annotations
@@ -105,8 +96,9 @@ def arith_conversations(
     """``n`` conversations of ``split`` (``"train"`` or ``"heldout"``), deterministic in ``seed``.
 
     Train conversations are drawn with replacement from the train problems; held-out
-    ones are distinct. Raises ``DataError`` if the problem family has too few
-    held-out problems for ``n``.
+    ones are distinct. A problem is held out exactly when its hash falls in the
+    held-out bucket, whatever the seed, so the splits never share a problem. Raises
+    ``DataError`` if the problem family has too few held-out problems for ``n``.
     """
     if split not in ("train", "heldout"):
         raise ConfigError(f"arith split must be 'train' or 'heldout'; got {split!r}")

@@ -1,31 +1,9 @@
 """A byte-level BPE tokenizer trained offline on a corpus' training split (H2, S1).
 
 ``train_bpe_tokenizer`` is what ``exactstep tokenizer train`` runs: it reads a text
-corpus exactly as a run reads it (``data.corpus.load_corpus``: the same documents,
-the same split by name hash for the same ``val_fraction``), trains a byte-level BPE
-with the ``tokenizers`` library on the *training* documents only, and saves it as a
-``PreTrainedTokenizerFast`` directory (``save_pretrained``) that
-``data.tokenizer = "hf"`` loads with ``data.tokenizer_path``.
-
-Invariants:
-
-- No validation document is ever seen: the trainer's input is ``corpus.train``, so a
-  run with the same source and ``data.val_fraction`` evaluates on text the
-  tokenizer never saw.
-- Byte-level: the 256 byte symbols are in the vocabulary whatever the corpus holds,
-  so every text encodes (no unknown token) and decodes back to itself.
-- Special tokens ``<bos>`` = 0, ``<eos>`` = 1, ``<pad>`` = 2, then the 256 byte
-  symbols, then the merges, ``vocab_size`` ids in all (at least 259). The
-  tokenizer's post-processor prepends ``<bos>`` as a Llama tokenizer does; exactstep
-  itself encodes with ``add_special_tokens=False`` and adds BOS and EOS explicitly.
-- Deterministic: the same corpus (same fingerprint) and ``vocab_size`` give
-  byte-identical files with the same ``tokenizers`` version; the training runs on
-  the documents in their corpus order, and ``training.json`` records the corpus
-  source, fingerprint and split rule, the vocabulary size and the library versions
-  (no time stamps).
-- Published atomically: the files are written under a temporary sibling and the
-  directory is renamed into place only once complete, so an interrupted command
-  leaves nothing at ``out``.
+corpus as a run reads it, trains on the training documents only, and publishes a
+``PreTrainedTokenizerFast`` directory that ``data.tokenizer = "hf"`` loads.
+Design and derivations: docs/design/data.md#databpepy (H2, S1).
 """
 
 from __future__ import annotations
@@ -54,6 +32,11 @@ def train_bpe_tokenizer(source: str, vocab_size: int, out: Path, *,
 
     ``source`` is any text ``data.source`` (``stdlib``, a JSONL, Parquet or Arrow
     file or shard directory). Returns the record written to ``training.json``.
+
+    Only ``corpus.train`` is seen, never a validation document. Ids: ``<bos>`` 0,
+    ``<eos>`` 1, ``<pad>`` 2, the 256 byte symbols, then the merges. The files are
+    byte-identical for the same corpus, ``vocab_size`` and ``tokenizers`` version, and
+    are published atomically: an interrupted call leaves nothing at ``out``.
     Raises ``ConfigError`` for a ``vocab_size`` outside ``[259, 2**20]`` or an
     ``out`` that exists and is not an empty directory, and ``DataError`` (from the
     corpus) for missing or malformed data, before anything is written.

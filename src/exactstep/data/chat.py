@@ -1,45 +1,10 @@
 """Chat conversations: JSONL loading and the built-in byte-level chat template (R5, S1).
 
-A conversation is rendered exactly once, by a ``ChatRenderer``'s ``render``, which
-emits the token ids together with each token's role and span (message index and
-part). Target ownership (``exactstep.rows.chat``) is decided from those parallel
-arrays only; no code path ever searches decoded text for role markers. Two renderers
-exist: ``ChatTemplate`` (the built-in one, below) and ``HFChatTemplate`` (a Hugging
-Face Jinja template, ``exactstep.data.hf_chat``, H2); ``template_for(tokenizer)``
-picks the one a run uses.
-
-The built-in template (``exactstep-bytes-chat-v1``), for the byte tokenizer::
-
-    <bos>                                   part BEGIN, role NONE, message -1
-    for each message m (index k):
-        "<|" + role + "|>\n"                part HEADER
-        content (UTF-8 bytes)               part CONTENT
-        for each tool call c of an assistant message:
-            "<|tool_call|>" + json(c) + "\n"  part TOOL_CALL
-        <eos>                               part END_OF_TURN (the end-of-turn marker)
-
-``json(c)`` is compact JSON with sorted keys, so a tool call renders the same bytes
-whatever key order the source file used. A generation prompt is the rendering of the
-earlier messages followed by the assistant header; the model then answers and ends
-its turn with ``<eos>``.
-
-The shape of a line (anything else is a ``DataError`` naming ``<file>:<line>``, the
-message and the expected shape)::
-
-    {"messages": [message, ...],        a non-empty array
-     "weight": w}                       optional (L3): a finite number >= 0; part of the
-                                        conversation's JSON (so of the data fingerprint);
-                                        other top-level keys are ignored
-    message = {"role": ROLE,            one of system, user, assistant, tool
-               "content": "...",        a string; null or absent only for an assistant
-                                        message with at least one tool call
-               "tool_calls": [{...}]}   assistant only: an array of JSON objects
-
-A message key outside ``role``, ``content`` and ``tool_calls`` is refused rather than
-ignored: the template renders exactly these, so anything else would silently fall
-out of the training data. Lines are strict UTF-8 with no key repeated in an object
-(``exactstep.data.jsonl``), no string may hold an unpaired surrogate, and a tool call
-may hold no ``NaN`` or ``Infinity`` (its rendering must be JSON).
+A conversation is rendered exactly once, by a ``ChatRenderer``, which emits the token
+ids with each token's role and span; ownership (``rows.chat``) is decided from those
+arrays only, never by searching decoded text. ``ChatTemplate`` is the built-in
+renderer, ``HFChatTemplate`` (``data.hf_chat``, H2) the Jinja one; ``template_for`` picks.
+Design and derivations: docs/design/data.md#datachatpy (R5, S1).
 """
 
 from __future__ import annotations
@@ -152,7 +117,11 @@ class ChatRenderer(Protocol):
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """The built-in chat template for the byte tokenizer (see the module docstring).
+    """The built-in chat template for the byte tokenizer.
+
+    Renders ``<bos>``, then for each message its header ``<|role|>`` and a newline, its
+    content's UTF-8 bytes, ``<|tool_call|>`` + compact sorted-key JSON + a newline per
+    tool call, and ``<eos>`` as the end-of-turn marker (docs/design/data.md#datachatpy).
 
     The fingerprint is the sha256 of the canonical JSON of these fields plus the
     special ids a given tokenizer assigns to BOS and the end-of-turn marker; it goes
@@ -248,9 +217,16 @@ def load_chat_jsonl(path: str | Path, messages_field: str = "messages") -> list[
     are skipped. A Parquet or Arrow file or a directory of shards is read by
     ``data.datasets_source`` into the same conversations, validated alike.
 
-    Raises ``DataError`` naming the file and 1-based line for any malformed line (see
-    the module docstring for the shape), and when the file is missing or holds no
-    conversation.
+    A line is ``{"messages": [message, ...], "weight": w}`` (``weight`` optional, a
+    finite number ``>= 0``, L3; other top-level keys are ignored); a message is
+    ``{"role": "system" | "user" | "assistant" | "tool", "content": "...",
+    "tool_calls": [{...}]}``, ``content`` null or absent only for an assistant message
+    with tool calls, ``tool_calls`` for assistant messages only; any other message key
+    is refused. Lines are strict UTF-8 with no repeated key and no unpaired surrogate,
+    and a tool call holds no ``NaN`` or ``Infinity``.
+
+    Raises ``DataError`` naming the file and 1-based line for any malformed line, and
+    when the file is missing or holds no conversation.
     """
     path = Path(path)
     if datasets_source.is_dataset_source(path):

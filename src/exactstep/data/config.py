@@ -1,4 +1,8 @@
-"""Configuration of the data stage (sources, split, tokenizer)."""
+"""Configuration of the data stage (sources, split, tokenizer).
+
+``DataConfig`` is a run's ``[data]`` section: frozen, keyword-only and checked when
+built; the resolved values are recorded in the manifest (S1, X2).
+"""
 
 from __future__ import annotations
 

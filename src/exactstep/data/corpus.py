@@ -1,28 +1,9 @@
 """Text corpora: the built-in standard-library corpus and user JSONL files (S1).
 
-Invariants:
-
-- Loading is deterministic: the same source gives the same documents in the same
-  order, the same split and the same fingerprint, on every run and machine with the
-  same files.
-- The split is decided per document from ``sha256(name)`` alone, so adding or removing
-  one document never moves another between train and validation.
-- ``fingerprint`` is a sha256 over every document's name and UTF-8 bytes (train then
-  validation, each in order, each field length-prefixed), recorded in the manifest.
-- Empty documents are skipped and counted (``skipped_empty``); they carry no tokens.
-- A JSONL line may carry an optional ``"weight"`` (L3, ``exactstep.data.weights``);
-  when any document has one, the fingerprint covers every document's weight too.
-
-Failure modes (all ``DataError`` naming the file and line as ``<file>:<line>``, or the
-setting to change): a missing or unreadable file, a line that is not UTF-8 (refused,
-never repaired), not JSON, not an object, or without a string ``"text"``, a ``"text"``
-holding an unpaired surrogate, a ``"weight"`` that is not a finite number >= 0, a
-corpus with no non-empty document, and an empty train or validation split.
-
-The text of a line is its ``data.text_field`` (default ``"text"``). Parquet and Arrow
-files and directories of shards are read by ``exactstep.data.datasets_source`` into
-the same ``Document`` values (named ``<shard>#<row>``, or ``<shard>:<line>`` for JSONL
-shards), so the split and the fingerprint treat them alike.
+``load_corpus`` reads a text source (the stdlib, a JSONL file, or Parquet/Arrow through
+``data.datasets_source``) into ``Document`` values, splits them by a hash of each name
+and fingerprints them for the manifest, deterministically for the same files.
+Design and derivations: docs/design/data.md#datacorpuspy (S1, L3).
 """
 
 from __future__ import annotations
@@ -73,7 +54,12 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     path relative to the stdlib root; test directories and site-packages skipped);
     anything else is a path to a JSONL file of ``{"text": ...}`` lines (the key is
     ``cfg.text_field``), or a Parquet/Arrow file or shard directory (``read_source``).
-    Raises ``DataError`` (see module docstring) or ``ConfigError`` for a chat source.
+    Deterministic: the same files give the same documents, split and fingerprint; a
+    document's split depends on its name alone, and empty documents are skipped and
+    counted. Raises ``DataError`` (naming ``<file>:<line>`` or the setting to change)
+    for a missing or unreadable file, a line that is not UTF-8, not JSON, not an
+    object or without a string text, an unpaired surrogate, a bad ``"weight"``, no
+    non-empty document, or an empty split; ``ConfigError`` for a chat source.
     """
     if cfg.kind == "chat":
         raise ConfigError(

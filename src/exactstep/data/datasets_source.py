@@ -1,55 +1,10 @@
 """Parquet, Arrow and sharded data sources, read through the ``datasets`` library (S1).
 
-``data.source`` may name, besides a JSONL file (``data.corpus``, ``data.chat``):
-
-- a ``.parquet`` or ``.arrow`` file, read with
-  ``datasets.load_dataset("parquet" | "arrow", data_files=[file], split="train")``;
-- a directory of shards of one format (``.jsonl``, ``.parquet`` or ``.arrow``), searched
-  recursively. Hidden entries and those starting with ``_`` (``.git``, ``_SUCCESS``),
-  ``*.md`` files (a dataset card) and the metadata ``datasets.Dataset.save_to_disk``
-  writes beside its shards (``dataset_info.json``, ``state.json``) are passed over;
-  any other file must be a shard of the one format. Links to directories are not
-  followed.
-
-The text of a row is the ``data.text_field`` column, the messages of a conversation
-the ``data.messages_field`` column; an optional numeric ``weight`` column gives the
-row's L3 weight (null = no weight, as an absent key in JSONL). The values produced
-are the ``Document`` and ``Conversation`` values the JSONL readers produce, so
-everything downstream (split, fingerprint, encoding, packing) is unchanged.
-
-Invariants:
-
-- Deterministic order and names (S1, S5): shards are taken in the order of their
-  path relative to the directory (Python string order, not the filesystem's or the
-  locale's), rows in file order. A row of a Parquet or Arrow shard is the document
-  ``<relative path>#<row>`` (row counted from 0; a single file is named by its file
-  name, as a JSONL line is ``<file name>:<line>``); a line of a JSONL shard keeps the
-  JSONL name ``<relative path>:<line>``. Names alone decide the text split, and the
-  fingerprint covers every row's name, text and weight, so both are the same on
-  every run and machine with the same files.
-- JSONL shards are read by the strict line reader of ``data.jsonl`` (strict UTF-8,
-  ``<file>:<line>`` in every error), exactly as a single JSONL file: a directory of
-  JSONL shards gives the documents of the same lines as one file would.
-- Nothing is fetched and nothing outlives the load: every ``load_dataset`` call runs
-  with the library's offline switch on (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``)
-  and download counting off, ``keep_in_memory=True`` and a cache directory of its
-  own that is removed when the load ends; progress bars, log lines and warnings of
-  the library are silenced for the call (one ``error:`` line, X4). The library's
-  settings are restored afterwards (they are process-wide: a load is not meant to run
-  beside another thread using ``datasets``). ``datasets`` is imported only here, on use.
-- Arrow stores every field of a struct on every row, so a field a message or a tool
-  call lacks reads back as null. Null fields of messages and of tool-call objects are
-  dropped before validation, so a row reads back as the JSON it was written from;
-  the conversation is then validated by ``data.chat.parse_conversation``, with the
-  same shape rules (and messages) as chat JSONL.
-
-Failure modes (``DataError`` naming the file, the row where there is one, and what to
-change): a missing path; a file of an unsupported format; a directory with no shard,
-with shards of two formats, or with a file that is no shard; a file the library
-cannot read; a missing column (the columns present are listed); a column of the
-wrong type; a null text; a malformed conversation; a bad weight; a source with no
-row at all. Without the ``datasets`` library installed a Parquet or Arrow source is a
-``ConfigError`` naming the extra to install.
+``data.source`` may name a ``.parquet`` or ``.arrow`` file or a directory of shards of
+one format; this module reads them, offline, into the ``Document`` and ``Conversation``
+values the JSONL readers produce, so the split, fingerprint, encoding and packing
+downstream are unchanged.
+Design and derivations: docs/design/data.md#datadatasets_sourcepy (S1, S5, X4).
 """
 
 from __future__ import annotations
@@ -134,7 +89,9 @@ def directory_shards(root: Path) -> tuple[str, list[Path]]:
 
 
 def walk_files(root: Path) -> Iterator[Path]:
-    """Every file under ``root`` that is not passed over (see the module docstring)."""
+    """Every file under ``root`` that is not passed over: hidden entries and those
+    starting with ``_``, ``*.md`` files, and ``dataset_info.json`` / ``state.json``;
+    links to directories are not followed."""
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [d for d in subdirs if not passed_over(d)]
         for name in names:
@@ -156,7 +113,13 @@ def label_of(file: Path, source: Path) -> str:
 
 
 def read_text_source(path: Path, text_field: str = "text") -> tuple[str, list[Document]]:
-    """(format, documents) of a Parquet/Arrow file or a shard directory (S1)."""
+    """(format, documents) of a Parquet/Arrow file or a shard directory (S1).
+
+    Shards in the Python string order of their relative paths, rows in file order; a
+    Parquet/Arrow row is named ``<relative path>#<row>``, a JSONL shard's line
+    ``<relative path>:<line>`` (a single file by its file name). ``DataError`` names
+    the file, the row and what to change; ``ConfigError`` when ``datasets`` is missing.
+    """
     fmt, files = shard_files(path)
     documents: list[Document] = []
     if fmt == "jsonl":
@@ -224,7 +187,8 @@ def string_column(table: Table, file: Path, field: str) -> list[Any]:
 
 def read_chat_source(path: Path, messages_field: str = "messages") -> list[Conversation]:
     """Conversations of a Parquet/Arrow file or a shard directory, validated as chat
-    JSONL is (``data.chat.parse_conversation``)."""
+    JSONL is (``data.conversation.parse_conversation``) once the null fields Arrow
+    gives absent message and tool-call keys are dropped."""
     fmt, files = shard_files(path)
     conversations = list(iter_chat_source(path, messages_field))
     require_rows(path, fmt, files, len(conversations))
@@ -341,7 +305,8 @@ def require_rows(path: Path, fmt: str, files: list[Path], rows: int) -> None:
 def columnar_reader() -> Iterator[Reader]:
     """A ``read(file, format)`` that loads one Parquet/Arrow file through ``datasets``
     (a ``pyarrow.Table``, or None for a file with no rows), offline and quiet, into
-    memory, with a cache directory removed when the ``with`` block ends."""
+    memory, with a cache directory removed when the ``with`` block ends. The library's
+    settings are process-wide: do not use ``datasets`` in another thread meanwhile."""
     datasets = import_datasets()
     with tempfile.TemporaryDirectory(prefix="exactstep-datasets-") as cache:
         with offline_and_quiet(datasets):

@@ -1,69 +1,10 @@
 """Hugging Face chat templates as exactstep chat renderers (H2, R5).
 
-``HFChatTemplate`` renders a conversation with ``transformers``'
-``apply_chat_template`` and derives, for every token, the message it belongs to and
-its part (``data.chat.Part``), so that ownership goes through the same compiler as
-the built-in template (``rows.chat``: ``a_j`` from role and part, ``l_i = a_(i+1)``)
-and ``chat.turns``, ``chat.supervise_eot`` and ``chat.supervise_tool_calls`` keep
-their meaning. Everything is decided on tokens; decoded text is never searched.
-
-Derivation, for a conversation of messages ``0..n-1``:
-
-1. **Message spans, from growing prefixes.** ``R_k`` is the tokenization of the
-   rendering of the first ``k`` messages; ``R_0`` is empty (a Hugging Face template
-   renders no empty conversation, so a template's preamble, e.g. its BOS, belongs
-   to message 0). Every ``R_k`` must be a token prefix of ``R_(k+1)`` (prefix
-   stability); message ``k`` owns the tokens ``[len R_k, len R_(k+1))``.
-2. **The generation of an assistant message** (the tokens the model emits):
-
-   - with ``{% generation %}`` markers in the template, the tokens that
-     ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks (its
-     tokenization must equal ``R_n``);
-   - without markers, the tokens after the header up to and including the
-     end-of-turn marker (3). The header is what the generation prompt adds:
-     ``G_k``, the rendering of the first ``k`` messages with
-     ``add_generation_prompt=True``, must satisfy ``R_k < G_k <= R_(k+1)`` as token
-     prefixes, and the header is ``G_k`` after ``R_k``. A template whose generation
-     prompt adds nothing, and an assistant message that opens the conversation
-     (no ``G_0`` exists), cannot be split this way and are refused: add generation
-     markers to the template.
-
-3. **Parts of an assistant message.** Its end-of-turn marker is its last special
-   token (an added token flagged special, or EOS) at or after the first generated
-   token. A generated token is ``END_OF_TURN`` if it is that marker, ``TOOL_CALL``
-   if it lies at or after the tool-call start and before the marker (the tool-call
-   start is where the turn first differs from a rendering of the same message
-   without its tool calls; only for messages with tool calls), ``CONTENT``
-   otherwise. Tokens before the first generated one are ``HEADER``; tokens after it
-   that are not generated are ``SEPARATOR`` (never targets). So for ChatML,
-   ``<|im_start|>assistant\\n`` is the header, ``4<|im_end|>`` the generation with
-   ``<|im_end|>`` its end-of-turn marker, and the ``\\n`` after it a separator,
-   whether the template carries markers around ``4<|im_end|>`` or not. Without
-   markers, a turn with no special token after its header is all generation and has
-   no end-of-turn marker.
-4. **Other messages.** Their tokens are ``CONTENT`` of their role, never targets; a
-   generation marker on them is refused.
-5. **Marked templates that are not prefix-stable** (Phi-3 closes only a finished
-   conversation with EOS; Qwen3 drops the reasoning of earlier answers once a later
-   turn exists). The markers alone define what each assistant turn generates, as
-   ``return_assistant_tokens_mask`` does, so no message spans are needed: the runs of
-   marked tokens of ``R_n``, in order, are the generations of the assistant messages,
-   in order (there must be exactly one run per assistant message). In a run, the
-   last special token is ``END_OF_TURN``, tokens at or after the tool-call start
-   (where the run first differs from the same run rendered without the message's
-   tool calls) and before it ``TOOL_CALL``, the rest ``CONTENT``. Tokens outside
-   every run belong to no message the template identifies: role ``NONE``, message
-   -1, never targets. A prompt (``render_prompt``) is ``G_k``; the tokens it shares
-   with ``R_k`` keep their labels and the rest is the assistant's header.
-
-Checks, each a ``DataError`` naming the template (``rows.chat`` prefixes the
-conversation): prefix stability of every ``R_k`` and ``G_k`` for a template without
-markers (with markers, one marked run per assistant message where prefix stability
-does not hold), the marked tokenization equal to ``R_n``, no marker outside
-assistant messages, and a render the template itself refuses (``raise_exception``,
-a Jinja error). ``rows.chat`` then checks that every selected assistant turn has a
-non-empty generation and, under ``chat.supervise_eot``, its end-of-turn marker
-inside it (H2).
+``HFChatTemplate`` renders a conversation with ``transformers``' ``apply_chat_template``
+and labels every token with its message and part (``data.chat.Part``), so ownership goes
+through the same compiler as the built-in template (``rows.chat``) and the ``chat.*``
+policies keep their meaning. Everything is decided on tokens, never on decoded text.
+Design and derivations: docs/design/data.md#datahf_chatpy (H2, R5).
 """
 
 from __future__ import annotations
@@ -127,7 +68,13 @@ class HFChatTemplate:
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
     def render(self, messages: Sequence[Message], tokenizer: Any) -> RenderedChat:
-        """Render a whole conversation with each token's role, message and part."""
+        """Render a whole conversation with each token's role, message and part.
+
+        Raises ``DataError`` naming the template when it is not prefix-stable (and has
+        no generation markers to fall back on), when its marks do not give one run per
+        assistant message or sit outside assistant messages, when its marked
+        tokenization differs from the plain one, or when it refuses the conversation.
+        """
         return _Rendering(self, tokenizer, messages).rendered()
 
     def render_prompt(self, messages: Sequence[Message], tokenizer: Any) -> RenderedChat:
@@ -136,7 +83,7 @@ class HFChatTemplate:
         done = rendering.rendered() if messages else _empty_chat()
         prompt = rendering.tokens(len(messages), prompt=True)
         shared = done.tokens.tolist()
-        if self.marked and prompt[: len(shared)] != shared:  # marks only (docstring, 5)
+        if self.marked and prompt[: len(shared)] != shared:  # marks only (data.md, step 5)
             done = _head(done, _common_prefix(shared, prompt))
         else:
             rendering.require_prefix(shared, prompt, _first(len(messages)),
@@ -232,7 +179,8 @@ class _Rendering:
 
     def assistant_parts(self, k: int, lo: int, hi: int, tokens: list[int],
                         prefixes: list[list[int]], mask: np.ndarray | None) -> np.ndarray:
-        """Parts of assistant message ``k``'s tokens ``[lo, hi)`` (module docstring, 2-3)."""
+        """Parts of assistant message ``k``'s tokens ``[lo, hi)``
+        (docs/design/data.md#datahf_chatpy, steps 2-3)."""
         parts = np.full(hi - lo, int(Part.HEADER), dtype=np.int8)
         if hi == lo:
             return parts
@@ -261,7 +209,7 @@ class _Rendering:
 
     def marks_only(self, tokens: list[int]) -> RenderedChat:
         """Labels from the generation marks alone, for a marked template that is not
-        prefix-stable (module docstring, 5)."""
+        prefix-stable (docs/design/data.md#datahf_chatpy, step 5)."""
         runs = _runs(self.marked_mask(tokens))
         turns = [k for k, msg in enumerate(self.messages) if msg.role == "assistant"]
         if len(runs) != len(turns):

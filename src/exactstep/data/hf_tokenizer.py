@@ -1,35 +1,10 @@
 """A Hugging Face tokenizer behind the interface the stages use (H2, S1).
 
-``load_hf_tokenizer`` reads a directory written by ``save_pretrained`` (a fast
-tokenizer: ``tokenizer.json`` plus ``tokenizer_config.json``), offline, and wraps it
-as an ``HFTokenizer`` with the same surface as ``ByteTokenizer``.
-
-Invariants:
-
-- ``encode`` / ``encode_array`` are the backend's ids for the text with
-  ``add_special_tokens=False``: the tokenizer's post-processor never adds a BOS or an
-  EOS. Text examples add both explicitly (``BOS + ids + EOS``,
-  ``rows.example.encode_documents``), so a tokenizer that adds BOS itself never
-  yields two.
-- A document (``encode_array``) never yields a special id from its text: the text
-  of a special token in it is encoded as text (R1, R5: the only BOS/EOS of a text
-  example are the ones exactstep adds). A rendered chat template (``encode``) keeps
-  the tokenizer's recognition of its special tokens, which are its markup.
-- Every id lies in ``[0, vocab_size)``, where ``vocab_size`` is one more than the
-  largest id of the vocabulary, added tokens included (``len(tokenizer)`` for a
-  contiguous vocabulary). A model's embedding may have more rows than this (padded
-  vocabularies), never fewer.
-- ``bos_id`` / ``eos_id`` / ``pad_id`` are the tokens declared in the configuration
-  (``data.bos_token`` / ``data.eos_token`` / ``data.pad_token``) when given, else
-  the tokenizer's own; each must be a token of the vocabulary, and a missing one is
-  a ``ConfigError`` naming the key to set. A declared token is also set on the
-  wrapped tokenizer, so a chat template's ``bos_token`` / ``eos_token`` see it.
-- ``fingerprint()`` is a sha256 over the backend tokenizer's canonical JSON
-  (vocabulary, merges, added and special tokens, normalizer, pre-tokenizer,
-  post-processor, decoder; not its transient truncation/padding state), the
-  resolved special ids and tokens, and the text of the chat template in use
-  (``data.chat_template`` or the tokenizer's own), so a changed template changes it
-  (S1). It is computed once, at load.
+``load_hf_tokenizer`` reads a fast tokenizer saved by ``save_pretrained``, offline, and
+wraps it as an ``HFTokenizer`` with the same surface as ``ByteTokenizer``: ids of text
+with no special token added, resolved BOS/EOS/PAD ids, and a fingerprint for the
+manifest that also covers the chat template in use.
+Design and derivations: docs/design/data.md#datahf_tokenizerpy (H2, S1, R1, R5).
 """
 
 from __future__ import annotations
@@ -55,6 +30,11 @@ class HFTokenizer:
     ``chat_template`` the Jinja text a chat run renders with (``None`` when there is
     none) and ``template_label`` where that text came from (for errors and the
     manifest).
+
+    Invariants: ``encode`` / ``encode_array`` never add BOS or EOS, and a document's
+    text never yields a special id; every id lies in ``[0, vocab_size)``, where
+    ``vocab_size`` is one more than the largest id (a model's embedding may have more
+    rows, never fewer).
     """
 
     kind: str = "hf"
@@ -166,7 +146,8 @@ class HFTokenizer:
         return lengths
 
     def fingerprint(self) -> str:
-        """sha256 (hex) over the tokenizer, its special ids and its chat template (S1)."""
+        """sha256 (hex) over the tokenizer, its special ids and its chat template (S1);
+        the transient truncation/padding state is left out. Computed once, at load."""
         return self._fingerprint
 
     def chat_renderer(self) -> Any:

@@ -1,25 +1,9 @@
 """JSON Lines input shared by the text and chat loaders: every bad line is named (S1, X4).
 
-``records(path)`` yields a ``Record`` for every non-blank line: its 1-based line
-number, ``where`` (``<file>:<line>``, the location every ``DataError`` about that line
-starts with) and the decoded JSON value. A UTF-8 byte-order mark at the start of the file is allowed and dropped.
-
-Invariants:
-
-- Bytes are decoded as strict UTF-8. An undecodable line is refused, never repaired:
-  a replacement character would silently change the training data and its
-  fingerprint.
-- ``strict=True`` (the chat loader) refuses a key given twice in one object (which
-  value would be meant is ambiguous). The text loader, which reads one field per
-  line, keeps Python's lenient parser for whatever else a line carries. ``NaN`` and
-  ``Infinity`` still parse (as Python's parser does), so that the field holding one
-  is named where it is checked (``weights.parse_weight``, the chat tool calls).
-- ``unicode_text`` refuses a string holding an unpaired surrogate (``"\\ud800"`` is
-  valid JSON but no Unicode character): it cannot be encoded as UTF-8, so no
-  tokenizer could read it.
-
-Failure modes (``DataError``): a file that cannot be read, a line that is not UTF-8,
-not JSON, or nested too deeply to parse.
+``records(path)`` yields each non-blank line's number, ``<file>:<line>`` and decoded
+JSON value; every ``DataError`` about a line starts with that location. Bytes are
+strict UTF-8, refused rather than repaired.
+Design and derivations: docs/design/data.md#datajsonlpy (S1, X4).
 """
 
 from __future__ import annotations
@@ -43,7 +27,13 @@ class Record(NamedTuple):
 
 
 def records(path: Path, *, strict: bool = False) -> Iterator[Record]:
-    """A ``Record`` for every non-blank line of ``path``, in file order."""
+    """A ``Record`` for every non-blank line of ``path``, in file order.
+
+    A leading UTF-8 byte-order mark is dropped. ``DataError`` (starting with
+    ``<file>:<line>``) for an unreadable file, a line that is not strict UTF-8 (never
+    repaired), not JSON or nested too deeply; ``strict=True`` also refuses a key given
+    twice in one object.
+    """
     try:
         fh = path.open("rb")
     except OSError as exc:

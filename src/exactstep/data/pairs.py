@@ -1,19 +1,9 @@
 """Paired data for the encoder-decoder families (R8): (source text, target text).
 
-Two sources:
-
-- ``"numwords"``: a built-in generated translation-like task, a number written in
-  digits -> the same number in English words (``"2048"`` -> ``"two thousand
-  forty-eight"``). Deterministic in the seed. A number belongs to the held-out split
-  exactly when a hash of its digits falls in bucket 0 of ``HOLDOUT_BUCKETS``,
-  whatever the seed, so no held-out number is ever a training pair; training pairs
-  are drawn with replacement from the other numbers, held-out pairs are distinct.
-- a JSON Lines file of ``{"source": "...", "target": "..."}`` objects (optional
-  ``"weight"``, L3); ``data.val_fraction`` of the pairs, chosen by a hash of the
-  pair's content, form the validation split. Every bad line is refused with a
-  ``DataError`` naming ``<file>:<line>``.
-
-``pairs_fingerprint`` is the data fingerprint the manifest records (S1).
+Two sources: ``"numwords"``, a built-in generated digits-to-English-words task, and a
+JSON Lines file of ``{"source": ..., "target": ...}`` objects. Each is split by a hash
+(whatever the seed), and ``pairs_fingerprint`` is the fingerprint the manifest records.
+Design and derivations: docs/design/data.md#datapairspy (R8, S1, L3).
 """
 
 from __future__ import annotations
@@ -90,7 +80,9 @@ def is_heldout_number(n: int) -> bool:
 
 def numwords_pairs(seed: int, n: int, *, split: str, max_value: int) -> list[Pair]:
     """``n`` pairs of ``split`` (``"train"``: drawn with replacement; ``"heldout"``:
-    distinct), numbers uniform in ``[0, max_value]``, deterministic in ``seed``.
+    distinct), numbers uniform in ``[0, max_value]``, deterministic in ``seed``. A
+    number is held out exactly when the hash of its digits falls in bucket 0 of
+    ``HOLDOUT_BUCKETS``, whatever the seed, so no held-out number is a training pair.
 
     Raises ``DataError`` when the split has fewer distinct numbers than a held-out
     ``n`` asks for (or none at all).

@@ -1,30 +1,10 @@
 """The prepared-data format: token shards read through memory maps (P1, P2, S6).
 
-A prepared directory holds, per split (``train``, ``val``), shards of three raw files
-and one ``prepared.json`` written last:
-
-    DIR/prepared.json              format, tokenizer hash, order rule, counts, shards
-    DIR/train-00000.tokens         every token of the shard's documents, back to back
-                                   (``uint16`` when the vocabulary fits, else ``uint32``)
-    DIR/train-00000.index          int64 ``[documents, 3]``: offset, length, owned
-                                   targets (``targets_in(1, length)`` of the example)
-    DIR/train-00000.owned          chat only: one ownership bit per token (``numpy.
-                                   packbits``, big bit order), ``a_j`` of R5
-    DIR/train.unigram              int64 ``[vocab]``: how often each token is a target
-                                   (the held-out baseline, without a corpus scan)
-
-Invariants:
-
-- A document is the whole example the in-memory path would build (text:
-  ``BOS + ids + EOS``; chat: the rendered, owned and truncated conversation), so a
-  prepared document and an in-memory example of the same source are the same tokens.
-- Every file's size and sha256 is in ``prepared.json`` and ``fingerprint`` is the
-  sha256 of the canonical JSON of the rest of ``prepared.json``; ``open_prepared`` checks sizes
-  and digests and names the first file that differs (S6) before a byte is used.
-- Documents are never empty (the writer refuses them), so ``min_length >= 1``.
-- ``prepared.json`` is checked whole (``check_schema``: keys, types, ranges, counts
-  against shards and file sizes) before a key is used: an edited file that was
-  fingerprinted again is one ``DataError`` naming the key (X4), not a ``KeyError``.
+A prepared directory holds, per split, shards of tokens, a document index and (chat)
+ownership bits, with ``prepared.json`` written last. ``open_prepared`` checks sizes,
+digests and the schema before a byte is used, then serves each document from memory
+maps as the same tokens the in-memory path builds for that example.
+Design and derivations: docs/design/data.md#datapreparedpy (P1, P2, S6, X4).
 """
 
 from __future__ import annotations
@@ -127,7 +107,8 @@ class PreparedSplit:
 
     def tokens(self, doc: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Document ``doc``'s tokens (int64 copy) and ownership (bool, or ``None`` for
-        text, where every token but the first is a target)."""
+        text, where every token but the first is a target). A document is the whole
+        example the in-memory path builds (text: ``BOS + ids + EOS``), never empty."""
         shard, row = self.locate(doc)
         offset, length = int(shard.index[row, 0]), int(shard.index[row, 1])
         tokens = np.asarray(shard.tokens[offset: offset + length], dtype=np.int64)
@@ -141,7 +122,12 @@ class PreparedSplit:
 
 @dataclass(frozen=True)
 class Prepared:
-    """An opened, verified prepared directory."""
+    """An opened, verified prepared directory.
+
+    Per split: shards ``<split>-NNNNN.tokens`` / ``.index`` / ``.owned`` (chat) and
+    ``<split>.unigram``, described by ``prepared.json`` (layout:
+    docs/design/data.md#datapreparedpy).
+    """
 
     path: Path
     meta: dict[str, Any]

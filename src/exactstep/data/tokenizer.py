@@ -1,21 +1,9 @@
 """The built-in byte-level tokenizer: 256 byte ids plus BOS, EOS and PAD (S1).
 
-Invariants:
-
-- ``encode`` maps text to its UTF-8 bytes, one id per byte, and never emits a special
-  id; ``decode(encode(s)) == s`` for every string ``s``.
-- Special ids sit above the byte range (``bos_id = 256``, ``eos_id = 257``,
-  ``pad_id = 258``), so no byte can be mistaken for a special token. An objective
-  family that needs more specials (a mask token, span sentinels; R8) asks for them
-  by name: they get the ids ``259, 260, ...`` in the order given, and the
-  fingerprint changes with them (it is unchanged without any).
-- ``fingerprint()`` is a sha256 over a canonical description of the tokenizer, so a
-  manifest can tell two representations apart (S1). It changes whenever the mapping
-  would change (vocabulary size, special ids, byte encoding, version).
-
-``build_tokenizer(cfg)`` is the one place a run's tokenizer is made: this one for
-``data.tokenizer = "bytes"``, a Hugging Face tokenizer (``exactstep.data.hf_tokenizer``,
-H2) for ``"hf"``. Both satisfy ``Tokenizer``.
+``ByteTokenizer`` maps text to its UTF-8 bytes, with the special ids above the byte
+range and a fingerprint for the manifest; ``build_tokenizer(cfg)`` is the one place a
+run's tokenizer is made (this one, or a Hugging Face tokenizer, H2).
+Design and derivations: docs/design/data.md#datatokenizerpy (S1, R8, H2).
 """
 
 from __future__ import annotations
@@ -59,7 +47,12 @@ class Tokenizer(Protocol):
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids, with three special ids above the byte range, then
-    the ``extra`` specials a family asked for (``extra_id(name)`` finds one)."""
+    the ``extra`` specials a family asked for (``extra_id(name)`` finds one).
+
+    ``decode(encode(s)) == s`` for every string. ``bos_id = 256``, ``eos_id = 257``,
+    ``pad_id = 258``; extras get ``259, 260, ...`` in the order given. The
+    fingerprint changes whenever the mapping would (it is unchanged without extras).
+    """
 
     kind: str = "bytes"
     bos_id: int = 256

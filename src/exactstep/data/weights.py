@@ -1,14 +1,9 @@
 """Per-example weights read from the data (L3 ``weighted`` / ``weighted_count``).
 
-A text JSONL line (``{"text": ..., "weight": w}``) or a chat JSONL conversation
-(``{"messages": [...], "weight": w}``) may carry an optional numeric ``weight``. It
-belongs to the whole example: every supervised row of the example, in every piece
-wherever packing put it, gets ``w`` as its ``w_r`` (``rows.causal``).
-
-Invariant: a parsed weight is a finite Python float ``>= 0``; an absent field is
-``None`` (never a silent 1). Failure mode: anything else (a string, a boolean, a
-negative, NaN or infinite number, a number too large for a float) is a ``DataError``
-naming the file and line.
+A text or chat record may carry an optional numeric ``"weight"``; it belongs to the
+whole example, so every supervised row of the example, in every packed piece, gets it
+as its ``w_r`` (``rows.causal``). ``parse_weight`` is the one check of its value.
+Design and derivations: docs/design/data.md#dataweightspy (L3).
 """
 
 from __future__ import annotations
@@ -24,7 +19,9 @@ WEIGHT_FIELD = "weight"
 def parse_weight(record: dict[str, Any], where: str) -> float | None:
     """The record's ``"weight"`` as a finite float ``>= 0``, or ``None`` when absent.
 
-    ``where`` names the line in errors (``file.jsonl:3``).
+    ``where`` names the line in errors (``file.jsonl:3``). An absent field is never a
+    silent 1. Raises ``DataError`` for a string, a boolean, a negative, NaN or infinite
+    number, or a number too large for a float.
     """
     if WEIGHT_FIELD not in record:
         return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+from exactstep.model.hf import build_hf_model
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
@@ -198,8 +199,6 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> nn.Module:
     from ``model.hf_config``). Either way the global RNG state is left untouched (S5).
     """
     if cfg.source == "hf":
-        from exactstep.model.hf import build_hf_model
-
         return build_hf_model(cfg, vocab_size, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     return Decoder(cfg, vocab_size, generator=generator)

@@ -38,6 +38,7 @@ from torch import nn
 
 from exactstep.errors import DistributedError
 from exactstep.parallel.process_group import DistContext, host_group, peer_failure
+from exactstep.update.window import LocalReducer
 
 
 class DDPReducer:
@@ -117,6 +118,4 @@ def build_reducer(ctx: DistContext):
     """``DDPReducer`` for a process group, the engine's ``LocalReducer`` otherwise."""
     if ctx.distributed:
         return DDPReducer(ctx)
-    from exactstep.update.window import LocalReducer
-
     return LocalReducer()

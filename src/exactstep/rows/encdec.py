@@ -33,6 +33,7 @@ refused (``"split"``, the default), each counted in the data section.
 R7 checks (``EncDecCompiler.check``): the generic ones (shapes, ids in the
 vocabulary, no label on padding); every real decoder column supervised and each
 label the next column's input inside its segment (a decoder fed ``tgt`` instead of
+from exactstep.rows.sources import representation_of
 ``tgt[:-1]`` leaves its last column without a target; a missing shift puts a
 label on its own input); no target is the pad id; the encoder side present, of
 ``S`` columns, ids in the vocabulary, its segments matching its segment ids and
@@ -363,8 +364,6 @@ def load_pair_bundle(cfg: Any, tokenizer: Any, *, share: tuple[int, int] = (0, 1
     sections (S1). Raises ``DataError`` for bad pairs (file and line named) or a pair
     that does not fit a row (see ``encode_pairs``). ``share`` is unused: pairs are
     never prepared shards."""
-    from exactstep.rows.sources import representation_of
-
     train_pairs, val_pairs, rule = split_pairs(cfg)
     seq_len, source_len = cfg.batch.seq_len, source_len_of(cfg)
     train, train_report = encode_pairs(train_pairs, tokenizer, seq_len=seq_len,

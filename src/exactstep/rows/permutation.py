@@ -21,6 +21,7 @@ One segment holding tokens ``[a, a + L)`` of an example, at columns ``[c, c + L)
   and resume never change an example's order (the draw depends on nothing else).
   ``order[c + k]`` = the rank of column ``c + k`` in ``z``: a permutation of
   ``0 .. L-1`` per segment.
+from exactstep.rows.inspect import token_label
 - **the cutoff (partial prediction).** The last ``n = min(ceil(F / K), L - 1)`` columns
   of ``z`` are predicted, where ``F`` is the number of free tokens and ``K =
   permutation.predict_one_in`` (XLNet's K; 6 by default, 1 = every free token). The
@@ -175,8 +176,6 @@ class PermutationCompiler:
     def render(self, batch: Batch, tokenizer: Any, rows: range) -> str:
         """``exactstep inspect``: each column's rank in its segment's order, its target,
         and the ranks each stream sees."""
-        from exactstep.rows.inspect import token_label
-
         chosen = [b for b in rows if 0 <= b < batch.shape[0]]
         if not chosen:
             return f"no rows in {rows.start}:{rows.stop}; the batch has rows 0:{batch.shape[0]}"

@@ -25,6 +25,7 @@ each side of a row, exactly as T5's ``span_corruption`` treats one chunk of text
   ``labels`` are the target: the shift happens here, once (R1). Every target token is
   supervised, sentinels and EOS included (T5 trains on all of them);
 - randomness: one NumPy generator per piece, ``default_rng([seed, SPAN_STREAM, epoch,
+from exactstep.rows.span_render import render_span_rows
   example_id, piece])``, drawing the noise composition then the non-noise one. An
   example's corruption depends on nothing else, so packing, sharding over ranks and
   resuming never change it (the compiler keeps no state, S5); a new epoch draws anew.
@@ -279,8 +280,6 @@ class SpanCompiler:
 
     def render(self, batch: Batch, tokenizer: Any, rows: range) -> str:
         """Both sides of each requested row, sentinels by name (``exactstep inspect``)."""
-        from exactstep.rows.span_render import render_span_rows
-
         return render_span_rows(batch, tokenizer, rows)
 
 

@@ -1,34 +1,10 @@
-"""Experiment tracking (X3): the run's figures in TensorBoard, Weights & Biases and
-MLflow, beside ``metrics.jsonl`` and ``loss.png``.
+"""Experiment tracking (X3): the run's figures in TensorBoard, Weights & Biases and MLflow.
 
-Each destination is a ``FigureTracker``: this package turns the run's windows,
-intervals and evaluations into named scalars at a step, and each backend writes
-them its own way (``tensorboard``, ``wandb_run``, ``mlflow_run``; each library is
-in the ``track`` extra and imported only when asked for). Nothing is sent over a
-network unless the user asks for it (``log.wandb = "online"``, or an ``http``
-MLflow URI).
-
-The figures, with the window count (``disposition.window + 1``, the same ``window``
-as ``metrics.jsonl``) as the step:
-
-- every window: ``train/committed``, ``train/skipped_nonfinite``,
-  ``train/no_objective`` (cumulative outcome counts, so a skipped or no-objective
-  window is visible as a step in its curve) and, for a committed window,
-  ``train/loss`` (its S / D), ``train/gold_nll``, ``train/lr`` and
-  ``train/grad_norm`` (before clipping);
-- every ``train.log_every`` windows: ``train/tokens_per_s``;
-- every evaluation: ``eval/loss``, ``eval/bits_per_byte``, ``eval/bits_per_token``
-  and ``eval/perplexity`` where they are numbers.
-
-Resume (S5, S8): a killed run may have written figures for windows after its last
-checkpoint, which the resumed run recomputes. Each backend makes the resumed curve
-the one that counts: TensorBoard purges them (``purge_step``); a Weights & Biases or
-MLflow start is its own *segment* (one run of the library per start of the
-exactstep run, all carrying the run's identity), and a segment that starts at
-window ``s`` supersedes the earlier segments' figures after step ``s``
-(``segment_curve`` is the rule). Only rank 0 writes. A tracker that cannot start
-(the extra not installed, a directory that cannot be written) is a
-``ConfigError`` naming the key, before the first window.
+Beside ``metrics.jsonl`` and ``loss.png``, each destination is a ``FigureTracker`` that
+writes the run's windows, intervals and evaluations as named scalars at a step. The
+backends live one file each and import their library (the ``track`` extra) only when
+asked for; only rank 0 writes, and nothing goes over a network unless the user asks.
+Design and derivations: docs/design/tracking.md#trackinginitpy (X3, S5, S8, X4).
 """
 
 from __future__ import annotations
@@ -52,20 +28,22 @@ def build_trackers(cfg: LogConfig, run_dir: Path, identity: RunIdentity) -> list
     """The trackers ``cfg`` asks for (rank 0 only calls this), opened at
     ``identity.start``. When one cannot start, those already started are closed
     before the error goes on, so nothing of theirs is still writing into the run
-    directory that the refused start then removes (S8)."""
+    directory that the refused start then removes (S8). A tracker that cannot start
+    (its extra not installed, a directory that cannot be written) is a ``ConfigError``
+    naming the ``log`` key, raised before the first window (X4)."""
     trackers: list[Tracker] = []
     try:
         if cfg.tensorboard:
-            from exactstep.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardTracker
+            from exactstep.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardTracker  # lazy: a plug-in
 
             trackers.append(TensorBoardTracker(run_dir / TENSORBOARD_DIR, start=identity.start))
         if cfg.wandb != "off":
-            from exactstep.tracking.wandb_run import WandbTracker
+            from exactstep.tracking.wandb_run import WandbTracker  # lazy: a plug-in
 
             trackers.append(WandbTracker(run_dir, identity, mode=cfg.wandb,
                                          project=cfg.wandb_project))
         if cfg.mlflow:
-            from exactstep.tracking.mlflow_run import MlflowTracker
+            from exactstep.tracking.mlflow_run import MlflowTracker  # lazy: a plug-in
 
             trackers.append(MlflowTracker(cfg.mlflow, identity,
                                           experiment=cfg.mlflow_experiment))

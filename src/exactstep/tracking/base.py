@@ -1,7 +1,9 @@
-"""The tracker base (X3): the ``[log]`` section, the run's identity, the ``Tracker``
-protocol every backend honours, the figures a window or an evaluation becomes, and the
-rule that makes a resumed segment's curve the one that counts. Backends build on it,
-one file each.
+"""The tracker base (X3): what every backend builds on, one file each.
+
+The ``[log]`` section, the run's identity, the ``Tracker`` protocol every backend
+honours, the figures a window or an evaluation becomes, and the rule
+(``segment_curve``) that makes a resumed segment's curve the one that counts (S5).
+Design and derivations: docs/design/tracking.md#trackingbasepy (X3, S1, S5).
 """
 
 
@@ -63,7 +65,10 @@ class Tracker(Protocol):
 
 
 def window_figures(disp: Disposition, counts: dict[str, int]) -> dict[str, float]:
-    """The scalars of one finished window (see the module doc)."""
+    """The scalars of one finished window: the cumulative outcome counts
+    ``train/committed``, ``train/skipped_nonfinite``, ``train/no_objective`` and, for a
+    committed window, ``train/loss`` (S / D), ``train/gold_nll``, ``train/lr`` and
+    ``train/grad_norm`` (before clipping). Written at step ``disp.window + 1``."""
     figures = {f"train/{outcome.value.lower()}": float(counts[outcome.value])
                for outcome in Outcome}
     if disp.outcome is Outcome.COMMITTED:

@@ -1,27 +1,10 @@
-"""MLflow (X3): ``log.mlflow = DIR`` logs the run into a local MLflow file store at
-``DIR`` (``mlflow ui --backend-store-uri DIR``); a URI (``sqlite:///...``,
-``http://...``) logs there instead.
+"""MLflow (X3): the run's figures in a local MLflow file store or at a tracking URI.
 
-Each start of an exactstep run is one MLflow run (a *segment*) in the experiment
-``log.mlflow_experiment``, named ``NAME@START``, tagged ``exactstep.run`` (the run's
-identity, ``NAME-DIGEST12``), ``exactstep.start_window`` and
-``exactstep.manifest_digest``, with the resolved configuration as parameters
-(dotted keys). When a resume opens its segment at window ``s``, every earlier
-segment of the run gets ``exactstep.superseded_after = s`` (the smallest such ``s``
-it has seen) and, if it was left running by a kill, the status ``KILLED``: its
-figures after step ``s`` are the ones the resumed run recomputed
-(``exactstep.tracking.segment_curve``).
-
-An ``http(s)`` tracking server is asked first, with one GET of ``URI/health`` bounded
-by ``SERVER_TIMEOUT_S`` (X4): a server that is down or silent is one ``ConfigError``
-naming the URL and the time waited, before any MLflow call, whose retries would
-otherwise take minutes (seven retries with exponential back-off, measured at 254 s
-against a closed port) before the same refusal.
-
-MLflow 3 refuses a local file store unless ``MLFLOW_ALLOW_FILE_STORE`` is set; the
-tracker sets it (when unset) for a directory the user named, which is the
-documented opt-out. The client is an ``MlflowClient`` of its own: MLflow's global
-active-run state is not touched.
+``log.mlflow = DIR`` logs into a file store at ``DIR``; a URI (``sqlite:///...``,
+``http://...``) logs there instead. Each start of an exactstep run is one MLflow run (a
+segment), and an ``http(s)`` server is asked once, with a bounded wait, before MLflow
+is used, so a server that is down is refused at once (X4).
+Design and derivations: docs/design/tracking.md#trackingmlflow_runpy (X3, X4, S5).
 """
 
 from __future__ import annotations
@@ -100,7 +83,15 @@ def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class MlflowTracker(FigureTracker):
-    """One MLflow run per start of the exactstep run (see the module doc)."""
+    """One MLflow run per start of the exactstep run (a segment).
+
+    Named ``NAME@START`` in ``experiment``, tagged ``exactstep.run`` (``NAME-DIGEST12``),
+    ``exactstep.start_window`` and ``exactstep.manifest_digest``, with the resolved
+    configuration as dotted parameters; earlier segments get
+    ``exactstep.superseded_after``. Raises ``ConfigError`` when ``mlflow`` is missing,
+    an ``http(s)`` server does not answer within ``SERVER_TIMEOUT_S`` (``check_server``),
+    or MLflow cannot open or write the store.
+    """
 
     def __init__(self, where: str, identity: RunIdentity, *, experiment: str) -> None:
         try:

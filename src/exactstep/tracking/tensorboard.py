@@ -1,8 +1,8 @@
 """TensorBoard event files through ``torch.utils.tensorboard.SummaryWriter`` (X3).
 
-Resume: the writer opens with ``purge_step`` at the first step this start writes
-(``start + 1``), so TensorBoard hides the events a killed run wrote after its last
-checkpoint; the curves continue as if the run had never stopped.
+``log.tensorboard = true`` writes them under ``RUN/tensorboard/``; on resume the writer
+purges the events a killed run wrote after its last checkpoint (S5).
+Design and derivations: docs/design/tracking.md#trackingtensorboardpy (X3, S5).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Weights & Biases (X3): ``log.wandb = "offline"`` writes the run under ``RUN/wandb/``
-(``wandb sync RUN/wandb/offline-run-*`` uploads it later); ``"online"`` streams it.
+"""Weights & Biases (X3): the run's figures as W&B runs, offline or online.
 
-Each start of an exactstep run is one W&B run (a *segment*): grouped by the run's
-identity (``NAME-DIGEST12``), named ``NAME@START``, with the resolved configuration
-as its config and ``exactstep.start_window`` / ``exactstep.manifest_digest`` beside
-it. The segment of a resume that starts at window ``s`` supersedes what earlier
-segments logged after step ``s`` (``exactstep.tracking.segment_curve``). W&B's own
-system metrics, console capture, code and git snapshots are off: the tracker
-writes the run's figures and nothing about the machine.
+``log.wandb = "offline"`` writes the run under ``RUN/wandb/`` (``wandb sync`` uploads it
+later); ``"online"`` streams it. Each start of an exactstep run is one W&B run (a
+segment), grouped by the run's identity; nothing about the machine is logged.
+Design and derivations: docs/design/tracking.md#trackingwandb_runpy (X3, S5).
 """
 
 from __future__ import annotations
@@ -22,7 +18,13 @@ WANDB_DIR = "wandb"
 
 
 class WandbTracker(FigureTracker):
-    """One W&B run per start, in ``mode`` ``offline`` or ``online``."""
+    """One W&B run per start, in ``mode`` ``offline`` or ``online``.
+
+    Grouped by ``NAME-DIGEST12``, named ``NAME@START``, with the resolved configuration
+    and ``exactstep.start_window`` / ``exactstep.manifest_digest`` as its config; system
+    metrics, console capture, code and git snapshots are off. Raises ``ConfigError``
+    when ``wandb`` is missing or cannot start a run.
+    """
 
     def __init__(self, run_dir: Path, identity: RunIdentity, *, mode: str,
                  project: str) -> None:

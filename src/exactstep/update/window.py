@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from exactstep.objective import microbatch_terms, plan_window
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.types import NoObjective, NoObjectiveCause
 from exactstep.rows.batch import Batch
@@ -435,12 +436,8 @@ def _skip_cause(injected: bool, norm: float, numerator: float) -> str:
 
 
 def _default_plan() -> PlanFn:
-    from exactstep.objective import plan_window
-
     return plan_window
 
 
 def _default_terms() -> TermsFn:
-    from exactstep.objective import microbatch_terms
-
     return microbatch_terms

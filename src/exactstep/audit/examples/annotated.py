@@ -1,23 +1,10 @@
-"""An Annotated-Transformer-style ``run_epoch`` loop, correct, wrapped for the audit
-(A1, A2).
+"""An Annotated-Transformer-style loop, correct, wrapped for ``exactstep audit`` (A1, A2).
 
 Run it with ``exactstep audit --target python:exactstep.audit.examples.annotated:make``.
-
-The pieces are the Annotated Transformer's, on a decoder-only model: ``Batch`` makes
-``tgt``, ``tgt_y``, ``tgt_mask`` and ``ntokens``; ``attention`` masks with
-``masked_fill(mask == 0, -1e9)`` before the softmax; ``Generator`` is a linear layer
-and ``log_softmax``; ``LabelSmoothing`` is the KL criterion against a smoothed target
-(``harvard`` convention: ``eps / (V - 2)`` off gold and PAD, PAD rows zeroed);
-``SimpleLossCompute`` returns the summed loss; ``run_epoch`` accumulates
-``accum_iter`` batches and steps a ``LambdaLR`` schedule.
-
-Corrected where the historical code is only right for one batch per step: the window
-closes on ``(i + 1) % accum_iter == 0`` or on the last batch, and its gradient is
-divided by the window's ``ntokens`` at the close (one token mean, U1); a window with no
-target or a non-finite gradient neither steps the optimizer nor the scheduler (L4,
-U4). ``tgt_mask`` also separates packed documents (R3). The loop's own data
-(``set_data``/``train_steps``) is drawn by a ``RandomSampler`` with a generator seeded
-per epoch; the checkpoint keeps the epoch and the index into it (S2).
+The pieces are the Annotated Transformer's ``run_epoch`` loop on a decoder-only model,
+corrected where the historical code is only right for one batch per step (U1, L4, U4),
+with packed documents kept apart (R3) and the loop's data position checkpointed (S2).
+Design and derivations: docs/design/audit.md#auditexamplesannotatedpy (A1, A2).
 """
 
 from __future__ import annotations

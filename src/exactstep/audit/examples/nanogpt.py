@@ -1,21 +1,10 @@
 """A nanoGPT-style training loop, correct, wrapped for ``exactstep audit`` (A1, A2).
 
 Run it with ``exactstep audit --target python:exactstep.audit.examples.nanogpt:make``.
-
-The model is nanoGPT's (learned positions, pre-norm blocks, GELU MLP, dropout, head
-tied to the token embedding), except that attention is limited to the token's own
-document so packed rows stay independent (R3). The loop is nanoGPT's too: micro-steps
-under an optional ``GradScaler``, unscale, clip, ``scaler.step``, ``zero_grad``, a
-learning rate set per iteration. What makes it exact: the loss of every micro-step is
-its target *sum* divided by the window's target count (one token mean, U1), the
-remainder window is closed, a window with no target or a non-finite gradient does
-not step or advance ``iter_num`` (L4, U4), and ``save`` keeps everything (S2),
-including the loss scale and the position in the loop's own data order
-(``set_data``/``train_steps``: each epoch a permutation seeded by ``data_seed`` and
-the epoch).
-
-Each step is a small method, so a wrong variant (tests/audit/audit_wrong_loops.py) changes
-one of them.
+nanoGPT's model and loop, with attention kept inside each token's document (R3) and the
+few changes that make it exact (U1, L4, U4, S2). Each step is a small method, so a
+wrong variant (tests/audit/audit_wrong_loops.py) changes one of them.
+Design and derivations: docs/design/audit.md#auditexamplesnanogptpy (A1, A2).
 """
 
 from __future__ import annotations
