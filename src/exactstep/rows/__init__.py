@@ -1,6 +1,10 @@
-"""Objective compilers from examples to ``Batch`` rows: packing, the causal and chat
-compilers, invariants, the row stream, background loading (a worker thread or a
-loader process, P3) and ``inspect`` (R1-R7)."""
+"""Objective compilers from examples to ``Batch`` rows (R1-R8).
+
+The rows stage: packing, the causal and chat compilers and the other families,
+invariants (R7), the row stream, background loading (a worker thread or a loader
+process, P3) and ``inspect`` (R6); the public names are exported lazily.
+Design and derivations: docs/design/rows.md#rows__init__py (R1-R8, P2, P3).
+"""
 
 from exactstep.lazy import lazy_exports
 

@@ -1,30 +1,9 @@
-"""Background loading (P3): the next microbatches are packed and compiled while the
-current window trains, with the same batches and the same resume state as without.
+"""Background loading on a worker thread: batches packed ahead while a window trains (P3).
 
-``BackgroundStream(stream, depth)`` runs ``stream.next_batch()`` on one worker thread
-that keeps up to ``depth`` compiled batches in a bounded queue. The planner's buffer,
-the causal fill and the R7 screen are C kernels called without the GIL
-(``rows.kernels``), and the training step spends most of its time inside torch
-operators that release it, so the two overlap; the Python around the kernels still
-takes the GIL from the step for a few tens of microseconds per batch.
-
-Invariants:
-
-- The consumer sees exactly the batches the wrapped stream would give, in order:
-  the worker is the only caller of the stream after the first batch is requested.
-- ``state_dict()`` is the wrapped stream's state *after the last batch consumed*,
-  never after the ones prefetched: the worker snapshots the state right after
-  compiling each batch (``RowStream.snapshot``: arrays copied, the state dict built
-  only when asked) and the snapshot travels with it through the queue. A
-  checkpoint taken between windows therefore resumes exactly where the consumer
-  stood (S2, S5), whatever ``depth`` was.
-- ``load_state_dict`` is allowed only before the first batch is requested (a resume
-  loads the cursor before training starts).
-- ``report()`` (R4) stops the worker and reports from the consumed state, so
-  ``data_report.json`` is the same with and without background loading.
-- An error raised while packing or compiling (an R7 refusal, a data error) is raised
-  to the consumer at the batch where it happened, with its own type and message.
-- ``close()`` stops the worker; the thread is a daemon, so an interrupted run exits.
+``BackgroundStream(stream, depth)`` wraps a ``RowStream`` and gives exactly its
+batches, in order; its ``state_dict()`` is the state after the last batch consumed,
+never after those prefetched (S2, S5), and ``report()`` is the same as in line (R4).
+Design and derivations: docs/design/rows.md#rowsbackgroundpy (P3, R4, R7, S2, S5).
 """
 
 from __future__ import annotations
@@ -40,7 +19,12 @@ _END = object()
 
 
 class BackgroundStream(BatchSource):
-    """``stream`` with its next batches prepared on a worker thread (see module doc)."""
+    """``stream`` with up to ``depth`` next batches prepared on a worker thread (P3).
+
+    The consumer gets exactly the batches ``stream`` would give, in order; the worker
+    is the stream's only caller once the first batch is requested. Invariants and
+    overlap: docs/design/rows.md#rowsbackgroundpy.
+    """
 
     def __init__(self, stream: RowStream, depth: int) -> None:
         if depth < 1:
@@ -84,7 +68,9 @@ class BackgroundStream(BatchSource):
     # -- the stream interface -----------------------------------------------------------
 
     def next_batch(self) -> Batch | None:
-        """The next batch (prepared ahead), or ``None`` at the end of a finite stream."""
+        """The next batch (prepared ahead), or ``None`` at the end of a finite stream.
+        An error raised while packing or compiling (an R7 refusal, a data error) is
+        raised here, at the batch where it happened, with its own type and message."""
         if self._finished:
             return None
         self._start()
@@ -99,25 +85,30 @@ class BackgroundStream(BatchSource):
         return batch
 
     def state_dict(self) -> dict:
-        """The wrapped stream's state after the last consumed batch (S2)."""
+        """The wrapped stream's state after the last consumed batch, never after the
+        prefetched ones, whatever ``depth`` is (S2, S5)."""
         if self._consumed is not None:
             return self._consumed.state_dict()
         return self.stream.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Load the cursor; only before the first batch is requested (``RuntimeError``
+        after that)."""
         if self._worker is not None:
             raise RuntimeError("load_state_dict after background loading started; load the "
                                "cursor before the first batch")
         self.stream.load_state_dict(state)
 
     def close(self) -> None:
-        """Stop the worker (idempotent); prepared batches are dropped."""
+        """Stop the worker (idempotent); prepared batches are dropped. The thread is a
+        daemon, so an interrupted run exits even without this call."""
         self._stop.set()
         if self._worker is not None:
             self._worker.join(timeout=5.0)
 
     def report(self) -> dict:
-        """The data report (R4) of what was consumed, as without background loading."""
+        """The data report (R4) of what was consumed, as without background loading
+        (the worker is stopped first)."""
         self.close()
         if self._consumed is not None:
             self.stream.load_state_dict(self._consumed.state_dict())

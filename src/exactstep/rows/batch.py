@@ -1,23 +1,9 @@
 """The ``Batch``: the one type every objective compiler produces (R1-R3, R6, R8).
 
-Invariants (checked by ``rows.invariants``):
-
-- ``labels[b, i]`` is the target of row ``(b, i)``: the collator has already applied
-  the shift (``shift_owner == "collator"``), so no loss or model may shift again (R1).
-- Four separate facts, never collapsed (R2): key validity (``segment_ids > 0``),
-  causality (implied by ``causal``), segment isolation (equal ``segment_ids``), and
-  loss ownership (``labels != IGNORE_INDEX``). Ownership never feeds attention.
-- ``segment_ids`` is 0 on padding and 1, 2, ... for the segments of a row, in order.
-- ``segments[b]`` lists row ``b``'s segments with their addresses (R6); it is host
-  data, so a device path can realise visibility without a device-to-host sync.
-- Nothing here is a dense ``[T, T]`` mask: visibility is structural.
-- Families (R8) add structure, never a mask: ``causal = False`` (bidirectional
-  encoders), ``prefix_len`` (prefix LM: a bidirectional prefix per segment),
-  ``source`` (encoder-decoder: the encoder side, whose segment ``s`` is what the
-  decoder's segment ``s`` of the same row cross-attends to) and ``order``
-  (permutation LM: each column's rank in its segment's factorisation order, over the
-  natural token order). The family's compiler fills them; ``labels`` stay the
-  targets of the rows they sit on.
+It carries row-aligned targets (the shift already applied), visibility described
+structurally (segment ids, ``causal``, ``prefix_len``, ``source``, ``order``; never a
+dense mask) and each row's ``Segment`` addresses; ``rows.invariants`` checks it.
+Design and derivations: docs/design/rows.md#rowsbatchpy (R1-R3, R6, R8).
 """
 
 from __future__ import annotations
@@ -81,7 +67,17 @@ class SourceSide:
 
 @dataclass(frozen=True)
 class Batch:
-    """Row-aligned inputs and targets for B rows of T tokens."""
+    """Row-aligned inputs and targets for B rows of T tokens.
+
+    ``labels[b, i]`` is row ``(b, i)``'s target: the shift is already applied
+    (``shift_owner == "collator"``), so no loss or model shifts again (R1). Key
+    validity (``segment_ids > 0``), causality (``causal``), segment isolation (equal
+    ``segment_ids``: 0 padding, then 1, 2, ... in row order) and loss ownership
+    (``labels != IGNORE_INDEX``) stay separate; ownership never feeds attention (R2).
+    ``segments[b]`` holds row ``b``'s addresses as host data (R6). Families add
+    structure, never a dense mask: ``causal = False``, ``prefix_len``, ``source``,
+    ``order`` (R8). Details: docs/design/rows.md#rowsbatchpy.
+    """
 
     input_ids: torch.Tensor  # [B, T] int64
     labels: torch.Tensor  # [B, T] int64, row-aligned targets, IGNORE_INDEX = no loss

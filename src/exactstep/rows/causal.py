@@ -1,34 +1,10 @@
 """The causal-LM compiler: rows of pieces -> a ``Batch`` (R1, R2, R3, R5, R6).
 
-Semantics of one segment holding tokens ``[a, a + L)`` of an example, at columns
-``[c, c + L)`` of a row:
-
-- input of column ``c + k`` is token ``a + k``;
-- label of column ``c + k`` (``k < L - 1``) is token ``a + k + 1`` if that token is an
-  owned target (``owned[a + k + 1]``), else ``IGNORE_INDEX``: the shift happens here,
-  once, so row ownership is target ownership shifted by one (R1, R5);
-- the segment's last column has no in-example target. With ``boundary = "ignore"`` its
-  label is ``IGNORE_INDEX`` (R3); with ``"keep"`` it is the next segment's first token
-  when another segment follows in the row (a deliberate continuous stream), else
-  ``IGNORE_INDEX``;
-- positions restart at 0 per segment (``positions = "reset"``) or equal the column
-  (``"continue"``); segment ids are 1, 2, ... per row and 0 on padding;
-- padding: input ``pad_id``, label ``IGNORE_INDEX``, position 0, segment 0;
-- weights (``weighted=True``, L3): every column of the segment gets its example's
-  ``weight``, so each supervised row carries the weight of the example that owns it,
-  in every piece of a split example; padding gets 0. Under ``boundary = "keep"`` the
-  kept boundary target carries the left segment's weight.
-
-Loss ownership is only in ``labels``; visibility is only in ``segment_ids`` and
-``causal`` (R2). Arrays are built in NumPy and handed to torch without copying.
-
-Two builders, one semantics: the planner's ``RowPlan`` over prepared shards (a
-table with ``kernel_maps``) is compiled by the causal kernel
-(``rows.kernels.CausalFill``) straight from the memory maps, one pass per slot,
-which can also screen (R7) and count the batch it wrote in the same call
-(``causal_screened``); every other input (examples in memory, weighted
-batches, rows given as lists) by the NumPy concatenation below. Tests hold the two
-to the same golden digests and to each other.
+Causal LM and chat SFT rows: the shift happens here, once; labels carry ownership,
+segment ids and ``causal`` carry visibility (R2); positions and boundary targets
+follow ``batch.positions`` and ``batch.boundary`` (R3). Two builders, one semantics:
+the kernel over prepared shards, NumPy for everything else.
+Design and derivations: docs/design/rows.md#rowscausalpy (R1-R3, R5-R7, L3).
 """
 
 from __future__ import annotations
@@ -54,7 +30,15 @@ def compile_causal_batch(
     positions: str = "reset",
     weighted: bool = False,
 ) -> Batch:
-    """One ``Batch`` of ``len(rows)`` rows x ``seq_len`` columns (see module doc).
+    """One ``Batch`` of ``len(rows)`` rows x ``seq_len`` columns.
+
+    A column's label is the next token of its segment when that token is an owned
+    target, else ``IGNORE_INDEX`` (R1, R5); a segment's last column is
+    ``IGNORE_INDEX`` under ``boundary = "ignore"`` and, under ``"keep"``, the next
+    segment's first token when one follows (R3). Positions restart per segment
+    (``"reset"``) or follow the column (``"continue"``); padding is ``pad_id``,
+    ``IGNORE_INDEX``, position 0, segment 0. The rules in full:
+    docs/design/rows.md#rowscausalpy.
 
     With ``weighted`` the batch carries ``weights`` [B, T] float32 from the examples'
     ``weight``; an example without one then raises ``DataError``.
@@ -62,7 +46,7 @@ def compile_causal_batch(
     Built over the whole batch at once: the batch read row-major is its pieces'
     tokens back to back, each row closed by its padding, so every array is one
     concatenation (or repeat) over ``B * T`` slots, and each label is the next
-    slot's input, set to ``IGNORE_INDEX`` where the module doc says so.
+    slot's input, set to ``IGNORE_INDEX`` where the rules above say so.
     """
     shard_maps = None if weighted or not isinstance(rows, RowPlan) else kernel_maps(examples)
     if shard_maps is not None:

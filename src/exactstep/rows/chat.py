@@ -1,26 +1,10 @@
 """Chat SFT ownership: from rendered conversations to supervised ``Example``s (R5).
 
-Ownership is decided on TARGET tokens: ``a_j`` is true when token ``j`` belongs to a
-policy-supervised assistant span, read from the role/span arrays the template emitted
-(``exactstep.data.chat.RenderedChat``), never from decoded text. The collator then
-gives row ``i`` the label ``token[i+1]`` exactly when ``a_(i+1)`` holds, so row
-ownership is ``l_i = a_(i+1)``: the row holding the last byte of an assistant header
-predicts the first answer token and owns that loss, and a row whose next token opens
-a user turn owns none. Prompt tokens stay in the example (visible to later rows,
-same segment), they are only not targets (R2).
-
-Policy (``ChatPolicy``): which assistant turns (``all | last``), whether the
-end-of-turn marker and tool calls are supervised (default yes), and what happens to
-a conversation left with no supervised target after truncation (``drop`` and count,
-or ``error``). Headers, separators, system, user and tool-result tokens are never
-targets.
-
-Every rendered conversation is checked before truncation (H2): each selected
-assistant turn has a non-empty generation (content, tool-call or end-of-turn
-tokens), and under ``supervise_eot`` an end-of-turn token among them. A failure is a
-template defect, not an empty example: a ``DataError`` naming the conversation and
-the template, whatever ``empty`` says. A conversation with no assistant message at
-all is the ``empty`` policy's to decide.
+Ownership is decided on target tokens from the template's role/span arrays, never
+from decoded text; the collator's shift then gives row ownership ``l_i = a_(i+1)``.
+``ChatPolicy`` says which assistant tokens are targets; each rendering is checked
+against it (H2) and truncated, and empty conversations are dropped or refused.
+Design and derivations: docs/design/rows.md#rowschatpy (R5, R2, H2, R4).
 """
 
 from __future__ import annotations

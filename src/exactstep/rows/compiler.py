@@ -1,42 +1,10 @@
 """The compiler seam: rows of planned pieces -> one ``Batch`` (R8).
 
-Every objective family is a compiler from examples to the same ``Batch`` type. The
-packing planner (``rows.packing``) decides which pieces of which examples fill each
-row, knowing only lengths; the family's compiler turns those rows into tensors and
-owns everything the family means: where the shift happens (R1), which positions are
-targets, how visibility is described (``segment_ids``, ``causal``, ``prefix_len``,
-``source``, ``order``), and which R7 checks its batches must pass.
-
-A compiler may also have ``batch_maker(examples, cfg, *, pad_id, weighted,
-vocab_size) -> (rows -> (Batch, int))``: for one stream, its ``compile``, its
-``check`` when ``cfg.check_invariants`` and the batch's ``num_targets()`` in one
-step, with whatever the stream's settings fix resolved once; a stream then takes
-it instead of the three (``rows.stream.batch_maker``; the causal compiler fills,
-screens and counts prepared shards in one kernel call). It must give the same
-batch, raise the same errors and count the same targets.
-
-A compiler may also have ``render(batch, tokenizer, rows) -> str``: what
-``exactstep inspect`` prints for its rows when ``rows.inspect.render_rows`` (input,
-target, visibility span, ownership) does not show everything the family means
-(sentinels, mask marks, the encoder side).
-
-A compiler is also what fixes how many planner tokens one row holds
-(``capacity``): the identity for the decoder families; a family that rewrites a
-piece (span corruption shortens inputs) plans in the units it consumes. Such a
-compiler may also have ``piece_cost(cfg) -> (length -> int)``: what a piece of a
-given length is charged of the capacity when rows are filled (``rows.packing``,
-"Charges"), so that rewritten pieces always fit their row.
-
-Invariants every compiler keeps (checked by the tests of each family):
-
-- its output depends only on the rows, the examples and its own settings (seed
-  included), never on how many batches came before: a resumed stream compiles
-  bitwise the same batches (S5);
-- a stochastic compiler draws from a generator addressed by
-  ``(seed, piece.epoch, example id, piece)``, so packing, sharding over ranks and
-  resuming never change an example's draws;
-- ``labels`` are row-aligned targets (``shift_owner == "collator"``) and are never
-  on padding.
+Every objective family is a ``RowCompiler``: the planner (``rows.packing``) decides
+which pieces fill each row; the compiler turns them into tensors and owns the shift
+(R1), the targets, the visibility and its R7 checks. ``CausalCompiler`` serves
+causal LM and chat SFT.
+Design and derivations: docs/design/rows.md#rowscompilerpy (R8, R1, R7, S5).
 """
 
 from __future__ import annotations
@@ -53,7 +21,15 @@ from exactstep.rows.packing import Piece
 
 
 class RowCompiler(Protocol):
-    """One family's compiler (see module doc)."""
+    """One family's compiler: rows of planned pieces -> a ``Batch`` (R8).
+
+    Its output depends only on the rows, the examples and its own settings (seed
+    included), so a resumed stream compiles bitwise the same batches (S5); a
+    stochastic compiler draws from a generator addressed by ``(seed, piece.epoch,
+    example id, piece)``; ``labels`` are row-aligned targets, never on padding.
+    Optional members (``batch_maker``, ``render``, ``piece_cost``):
+    docs/design/rows.md#rowscompilerpy.
+    """
 
     name: str
 
@@ -121,9 +97,10 @@ class CausalCompiler:
         vocab_size: int | None,
     ) -> Callable[[Sequence[Sequence[Piece]]], tuple[Batch, int]]:
         """``compile``, ``check`` (with ``cfg.check_invariants``) and the supervised
-        count for one stream (module doc): the kernel's screen clears a clean batch
-        over prepared shards in the call that fills it; any other goes through
-        ``check``."""
+        count for one stream, as one function of the rows: the same batch, the same
+        errors and the same count as the three calls. The kernel's screen clears a
+        clean batch over prepared shards in the call that fills it; any other goes
+        through ``check``."""
         check = cfg.check_invariants
         screened = causal_screened(
             examples, seq_len=cfg.seq_len, pad_id=pad_id, boundary=cfg.boundary,

@@ -1,4 +1,9 @@
-"""Configuration of the rows stage (packing, boundary and position policies)."""
+"""Configuration of the rows stage: the ``batch`` section (R1-R4, R7).
+
+``BatchConfig``: row length and count, the boundary and position policies (R3), the
+over-long outcome and the packer's buffer (R4), and whether batches are checked (R7).
+Design and derivations: docs/design/rows.md#rowsconfigpy (R1-R4, R7).
+"""
 
 from __future__ import annotations
 

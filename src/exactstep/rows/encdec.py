@@ -1,43 +1,10 @@
 """Encoder-decoder teacher forcing (R8): pairs -> a ``Batch`` with an encoder side.
 
-The Annotated Transformer's ``Batch`` on the packed seam. An example is a pair
-(``PairExample``): ``source`` (the encoder's tokens, ``ids + EOS``) and ``tokens``
-(the target, ``BOS + ids + EOS``). For a pair with target ``tgt`` of ``n`` tokens
-placed at decoder columns ``[c, c + n - 1)`` and source ``src`` at encoder columns
-``[e, e + len(src))`` of the same row:
-
-- decoder input of column ``c + k`` is ``tgt[k]`` and its label ``tgt[k + 1]``
-  (``k < n - 1``): the decoder is fed ``tgt[:-1]`` and scored on ``tgt[1:]``; the
-  shift happens here, once (R1), and every decoder column of a pair is supervised;
-- encoder input of column ``e + k`` is ``src[k]``; the encoder side is unscored;
-- positions restart at 0 per segment on both sides (``batch.positions = "reset"``)
-  or equal the column (``"continue"``); segment ids 1, 2, ... per row in the same
-  order on both sides, so decoder segment ``s`` cross-attends to encoder segment
-  ``s`` (the same example: both addresses carry its id, R6);
-- padding: decoder input ``pad_id``, encoder input ``source_pad_id`` (may differ
-  from ``pad_id``), label ``IGNORE_INDEX``, position 0, segment 0. Source padding is
-  never visible (segment 0 is seen by no query) and never scored (it has no label);
-- ``ntokens`` (``Batch.num_targets``) is the number of non-pad targets: exactly the
-  sum of ``len(tgt) - 1`` over the pairs of the batch.
-
-Row budget (the planner's one length per example): both sides share a row, the
-decoder side ``batch.seq_len`` columns (``T``) and the encoder side
-``encdec.source_len`` columns (``S``, default ``T``). A pair's planner length is
-``units = max(len(tgt) - 1, ceil(len(src) * T / S))``, so any row of pairs whose
-units sum to at most ``T`` fits both sides exactly (sum of ``len(tgt) - 1 <= T`` and
-sum of ``len(src) <= S``). With ``S = T`` this is ``max(len(tgt) - 1, len(src))``.
-A pair is never split: one that does not fit a row is dropped (``batch.overlong =
-"drop"``), truncated to ``S`` source and ``T + 1`` target tokens (``"truncate"``), or
-refused (``"split"``, the default), each counted in the data section.
-
-R7 checks (``EncDecCompiler.check``): the generic ones (shapes, ids in the
-vocabulary, no label on padding); every real decoder column supervised and each
-label the next column's input inside its segment (a decoder fed ``tgt`` instead of
-from exactstep.rows.sources import representation_of
-``tgt[:-1]`` leaves its last column without a target; a missing shift puts a
-label on its own input); no target is the pad id; the encoder side present, of
-``S`` columns, ids in the vocabulary, its segments matching its segment ids and
-pairing one to one with the decoder's by example.
+The decoder is fed ``tgt[:-1]`` and scored on ``tgt[1:]`` (the shift, once, R1); the
+encoder side rides in ``Batch.source``, its segment ``s`` paired with decoder segment
+``s`` (R6). A pair is planned by one length that fits both sides and never split
+(R4), and checked by its own R7 rules. The module also loads the pair data (S1).
+Design and derivations: docs/design/rows.md#rowsencdecpy (R8, R1, R4, R6, R7).
 """
 
 from __future__ import annotations
@@ -66,6 +33,7 @@ from exactstep.rows.example import DataBundle, Example
 from exactstep.rows.inspect import render_rows, token_label
 from exactstep.rows.invariants import check_batch, fail_at
 from exactstep.rows.packing import Piece
+from exactstep.rows.sources import representation_of
 
 
 def encdec_of(cfg: Any) -> EncDecConfig:
@@ -88,9 +56,9 @@ def source_pad_of(cfg: Any, tokenizer: Any) -> int:
 @dataclass(frozen=True, kw_only=True)
 class PairExample(Example):
     """A pair: ``tokens`` is the target side (``BOS ... EOS``, every token after the
-    first a target), ``source`` the encoder side, ``units`` its planner length (module
-    doc). A pair is indivisible: ``len`` is ``units`` and ``targets_in`` counts the
-    whole target side."""
+    first a target), ``source`` the encoder side, ``units`` its planner length
+    (``pair_units``). A pair is indivisible: ``len`` is ``units`` and ``targets_in``
+    counts the whole target side."""
 
     source: np.ndarray  # [m] int64
     units: int
@@ -103,7 +71,8 @@ class PairExample(Example):
 
 
 def pair_units(n_source: int, n_target: int, seq_len: int, source_len: int) -> int:
-    """Planner length of a pair: ``max(n_target - 1, ceil(n_source * T / S))``."""
+    """Planner length of a pair: ``max(n_target - 1, ceil(n_source * T / S))``, so
+    that pairs whose units sum to at most ``T`` fit both sides of a row."""
     return max(n_target - 1, -(-n_source * seq_len // source_len))
 
 
@@ -123,8 +92,10 @@ class PairReport:
 def encode_pairs(pairs: Sequence[Pair], tokenizer: Any, *, seq_len: int, source_len: int,
                  overlong: str) -> tuple[list[PairExample], PairReport]:
     """``PairExample``s (``example_id`` = index among the kept pairs) under the
-    over-long policy (module doc). Raises ``DataError`` naming the pair for one that
-    does not fit under ``overlong = "split"``."""
+    over-long policy: a pair that does not fit is dropped (``"drop"``), truncated to
+    ``source_len`` source and ``seq_len + 1`` target tokens (``"truncate"``), or
+    refused (``"split"``: a pair is never split), each counted in the report. Raises
+    ``DataError`` naming the pair for one that does not fit under ``"split"``."""
     bos = np.array([tokenizer.bos_id], dtype=np.int64)
     eos = np.array([tokenizer.eos_id], dtype=np.int64)
     report, out = PairReport(pairs=len(pairs)), []
@@ -178,8 +149,11 @@ def compile_pair_batch(
     weighted: bool = False,
 ) -> Batch:
     """One ``Batch`` of ``len(rows)`` rows: ``seq_len`` decoder and ``source_len``
-    encoder columns (module doc). Raises ``DataError`` when a row's pairs overflow a
-    side (a planner that ignored the units)."""
+    encoder columns. Each pair's decoder columns hold ``target[:-1]`` labelled
+    ``target[1:]`` (R1); its source is encoder segment ``s`` for decoder segment
+    ``s``; padding is ``pad_id`` / ``source_pad_id``, ``IGNORE_INDEX``, position 0,
+    segment 0 (docs/design/rows.md#rowsencdecpy). Raises ``DataError`` when
+    a row's pairs overflow a side (a planner that ignored the units)."""
     B = len(rows)
     ids = np.full((B, seq_len), pad_id, dtype=np.int64)
     labels = np.full((B, seq_len), IGNORE_INDEX, dtype=np.int64)
@@ -221,7 +195,7 @@ def compile_pair_batch(
 
 
 class EncDecCompiler:
-    """The encoder-decoder teacher-forcing compiler (module doc)."""
+    """The encoder-decoder teacher-forcing compiler (docs/design/rows.md#rowsencdecpy)."""
 
     name = "encdec"
 
@@ -258,8 +232,9 @@ class EncDecCompiler:
 
 
 def check_teacher_forcing(batch: Batch, pad_id: int) -> None:
-    """R1/R7 for the decoder side (module doc); ``BatchInvariantError`` naming the
-    example."""
+    """R1/R7 for the decoder side: every real decoder column supervised, each label
+    the next decoder input inside its segment, no target the pad id;
+    ``BatchInvariantError`` naming the example."""
     inputs, labels, segs = batch.input_ids, batch.labels, batch.segment_ids
     supervised = labels != IGNORE_INDEX
     fail_at(batch, (segs > 0) & ~supervised,

@@ -1,4 +1,9 @@
-"""Configuration of the encoder-decoder families (R8): the ``encdec`` section."""
+"""Configuration of the encoder-decoder families (R8): the ``encdec`` section.
+
+``EncDecConfig``: the model's layers, the encoder side of a row (``source_len``,
+``source_pad_id``) and the built-in ``numwords`` task with its end-of-run score.
+Design and derivations: docs/design/rows.md#rowsencdec_configpy (R8).
+"""
 
 from __future__ import annotations
 

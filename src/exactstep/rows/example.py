@@ -1,16 +1,10 @@
 """Examples: token sequences that already own their targets (R1, R5, R8).
 
-An ``Example`` is what every objective compiler consumes. It says which tokens are
-supervised *targets* (``owned[j]`` is ``a_j`` of R5); a compiler turns target ownership
-into row ownership by the shift (``l_i = a_(i+1)``, R1). Text examples own every token
-but the first; a chat template decides ownership per token (R5); other families (R8)
-build their own examples and compilers on the same type.
-
-An example may carry a ``weight`` from its source (L3): the compilers give every
-column of every piece of the example that weight, so ``Batch.weights`` is the
-example's weight on each of its supervised rows, however packing cut and placed it.
-``require_weights`` refuses a weighted reduction over examples without weights
-before a run starts.
+An ``Example`` is what every objective compiler consumes: its tokens, which of them
+are supervised targets (``owned[j]`` is ``a_j`` of R5) and an optional weight (L3);
+compilers turn target ownership into row ownership by the shift (R1).
+``DataBundle`` holds both splits with what the manifest records about them (S1).
+Design and derivations: docs/design/rows.md#rowsexamplepy (R1, R5, R8, L3).
 """
 
 from __future__ import annotations
@@ -38,7 +32,9 @@ class Example:
     ``owned``: bool ``[n]``; ``owned[j]`` means token ``j`` is a supervised target.
     ``None`` means every token but the first. ``owned[0]`` can never be an in-example
     target (no row of the example precedes it).
-    ``weight``: the example's L3 weight (finite, >= 0) from its source, or ``None``.
+    ``weight``: the example's L3 weight (finite, >= 0) from its source, or ``None``;
+    the compilers give it to every column of every piece of the example
+    (``Batch.weights``).
     """
 
     example_id: int

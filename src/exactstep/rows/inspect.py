@@ -1,16 +1,10 @@
 """Human-readable rows (R6): inputs and targets side by side, with the masks.
 
-For every column of each requested row ``render_rows`` prints the segment, the
-position, the input token, the target token (``·`` when the row owns no loss), the
-ownership bit and the visible span -- the columns that row may attend to (same
-segment; causal, or bidirectional inside a declared prefix). The shift is visible
-as "each row's target is the next row's input"; a mask error is visible as a target
-that crosses a segment or a span that reaches into another one. For a chat run the
-ownership column is the assistant-mask trace after the shift (R5, H2): a row owns
-its target exactly when that target token belongs to a supervised assistant span,
-so the row holding the header's last token owns the answer's first. Tokens are
-shown by the run's tokenizer (``token_text``: bytes, or a Hugging Face tokenizer's
-pieces and special tokens), and the columns widen to the longest one.
+``render_rows`` prints, for each column of each requested row, the segment, position,
+input, target, ownership bit and visible span, so that the shift, the masks and chat
+ownership (R5, H2) can be read off; it is what ``exactstep inspect`` prints unless a
+family renders its rows itself.
+Design and derivations: docs/design/rows.md#rowsinspectpy (R6, R2, R3, R5, H2).
 """
 
 from __future__ import annotations
@@ -48,7 +42,9 @@ def visible_span(batch: Batch, b: int, seg_index: int, seg: Segment, col: int) -
 
 
 def render_rows(batch: Batch, tokenizer: TokenizerLike, rows: range) -> str:
-    """A table per requested row (rows outside the batch are skipped)."""
+    """A table per requested row (rows outside the batch are skipped): per column
+    the segment, position, input, target (``·`` when the row owns no loss),
+    ownership bit and visible span."""
     n_rows = batch.shape[0]
     chosen = [b for b in rows if 0 <= b < n_rows]
     if not chosen:

@@ -1,25 +1,10 @@
-"""Cheap checks at the rows boundary (R7): a bad batch is refused with a typed error
-that names the example (its row address, R6) before any model or loss sees it.
+"""Cheap checks at the rows boundary (R7), before any model or loss sees a batch.
 
-Checked (all vectorised over ``[B, T]``, a few microseconds per thousand slots):
-
-- mismatched shapes among ``input_ids``, ``labels``, ``position_ids``, ``segment_ids``,
-  ``segments``; a batch with no rows or no columns (empty input);
-- input ids outside ``[0, vocab_size)``; label ids outside ``[0, vocab_size)`` other than
-  ``IGNORE_INDEX``; negative ids other than the ignore id;
-- a supervised label on padding (segment 0);
-- under ``boundary = "ignore"``: a supervised label on a segment's last column, i.e. a
-  target that crosses a segment boundary (or leaves the row);
-- with ``next_token_targets`` (causal families): a supervised label that is not the
-  next column's input, i.e. a missing or doubled shift (R1).
-
-Every failure raises ``BatchInvariantError`` whose message names the row and column
-and the example, piece and token offset there.
-
-A host batch is first screened by ``is_clean``: the union of every condition above,
-in one compiled sweep over the flattened rows (``rows.kernels.screen``). A batch it clears has no violation;
-any other goes through the checks one by one (``check_each``), which name the first
-violation exactly as they always have.
+``check_batch`` raises ``BatchInvariantError`` naming the example (its row address,
+R6) for bad shapes or ids, a label on padding, a target crossing a segment under
+``boundary = "ignore"`` and a missing or doubled shift (R1); a compiled screen
+(``is_clean``) clears a clean host batch in one sweep.
+Design and derivations: docs/design/rows.md#rowsinvariantspy (R7, R6, R1).
 """
 
 from __future__ import annotations
@@ -40,6 +25,11 @@ def check_batch(
 ) -> None:
     """Raise ``BatchInvariantError`` naming the example for any R7 violation.
 
+    Refused: mismatched shapes or an empty batch; ids outside ``[0, vocab_size)``;
+    negative labels other than ``IGNORE_INDEX``; a supervised label on padding; under
+    ``boundary = "ignore"`` a supervised last column of a segment; with
+    ``next_token_targets`` a label that is not the next column's input (R1). The
+    message names the row, the column and the example, piece and token offset there.
     ``vocab_size=None`` skips the upper bound on ids (negative ids are still refused).
     A batch that ``is_clean`` proves free of every violation returns at once; any
     other batch goes through each check in turn, so the first violation is reported.

@@ -1,33 +1,11 @@
-"""Compiled kernels of the hot data path (P2, R4, R7): the planner's best-fit
-buffer, the causal compiler over prepared shards (with the R7 screen and the
-target count of the batch it writes, and its rows' addresses, in the same call),
-and the R7 screen.
+"""Compiled kernels of the hot data path (P2, R4, R7).
 
-The kernels are C (``kernels.c``, built with the package as ``rows._kernels``),
-called through ``ctypes`` (which releases the GIL for the call, so a loader thread
-packs while the step runs) with the addresses of contiguous arrays; the two that
-build Python objects (``plan_segments``, and ``CausalFill``'s ``causal_batch``,
-which releases the GIL while it fills) through the C API. This module
-holds the layouts they share with their callers, loads the library on first use
-(``compiled_library``: a missing build is a clear ``ImportError``), and wraps each
-kernel with the checks that make a call memory-safe. The callers own the semantics and
-document them: ``rows.packing`` (the plan), ``rows.causal`` (labels, positions,
-segment ids) and ``rows.invariants`` (what R7 refuses); the kernels are tested
-against those modules' NumPy and pure-Python forms, and against the golden digests
-of ``tests/rows/test_stream_golden.py``.
-
-The planner's buffer (``PieceBuffer``; ``rows.packing``: the pending pieces, best
-fit by cost, earliest arrival on ties) is a queue per cost: ``slots[SLOT_FIELDS,
-capacity]`` holds each pending piece's ``EXAMPLE``, ``OFFSET``, ``LENGTH``,
-``PIECE``, ``ARRIVAL`` (-1 for a free slot) and ``NEXT`` (the next slot of its
-cost's queue, -1 at the tail); ``queues[0, c]`` / ``queues[1, c]`` are the head and
-tail slot of cost ``c`` (-1 when empty); bit ``c & 31`` of ``bits[c >> 5]`` says
-that cost ``c`` has a pending piece; ``free[:state[FREE]]`` are the free slots. A
-piece joins the tail of its cost's queue (arrivals only grow), so each queue is in
-arrival order, and the best fit for ``space`` is the head of the highest set bit
-at most ``space``. A plan ``[PLAN_FIELDS, m]`` lists placed pieces in row order:
-example, offset, length, piece and ``COLUMN`` (the piece's first column in its
-row), with ``row_starts[r]`` the first piece of row ``r``.
+The planner's best-fit buffer, the causal compiler over prepared shards (which
+screens, counts and addresses the batch it writes in the same call) and the R7
+screen, in C (``kernels.c``, built as ``rows._kernels``) called without the GIL. This
+module holds the layouts shared with the callers, loads the library (a missing build
+is an ``ImportError``) and makes each call memory-safe; the callers own the semantics.
+Design and derivations: docs/design/rows.md#rowskernelspy (P2, R4, R7).
 """
 
 from __future__ import annotations
@@ -158,12 +136,13 @@ _BYTE = ctypes.c_char * 1
 
 
 class PieceBuffer:
-    """The planner's pending pieces (module doc) and the kernels that fill and empty
+    """The planner's pending pieces (layout: docs/design/rows.md#rowskernelspy)
+    and the kernels that fill and empty
     them. ``cost`` is the charge of each piece length ``0..seq_len``; ``settings``
     ``[RULE, OVERLAP, PLAIN, SEQ_LEN, FILL_TO]``; ``counts`` (``COUNTS``) only ever
     grows, and ``state`` is ``[N, CURSOR, NEXT_ARRIVAL, FREE]``, ``CURSOR`` the
     position in ``window`` (``[ids, lengths, targets]``). ``plan`` writes rows into
-    the buffer's plan arrays ``out`` and ``row_starts`` (module doc), which
+    the buffer's plan arrays ``out`` and ``row_starts`` (the same layout), which
     ``planned`` copies out. The addresses and sizes of its arrays are kept in
     ``frame`` (``F_*``: the arrays are replaced, never resized in place, and each
     replacement writes the frame), so a kernel call passes one address."""

@@ -1,41 +1,10 @@
-"""Background loading in a loader process (P3): the next microbatches are packed and
-compiled in a child process while the current window trains, with the same batches
-and the same resume state as in line.
+"""Background loading in a loader process: batches packed ahead in a child (P3).
 
-``LoaderProcess(stream, depth)`` has the interface and the invariants of
-``rows.background.BackgroundStream`` (the thread): packing is Python and holds the
-GIL, so a thread competes with the training step's own Python; a process does not.
-
-Invariants:
-
-- The consumer sees exactly the batches the wrapped stream would give, in order: the
-  child gets the stream pickled at the first ``next_batch`` (a ``RowStream`` pickles
-  as its recipe and its ``state_dict()``, prepared shards as their file names, so no
-  corpus is copied and nothing is hashed again) and is its only caller from then on.
-- ``state_dict()`` is the stream's state *after the last batch consumed*: the child
-  snapshots the state right after compiling each batch and the snapshot travels with
-  the batch, so a checkpoint resumes where the consumer stood (S2, S5), whatever
-  ``depth`` was. ``load_state_dict`` is allowed only before the first batch.
-- At most ``depth`` batches are ahead of the consumer (``Channel``). A batch's
-  tensors cross as raw arrays in a shared slot (never as torch tensors, whose
-  pickling passes file descriptors), and so do its row addresses (``segments``, as
-  a plan of int64 arrays) and the pickled state after it; the rest is a small
-  pickled message. The parent copies the slot's bytes out once and builds the batch
-  again on views of that copy: every field, the optional ones (``prefix_len``,
-  ``weights``, ``order``, the encoder ``source``) and host data alike.
-- An error raised while packing or compiling (an R7 refusal, a data error) is raised
-  to the consumer at the batch where it happened, with its own type and message; a
-  child that dies without a word is a ``DataError`` at the batch it did not send.
-- ``report()`` (R4) stops the child and reports from the consumed state.
-- The child is started with the ``spawn`` method (never ``fork``: the parent is a
-  multi-threaded torch process). It ignores SIGINT and SIGTERM: a signal sent to
-  the whole process group (Ctrl-C, a scheduler's SIGTERM) is the parent's stop
-  request, which finishes the window, and its batches, before the checkpoint. It
-  exits when its parent dies (it watches the parent's sentinel), so no loader
-  outlives a killed run. ``close()`` stops it (a flag and a closed pipe, then join,
-  then SIGKILL) and reaps it; one left open is closed at interpreter exit. A script
-  that trains with it must do so under ``if __name__ == "__main__":``, since
-  ``spawn`` imports the main script again.
+``LoaderProcess(stream, depth)`` has the interface and the invariants of the worker
+thread (``rows.background``) without competing for the step's GIL: the same batches,
+the state after the last one consumed (S2, S5), errors raised at their batch. The
+child is spawned, so a training script needs ``if __name__ == "__main__":``.
+Design and derivations: docs/design/rows.md#rowsloader_processpy (P3, R4, R7, S2, S5).
 """
 
 from __future__ import annotations
@@ -68,7 +37,14 @@ PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 class LoaderProcess(BatchSource):
-    """``stream`` with its next batches prepared in a child process (module doc)."""
+    """``stream`` with up to ``depth`` next batches prepared in a child process (P3).
+
+    The interface and invariants of ``rows.background.BackgroundStream``: the same
+    batches in order, the state after the last one consumed. The child is started
+    with ``spawn`` (train under ``if __name__ == "__main__":``), ignores SIGINT and
+    SIGTERM (the parent's stop request finishes the window) and exits when its
+    parent dies. Design: docs/design/rows.md#rowsloader_processpy.
+    """
 
     def __init__(self, stream: RowStream, depth: int) -> None:
         if depth < 1:
@@ -118,7 +94,9 @@ class LoaderProcess(BatchSource):
     # -- the stream interface -----------------------------------------------------------
 
     def next_batch(self) -> Batch | None:
-        """The next batch (prepared ahead), or ``None`` at the end of a finite stream."""
+        """The next batch (prepared ahead), or ``None`` at the end of a finite stream.
+        An error raised while packing or compiling is raised here with its own type
+        and message; a child that died without a word is a ``DataError``."""
         if self._finished:
             return None
         self._start()
@@ -146,13 +124,16 @@ class LoaderProcess(BatchSource):
         return self.stream.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Load the cursor; only before the first batch is requested (``RuntimeError``
+        after that)."""
         if self.process is not None:
             raise RuntimeError("load_state_dict after background loading started; load the "
                                "cursor before the first batch")
         self.stream.load_state_dict(state)
 
     def close(self) -> None:
-        """Stop and reap the child (idempotent); prepared batches are dropped."""
+        """Stop and reap the child (idempotent); prepared batches are dropped. A flag
+        and a closed pipe, then join, then SIGKILL; one left open is closed at exit."""
         channel, proc = self._channel, self.process
         if channel is None:
             return

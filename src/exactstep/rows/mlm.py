@@ -1,57 +1,10 @@
 """The masked-LM (BERT) family: compiler, R7 checks, rows view and score (R8).
 
-A text example is ``BOS + bytes + EOS``. The planner cuts and packs it as for the
-causal families; this compiler corrupts each *piece* on its own and supervises the
-original token at the selected positions only. There is no shift: a target is the
-token of its own column (``shift_owner == "collator"`` still holds, in the sense
-that the compiler alone places every target). Batches are not causal: a column sees
-every real column of its own segment and nothing else (R2, R3), on the built-in
-block stack run as a bidirectional encoder (``families.mlm.build_encoder``).
-
-The corruption rule, for one piece of ``n`` tokens (``tokens[0..n)``), addressed by
-``(seed, epoch, example id, piece)`` (``Piece.epoch``, ``Piece.piece``):
-
-1. *Eligible* positions ``E`` are the columns whose token is not a special id of the
-   tokenizer (BOS, EOS, PAD, the mask token, ...), in column order; ``m = |E|``.
-2. The number selected is ``k = 0`` when ``m = 0``, else
-   ``k = max(1, floor(mask_rate * m + 0.5))`` in float64 arithmetic (round half up;
-   ``k <= m`` because ``mask_rate <= 1``).
-3. ``rng = numpy.random.default_rng([MLM_STREAM, seed, epoch, example_id, piece])``
-   draws, in this order: ``u = rng.random(m)``, ``v = rng.random(k)``,
-   ``r = rng.integers(0, len(normal_ids), size=k)``. Nothing else is drawn.
-4. The selected positions are the ``k`` members of ``E`` with the smallest ``u``
-   (ties, of probability 0, to the earlier column): a uniform ``k``-subset.
-5. The ``j``-th selected position in column order is corrupted by ``v[j]``:
-   ``v[j] < replace_mask`` shows the mask token; else ``v[j] < replace_mask +
-   replace_random`` (their float64 sum) shows ``normal_ids[r[j]]``, a uniformly drawn
-   non-special token (it may equal the original, as in BERT); else it keeps its own
-   token. ``normal_ids`` are the ids below the vocabulary size that are not special,
-   ascending, so a random replacement is never a special id.
-6. Labels: the original token at every selected position, ``IGNORE_INDEX`` elsewhere.
-
-Why a fixed count, not a Bernoulli draw per position: it is the rule of BERT's own
-data pipeline (``create_pretraining_data.py``: ``max(1, round(len * rate))``
-positions drawn without replacement, 80/10/10 per selected position), so every
-piece supervises the declared fraction exactly, a piece with any eligible token
-supervises at least one, and the number of targets of a piece is a function of its
-length alone. Two deliberate differences: the count is taken over eligible tokens
-(BERT counts ``[CLS]``/``[SEP]`` in ``len``), so a continuation piece, which has no
-BOS, and a first piece are masked at the same rate; and random replacements are
-drawn from the non-special ids only (BERT draws from the whole vocabulary). There
-is no per-sequence cap (BERT's ``max_predictions_per_seq``): the rate is the cap.
-
-Because the generator is addressed by the piece, not shared: packing (which row,
-which column, which neighbours), sharding over ranks and resuming never change
-which positions of an example are masked or what they show, so a resumed stream
-compiles bitwise the same batches (S5) and one example's corruption is the same in
-any batch that holds it. Evaluation pieces are admitted in epoch 0, so the held-out
-masks are fixed for the whole run. (Held-out pieces of an over-long example overlap
-by one token, ``rows.stream.eval_batches``; that token is drawn for in both pieces,
-so it can be scored twice: at most one token per cut.)
-
-Each batch keeps its corruption record in ``batch.meta["mlm"]`` (``MaskRecord``:
-the original tokens and the action per column, host tensors), which ``check``
-(R7), ``render`` (``exactstep inspect``) and ``mlm_score`` read.
+Each packed piece is corrupted on its own (BERT's fixed count and 80/10/10, over
+non-special tokens) from a generator addressed by the piece alone, so packing,
+sharding and resume never change it (S5); the targets are the original tokens at the
+selected columns, with no shift, and a column sees only its own segment (R2, R3).
+Design and derivations: docs/design/rows.md#rowsmlmpy (R8, R2, R3, R7, S5).
 """
 
 from __future__ import annotations
@@ -84,14 +37,16 @@ ACTION_NAMES = {NONE: "", MASK: "mask", RANDOM: "random", KEEP: "keep"}
 
 
 def selection_count(eligible: int, rate: float) -> int:
-    """How many of ``eligible`` positions one piece selects (step 2 of the module doc)."""
+    """How many of ``eligible`` positions one piece selects: 0 when none, else
+    ``max(1, floor(rate * eligible + 0.5))`` (step 2 of docs/design/rows.md#rowsmlmpy)."""
     if eligible == 0:
         return 0
     return max(1, math.floor(rate * eligible + 0.5))
 
 
 def piece_generator(seed: int, epoch: int, example_id: int, piece: int) -> np.random.Generator:
-    """The generator of one piece's draws (step 3): its own stream, never shared."""
+    """The generator of one piece's draws (step 3 of the rule): its own stream, never
+    shared."""
     return np.random.default_rng([MLM_STREAM, seed, epoch, example_id, piece])
 
 
@@ -119,7 +74,8 @@ class Vocabulary:
 def corrupt_piece(
     tokens: np.ndarray, rng: np.random.Generator, settings: MLMConfig, vocab: Vocabulary
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(inputs [n], action [n] int8)`` of one piece under the module's rule (steps 1-5)."""
+    """``(inputs [n], action [n] int8)`` of one piece under the corruption rule
+    (steps 1-5 of docs/design/rows.md#rowsmlmpy)."""
     eligible = np.flatnonzero(~np.isin(tokens, vocab.special))  # [m] columns
     k = selection_count(eligible.size, settings.mask_rate)
     u = rng.random(eligible.size)  # [m]
@@ -147,7 +103,10 @@ class MaskRecord:
 
 
 class MLMCompiler:
-    """The masked-LM ``RowCompiler`` (see module doc)."""
+    """The masked-LM ``RowCompiler``: each piece corrupted from its own generator,
+    labels the original tokens at the selected columns, batches not causal; the
+    corruption record is ``batch.meta["mlm"]`` (``MaskRecord``). The rule:
+    docs/design/rows.md#rowsmlmpy."""
 
     name = "mlm"
 

@@ -2,6 +2,7 @@
 
 Kept apart from the compiler (``rows.mlm``) so that reading a configuration does
 not import torch.
+Design and derivations: docs/design/rows.md#rowsmlm_configpy (R8).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from exactstep.ranges import UNIT, between, check
 
 @dataclass(frozen=True, kw_only=True)
 class MLMConfig:
-    """How the masked-LM compiler corrupts a piece (``rows.mlm`` states the rule).
+    """How the masked-LM compiler corrupts a piece (R8).
 
     ``mask_rate``: the fraction of a piece's eligible (non-special) tokens that is
     selected, in ``(0, 1]``; a piece with any eligible token has at least one
@@ -22,7 +23,7 @@ class MLMConfig:
     position shows the mask token / a uniformly drawn non-special token; it keeps
     its own token with the rest, ``keep = 1 - replace_mask - replace_random``. The
     defaults are BERT's: 15% selected, 80/10/10. Only used when
-    ``objective.family = "mlm"``.
+    ``objective.family = "mlm"``. The rule in full: docs/design/rows.md#rowsmlmpy.
     """
 
     mask_rate: float = 0.15

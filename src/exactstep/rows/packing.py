@@ -1,56 +1,10 @@
 """The packing plan: which pieces of which examples fill each row (R3, R4, D3).
 
-The planner knows only lengths and target counts; it never builds tensors. Any
-objective compiler (causal, chat, and later prefix LM, enc-dec, MLM, span; R8) turns
-its rows of ``Piece`` into a ``Batch``.
-
-Algorithm (best-fit decreasing over a bounded buffer, R4): examples arrive in the order
-their ``DocumentTable`` declares for ``(seed, epoch)`` and the rank -- for a list in
-memory, a permutation drawn with NumPy's ``Generator`` and sharded by rank *after* the
-permutation (``order[rank::world]``, D3); for prepared shards, ``rows.prepared``'s
-block order, read lazily (P2). Each arriving example is
-cut according to the over-long policy and its pieces join a buffer (refilled to
-``buffer`` pieces before each row). Epochs do not mix: the next epoch's permutation is
-drawn only once every piece of the current epoch has been placed, so each epoch emits
-each example of the shard exactly once. A row is opened by the longest pending piece and
-then repeatedly receives the longest pending piece that still fits the space left,
-i.e. the best fit for that space, until nothing fits. Ties go to the piece that arrived
-first. Padding therefore appears only where no pending piece fits.
-
-Over-long examples (``len > seq_len``), each outcome counted (R4):
-
-- ``split``: consecutive pieces of at most ``seq_len`` tokens, each a new segment. A
-  piece's first token is not a target of the previous piece, so one target per cut is
-  lost (``split_targets_lost``) -- unless ``overlap_split`` is set (used for held-out
-  evaluation), where piece ``k+1`` starts at the last token of piece ``k`` so that every
-  target is scored exactly once at the cost of one repeated input token per cut.
-- ``truncate``: the first ``seq_len`` tokens are kept, the tail dropped.
-- ``drop``: the example is skipped.
-
-Charges (R8): a compiler that rewrites pieces (span corruption adds sentinels and
-an EOS, so a short piece takes more of a row than its length) may give the planner
-a ``cost``: the capacity a piece of ``length`` tokens takes. Rows are then filled so
-that the costs of their pieces sum to at most ``seq_len``, and the best fit is the
-piece with the largest cost that fits. ``cost`` must be non-decreasing with
-``cost(seq_len) <= seq_len``, so that every piece fits an empty row; cuts are still
-made in tokens. Without one, a piece costs its length.
-
-Determinism: the rows produced depend only on (examples, settings, seed) and the
-number of rows already taken; ``state_dict`` captures the epoch, the cursor in the
-permuted shard, the pending buffer and the counters, so that ``load_state_dict`` and
-continuing gives bitwise the same rows as an uninterrupted planner (S2, S5).
-
-Speed: the order, lengths and target counts are read ``WINDOW`` positions at a time
-(``order_window``, ``table_columns``: one NumPy read of a prepared index instead of a
-look-up per document). The window is a cache of the table, never state: it is read
-again from the cursor after ``load_state_dict``. The buffer and the best-fit loop are
-compiled kernels (``rows.kernels``: a queue per cost and a bitmap of the costs
-present, so a piece joins or leaves the buffer in constant time); the kernel admits
-the window's examples and cuts over-long text ones itself, and hands back to the
-planner, in Python, only to read the next window, to cut an over-long example by
-its ownership, or to end the epoch. ``next_plan`` returns the rows as arrays
-(``RowPlan``); the Python planner that came before the kernels is the tests'
-oracle (``tests/rows/planner_reference.py``): same rows, same state.
+Knowing only lengths and target counts, the planner packs best-fit decreasing over a
+bounded buffer, deterministic for a seed and sharded by rank (D3), and cuts
+over-long examples by the declared outcome, counting each (R4); a family's compiler
+turns its rows of ``Piece`` into a ``Batch``. Its state resumes bitwise (S2, S5).
+Design and derivations: docs/design/rows.md#rowspackingpy (R3, R4, R8, D3, S2, S5, P2).
 """
 
 from __future__ import annotations
@@ -420,11 +374,13 @@ class PlannerSettings:
 
 
 class PackPlanner(PlannerSettings):
-    """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
-    Its settings are ``PlannerSettings``'s keyword arguments.
+    """Rows of pieces, packed best-fit decreasing over a bounded buffer (R4).
+    Its settings are ``PlannerSettings``'s keyword arguments. Algorithm, over-long
+    outcomes and determinism: docs/design/rows.md#rowspackingpy.
 
-    ``cost`` (optional): the capacity a piece of a given length takes (module doc,
-    "Charges"); ``real_tokens`` still counts tokens.
+    ``cost`` (optional): the capacity a piece of a given length takes; it must be
+    non-decreasing with ``cost(seq_len) <= seq_len`` (else ``DataError``), and cuts
+    are still made in tokens; ``real_tokens`` still counts tokens.
     Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
     every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.
 

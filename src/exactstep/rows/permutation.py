@@ -1,47 +1,10 @@
 """The permutation-LM compiler (XLNet-style, R8): factorisation orders over natural positions.
 
-A permutation language model factorises ``p(x) = prod_t p(x_(z_t) | x_(z_<t))`` over a
-sampled order ``z`` of a segment's positions. The tokens are never moved: the input
-ids, positions and segment ids of a row are exactly those of the causal compiler
-(``rows.causal``: positions restart per segment under ``batch.positions = "reset"``),
-and the order is carried as ``Batch.order[b, i]``, column ``i``'s rank in its
-segment's order. The model (``model.permutation``) realises it with two streams whose
-visibility is a function of ``segment_ids`` and ``order`` only.
-
-One segment holding tokens ``[a, a + L)`` of an example, at columns ``[c, c + L)``:
-
-- **context and free tokens.** A token that is not an owned target of its example
-  (``Example.owned``; for text: token 0, the BOS, of the example's first piece) is
-  *context*: it is placed first in the order, in natural order, and never predicted.
-  Every other token is *free*.
-- **the order.** ``z`` = the context columns in natural order, then the free columns
-  in a uniformly random order drawn by ``draw_order`` from
-  ``numpy.random.default_rng([seed, ORDER_TAG, piece.epoch, example_id, piece])``
-  (PCG64; ``Generator.permutation``), so packing, sharding over ranks, evaluation
-  and resume never change an example's order (the draw depends on nothing else).
-  ``order[c + k]`` = the rank of column ``c + k`` in ``z``: a permutation of
-  ``0 .. L-1`` per segment.
-from exactstep.rows.inspect import token_label
-- **the cutoff (partial prediction).** The last ``n = min(ceil(F / K), L - 1)`` columns
-  of ``z`` are predicted, where ``F`` is the number of free tokens and ``K =
-  permutation.predict_one_in`` (XLNet's K; 6 by default, 1 = every free token). The
-  ``L - 1`` cap keeps rank 0 unpredicted, so every prediction has context (for a
-  continuation piece, which has no BOS, its first token in ``z`` is context).
-- **labels.** ``labels[c + k]`` = the token at that column itself when it is
-  predicted (no shift: the target is the token at the position, predicted by the
-  query stream, which never sees its own content), else ``IGNORE_INDEX``. So BOS is
-  never predicted, EOS is a free token like any other (predictable), and padding
-  (input ``pad_id``, position 0, segment 0, order 0) owns nothing.
-- **weights** (L3): every column of the segment carries its example's weight.
-
-``batch.boundary = "keep"`` has no meaning here (no target crosses a segment) and is
-refused by ``PermutationCompiler`` when it is built.
-
-``check`` adds to the R7 checks: every segment's ``order`` is a permutation of its
-ranks, every supervised label is the token at its own column, rank 0 is never
-supervised, and the supervised columns are exactly the last ones of the order.
-
-The family around it (``families.permutation``) trains ``model.permutation.TwoStreamDecoder`` on text.
+Tokens stay in place: a row's inputs, positions and segments are the causal
+compiler's, and ``Batch.order`` carries each column's rank in its segment's sampled
+factorisation order (drawn per piece, S5); the last ``min(ceil(F / K), L - 1)``
+columns of the order are predicted, each labelled with its own token (no shift).
+Design and derivations: docs/design/rows.md#rowspermutationpy (R8, L3, R7, S5).
 """
 
 from __future__ import annotations
@@ -58,6 +21,7 @@ from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.causal import example_weight
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
+from exactstep.rows.inspect import token_label
 from exactstep.rows.invariants import check_batch, fail_at, where
 from exactstep.rows.packing import Piece
 from exactstep.rows.permutation_config import PermutationConfig
@@ -75,7 +39,7 @@ def settings_of(cfg: Any) -> PermutationConfig:
 def draw_order(n: int, *, seed: int, epoch: int, example_id: int, piece: int) -> np.ndarray:
     """The random order of a segment's ``n`` free tokens: ``int64 [n]``, a permutation of
     ``0 .. n-1`` from a generator addressed by ``(seed, ORDER_TAG, epoch, example_id,
-    piece)`` alone (see module doc)."""
+    piece)`` alone, so packing, sharding, evaluation and resume never change it."""
     rng = np.random.default_rng([seed, ORDER_TAG, epoch, example_id, piece])
     return rng.permutation(n).astype(np.int64)
 
@@ -107,7 +71,12 @@ def segment_order(
 
 
 class PermutationCompiler:
-    """Rows of pieces -> a permutation-LM ``Batch`` (see module doc)."""
+    """Rows of pieces -> a permutation-LM ``Batch``: the causal compiler's inputs,
+    positions and segments, ``order`` the rank of each column in its segment's
+    factorisation order (context first, then the free tokens drawn), the last
+    ``min(ceil(F / predict_one_in), L - 1)`` of the order labelled with their own
+    token. ``batch.boundary = "keep"`` is refused (``ConfigError``). Design:
+    docs/design/rows.md#rowspermutationpy."""
 
     name = "permutation"
 
@@ -168,7 +137,7 @@ class PermutationCompiler:
         )
 
     def check(self, batch: Batch, vocab_size: int | None, cfg: BatchConfig) -> None:
-        """R7 plus the permutation checks of the module doc; ``BatchInvariantError``
+        """R7 plus the permutation checks (``check_order``); ``BatchInvariantError``
         naming the row address."""
         check_batch(batch, vocab_size, "keep")  # no target crosses a segment here
         check_order(batch)
@@ -192,7 +161,10 @@ def require_ignore_boundary(cfg: BatchConfig) -> None:
 
 
 def check_order(batch: Batch) -> None:
-    """The permutation checks of ``PermutationCompiler.check`` (see module doc)."""
+    """The permutation checks of ``PermutationCompiler.check``: every segment's
+    ``order`` is a permutation of its ranks, every supervised label is the token at
+    its own column, rank 0 is never supervised, and the supervised columns are
+    exactly the last ones of the order."""
     order = batch.order
     if order is None or tuple(order.shape) != batch.shape:
         shape = None if order is None else tuple(order.shape)

@@ -1,15 +1,9 @@
 """A pure-Python oracle for the permutation LM (R8): rows, labels and both streams' masks.
 
-No torch, no numpy: lists of ints and bools, written from the definitions of
-``rows.permutation`` and ``model.permutation`` so tests can compare the two. The
-random part of the compiler (the order of each segment's free tokens) is an *input*
-here: the caller passes each segment's permutation of its free tokens, so the oracle
-states what is built from a draw, and the test states which draw.
-
-A segment is ``RefSegment(tokens, context, free_order)``: its tokens in natural
-order, which of them are context (never predicted, first in the order, in natural
-order), and the permutation of its free tokens (``free_order[t]`` = the index, among
-the free tokens in natural order, of the ``t``-th free token of the order).
+No torch, no NumPy: written from the definitions of ``rows.permutation`` and
+``model.permutation`` so that tests can compare the two. The random part (each
+segment's order of its free tokens) is an input here: ``RefSegment.free_order``.
+Design and derivations: docs/design/rows.md#rowspermutation_referencepy (R8).
 """
 
 from __future__ import annotations
@@ -22,6 +16,11 @@ IGNORE_INDEX = -100  # equal to exactstep.rows.batch.IGNORE_INDEX
 
 @dataclass(frozen=True)
 class RefSegment:
+    """One segment: its ``tokens`` in natural order, which of them are ``context``
+    (never predicted, first in the order, in natural order), and ``free_order``, the
+    permutation of its free tokens (``free_order[t]`` = the index, among the free
+    tokens in natural order, of the ``t``-th free token of the order)."""
+
     tokens: Sequence[int]
     context: Sequence[bool]
     free_order: Sequence[int]

@@ -1,50 +1,10 @@
 """The prefix LM family (R8): a bidirectional prompt, a causal continuation.
 
-Each example is split, by its own declared target program, into a *prompt* (the
-prefix) and a *continuation*: the prompt is every token before the example's first
-supervised target (``prompt_length``), the continuation is the rest. For chat data
-(the built-in arithmetic conversations or a chat JSONL, rendered and owned exactly as
-the chat family does, R5) the prompt is everything up to and including the header
-of the first supervised assistant turn, and the targets are the supervised assistant
-tokens after it; for text examples (every token but the first owned) the prompt is
-the BOS alone, i.e. plain causal LM.
-
-The boundary is read from the example's declared target program (its first target),
-fixed before packing; ownership still never hides a key (R2): the prefix only adds
-visibility inside the prompt, and every prompt row stays visible to later rows.
-
-Visibility (``model.attention``): query ``i`` sees key ``j`` of the same segment iff
-``j <= i`` or ``j`` lies in the segment's prefix. The compiler describes it
-structurally, never as a mask: the causal family's rows (the same inputs, labels,
-positions and segments, the shift done once, R1) plus ``Batch.prefix_len[b, k]``,
-the columns of segment ``k`` of row ``b`` that belong to its example's prompt.
-
-Where the prefix ends, and why there. Tokens ``t_0 .. t_(n-1)``, first target
-``t_f`` (``f >= 1``: token 0 is never a target). Row ``i`` holds ``t_i`` and, after
-the shift, is scored against ``t_(i+1)`` when that token is a target, so the first
-supervised row is ``f - 1``: the last prompt row (the last byte of the assistant
-header). The prefix is ``P = f`` tokens, the whole prompt including that row:
-
-- row ``f - 1`` sees the whole prompt and nothing after it, so it never sees
-  ``t_f``, the token it predicts; every later row ``i`` sees ``j <= i`` (the prefix
-  lies before it), so it never sees ``t_(i+1)`` either. Through any number of
-  layers a row ``i`` depends on exactly the tokens ``j <= max(i, P - 1)``, which for
-  every supervised row (``i >= P - 1``) is ``j <= i``;
-- ``P = f + 1`` is the first leaky prefix: row ``f - 1`` would see its own target.
-  A shorter prefix would also be safe but would cut the prompt into a bidirectional
-  and a causal part for no reason: a prefix LM's prompt is one bidirectional block.
-
-With a single attention layer the prefix changes no supervised row: row ``f - 1``
-sees the whole prompt causally anyway, and a layer's keys carry only their own
-token. From two layers on, prompt rows mix later prompt tokens into what the
-supervised rows read; that is all a prefix LM adds over the causal chat family.
-
-So the invariant the compiler's ``check`` enforces (R7 for this family) is: every
-supervised row's target lies at or after its segment's prefix end (``i + 1 >=
-start + prefix_len``), and ``0 <= prefix_len <= length``. A piece of a split example
-(offset ``a``) keeps the part ``[a, P)`` of the prompt that it holds.
-
-The family around this compiler (data, model, score) is ``families.prefix``.
+An example's prompt is every token before its first supervised target; the compiler
+emits the causal family's rows (the shift once, R1) plus ``Batch.prefix_len``, the
+prompt columns of each segment, which attention sees bidirectionally. No supervised
+row's target lies inside its prefix (R7), so no row sees what it predicts.
+Design and derivations: docs/design/rows.md#rowsprefixpy (R8, R1, R2, R5, R7).
 """
 
 from __future__ import annotations
@@ -132,7 +92,9 @@ def check_prefix_batch(batch: Batch) -> None:
 
 
 class PrefixCompiler:
-    """The prefix LM compiler (see module doc): causal rows, prompt prefixes."""
+    """The prefix LM compiler: causal rows, prompt prefixes (``prefix_len``), and the
+    R7 checks plus ``check_prefix_batch``. Why the prefix ends where it does:
+    docs/design/rows.md#rowsprefixpy."""
 
     name = "prefix"
 

@@ -1,20 +1,9 @@
-"""A pure-Python oracle for the prefix LM family (R8). No torch, no numpy.
+"""A pure-Python oracle for the prefix LM family (R8), with no torch and no NumPy.
 
 Written from the definitions, independently of ``rows.prefix`` and of the attention
-code, so tests can compare them with it on small inputs:
-
-- an example is ``(tokens, owned)`` (``owned`` ``None``: every token but the first
-  is a target); its prompt is every token before its first target;
-- ``compile_rows``: rows of pieces ``(example_id, offset, length)`` laid out left to
-  right, each piece one segment; row ``i`` holds token ``t`` and is labelled with
-  ``t + 1`` when that token is in the piece and is a target (the shift, R1); the
-  segment's prefix is the part of the piece inside the prompt; padding at the tail;
-- ``visible``: the visibility rule in words (same real segment, and ``j <= i`` or
-  ``j`` in the segment's prefix; every query sees itself);
-- ``depends``: what each row can depend on after ``layers`` attention layers (the
-  transitive closure of ``visible``);
-- ``rows_seeing_their_target``: the supervised rows that depend on the token they
-  are scored against or on a later one of their segment -- must be none.
+code: the rows, the visibility rule, what each row depends on after some layers,
+and the supervised rows that would see their target (which must be none).
+Design and derivations: docs/design/rows.md#rowsprefix_referencepy (R8, R1).
 """
 
 from __future__ import annotations
@@ -79,7 +68,8 @@ def prefix_columns(segment_ids: Sequence[int], prefix_len: Sequence[int]) -> lis
 
 def visible(segment_ids: Sequence[int], prefix_len: Sequence[int] | None,
             causal: bool = True) -> list[list[bool]]:
-    """``[T][T]``: query ``i`` may see key ``j`` (see module doc)."""
+    """``[T][T]``: query ``i`` may see key ``j``: same real segment, and ``j <= i`` or
+    ``j`` in the segment's prefix (every query sees itself)."""
     T = len(segment_ids)
     keys = prefix_columns(segment_ids, prefix_len) if prefix_len is not None else [False] * T
     return [[i == j or (segment_ids[i] == segment_ids[j] != 0

@@ -1,24 +1,10 @@
 """Training from prepared shards: a document table over memory maps (P2, R4, D3, S1).
 
-``PreparedDocuments`` is the ``DocumentTable`` the packing planner reads: lengths and
-owned-target counts come from the memory-mapped document index, a row's tokens are
-read from the token maps when the row is compiled (by the causal kernel straight
-from the maps, ``ShardMaps``; by the other compilers as slices), and each epoch's
-order is the
-block order declared in ``prepared.json``, computed lazily, so the planner (and thus
-``RowStream``) holds the buffer and one block's permutation, never the corpus.
-
-Block order (``order.rule = "block-permutation"``): document ids are cut into blocks
-of ``block_documents`` consecutive ids (the last may be shorter). For epoch ``e`` the
-blocks are visited in the order ``default_rng([seed, e]).permutation(blocks)``, and
-the documents of block ``b`` in ``b * block_documents + default_rng([seed, e, b])
-.permutation(size_b)``. Rank ``r`` of ``W`` takes positions ``r, r + W, ...`` of that
-epoch order (D3). Without shuffle (held-out evaluation) the order is the identity.
-
-``load_prepared_bundle`` refuses a directory made with another tokenizer or chat
-template (both hashes named), a kind that is not the run's, chat shards compiled
-under another chat policy or ``batch.seq_len``, and a weighted reduction (prepared
-documents carry no weights, L3).
+``PreparedDocuments`` is the ``DocumentTable`` the packing planner reads: lengths,
+targets and tokens come from memory maps, and each epoch's order is the block order
+declared in ``prepared.json``, computed lazily, so the planner never holds the
+corpus. ``load_prepared_bundle`` refuses a directory that does not match the run.
+Design and derivations: docs/design/rows.md#rowspreparedpy (P2, R4, D3, S1, L3).
 """
 
 from __future__ import annotations
@@ -40,7 +26,14 @@ ORDER_RULE = "block-permutation"
 
 
 class BlockOrder(Sequence[int]):
-    """One epoch's document order for one rank (see module doc); O(blocks) memory."""
+    """One epoch's document order for one rank; O(blocks) memory.
+
+    Blocks of ``block`` consecutive ids are visited in
+    ``default_rng([seed, epoch]).permutation(blocks)``, the documents of block ``b``
+    in ``b * block + default_rng([seed, epoch, b]).permutation(size_b)``; rank ``r``
+    of ``world`` takes positions ``r, r + world, ...`` (D3). Without ``shuffle`` the
+    order is the identity. Design: docs/design/rows.md#rowspreparedpy.
+    """
 
     def __init__(self, documents: int, block: int, seed: int, epoch: int, *,
                  shuffle: bool, rank: int, world: int) -> None:
@@ -291,8 +284,10 @@ def load_prepared_bundle(cfg: Any, tokenizer: Any, representation: dict[str, Any
                          share: tuple[int, int] = (0, 1)) -> DataBundle:
     """Both splits of the prepared directory ``cfg.data.source`` (P2), checked against
     the run: same tokenizer hash and template hash (``representation`` is the run's
-    own, S1), same ``data.kind``, no weighted reduction; for chat, the run's
-    ``batch.seq_len`` must be the length the conversations were truncated to.
+    own, S1), same ``data.kind``, no weighted reduction (prepared documents carry no
+    weights, L3); for chat, the same chat policy, and the run's ``batch.seq_len``
+    must be the length the conversations were truncated to. Raises ``ConfigError``
+    naming what differs, ``DataError`` for an empty split.
     ``share``: the files whose sha256 this process checks (``open_prepared``)."""
     source = cfg.data.source
     prepared = open_prepared(source, share=share)

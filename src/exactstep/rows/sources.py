@@ -1,20 +1,10 @@
 """Where a run's examples come from: ``load_bundle(cfg, tokenizer) -> DataBundle`` (R5, S1).
 
-Text sources (the stdlib corpus, a JSONL of ``{"text": ...}``) are encoded as
-``BOS + ids + EOS`` examples that own every target (the tokenizer adds no special
-token of its own). Chat sources (``"arith"`` for the built-in demo, otherwise a chat
-JSONL path) are rendered once, by the tokenizer's template (``data.chat.template_for``:
-the built-in one, or a Hugging Face Jinja template, H2), and owned on targets by the
-chat policy (R5), truncated to ``batch.seq_len`` with ``chat.empty`` deciding empty
-conversations; for the demo, the held-out conversations that the end of a run
-scores come with the bundle.
-
-Both return the manifest's ``data`` and ``representation`` sections (S1); the
-representation records the tokenizer's kind, hash and special ids and, for chat,
-the template's name and hash (for a Hugging Face tokenizer also its vocabulary size
-and how the template's ownership was derived). The policy comes from the
-configuration's ``chat`` section and the demo's family from its ``arith`` section;
-a configuration without them gets the documented defaults.
+Text sources become ``BOS + ids + EOS`` examples that own every target; chat sources
+are rendered once by the tokenizer's template and owned by the chat policy (R5, H2);
+a prepared directory is opened by ``rows.prepared`` (P2). The bundle carries the
+manifest's ``data`` and ``representation`` sections (S1).
+Design and derivations: docs/design/rows.md#rowssourcespy (R5, S1, H2).
 """
 
 from __future__ import annotations

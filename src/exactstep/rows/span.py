@@ -1,60 +1,11 @@
 """T5 span corruption: rows of text pieces -> encoder-decoder batches (R1, R3, R6-R8).
 
-One planned piece of a text example (``BOS + bytes + EOS``) becomes one segment on
-each side of a row, exactly as T5's ``span_corruption`` treats one chunk of text:
-
-- the piece's *raw* tokens are its tokens without the example's BOS and EOS markers
-  (T5's raw stream has neither; the BOS is this family's decoder start token, the EOS
-  is appended to both sides below);
-- a noise mask over the ``r`` raw tokens, T5's ``random_spans_noise_mask``:
-  ``N`` noise tokens in ``K`` spans (``SpanConfig.noise_counts``); the noise span
-  lengths are a uniformly random composition of ``N`` into ``K`` positive parts and
-  the non-noise span lengths one of ``r - N`` into ``K`` (T5's
-  ``_random_segmentation``: the first ``K - 1`` gaps of a random permutation of the
-  ``items - 1`` gaps are the cuts), interleaved starting with non-noise, so the last
-  raw token is always noise (T5's default, no random roll);
-- the input (encoder side) is the raw tokens with the ``k``-th noise span replaced by
-  sentinel ``extra_id_k``, then EOS (T5's ``noise_span_to_unique_sentinel``); the
-  target is ``extra_id_0, span 0, extra_id_1, span 1, ..., EOS`` (T5's
-  ``nonnoise_span_to_unique_sentinel``): every non-noise span replaced by the
-  sentinel that marks where the following noise span was cut. So the input with each
-  sentinel replaced by the target's tokens after that sentinel is the raw piece again
-  (the defining invariant). Sentinel ids descend from the top of the vocabulary:
-  ``extra_id_k = vocab_size - 1 - k``, T5's convention;
-- the decoder input is the target shifted right with BOS as the start token, and
-  ``labels`` are the target: the shift happens here, once (R1). Every target token is
-  supervised, sentinels and EOS included (T5 trains on all of them);
-- randomness: one NumPy generator per piece, ``default_rng([seed, SPAN_STREAM, epoch,
-from exactstep.rows.span_render import render_span_rows
-  example_id, piece])``, drawing the noise composition then the non-noise one. An
-  example's corruption depends on nothing else, so packing, sharding over ranks and
-  resuming never change it (the compiler keeps no state, S5); a new epoch draws anew.
-
-Rows. The encoder side has ``batch.seq_len`` columns (T5's ``inputs_length``), the
-decoder side ``targets_length`` columns, and the planner packs ``capacity`` raw
-tokens per row: T5's ``random_spans_helper`` (``rows.span_config``). The planner
-fills rows by ``piece_cost``: a piece of ``l`` tokens is charged
-``max(ceil(f(l) * C / S), ceil(g(l) * C / T))`` of the capacity ``C``, where ``f``
-and ``g`` are the input and target lengths of ``l`` raw tokens and ``S``/``T`` the
-two widths, so that every row fits both sides whatever it holds (a short piece costs
-more than its length: its sentinels and EOS are a larger share of it). A full piece
-of ``C`` raw tokens costs exactly ``C``.
-
-What fills exactly: a row holding one piece of ``C`` raw tokens (the middle pieces
-of a document split by the planner) fills both sides exactly, ``S`` and ``T``
-columns, no padding -- T5's guarantee. The first piece of a split document carries
-the BOS, so it has ``C - 1`` raw tokens and may leave one encoder column and up to
-two decoder columns empty. A row shared by several documents (whole short documents
-and split documents' last pieces) never overflows, but is filled only as far as the
-charges allow: each piece is charged as if every token were raw (a whole document's
-BOS and EOS are not) and at the rate of the more crowded side, so such rows carry
-some padding on at least one side.
-
-Each piece has its own segment id on both sides, in the same order (decoder segment
-``s`` cross-attends to encoder segment ``s``: the same example and piece); positions
-restart per segment on both sides (``batch.positions = "reset"``) or follow the
-column (``"continue"``). ``Segment.offset`` on both sides is the piece's first token
-in its example; the columns hold the corrupted sequences.
+Each planned piece becomes one segment on each side of a row, as T5's
+``span_corruption`` treats a chunk of text: noise spans replaced by sentinels in the
+input, the target those spans after their sentinels, the decoder fed the target
+shifted right (R1). Draws are addressed by the piece alone (S5), and pieces are
+charged so that every row fits both sides (``piece_cost``).
+Design and derivations: docs/design/rows.md#rowsspanpy (R1, R3, R6-R8, S5).
 """
 
 from __future__ import annotations
@@ -74,6 +25,7 @@ from exactstep.rows.example import Example
 from exactstep.rows.invariants import check_batch, fail_at
 from exactstep.rows.packing import Piece
 from exactstep.rows.span_config import SpanConfig, row_shape
+from exactstep.rows.span_render import render_span_rows
 
 SPAN_STREAM = 0x5350414E  # "SPAN": this family's tag in every corruption generator's seed
 SENTINEL_PREFIX = "extra_id_"
@@ -97,7 +49,9 @@ def segment_lengths(items: int, segments: int, rng: np.random.Generator) -> np.n
 
 def noise_mask(r: int, span: SpanConfig, rng: np.random.Generator) -> np.ndarray:
     """T5's ``random_spans_noise_mask`` over ``r`` raw tokens (bool ``[r]``, True =
-    noise): see module doc. Draws nothing below two tokens."""
+    noise): ``K`` noise spans of random lengths summing to ``N`` interleaved with
+    ``K`` non-noise spans, non-noise first, so the last raw token is noise. Draws
+    nothing below two tokens."""
     noise, spans = span.noise_counts(r)
     if spans == 0:
         return np.zeros(r, dtype=bool)
@@ -162,7 +116,8 @@ class CompiledPiece:
 
 
 class SpanCompiler:
-    """T5 span corruption (see module doc). ``sentinel_ids[k]`` is ``extra_id_k``."""
+    """T5 span corruption (docs/design/rows.md#rowsspanpy). ``sentinel_ids[k]``
+    is ``extra_id_k``; ``ConfigError`` unless there are ``span.sentinels`` of them."""
 
     name = "span"
 
@@ -189,9 +144,11 @@ class SpanCompiler:
         return encoder, decoder
 
     def piece_cost(self, cfg: BatchConfig) -> Callable[[int], int]:
-        """What a piece of ``length`` tokens is charged of a row's capacity (module doc):
-        monotone, ``cost(capacity) == capacity``, and any pieces whose charges sum to at
-        most the capacity fit both sides."""
+        """What a piece of ``length`` tokens is charged of a row's capacity ``C``:
+        ``max(ceil(f * C / S), ceil(g * C / T))`` for its input and target lengths
+        ``f``, ``g`` and the widths ``S``, ``T``; monotone, ``cost(capacity) ==
+        capacity``, and any pieces whose charges sum to at most the capacity fit both
+        sides."""
         capacity, encoder, decoder = row_shape(self.span, cfg.seq_len)
         span = self.span
 
@@ -220,8 +177,10 @@ class SpanCompiler:
         pad_id: int,
         weighted: bool,
     ) -> Batch:
-        """Both sides of ``rows`` (module doc). Raises ``BatchInvariantError`` when a
-        row's pieces do not fit (rows planned without ``piece_cost``)."""
+        """Both sides of ``rows``: per piece one segment on each side, the encoder
+        holding the corrupted input, the decoder fed the target shifted right (BOS
+        first) and labelled with the target (R1). Raises ``BatchInvariantError`` when
+        a row's pieces do not fit (rows planned without ``piece_cost``)."""
         encoder, decoder = self.widths(cfg)
         compiled = [[self.corrupt_piece(examples[p.example], p) for p in row] for row in rows]
         enc = SideArrays(len(rows), encoder, pad_id)

@@ -1,29 +1,9 @@
-"""T5 span corruption: its settings and its length arithmetic (R8). Pure Python.
+"""T5 span corruption's settings and its length arithmetic, in pure Python (R8).
 
 The ``[span]`` section (``SpanConfig``) and the deterministic part of T5's
-definition, which depends only on a sequence's length (``rows.span`` does the random
-part):
-
-- ``noise_counts(r)``: a raw sequence of ``r`` tokens gets ``N = round(r * density)``
-  noise tokens, clamped to ``[1, r - 1]`` so that at least one token is noise and
-  one is not, in ``K = max(round(N / mean_span), 1)`` noise spans (and as many
-  non-noise spans). ``round`` is Python's (half to even), as in T5's length helper.
-  Below two tokens nothing is noised (T5 pads the length to 2, draws, and keeps the
-  first ``r`` entries of the mask, whose first span is non-noise). Where T5 is
-  undefined -- more spans than non-noise tokens, possible only for a density of 0.5
-  or more with ``mean_span`` near 1 on short pieces -- ``K`` is capped at the
-  non-noise count.
-- ``corrupted_lengths(r)``: the input then holds the ``r - N`` non-noise tokens, one
-  sentinel per noise span and EOS; the target one sentinel per non-noise span, the
-  ``N`` noise tokens and EOS.
-- ``random_spans_helper(inputs_length)``: T5's helper of the same name: the raw
-  length ``tokens_length`` whose corrupted input is exactly ``inputs_length`` tokens
-  (EOS included), and the length of its target. It uses T5's unclamped formula and
-  its search, including T5's adjustment for ``density = 0.5``.
-
-Invariant (tested against T5's formula): for the settings a run accepts,
-``corrupted_lengths(tokens_length) == (inputs_length, targets_length)``, or within
-what T5's density-0.5 adjustment takes away.
+definition, which depends only on a sequence's length: noise counts, corrupted
+lengths and ``random_spans_helper``; ``rows.span`` does the random part.
+Design and derivations: docs/design/rows.md#rowsspan_configpy (R8).
 """
 
 from __future__ import annotations
@@ -57,8 +37,10 @@ class SpanConfig:
         check("span.sentinels", self.sentinels, at_least(1))
 
     def noise_counts(self, r: int) -> tuple[int, int]:
-        """``(N, K)``: noise tokens and noise spans of a raw sequence of ``r`` tokens
-        (see module doc; ``(0, 0)`` below two tokens)."""
+        """``(N, K)``: noise tokens and noise spans of a raw sequence of ``r`` tokens:
+        ``N = round(r * density)`` clamped to ``[1, r - 1]``, ``K = max(round(N /
+        mean_span), 1)`` capped at ``r - N`` (Python's round); ``(0, 0)`` below two
+        tokens."""
         if r < 2:
             return 0, 0
         noise = min(max(round(r * self.noise_density), 1), r - 1)

@@ -1,12 +1,9 @@
 """Span-corruption rows for people (R6, R8): both sides of a row, sentinels by name.
 
-For each requested row: one line per segment pair (example, piece, the piece's first
-token, the columns it takes on each side), the encoder side as the corrupted text
-(sentinels shown as ``<extra_id_k>``), the decoder side as a table of column,
-segment, position, decoder input, target and ownership (every real column owns its
-target), and the piece put back together from the two sides: each sentinel of the
-input replaced by the target tokens that follow the same sentinel there. That line
-is the raw piece again, which is how a reader sees that nothing was lost or doubled.
+For each requested row: its segment pairs, the corrupted encoder text, the decoder
+table, and the piece put back together from both sides, so that a reader sees that
+nothing was lost or doubled.
+Design and derivations: docs/design/rows.md#rowsspan_renderpy (R6, R8).
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """Batches from examples, with an exact, resumable cursor (R1-R4, R7, R8, D3, S2).
 
-``RowStream`` composes the packing plan (``rows.packing``), a family's compiler
-(``rows.compiler``: the causal one by default, ``rows.causal``) and that family's
-R7 checks (bound once per stream: ``batch_maker``, which takes the compiler's own
-where it has one, so that the causal compiler fills, screens and counts a batch of
-prepared shards in one kernel call). Every objective family (R8) uses the same planner and cursor with its
-own compiler, so the resume contract is the same for all of them.
-
-Invariants:
-
-- Every batch has exactly ``cfg.rows`` rows of ``cfg.seq_len`` columns, except the last
-  batch of a finite stream (``repeat=False``), which has fewer rows rather than losing
-  data.
-- ``state_dict()`` taken after ``k`` batches were yielded, loaded into a fresh stream
-  built from the same examples and settings, continues with bitwise the same batches
-  as the uninterrupted stream (S2, S5).
-- When every example carries a ``weight`` (L3), every training batch carries
-  ``weights`` (each example's weight on its rows). Weights live in the examples, so
-  the cursor (``state_dict``) is the same with or without them, and a resumed stream
-  yields bitwise the same weights.
-- ``report()`` counts documents, tokens, targets and every over-long outcome (R4), and
-  ``supervised_rows == targets - *_targets_lost`` (+ boundary targets under ``keep``)
-  once every admitted example has been emitted.
-- A ``RowStream`` pickles as its recipe (examples, settings, compiler) and its
-  ``state_dict()``, and unpickles as a fresh stream loaded with that state, so the
-  copy continues bitwise like the original (S2); this is how a loader process gets
-  the stream (``rows.loader_process``). Prepared shards pickle as file names.
+``RowStream`` composes the packing plan, a family's compiler and its R7 checks; every
+family shares the planner and the cursor, so resuming from ``state_dict()`` gives
+bitwise the same batches (S2, S5). ``report()`` is the data report (R4);
+``eval_batches`` gives held-out batches, every example once.
+Design and derivations: docs/design/rows.md#rowsstreampy (R1-R4, R7, R8, D3, S2, S5, L3).
 """
 
 from __future__ import annotations
@@ -56,7 +35,14 @@ class BatchSource:
 
 
 class RowStream(BatchSource):
-    """Rows packed from ``examples`` and compiled by ``compiler`` (see module doc).
+    """Rows packed from ``examples`` and compiled by ``compiler`` (R8).
+
+    Every batch has ``cfg.rows`` rows of ``cfg.seq_len`` columns, except the last
+    batch of a finite stream (``repeat=False``), which has fewer rows rather than
+    losing data. ``state_dict()`` loaded into a fresh stream of the same examples and
+    settings continues with bitwise the same batches (S2, S5). Batches carry
+    ``weights`` when every example has one (L3). Design:
+    docs/design/rows.md#rowsstreampy.
 
     ``seed`` and the epoch fix the permutation; ``rank``/``world`` shard it (D3).
     ``vocab_size``, when given, bounds every id in the R7 checks (pass the
@@ -116,7 +102,8 @@ class RowStream(BatchSource):
         return batch
 
     def __reduce__(self):
-        """A fresh stream of the same recipe at this one's position (module doc, S2)."""
+        """A fresh stream of the same recipe (examples, settings, compiler) at this
+        one's position, so the copy continues bitwise like the original (S2)."""
         return (restore_stream, (self.examples, self.cfg, self.pad_id, self.vocab_size,
                                  self.compiler, self.recipe(), self.state_dict()))
 
@@ -186,7 +173,7 @@ def restore_stream(examples: Sequence[Example], cfg: BatchConfig, pad_id: int,
 
 def piece_cost(compiler: RowCompiler, cfg: BatchConfig):
     """The compiler's charge per piece length (``piece_cost(cfg)``), or ``None`` for a
-    compiler whose pieces take their length (``rows.packing``, "Charges")."""
+    compiler whose pieces take their length (docs/design/rows.md#charges-r8)."""
     charges = getattr(compiler, "piece_cost", None)
     return None if charges is None else charges(cfg)
 
