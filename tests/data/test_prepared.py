@@ -255,7 +255,7 @@ def test_an_edited_manifest_is_refused(prepared: Path, tmp_path: Path) -> None:
 
 
 def declared_order(n: int, block: int, seed: int, epoch: int) -> list[int]:
-    """The rule as written in the module doc of ``rows.prepared``, reimplemented."""
+    """The rule as written in ``docs/design/rows.md#rowspreparedpy`` (``BlockOrder``), reimplemented."""
     blocks = [list(range(b * block, min(n, (b + 1) * block))) for b in range(-(-n // block))]
     order = []
     for b in np.random.default_rng([seed, epoch]).permutation(len(blocks)):

@@ -32,7 +32,7 @@ from exactstep.rows.packing import (
 class ReferencePlanner(PlannerSettings):
     """Rows of pieces, packed best-fit decreasing over a bounded buffer (see module doc).
 
-    ``cost`` (optional): the capacity a piece of a given length takes (module doc,
+    ``cost`` (optional): the capacity a piece of a given length takes (docs/design/rows.md,
     "Charges"); ``real_tokens`` still counts tokens.
     Raises ``DataError`` when there is nothing to pack (no examples, an empty shard, or
     every example dropped) and ``DistributedError`` for an invalid ``rank``/``world``.

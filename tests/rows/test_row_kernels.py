@@ -63,7 +63,7 @@ def planner_cases(draw):
         world=world,
         overlap_split=draw(st.booleans()),
     )
-    if draw(st.booleans()):  # a compiler's charges (rows.packing, "Charges")
+    if draw(st.booleans()):  # a compiler's charges (docs/design/rows.md, "Charges")
         kwargs["cost"] = lambda length, cap=seq_len: min(cap, length + length // 4)
     return examples, kwargs, draw(st.integers(1, 40))
 

@@ -34,7 +34,10 @@ def build_trackers(cfg: LogConfig, run_dir: Path, identity: RunIdentity) -> list
     trackers: list[Tracker] = []
     try:
         if cfg.tensorboard:
-            from exactstep.tracking.tensorboard import TENSORBOARD_DIR, TensorBoardTracker  # lazy: a plug-in
+            from exactstep.tracking.tensorboard import (  # lazy: a plug-in
+                TENSORBOARD_DIR,
+                TensorBoardTracker,
+            )
 
             trackers.append(TensorBoardTracker(run_dir / TENSORBOARD_DIR, start=identity.start))
         if cfg.wandb != "off":
