@@ -1,5 +1,7 @@
 """The built-in decoder, the attention that realises Batch visibility (R2, R3), and the
-Hugging Face causal-LM adapter (H1)."""
+Hugging Face causal-LM adapter (H1).
+Design and derivations: docs/design/model.md (R2, R3, R8, H1).
+"""
 
 from exactstep.lazy import lazy_exports
 

@@ -1,69 +1,11 @@
-"""Attention that realises a Batch's visibility (R2, R3, R8).
+"""Attention that realises a Batch's visibility on each device (R2, R3, R8).
 
-Visibility rule, shared by every implementation: query ``i`` of a row may see key
-``j`` iff ``segment_ids[i] == segment_ids[j] != 0`` and, when ``batch.causal``,
-``j <= i`` or ``j`` lies in its segment's bidirectional prefix (prefix LM, R8:
-``batch.prefix_len[b, k]`` columns from the start of segment ``k`` of row ``b``,
-``prefix_keys``). A padding query (``segment_ids == 0``) sees only itself, so its
-output is its own value vector: finite, never NaN, and it never feeds a real row
-because no real query can see a padding key (R2 key validity). Loss ownership
-(``labels``) never enters here (R2).
-
-With a prefix, a query inside the prefix sees the whole prefix and nothing after
-it; a query after the prefix sees the prefix and every earlier key. A prefix of 0
-or 1 column is plain causal visibility. ``prefix_len`` needs ``batch.causal`` (a
-bidirectional batch has no prefix to declare) and is ``[B, n_seg]`` with ``n_seg``
-at least the most segments of any row, ``0 <= prefix_len[b, k] <= length`` of
-segment ``k``; entries past a row's segments are ignored.
-
-Implementations (``impl``):
-
-- ``"dense"``: one boolean mask ``[B, 1, T, T]`` handed to SDPA. The reference
-  (``dense_visibility_mask``).
-- ``"segments"``: per-document SDPA. Segments are read from ``batch.segments`` (host
-  data, so preparing needs no device-to-host sync) and grouped into a few length
-  buckets (an exact dynamic programme over a cost model). One gather per layer
-  moves q, k and v of every segment into stacked ``[n, nH, L, Dh]`` slices, SDPA
-  runs once per bucket with ``is_causal=True``, and one gather puts the results
-  back; both gathers have gather-only backwards (``_Relayout``). Right-padding a
-  segment up to its bucket's length is exact under causal attention: a real query
-  never sees a later column, and the padded query rows are discarded with exactly
-  zero gradient. When every row is one document filling the row (what splitting
-  long documents produces, i.e. the default training data) it is a single plain
-  causal SDPA over the batch. Equal to ``"dense"`` to 1e-5 in fp32, forward and
-  backward (issue 3 item 6). A prefix-LM batch cannot use ``is_causal``: each of its
-  buckets gets an explicit ``[n, 1, L, L]`` mask (causal, or key in the segment's
-  prefix), built once per forward on the device from ``prefix_len`` (no host read);
-  right-padding stays exact because a prefix never reaches past its segment, so no
-  real query sees a padded column. Whole rows with a prefix take this path too.
-- ``"flex"``: FlexAttention with a block mask built on the host from ``batch.segments``
-  (``segment_block_mask``: block-level work only, never a dense ``[B, 1, T, T]``
-  mask, no device sync) and a ``mask_mod`` over ``segment_ids`` for the partial
-  blocks. CUDA only for training (no FlexAttention backward on CPU); on CPU it is
-  allowed only with gradients disabled. Compiled FlexAttention on CUDA needs a head
-  dimension of at least 16 (Triton's ``tl.dot``); ``"flex"`` below that is refused.
-  With a prefix the ``mask_mod`` also reads ``prefix_keys`` (device data), and the
-  host block mask, which knows segments but not prefix lengths, marks every tile of
-  a segment's square that is not wholly below the causal diagonal as partial: exact
-  (the ``mask_mod`` decides those pairs), at most the tiles of a bidirectional
-  segment.
-- Whole rows (every row one document filling it, e.g. greedy decoding or split long
-  documents) without a prefix run as one plain causal SDPA under ``"segments"``,
-  ``"flex"`` and ``"auto"`` alike: the visibility is exactly causal, so no mask and
-  no compiled kernel are needed (and a growing decoding length never recompiles
-  FlexAttention). Whole rows with a prefix run as one masked SDPA (the per-document
-  path with one bucket) under those three, for the same reason.
-- ``"auto"``: ``"flex"`` on CUDA when the head dimension is at least 16, otherwise
-  (and on CPU) ``"segments"``; ``resolve_impl`` is the decision. Measured with
-  ``exactstep bench attention`` (forward + backward, same run): on whole rows at
-  the training shape it is plain causal SDPA, faster than the masked dense call;
-  on rows of several documents it does a fraction of the dense work (about 2.2 to
-  2.7x faster on one thread when two thirds of the causal pairs cross documents).
-  On an oversubscribed machine its extra small operators can make packed rows
-  slower than ``"dense"`` with two threads; ``"dense"`` stays selectable.
-
-Host data reaches the device without a hidden sync (U7): index tensors built on the
-host are pinned and copied with ``non_blocking=True`` when the target is CUDA.
+A query sees keys of its own real segment (earlier ones, or its segment's prefix,
+when the batch is causal); padding sees only itself and labels never enter (R2).
+``prepare_visibility`` builds this once per forward as a dense mask, per-document
+SDPA buckets or a FlexAttention block mask (``resolve_impl`` picks per device), and
+``attend`` applies it in every layer without a hidden host sync (U7).
+Design and derivations: docs/design/model.md#modelattentionpy (R2, R3, R8, U7).
 """
 
 from __future__ import annotations
@@ -168,6 +110,12 @@ def prepare_visibility(
 ) -> Visibility:
     """Build the visibility of ``batch`` for ``impl`` on ``device`` (once per forward).
 
+    The rule every ``impl`` realises (R2, R3, R8): query ``i`` sees key ``j`` iff both
+    lie in one real segment and, when ``batch.causal``, ``j <= i`` or ``j`` is in that
+    segment's prefix (``prefix_keys``). A padding query sees only itself, so its
+    output is its own value vector (finite, never read by a real row). ``labels``
+    are never read. Every path but ``"dense"`` equals ``"dense"`` to 1e-5 in fp32.
+
     ``head_dim`` (the model's ``d_model / n_heads``) lets ``"auto"`` avoid FlexAttention
     where it cannot run (``resolve_impl``). Whole rows without a prefix take the plain
     causal SDPA path under every implementation but ``"dense"`` (the reference); with
@@ -203,7 +151,7 @@ def prepare_visibility(
 
 
 def check_prefix_len(batch: Batch) -> None:
-    """Refuse a ``prefix_len`` the visibility rule cannot read (see module doc).
+    """Refuse a ``prefix_len`` the visibility rule cannot read (R8).
 
     Always: on a bidirectional batch. When ``prefix_len`` is on the CPU (no sync):
     a shape other than ``[B, n_seg]`` with ``n_seg`` at least the most segments of
@@ -392,11 +340,12 @@ def segment_block_mask(
     ``O(tiles)``; no ``[T, T]`` mask exists. Tiles reaching past ``T`` are never full
     (the columns past ``T`` count as invisible), as ``create_block_mask`` has it.
 
-    Visibility (the module rule): ``i`` sees ``j`` iff both are in one segment (and
-    ``j <= i`` when causal), or ``i == j``. With ``prefix`` (a causal batch whose
-    segments may have bidirectional prefixes of lengths the host does not know) any
-    tile of a segment's square may hold a visible pair, so all are needed; full ones
-    are still only the wholly causal ones, which every prefix leaves fully visible.
+    Visibility (``prepare_visibility``'s rule): ``i`` sees ``j`` iff both are in one
+    segment (and ``j <= i`` when causal), or ``i == j``. With ``prefix`` (a causal
+    batch whose segments may have bidirectional prefixes of lengths the host does not
+    know) any tile of a segment's square may hold a visible pair, so all are needed;
+    full ones are still only the wholly causal ones, which every prefix leaves fully
+    visible.
     """
     B, n = len(segments), -(-T // block)
     start = np.arange(n) * block  # [n] first column of each tile

@@ -1,17 +1,10 @@
-"""The built-in Llama-style decoder (issue 2 item 5).
+"""The built-in Llama-style decoder: a Batch in, final-normed hidden states out (R2, R3, L1).
 
-Token embedding, ``n_layers`` x (RMSNorm -> attention with RoPE on q and k ->
-residual; RMSNorm -> SwiGLU MLP -> residual), final RMSNorm. No biases. The head
-is optional-tied: when ``tie_embeddings`` the head *is* the embedding Parameter.
-
-``forward`` returns hidden states, not logits: the loss fuses the head with a
-chunked cross entropy so the full ``[N, V]`` logits are never materialised (L1).
-
-Visibility (R2, R3) comes from the Batch's structure only: ``segment_ids``,
-``segments``, ``causal``; positions come from ``batch.position_ids``. Note that
-RoPE scores depend only on ``pos_i - pos_j``, so shifting all positions of a
-segment by a constant changes nothing (translation invariance), while positions
-that differ *within* a segment do change the output.
+Pre-norm blocks of RoPE attention and a SwiGLU MLP, no biases, an optionally tied
+head. Visibility comes from the Batch's structure only, through ``model.attention``,
+and positions from ``batch.position_ids`` (R2, R3); ``forward`` returns hidden
+states, not logits, because the loss fuses the head (L1). ``build_model`` builds it.
+Design and derivations: docs/design/model.md#modeldecoderpy (R2, R3, L1).
 """
 
 from __future__ import annotations
@@ -19,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-from exactstep.model.hf import build_hf_model
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
@@ -27,6 +19,7 @@ from torch.nn.utils import skip_init
 from exactstep.errors import ModelError
 from exactstep.model.attention import Visibility, attend_fused, prepare_visibility
 from exactstep.model.config import ModelConfig
+from exactstep.model.hf import build_hf_model
 from exactstep.rows.batch import Batch
 
 
@@ -159,7 +152,12 @@ class Decoder(nn.Module):
         return self.embed.weight if self.head is None else self.head.weight
 
     def forward(self, batch: Batch, visibility: Visibility | None = None) -> torch.Tensor:
-        """Hidden states ``[B, T, H]`` after the final RMSNorm.
+        """Hidden states ``[B, T, H]`` after the final RMSNorm; not logits (the loss fuses
+        the head, L1).
+
+        Visibility comes from ``batch.segment_ids``, ``segments`` and ``causal`` only,
+        positions from ``batch.position_ids`` (R2, R3); shifting every position of a
+        segment by a constant changes nothing (RoPE reads ``pos_i - pos_j``).
 
         ``visibility`` may be passed to reuse one prepared for the same batch;
         otherwise it is prepared here once and shared by all layers.

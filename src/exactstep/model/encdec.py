@@ -1,46 +1,11 @@
 """The built-in encoder-decoder (R8: encoder-decoder teacher forcing, T5 span corruption).
 
-Pre-norm, built from the decoder's blocks (``model.decoder``): RMSNorm, RoPE on the
-queries and keys of every *self*-attention, SwiGLU, no biases.
-
-- Encoder: ``encoder_layers`` x ``Block`` run bidirectionally over the batch's
-  encoder side (``batch.source``), final RMSNorm. Visibility: within one source
-  segment only; a source padding position sees only itself and is seen by no one.
-- Decoder: ``decoder_layers`` x (RMSNorm -> causal self-attention with RoPE ->
-  residual; RMSNorm -> cross-attention to the encoder output -> residual; RMSNorm ->
-  SwiGLU -> residual), final RMSNorm. Self-attention is causal within one target
-  segment (the decoder side's ``segment_ids``/``segments``, as in the decoder).
-- Cross-attention: decoder segment ``s`` of row ``b`` attends to every position of
-  encoder segment ``s`` of row ``b`` (the same example, checked on the host from the
-  row addresses) and to nothing else: never to source padding, never to another
-  example's source. It carries no rotary embedding (content addressing; positions
-  enter through the two stacks' self-attention). A decoder padding query sees no
-  key and its cross-attention output is exactly 0.
-- Embeddings: one table shared by the source and the target and tied to the head by
-  default (``share_embeddings``, ``model.tie_embeddings``); with ``share_embeddings =
-  False`` or a ``source_vocab_size`` the source side has its own table.
-
-``forward(batch)`` returns decoder hidden states ``[B, T, H]`` aligned with
-``batch.labels`` (the compiler owns the shift, R1); the loss fuses ``head_weight``
-with a chunked cross entropy (L1), exactly as for the decoder.
-
-Cross-attention realisations (``model.attention``): ``"dense"`` is the reference (one
-boolean ``[B, 1, T, S]`` mask from the two sides' segment ids); every other setting
-runs per pair: the (decoder segment, encoder segment) pairs are read from the
-batch's row addresses (host data, no device sync), grouped into a few length
-buckets, gathered into stacked ``[n, nH, Lq, Dh]`` queries and ``[n, nH, Lk, Dh]``
-keys/values with a key mask for bucket padding, and one SDPA runs per bucket; one
-gather puts the outputs back. Equal to the dense path within 1e-5 in fp32, forward
-and backward (tests/model/test_encdec.py). Self-attention in both stacks uses the
-decoder's implementations (``model.attention``; FlexAttention on CUDA under
-``auto``).
-
-Weights: normal(0, ``init_std``) with the residual output projections scaled by
-``1 / sqrt(2 * encoder_layers)`` (encoder: two residual branches per block) and
-``1 / sqrt(3 * decoder_layers)`` (decoder: three); norms at one. Every draw comes
-from the given generator in a fixed order (embeddings, encoder, decoder, head), so
-``build_encoder_decoder`` gives weights that depend only on ``(cfg, vocab, seed)``
-and leaves the global RNG untouched (S5).
+The encoder reads ``batch.source`` bidirectionally within each source segment; the
+decoder is causal within each target segment and cross-attends only to its own
+example's source segment. ``forward`` returns decoder hidden states aligned with
+``batch.labels`` (R1) for the fused loss (L1); weights depend only on ``(cfg, vocab,
+seed)`` (S5). ``greedy_decode`` answers sources for evaluation.
+Design and derivations: docs/design/model.md#modelencdecpy (R8, R1, L1, S5).
 """
 
 from __future__ import annotations
@@ -270,7 +235,12 @@ class DecoderBlock(nn.Module):
 
 
 class EncoderDecoder(nn.Module):
-    """The built-in encoder-decoder (see module doc); ``forward(batch) -> [B, T, H]``.
+    """The built-in encoder-decoder (R8); ``forward(batch) -> [B, T, H]`` decoder hidden
+    states aligned with ``batch.labels`` (R1), for the fused loss (L1).
+
+    Decoder segment ``s`` of a row cross-attends only to encoder segment ``s`` of the
+    same row, which must be the same example (``check_pairs``, else ``ModelError``);
+    a decoder padding query's cross-attention output is exactly 0.
 
     ``encoder_layers`` / ``decoder_layers`` default to ``cfg.n_layers``.
     ``share_embeddings`` (default) uses one table for both sides; ``source_vocab_size``
@@ -318,7 +288,10 @@ class EncoderDecoder(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """All draws from ``generator``, in a fixed order (see module doc)."""
+        """Normal(0, ``init_std``); residual output projections scaled by ``1 / sqrt(2 *
+        encoder_layers)`` (encoder) and ``1 / sqrt(3 * decoder_layers)`` (decoder); norms
+        at one. All draws from ``generator`` in a fixed order: embeddings, encoder,
+        decoder, head (S5)."""
         std = self.cfg.init_std
         enc_std = std / math.sqrt(2 * self.encoder_layers)
         dec_std = std / math.sqrt(3 * self.decoder_layers)

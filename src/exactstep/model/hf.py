@@ -1,78 +1,11 @@
 """Hugging Face causal LMs as exactstep models (H1, R1, R3, U6, L1).
 
-``HFCausalLM`` wraps an ``AutoModelForCausalLM`` and exposes exactly what the
-engine uses from the built-in ``Decoder``: ``forward(batch)`` returns the final
-hidden states ``[B, T, H]`` of the decoder stack (after its final norm), never
-logits, and the HF model never receives ``labels=`` (R1: the collator owns the
-shift and exactstep owns the loss, fused with ``head_weight`` ``[V, H]``, L1);
-``logits(hidden)`` and ``num_parameters()`` as on the built-in decoder. A tied
-embedding/head is one Parameter, so the optimizer groups and the clip norm see it
-once (U6). The decoder stack is ``base_model``, else ``get_decoder()``, else a
-conventional attribute (``model``, ...): Llama 4's and Mllama's CausalLMs name a
-``base_model_prefix`` they do not have, so their ``base_model`` is the whole model
-(``decoder_name``); a stack that cannot be found, or returns no
-``last_hidden_state``, is a ``ModelError`` naming the class.
-
-Segment isolation (R3). A packed row reaches the model as ``batch.position_ids``
-(reset per document) plus a block-diagonal causal visibility built from
-``batch.segment_ids`` by the built-in decoder's own rule
-(``model.attention.dense_visibility_mask``: same real segment and ``j <= i``; a
-padding query sees only itself), handed over as a 4D ``attention_mask``
-``[B, 1, T, T]`` in the form the backend honours: boolean for ``sdpa``, additive
-float (0 or the float32 minimum) for ``eager``, whose kernel *adds* the mask (a
-boolean mask there would be added as 0/1 and leak). Those two are the only
-backends accepted; ``flash_attention_2``, ``flex_attention`` and any other name
-are refused with a ``ModelError`` naming the model type and the backend (and
-``eager`` as the fix for a model that has no ``sdpa``).
-
-Attention windows (R3). The 4D mask replaces the model's own, so the windows a
-config applies (``sliding_window`` and its kin, Llama 4's ``attention_chunk_size``;
-``windows_of``, by layer type) are realised in it, on each document's own
-positions (``attention.windowed_visibility``): one mask when every layer has the
-same windows, one per layer type (the dict HF's decoders take) when they differ.
-A window is realised only when the build-time probe crossed it and found packed
-rows equal to their documents alone; a window the model applies itself (by
-index, inside its attention) passes the crossing probe unrealised and is left to
-it; any other window (longer than ``PROBE_WINDOW_LIMIT``, or failing both) is a
-refusal of rows longer than it. A coupling by row index that no mask undoes (Llama 4's
-attention temperature, ``floor_scale``) is a refusal of rows that reach it.
-
-The rules are not trusted blindly: ``build_hf_model`` runs a one-time probe
-(two documents packed in one padded row through the real model, the second
-longer than every window within reach, in eval
-mode, without gradients, inside ``isolated_rng``; see ``probe``) that compares
-each document's logits with HF's own unmasked forward of that document alone,
-checks that the second document's logits do not move when the first one's
-tokens change, and compares HF's own logits with ``hidden @ head_weight.T``. A
-model that lets the documents see each
-other (an architecture that ignores the mask or the positions, a recurrent
-state) or whose head is not a plain linear map is refused before anything is
-written. Known head features are refused by name without building the model:
-final logit soft-capping (``final_logit_softcapping``), a final logit scale
-(``logit_scale``, ``logits_scaling``), an ``lm_head`` bias; so are RoPE variants
-whose frequencies depend on the longest position in the batch (``dynamic``,
-``longrope``), which would couple the documents of a row.
-
-Other refusals: rows longer than the model's ``max_position_embeddings``;
-``prefix_len`` and bidirectional batches (a causal LM trains causal objectives
-only); MoE router logits (``output_router_logits``), whose load-balancing loss
-HF adds to its own loss and exactstep's objective (L3) would drop.
-
-Vocabulary rule: the model's vocabulary (embedding and head rows, ``V_model``)
-must be at least the tokenizer's (``vocab_size``). ``V_model > vocab_size`` (an
-embedding padded for speed) is allowed: the extra rows are never inputs and
-never targets (the rows compiler refuses label ids outside the tokenizer's
-vocabulary, R7); they stay classes of the model's softmax, as in HF's own loss,
-so the objective and its smoothing run over the model's ``V_model`` classes. A
-smaller model vocabulary is a ``ModelError`` naming both sizes. A random-init
-``hf_config`` without ``vocab_size`` gets the tokenizer's (in its ``text_config``
-when the config nests one).
-
-Random init is deterministic in the seed (S5): the model is created inside
-``isolated_rng`` with torch's CPU generator seeded from ``seed``, so every
-global stream is as it was afterwards. Weights from ``path`` are loaded in
-float32 (fp32 master weights; ``numerics.precision`` autocasts); a missing or
-mismatched weight is refused rather than silently initialised.
+``build_hf_model`` wraps an ``AutoModelForCausalLM`` as ``HFCausalLM``, which returns
+final hidden states like the built-in decoder (never logits, never ``labels=``: R1,
+L1) and sees packed rows only through per-document positions and a 4D block mask its
+backend honours (R3). A backend, head, window or vocabulary that cannot keep these
+contracts is refused when the model is built, checked by a one-time probe.
+Design and derivations: docs/design/model.md#modelhfpy (H1, R1, R3, U6, L1).
 """
 
 from __future__ import annotations
@@ -735,7 +668,9 @@ def check_head(adapter: HFCausalLM) -> None:
 
 
 def check_vocab(adapter: HFCausalLM, vocab_size: int) -> None:
-    """``V_model >= vocab_size`` (see the module docstring for the rule)."""
+    """``V_model >= vocab_size``, else a ``ModelError`` naming both sizes. Extra model
+    rows (a padded embedding) are allowed: never inputs or targets (R7), they stay
+    classes of the softmax, so the objective runs over ``V_model`` classes."""
     rows = adapter.vocab_size
     embedding = adapter.hf.get_input_embeddings().weight.shape[0]
     if rows < vocab_size or embedding < vocab_size:

@@ -1,40 +1,11 @@
 """Two-stream attention over natural positions: the permutation-LM model (XLNet-style, R8).
 
-``TwoStreamDecoder`` is the built-in decoder (``model.decoder``: the same embedding,
-blocks, final norm and optional-tied head, with the same names and the same initial
-weights for the same ``(cfg, vocab, seed)``) plus one learned vector ``query``
-``[H]``. Every layer runs two streams with the layer's one set of weights:
-
-- the **content stream** ``h`` starts from the token embeddings; query ``i`` sees
-  key ``j`` iff they are in the same segment and ``order[j] <= order[i]`` (itself
-  included). It is what the keys and values of both streams are made of;
-- the **query stream** ``g`` starts from ``query`` at every column, never from the
-  token at that column; query ``i`` sees the *content* keys ``j`` of its segment with
-  ``order[j] < order[i]``, never its own. It knows which position it predicts
-  through RoPE: its queries are rotated by column ``i``'s position, the content keys
-  by theirs, so every score depends on the natural offset ``pos_i - pos_j``.
-
-``forward`` returns the query stream's final-normed hidden states ``[B, T, H]``:
-column ``i`` holds the prediction of the token at column ``i`` (``Batch.labels`` are
-those tokens, ``rows.permutation``), computed from the tokens earlier in its
-segment's factorisation order and from its own position only. Consequences the tests
-check: changing the token at column ``i`` leaves the output at ``i`` and at every
-column ranked before it bitwise unchanged; packed rows equal their documents alone;
-under the identity order the content stream *is* the causal decoder.
-
-Visibility (``stream_masks``) is a function of ``segment_ids`` and ``order`` only
-(never of ``labels``, R2). A padding column's content query sees only itself (as in
-``model.attention``); a query-stream row with no visible key (padding, or the first
-column of an order) attends to nothing: its attention output is exactly zero.
-
-Realisation and its cost: one SDPA call per layer over ``2T`` queries (the content
-rows, then the query rows) against the ``T`` content keys, with a dense boolean mask
-``[B, 1, 2T, T]`` built on the device from ``segment_ids`` and ``order`` (no host
-sync). That is ``2 * B * T^2`` scores per head per layer, about four times the work a
-causal decoder does usefully (its causal half of ``T^2``) and twice a dense masked
-decoder's, plus the ``O(B * T^2)`` mask; the MLPs and norms run on both streams
-(twice the decoder's). ``model.attention`` must be ``auto`` or ``dense``: the
-per-segment and FlexAttention paths of the decoder do not apply to two streams.
+``TwoStreamDecoder`` runs the built-in decoder's weights on a content stream and a
+query stream; ``forward`` returns the query stream, where column ``i`` predicts its
+own token from the tokens before it in its segment's factorisation order. Visibility
+depends only on ``segment_ids`` and ``order`` (R2) and is one dense mask, so
+``model.attention`` must be ``auto`` or ``dense``.
+Design and derivations: docs/design/model.md#modelpermutationpy (R8, R2).
 """
 
 from __future__ import annotations
@@ -107,7 +78,8 @@ def masks_from(content: torch.Tensor, query: torch.Tensor) -> StreamMasks:
 
 class TwoStreamBlock(nn.Module):
     """One decoder ``Block``'s weights (the same modules, the same names) run on both
-    streams: ``x = [h; g]`` ``[B, 2T, H]`` in, the same out (see module doc)."""
+    streams: ``x = [h; g]`` ``[B, 2T, H]`` in, the same out; the content rows project
+    q, k and v, the query rows only q (see ``TwoStreamDecoder``)."""
 
     def __init__(self, block: Block) -> None:
         super().__init__()
@@ -144,8 +116,15 @@ class TwoStreamBlock(nn.Module):
 
 
 class TwoStreamDecoder(Decoder):
-    """The permutation-LM model (see module doc). ``forward(batch) -> [B, T, H]``: the
-    query stream's final-normed hidden states, aligned with ``batch.labels``."""
+    """The permutation-LM model (R8). ``forward(batch) -> [B, T, H]``: the query stream's
+    final-normed hidden states, aligned with ``batch.labels``.
+
+    The content stream starts from the token embeddings and sees its segment's keys
+    with ``order[j] <= order[i]``; the query stream starts from the learned ``query``
+    and sees content keys with ``order[j] < order[i]``, never its own token. A row
+    with no visible key outputs exactly zero. Needs ``Batch.order`` (else
+    ``ModelError``); same decoder weights as ``build_model`` for the same seed.
+    """
 
     def __init__(
         self, cfg: ModelConfig, vocab_size: int, *, generator: torch.Generator | None = None

@@ -1,12 +1,11 @@
 """The objective stage: rows to one objective ``S / D`` (L1-L6).
 
-- ``plan_window``: host-side coefficients and denominator of a window, or
-  ``NoObjective`` (L3, L4).
-- ``microbatch_terms``: one microbatch's numerator and gold NLL sum, with the head
-  projection fused into a chunked fp32 cross entropy (L1, L2).
-- ``fused_row_losses`` / ``logits_row_losses``: per-row smoothed CE and gold NLL.
-- ``perplexity``: from globally reduced sums, or ``NotAvailable`` (L5).
-- ``reference``: a pure-Python oracle for tests (L6).
+``plan_window`` gives a window's host-side coefficients and denominator, or
+``NoObjective`` (L3, L4); ``microbatch_terms`` one microbatch's numerator and gold NLL
+sum, the head fused into a chunked fp32 cross entropy (L1, L2); ``fused_row_losses`` /
+``logits_row_losses`` per-row smoothed CE and gold NLL; ``perplexity`` a value from
+globally reduced sums or ``NotAvailable`` (L5); ``reference`` a pure-Python oracle (L6).
+Design and derivations: docs/design/objective.md (L1-L6).
 """
 
 from exactstep.lazy import lazy_exports

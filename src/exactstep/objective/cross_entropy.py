@@ -1,33 +1,11 @@
 """Row losses: fp32 cross entropy, chunked over rows, with the head fused in (L1, L2).
 
-Three entry points share one chunk kernel:
-
-- ``fused_row_losses(hidden, head_weight, labels)``: per-row smoothed CE and gold NLL.
-  The head projection runs inside the chunk loop, so at most ``chunk_rows x V`` fp32
-  logits exist at a time; the backward recomputes each chunk's logits (L1).
-- ``fused_weighted_sum(hidden, head_weight, labels, coeff)``: the scalar
-  ``sum_r coeff_r * ce_r``. Because the row weights are known before the forward, the
-  gradient is produced chunk by chunk *during* the forward and only scaled in the
-  backward: no recomputation, the same matmul count as the naive path, and an extra
-  memory of ``O(N*H + V*H)`` instead of ``O(N*V)``.
-- ``logits_row_losses(logits, labels)``: for models that only return logits; still
-  chunked, so no full fp32 copy (nor fp32 gradient copy) of bf16 logits is made.
-
-Head products in bf16/fp16 (L1): the operands are rounded to the compute dtype, but the
-product is accumulated *and returned* in fp32 (``head_mm``: ``torch.mm(...,
-out_dtype=torch.float32)`` on CUDA; on other devices the rounded operands are held in
-fp32, which gives the same exact products), so the log-sum-exp sees unrounded logits
-and the gradients are not rounded to bf16 before they are summed. In fp32 the products
-are plain fp32 matmuls, exactly as before.
-
-Invariants: the log-sum-exp is taken in fp32 whatever the input dtype; rows whose label
-is ``IGNORE_INDEX`` give 0 loss and exactly 0 gradient; no function here reads a device
-value on the host (no ``.item()``, no data-dependent shapes) unless the labels are
-already on the CPU, where selecting supervised rows costs no device sync.
-
-Failure modes: shapes that do not line up and invalid smoothing settings raise
-``ObjectiveError``; a label outside ``[0, V)`` other than the ignore id is an R7
-violation caught by the collator (here it fails inside ``gather``).
+Sits between the model's hidden states and the window objective: ``fused_row_losses``
+and ``fused_weighted_sum`` project onto the head one chunk of rows at a time, so the
+full ``[N, V]`` fp32 logits never exist, and ``logits_row_losses`` serves models that
+return logits. The log-sum-exp is fp32, ignored rows give exactly 0, and nothing here
+syncs the device (U7).
+Design and derivations: docs/design/objective.md#objectivecross_entropypy (L1, L2, U7).
 """
 
 from __future__ import annotations
@@ -401,7 +379,10 @@ def fused_row_losses(
     projection and the backward both run ``cfg.chunk_rows`` rows at a time.
     ``rows_index`` (optional, host-computed flat indices of supervised rows) lets
     ignored rows be skipped without a device sync. Gradients reach ``hidden_NH`` and
-    ``head_weight_VH``.
+    ``head_weight_VH``; ignored rows get exactly 0 gradient. Raises ``ObjectiveError``
+    for shapes that do not line up or invalid smoothing settings; a label outside
+    ``[0, V)`` other than the ignore id (an R7 violation, the collator's to catch)
+    fails inside ``gather``.
     """
     check_shapes(hidden_NH, head_weight_VH, labels_N)
     sm = resolve_smoothing(cfg, head_weight_VH.shape[0], pad_id)

@@ -1,14 +1,9 @@
 """Perplexity from globally reduced sums (L5).
 
-``perplexity = exp(sum gold NLL / sum tokens)``, where both sums are reduced over
-every batch (and every rank) *before* the exponential. Averaging per-batch losses or
-per-batch perplexities is a different, wrong quantity (batches weigh tokens unequally;
-the exponential does not commute with the mean). The NLL is the gold (unsmoothed) one
-(L2), never the smoothed training loss.
-
-When no number exists the result is ``NotAvailable(cause)``: ``NO_TOKENS`` (nothing
-was scored), ``OVERFLOW`` (the mean NLL is finite or +inf but ``exp`` exceeds the
-float range) or ``NON_FINITE`` (the NLL sum is NaN, or negative infinity).
+``perplexity`` exponentiates the gold (unsmoothed, L2) NLL per token only after both
+sums are reduced over every batch and rank, and returns ``NotAvailable(cause)`` when
+no number exists; evaluation and the run's reports read it.
+Design and derivations: docs/design/objective.md#objectiveperplexitypy (L5, L2).
 """
 
 from __future__ import annotations
@@ -32,7 +27,10 @@ class NotAvailable:
 def perplexity(gold_nll_sum: float, tokens: int) -> float | NotAvailable:
     """``exp(gold_nll_sum / tokens)`` of globally reduced sums, or ``NotAvailable`` (L5).
 
-    Raises ``ObjectiveError`` for a negative token count (a caller bug upstream).
+    Both sums must already be reduced over every batch and rank (averaging per-batch
+    losses or perplexities is wrong), and the NLL is the gold, unsmoothed one (L2).
+    ``NO_TOKENS`` for zero tokens, ``NON_FINITE`` for a NaN or -inf sum, ``OVERFLOW``
+    when ``exp`` of the mean leaves the float range. Raises ``ObjectiveError`` for a negative token count (a caller bug upstream).
     """
     if tokens < 0:
         raise ObjectiveError(f"perplexity needs a token count >= 0; got {tokens}")

@@ -1,39 +1,10 @@
 """The window's objective plan: L3 coefficients and the L4 decision, before any forward.
 
-One window of K microbatches optimises ``S / D`` with ``S = sum_r a_r * c_r`` (``c_r``
-the smoothed CE of supervised row ``r``) and ``D = sum_r b_r``. Every reduction is a
-choice of ``(a_r, b_r)`` made here, on the host, from the labels, segment addresses and
-weights of the whole window, so that accumulation (U1) and a distributed all-reduce of
-``D`` (D1) stay exact:
-
-==================  ========================  ===============  ========================
-reduction           a_r                       b_r              D
-==================  ========================  ===============  ========================
-token_mean          1                         1                supervised rows
-sequence_mean       1 / n_doc                 1 / n_doc        documents with a target
-microbatch_mean     1 / n_m                   1 / n_m          non-empty microbatches
-weighted            w_r                       w_r              sum of weights
-weighted_count      w_r                       1                supervised rows
-==================  ========================  ===============  ========================
-
-``w_r`` is ``batch.weights[b, t]``: the weight of the example that owns row ``r``
-(its source's ``"weight"``), written by the compiler on every column of every piece
-of that example (``rows.causal``). So one example of weight ``w`` and ``n`` supervised
-rows adds ``w * n`` to ``D`` under ``weighted`` wherever its pieces landed (several
-rows, other microbatches), and never the weight of whatever shares its physical row.
-A microbatch with no supervised row needs no weights (an empty distributed filler).
-
-``n_doc`` counts a document's supervised rows over the whole window, wherever its
-pieces landed (several rows, packed beside other documents, other microbatches): a
-document is an ``example_id`` of ``batch.segments`` (R6), never a physical row. A
-window in which the same example appears twice (an epoch boundary inside a window)
-counts it as one document.
-
-Invariants: coefficients are 0 on unsupervised rows; ``sum(b_r) == denominator``; no
-device is touched (labels must still be on the CPU). Failure modes (``ObjectiveError``):
-labels already on an accelerator, ``weighted*`` without ``batch.weights`` or with
-negative or non-finite weights on supervised rows, ``sequence_mean`` with a supervised
-row that no segment covers.
+``plan_window`` turns the labels, row addresses and weights of a whole window into
+each row's coefficient ``a_r`` and the denominator ``D = sum b_r`` of the declared
+reduction, on the host, so that accumulation (U1) and the all-reduce of ``D`` (D1)
+stay exact; ``D == 0`` is ``NoObjective`` (L4). The update stage runs the plan.
+Design and derivations: docs/design/objective.md#objectiveplanpy (L3, L4, U1, D1, R6).
 """
 
 from __future__ import annotations
@@ -94,6 +65,11 @@ def plan_window(
     plan with ``D == 0`` is returned instead, for the distributed path, which decides
     L4 with ``no_objective`` after all-reducing ``D`` and ``tokens`` (a locally empty
     rank still runs its microbatches).
+
+    Invariants: coefficients are 0 on unsupervised rows and ``sum(b_r) == D``; no
+    device is touched. Raises ``ObjectiveError`` for labels already on an accelerator,
+    ``weighted*`` without ``batch.weights`` or with negative or non-finite weights on
+    supervised rows, and ``sequence_mean`` with a supervised row no segment covers.
     """
     masks = [supervised_mask(batch, m) for m, batch in enumerate(batches)]
     tokens_per_mb = [int(mask.sum()) for mask in masks]

@@ -1,14 +1,10 @@
 """A pure-Python oracle for the masked next-token loss (L6). No torch, no numpy.
 
-Small inputs only: nested lists of floats and ints. Everything is written from the
-definitions, independently of the torch path, so the tests can compare the two:
-
-- the shift (R1): row ``i`` consumes token ``i`` and is scored against token ``i+1``,
-  if that token is a target (``l_i = a_(i+1)``); the last row has no target;
-- the per-row cross entropy ``-sum_c q_c log softmax(z)_c`` with a stable log-sum-exp,
-  for the three smoothing conventions of L2 (and ``q`` itself);
-- the token mean and, for contrast, the mean of row means (L3);
-- the gradient ``softmax(z) - q`` of one row's loss with respect to its logits.
+Written from the definitions, independently of the torch path, for small inputs: the
+shift (R1), the per-row cross entropy and its gradient under the three smoothing
+conventions (L2), and the token mean beside the mean of row means (L3). The tests
+compare the torch path with it.
+Design and derivations: docs/design/objective.md#objectivereferencepy (L6, R1, L2, L3).
 """
 
 from __future__ import annotations

@@ -1,42 +1,11 @@
 """Scheduled sampling (R8): the model's own tokens as inputs, on a declared schedule.
 
-Teacher forcing feeds the gold previous token at every input position. Scheduled
-sampling (Bengio et al., 2015) feeds, at each eligible position, the gold token with
-probability ``eps(i)`` and otherwise the model's own prediction of it, where ``i``
-is the **committed clock** (windows committed so far: a skipped or no-objective
-window does not advance it). The targets stay the gold tokens. The estimator is then
-no longer teacher-forced maximum likelihood, and the manifest and every ledger line
-say so (the family's ``objective`` section; ``inputs`` in the ledger).
-
-Schedules (``[scheduled_sampling]``; ``floor`` bounds each from below):
-
-- ``inverse_sigmoid``: ``eps(i) = k / (k + exp(i / k))``, ``k >= 1``;
-- ``linear``: ``eps(i) = 1 - slope * i``;
-- ``exponential``: ``eps(i) = base ** i``, ``0 < base <= 1``;
-- ``constant``: ``eps(i) = probability``.
-
-Eligible positions: column ``c`` of a segment, not its first column, whose input is
-the gold target of row ``c - 1`` (``labels[c - 1] == input_ids[c]``): exactly the
-inputs teacher forcing takes from the targets. A chat prompt token is not a target,
-so it is never replaced; a segment's first token never is.
-
-The coin of each position is a declared RNG stream addressed by
-``(seed, window, example id, piece)``: one NumPy generator per segment, one uniform
-draw per column of the segment, ``model input iff u >= eps``. Packing, the batch a
-segment lands in and resuming never change an example's coins (S5).
-
-Sequential input construction, exactly: the model's token at column ``c`` is the
-argmax of its prediction at ``c - 1`` given the inputs *as constructed so far*
-(every replacement at a column before ``c`` already made). The columns holding any
-replacement are visited in increasing order; at each, one no-grad forward of the
-batch truncated to its first ``c`` columns (exact under causal visibility: column
-``c - 1`` sees nothing later) gives the predictions for every row at once. The cost
-is one forward of the growing prefix per such column (about ``T / 2`` full forwards
-per microbatch when replacements are dense). An encoder-decoder batch is not cut (a
-decoder segment is only valid with its source segment), so it costs up to ``T``
-full forwards. The construction runs the model as it
-trains (train mode, the window's autocast), without gradients; the built-in decoder
-has no dropout, so it draws from no RNG.
+An input program for the update stage (``UpdateEngine(inputs=)``): before each
+microbatch's forward, eligible inputs become the model's argmax tokens with
+probability ``1 - eps(committed clock)``, built column by column without gradients.
+The targets stay gold; coins are addressed by example, so packing and resuming never
+change them (S5); the manifest and the ledger record the estimator.
+Design and derivations: docs/design/objective.md#objectivescheduled_samplingpy (R8, S5).
 """
 
 from __future__ import annotations
@@ -68,9 +37,12 @@ def eligible_columns(batch: Batch, b: int, seg: Segment) -> np.ndarray:
 
 
 def model_input_mask(batch: Batch, eps: float, *, seed: int, window: int) -> np.ndarray:
-    """Bool ``[B, T]`` (host): where the input becomes the model's token (see module doc).
+    """Bool ``[B, T]`` (host): where the input becomes the model's token.
 
-    ``batch`` must be on the host (labels and ids are read there, before the forward).
+    Eligible columns (``eligible_columns``) whose coin ``u >= eps``; one NumPy stream
+    per segment addressed by ``(seed, window, example_id, piece)``, one draw per column,
+    so packing and resuming never change an example's coins (S5). ``batch`` must be on
+    the host (labels and ids are read there, before the forward).
     """
     B, T = batch.shape
     mask = np.zeros((B, T), dtype=bool)
@@ -104,7 +76,10 @@ def prefix_batch(batch: Batch, columns: int) -> Batch:
 def construct_inputs(model: nn.Module, batch: Batch, mask: np.ndarray,
                      autocast: Callable[[], AbstractContextManager]) -> torch.Tensor:
     """Input ids ``[B, T]`` on ``batch``'s device with the model's argmax tokens at
-    ``mask``, built sequentially column by column (see module doc)."""
+    ``mask``, built sequentially: the token at column ``c`` is the argmax at ``c - 1``
+    given every earlier replacement, from one no-grad forward of the first ``c``
+    columns (the whole batch for an encoder-decoder). Runs the model as it trains
+    (the caller's mode and ``autocast``)."""
     ids = batch.input_ids.clone()
     where = host_to_device(torch.from_numpy(mask), ids.device)  # [B, T] bool
     head = model.head_weight

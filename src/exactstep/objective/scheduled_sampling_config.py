@@ -15,7 +15,7 @@ from exactstep.ranges import UNIT, at_least, between, check
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduledSamplingConfig:
-    """The declared schedule of the gold-input probability (see module doc), and the
+    """The declared schedule of the gold-input probability (``gold_probability``), and the
     family it samples over: ``over = "causal"`` (the built-in decoder on text) or
     ``"encdec"`` (the encoder-decoder on pairs; the decoder side's inputs are the
     ones replaced, the source is never touched)."""
@@ -37,7 +37,12 @@ class ScheduledSamplingConfig:
         check("scheduled_sampling.floor", self.floor, UNIT)
 
     def gold_probability(self, clock: int) -> float:
-        """``eps(clock)``: the probability that an eligible input is the gold token."""
+        """``eps(clock)``: the probability that an eligible input is the gold token.
+
+        ``inverse_sigmoid``: ``k / (k + exp(clock / k))``; ``linear``: ``1 - slope *
+        clock``; ``exponential``: ``base ** clock``; ``constant``: ``probability``;
+        then clamped to ``[floor, 1]``. ``clock`` counts committed windows only.
+        """
         if self.schedule == "inverse_sigmoid":
             exponent = clock / self.k
             eps = 0.0 if exponent > 700 else self.k / (self.k + math.exp(exponent))

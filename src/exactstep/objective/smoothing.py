@@ -1,23 +1,10 @@
 """Label-smoothing conventions, named and never mixed (L2).
 
-Every convention builds the target distribution of one supervised row as
-
-    q = (1 - eps) * onehot(gold) + eps * uniform(S)
-
-where ``S`` is the convention's *support* for the smoothing mass:
-
-- ``uniform``: every class (``|S| = V``); PyTorch's ``label_smoothing``.
-- ``non_pad``: every class except the pad class (``|S| = V - 1``).
-- ``harvard``: every class except the gold and the pad class (``|S| = V - 2``), so the
-  gold class gets exactly ``1 - eps``, pad gets 0 and every other class
-  ``eps / (V - 2)`` (the Annotated Transformer's target). When the gold class *is* the
-  pad class (pad shares the end-of-sequence id), pad cannot get 0; the support is then
-  every class but the gold (``|S| = V - 1``), which keeps ``q`` a distribution.
-
-The smoothed cross entropy of a row with logits ``z`` is
-``lse(z) - (1 - eps) * z[gold] - eps * mean(z[S])``, and its gradient with respect to
-``z`` is ``softmax(z) - q``. Both are computed by ``cross_entropy`` without building
-``q``; ``target_distribution`` builds it densely for tests and inspection.
+``Smoothing.resolve`` validates one of ``uniform``, ``non_pad`` or ``harvard``: each
+puts ``1 - eps`` on the gold class and spreads ``eps`` over its own support of
+classes. The row losses (``objective.cross_entropy``) use it without building the
+target ``q``; ``target_distribution`` builds ``q`` densely for tests and inspection.
+Design and derivations: docs/design/objective.md#objectivesmoothingpy (L2).
 """
 
 from __future__ import annotations
@@ -37,7 +24,10 @@ CONVENTIONS: tuple[str, ...] = ("uniform", "non_pad", "harvard")
 class Smoothing:
     """A validated smoothing setting for a vocabulary of ``vocab_size`` classes.
 
-    Construct with ``Smoothing.resolve``; the constructor does not validate.
+    Construct with ``Smoothing.resolve``; the constructor does not validate. The target
+    is ``q = (1 - eps) * onehot(gold) + eps * uniform(S)`` with support ``S``: every
+    class (``uniform``), every class but pad (``non_pad``), every class but gold and
+    pad (``harvard``; every class but gold when gold is pad).
     """
 
     convention: Convention

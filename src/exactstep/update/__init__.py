@@ -5,6 +5,7 @@
 - ``resolve_groups`` / ``build_optimizer``: unique parameters in declared groups (U6).
 - ``Schedule`` / ``build_schedule``: learning rate on a committed-update or token clock (U5).
 - ``Ledger``: one JSON line per window (U4).
+Design and derivations: docs/design/update.md (U1-U7).
 """
 
 from exactstep.lazy import lazy_exports

@@ -1,19 +1,10 @@
 """Parameter groups and the optimizer (U6).
 
-Every unique trainable parameter is assigned to exactly one group by one declared
-rule, and the resolved assignment is hashed so the manifest can pin it (S1):
-
-- ``decay``: tensors with two or more dimensions (matrices), except embeddings;
-- ``no_decay``: one-dimensional tensors (norm gains, biases) and, unless
-  ``update.decay_embeddings`` is set, the weights of ``nn.Embedding`` modules.
-
-Uniqueness is by identity: a tied embedding/head is one parameter, listed once
-under the name PyTorch reports first (its other names are kept in ``aliases``),
-and counted once in the groups and in the clip norm.
-
-Weight decay follows PyTorch's convention (the decay applied each step is
-``lr * weight_decay``); the helpers convert to and from the paper's convention
-(``lambda_paper = lr * lambda_torch``).
+``resolve_groups`` assigns every unique trainable parameter (a tied embedding/head
+once) to exactly one of ``decay`` / ``no_decay`` by one declared rule and hashes the
+result for the manifest (S1); ``build_optimizer`` builds the optimizer on those
+groups. Weight decay follows PyTorch's convention, with converters to the paper's.
+Design and derivations: docs/design/update.md#updategroupspy (U6, S1).
 """
 
 from __future__ import annotations
@@ -60,7 +51,10 @@ class ResolvedGroups:
 def resolve_groups(model: nn.Module, cfg: UpdateConfig) -> ResolvedGroups:
     """Assign every unique trainable parameter of ``model`` to one group (U6).
 
-    Raises ``ConfigError`` when the model has no trainable parameter.
+    ``decay``: tensors of two or more dimensions except embeddings; ``no_decay``:
+    one-dimensional tensors and, unless ``update.decay_embeddings``, ``nn.Embedding``
+    weights. Uniqueness is by identity: a tied parameter is listed once, under the name
+    PyTorch reports first, its other names in ``aliases``. Raises ``ConfigError`` when the model has no trainable parameter.
     """
     embedding_ids = {
         id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)

@@ -1,23 +1,10 @@
 """Mixed precision for one window (U2).
 
-- ``fp32``: no autocast, no scaler.
-- ``bf16``: autocast around the forward and the loss only; no scaler.
-- ``fp16``: autocast around the forward and the loss; one ``GradScaler`` scale for
-  the whole window, ``unscale_`` exactly once at the window's close.
-- ``auto``: resolved for the device (``resolve_device_numerics``: bf16 on CUDA with
-  native bf16, fp32 elsewhere). A run resolves it before its manifest is written, so
-  the manifest names the precision that ran; ``Precision`` resolves it the same way
-  when handed an unresolved setting.
-
-``apply_fp32_matmul`` sets how fp32 matmuls run on CUDA (``numerics.fp32_matmul``:
-TF32 by default there). It is a process-wide PyTorch setting, so the runner applies
-it once per run rather than ``Precision`` on construction.
-
-The parameters stay fp32 (autocast casts per op), so the gradients and the clip
-norm are fp32. The window's own finite decision is the source of truth for the
-scaler: ``update(finite)`` makes the scaler back off on exactly the windows the
-engine skipped (and grow on the ones it committed), whatever the scaler's own
-inf check saw.
+``Precision`` gives the update stage its autocast context (around the forward and the
+loss only) and, under fp16, one loss scale per window, unscaled exactly once at the
+close; ``auto`` resolves to bf16 on CUDA with native bf16 and fp32 elsewhere. The
+parameters and gradients stay fp32, and the scaler follows the engine's finite decision.
+Design and derivations: docs/design/update.md#updateprecisionpy (U2).
 """
 
 from __future__ import annotations

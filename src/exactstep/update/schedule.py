@@ -1,24 +1,10 @@
 """Learning-rate schedules on a declared clock (U5).
 
-The clock is either ``updates`` (committed optimizer updates, the default) or
-``tokens`` (committed supervised tokens). Only committed windows advance it: a
-skipped or no-objective window leaves the schedule bitwise unchanged (U4).
-
-With peak ``L = update.lr``, warmup ``W`` and horizon ``H`` (both in clock
-units), clock value ``c`` and ``s = c + 1`` (the update about to be taken):
-
-- ``constant``: ``L * min(1, s / W)`` (a linear warmup when ``W > 0``).
-- ``cosine``: linear warmup, then ``L * (m + (1 - m) * (1 + cos(pi * p)) / 2)``
-  with ``p = (c - W) / (H - W)`` clamped to ``[0, 1]`` and ``m = min_lr_ratio``.
-- ``wsd`` (warmup-stable-decay): linear warmup, ``L`` until the last
-  ``decay_fraction`` of ``H``, then linear to ``m * L`` at ``H``.
-- ``noam``: ``L * min(s / W, sqrt(W / s))``; the Transformer paper's
-  ``d^-0.5 * min(s^-0.5, s * W^-1.5)`` rescaled so that its peak (at ``s = W``) is
-  ``L``.
-- ``inverse_sqrt`` (T5 style): ``L * sqrt(W / max(s, W))``: flat at ``L`` for the
-  first ``W`` units, then ``1/sqrt``. No ramp.
-
-For ``noam`` and ``inverse_sqrt`` a ``W`` of 0 counts as 1; they have no floor.
+``Schedule`` gives the rate of the next update as a pure function of a clock of
+committed updates or committed supervised tokens, for the families constant, cosine,
+wsd, noam and inverse_sqrt; only committed windows advance it, so a skipped or
+no-objective window leaves it bitwise unchanged (U4). ``build_schedule`` sets the horizon.
+Design and derivations: docs/design/update.md#updateschedulepy (U5, U4).
 """
 
 from __future__ import annotations
@@ -35,7 +21,8 @@ class Schedule:
     ``horizon`` is in clock units; ``None`` only for a family that never reads it.
     ``lr()`` is the rate for the next update; ``advance(tokens)`` is called once
     per committed window and only then. ``state_dict`` holds both clocks, so a
-    resume continues bit for bit (S2).
+    resume continues bit for bit (S2). ``warmup`` is in clock units; ``noam`` and
+    ``inverse_sqrt`` count a warmup of 0 as 1 and have no floor.
     """
 
     def __init__(self, cfg: UpdateConfig, horizon: int | None) -> None:

@@ -1,32 +1,11 @@
 """The window transaction: K microbatches -> exactly one disposition (U1-U4, U7).
 
-``UpdateEngine.run_window`` is the one place where an update happens, written to
-be read top to bottom:
-
-1. Plan the window on the host (the objective stage): every microbatch's row
-   coefficients and the window denominator ``D_W``, known before any forward
-   (U1, L3). ``D_W == 0`` over the whole window (and all ranks) is
-   ``NO_OBJECTIVE``: nothing is touched, not even the loss scaler (L4, U4).
-2. For each microbatch, at the same parameters: autocast forward + loss, then
-   backward of ``scale * S_m / D_W`` (pre-scaled, so the accumulated gradient is
-   the window objective's gradient; never a mean of microbatch means, U1).
-3. Close in the order of U3: unscale once -> global fp32 L2 norm over unique
-   parameters -> finite decision (one host read for the whole window, U7;
-   agreed across ranks through the reducer, D2) -> clip with that same norm ->
-   optimizer step at the schedule's lr -> scaler update -> schedule advance ->
-   zero grads. A non-finite window is ``SKIPPED_NONFINITE``: parameters,
-   optimizer state and step count and the schedule stay bitwise unchanged, and
-   the scaler backs off.
-
-An objective family whose inputs depend on the model (scheduled sampling, R8)
-plugs in through ``InputProgram``: before each microbatch's forward it rewrites the
-microbatch's inputs from the model at the window's parameters, the committed clock
-and the window index, and the disposition carries what it did (``inputs``).
-
-Distributed training plugs in through ``Reducer`` (D1, D2): it sums the window's
-host-side denominator across ranks, disables gradient sync for all but the last
-microbatch, and sums the finite flag. ``LocalReducer`` is the single-process
-identity.
+``UpdateEngine.run_window`` plans the window on the host, backpropagates each
+microbatch's numerator pre-scaled by ``1 / D_W`` at the same parameters, and closes in
+the order of U3 with one host read (U7): committed, skipped as non-finite with
+everything bitwise unchanged, or no objective. ``Reducer`` (D1, D2) and
+``InputProgram`` (R8) are where ranks and model-dependent inputs plug in.
+Design and derivations: docs/design/update.md#updatewindowpy (U1-U4, U7, D1, D2, R8).
 """
 
 from __future__ import annotations
@@ -190,6 +169,9 @@ class UpdateEngine:
 
         A window shorter than ``update.accum`` (the end of the data) is a window
         like any other (U1). Exactly one host read happens on the hot path (U7).
+        ``NO_OBJECTIVE`` (``D_W == 0`` over the window and all ranks) touches nothing,
+        not even the scaler; ``SKIPPED_NONFINITE`` leaves parameters, optimizer state
+        and step count and the schedule bitwise unchanged and backs the scaler off (U4).
         """
         if not batches:
             raise ValueError("run_window needs at least one microbatch")
