@@ -15,7 +15,7 @@ from typing import Any
 
 from exactstep.data.config import DataConfig
 from exactstep.data.corpus import Corpus, load_corpus
-from exactstep.durable import check_out, publish_directory
+from exactstep.durable import check_out, json_bytes, publish_directory, write_durably
 from exactstep.errors import ConfigError
 
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
@@ -52,8 +52,6 @@ def train_bpe_tokenizer(source: str, vocab_size: int, out: Path, *,
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf.save_pretrained(str(tmp))
-        from exactstep.durable import json_bytes, write_durably
-
         write_durably(tmp / TRAINING_RECORD, json_bytes(record))
         publish_directory(tmp, out)
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from exactstep.data.hf_chat import HFChatTemplate
 from exactstep.errors import ConfigError, DataError
 
 SPECIAL_ROLES = ("bos", "eos", "pad")
@@ -155,8 +156,6 @@ class HFTokenizer:
 
         Raises ``ConfigError`` when there is none, naming ``data.chat_template``.
         """
-        from exactstep.data.hf_chat import HFChatTemplate
-
         if self.chat_template is None:
             raise ConfigError(
                 f"the tokenizer at {self.path} has no chat template; set data.chat_template "

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from exactstep.data.hf_tokenizer import load_hf_tokenizer
 from exactstep.errors import ConfigError, DataError
 
 
@@ -179,8 +180,6 @@ def build_tokenizer(cfg: Any, extra_specials: tuple[str, ...] = ()) -> Tokenizer
             f"this objective family needs the special tokens {list(extra_specials)}, which "
             "only the built-in byte tokenizer provides so far; set data.tokenizer = 'bytes'"
         )
-    from exactstep.data.hf_tokenizer import load_hf_tokenizer
-
     path, key = data.tokenizer_path, "data.tokenizer_path"
     if path is None:
         path = getattr(getattr(cfg, "model", None), "path", None)
