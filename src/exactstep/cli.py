@@ -1,13 +1,9 @@
 """The ``exactstep`` command (X2). Thin: parse, build, call; errors become one line (X4).
 
-Importing this module and parsing a command line import nothing heavy: torch and the
-training stack load only once a command runs (inside ``dispatch``), so a usage error,
-``--help`` and ``bench list`` answer at once (X4).
-
-Every way a command can be wrong ends in one ``error: ...`` line on stderr and a
-non-zero exit (2 for a user error): a bad argument (argparse's own message, without
-its usage block), any ``ExactstepError``, a setting too large for this machine's
-memory, and an interrupt (130). Anything else is a bug and keeps its traceback.
+Parsing imports nothing heavy (torch loads inside ``dispatch``), so a usage error,
+``--help`` and ``bench list`` answer at once; every user error ends in one
+``error: ...`` line and a non-zero exit, and anything else keeps its traceback.
+Design and derivations: docs/design/run.md#clipy (X2, X4).
 """
 
 from __future__ import annotations
@@ -170,6 +166,12 @@ def key_value(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``exactstep argv``; returns the exit code (X4).
+
+    0 on success. A bad argument, any ``ExactstepError`` and a setting too large for
+    this machine's memory print one ``error: ...`` line and return the error's code
+    (2 for a user error); an interrupt returns 130. Anything else is a bug and raises.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)

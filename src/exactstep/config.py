@@ -1,16 +1,9 @@
 """The resolved run configuration: TOML file + ``--set key=value`` overrides (X2).
 
-Each stage owns a frozen, keyword-only dataclass for its section (``data``,
-``batch``, ``model``, ``objective``, ``update``, ``numerics``, ``train``,
-``checkpoint``, ``parallel``); this module composes them, coerces override strings
-to the declared field types, and rejects unknown keys and invalid values with a
-``ConfigError`` naming the key. Section dataclasses validate their own values in
-``__post_init__`` (each numeric key against its range, ``exactstep.ranges``); on top
-of that ``coerce`` refuses NaN and the infinities for every float key and any integer
-that does not fit in 64 bits. A ``dict[str, Any]`` key (e.g. ``model.hf_config``) takes
-a TOML table, or from ``--set`` a JSON object string; its contents must be plain data
-(string keys; strings, finite numbers, booleans, lists and tables), so the manifest
-records it as given (X2, S1).
+Composes each stage's frozen, keyword-only section dataclass, coerces overrides to
+the declared types and refuses unknown keys, out-of-range and non-finite values with
+a ``ConfigError`` naming the key (X4), so the manifest records plain data (S1).
+Design and derivations: docs/design/run.md#configpy (X2, S1).
 """
 
 from __future__ import annotations

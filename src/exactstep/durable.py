@@ -1,27 +1,10 @@
 """Durable file writes and append-only journals (S3, S8): the one place that fsyncs.
 
-Every file exactstep must not lose goes through here:
-
-* ``write_durably(path, data)``: write + flush + fsync a file in place (used inside a
-  temporary directory that is published as a whole later).
-* ``replace_durably(path, data)``: write a temporary sibling, fsync it, ``os.replace``
-  it over ``path``, fsync the directory. A crash leaves the old file or the new one.
-* ``create_durably(path, data)``: like ``replace_durably`` but never clobbers: the
-  file is hard-linked into place and ``False`` is returned if ``path`` exists.
-* ``Journal``: an append-only JSON-lines file (``ledger.jsonl``, ``metrics.jsonl``)
-  with a running sha256, so a checkpoint can record *which bytes* of the journal it
-  covers (``mark()``) and a resume can prove the journal still holds them
-  (``check_mark``) before truncating the tail written after that checkpoint.
-* ``ensure_writable_dir``: refuse a run directory that cannot be written, before
-  anything is built.
-* ``locked_directory`` / ``exclusive_lock``: one process at a time on a run directory
-  or an output (S8, X4): an exclusive ``flock`` on a lock file holding the holder's
-  PID, which the kernel releases when the process ends, however it ends. A second
-  process is refused (``DirectoryInUse``, naming the PID) before it touches anything.
-  A clean exit removes the lock file; one left by a killed process holds no lock and
-  is taken over by the next command (nothing else reads it).
-* ``stale_temporaries``: the temporary siblings (``.NAME.tmp-PID``) that a killed
-  process left beside ``NAME``; never published, so a rerun may remove them (S8).
+Every file exactstep must not lose goes through here: in-place, replacing and
+never-clobbering writes, the ``Journal`` whose marks a checkpoint records, the
+one-process-at-a-time lock on a run directory or output, and the temporaries a killed
+process left (never published, so removable, S8).
+Design and derivations: docs/design/run.md#durablepy (S3, S8, X4).
 """
 
 from __future__ import annotations
@@ -55,7 +38,10 @@ def fsync_path(path: Path) -> None:
 
 
 def write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` (created or truncated) and fsync it."""
+    """Write ``data`` to ``path`` (created or truncated) and fsync it.
+
+    Not atomic: for files inside a temporary directory that is published as a whole
+    later; a file replaced in place takes ``replace_durably``."""
     with open(path, "wb") as fh:
         fh.write(data)
         fh.flush()
@@ -81,8 +67,10 @@ def replace_durably(path: Path, data: bytes) -> None:
 def create_durably(path: Path, data: bytes) -> bool:
     """Create ``path`` holding ``data`` durably unless it exists; never clobbers.
 
-    Returns ``True`` when this call created the file, ``False`` when a file was
-    already there (its content is left as it is, for the caller to compare).
+    The file is written and fsynced under a temporary name and hard-linked into place,
+    so a crash leaves no file or the complete one. Returns ``True`` when this call
+    created the file, ``False`` when a file was already there (its content is left as
+    it is, for the caller to compare).
     """
     path = Path(path)
     tmp = _temporary_sibling(path)

@@ -1,15 +1,10 @@
 """Evaluation with isolation (E1), perplexity from global sums (L5), greedy decoding.
 
-``evaluate`` switches the model to eval mode under ``torch.no_grad``, isolates every
-RNG stream a run draws from (Python, NumPy, torch CPU and CUDA: ``state.rng``) so
-evaluation consumes no randomness of the training run, and restores every module's
-previous train/eval mode afterwards. It touches no optimizer, scheduler, scaler or
-progress state: it only reads parameters.
-
-``Validator`` is the component a run calls for held-out figures (mid-run records,
-the end-of-run summary); ``greedy_answer_accuracy`` scores a chat demo's held-out
-answers; ``evaluate_run`` evaluates a finished run's checkpoint with only a model
-and its data (no optimizer, engine or process group).
+``evaluate`` reads only parameters, in eval mode under ``torch.no_grad`` with every
+RNG stream isolated, and restores each module's mode (E1); ``Validator`` is the
+component a run calls for held-out figures; ``greedy_answer_accuracy`` scores a chat
+demo's held-out answers.
+Design and derivations: docs/design/run.md#evalpy (E1, L5).
 """
 
 from __future__ import annotations

@@ -1,44 +1,10 @@
 """Export a run's checkpoint as a Hugging Face model directory, with the handoff check (H3).
 
-``export_run(run_dir, out)`` writes a directory that ``AutoModelForCausalLM`` and
-``AutoTokenizer.from_pretrained`` load with no extra code: ``config.json``,
-``model.safetensors``, the tokenizer files (with a chat template for chat runs),
-``generation_config.json``, and ``passport.json``. A run with a Hugging Face
-tokenizer exports that tokenizer (and its chat template); a byte-tokenizer run the
-byte tokenizer described below. It is accepted only after the
-*written* artifact, loaded back with plain ``transformers``, reproduces the training
-model's logits on held-out documents in fp32 and its tokenizer reproduces the training
-tokenizer's ids on them. The tokenizer ``AutoTokenizer`` returns must moreover be the
-one written (the same normalizer, pre-tokenizer, model, added tokens, post-processor
-and decoder): for some model types transformers picks its own tokenizer class
-whatever ``tokenizer_config.json`` says (``qwen2``: ``Qwen2Tokenizer``, which rebuilds
-the vocabulary with Qwen2's own normalizer and pre-tokenizer), and such an export is
-refused naming the class and what to do instead. ``config.json``,
-``generation_config.json`` and the tokenizer all carry the run's BOS / EOS / PAD ids,
-never an architecture's defaults. The logits must agree within ``LOGIT_TOLERANCE``, or
-within twice the spread of transformers' own two attention paths (``sdpa`` against
-``eager``, the same artifact, the same rows) where that is larger: two fp32
-implementations of a trained model differ by rounding that grows with its logits
-(1.8e-5 between transformers' own paths on the default model after ``make train``),
-while a wrong mapping differs by orders of magnitude more. The directory is
-written under a temporary sibling name and renamed into place only after the check
-passes, so a failed or interrupted export publishes nothing. ``verify_export``
-(``exactstep export verify``) recomputes the sha256 of every file the passport lists
-(S6 for exports).
-
-One export at a time per ``OUT`` (S8, X4): ``export_run`` holds ``.OUT.lock`` beside it
-for the whole export (``durable.exclusive_lock``), so a second export into ``OUT`` is
-refused naming the first one's PID; holding it, it removes the temporary directory a
-killed export left (``.OUT.tmp-PID`` whose process has ended: never published). The
-run directory is only read, from committed checkpoints (S3), and is not locked, so a
-run can be exported while it trains.
-
-The built-in decoder maps onto ``LlamaConfig`` exactly: the fused ``qkv`` projection
-splits into ``q/k/v_proj`` (heads in order), ``gate_up`` into ``gate_proj`` then
-``up_proj``, RoPE rotates the pairs ``(i, i + Dh/2)`` (``rotate_half``) with the same
-inverse frequencies, RMSNorm in fp32 with the same epsilon, no biases, and a tied
-head stays tied. The byte tokenizer becomes a byte-level BPE with no merges: byte
-``b`` is id ``b`` and BOS / EOS / PAD keep ids 256 / 257 / 258.
+``export_run`` writes what plain ``transformers`` loads (weights, tokenizer, configs
+carrying the run's special ids, a passport) and publishes it only after the written
+artifact reproduces the training model's logits and token ids; ``verify_export``
+rechecks every digest the passport lists (S6). One export at a time per ``OUT`` (S8).
+Design and derivations: docs/design/prepare-export.md#exportpy (H3, H2, S6, S8).
 """
 
 from __future__ import annotations
@@ -237,6 +203,12 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     Raises ``ConfigError`` when ``out`` exists and is not empty or cannot be written,
     ``DirectoryInUse`` when another process exports into ``out``, ``ExportError`` when
     the handoff check fails (nothing is published then).
+
+    ``out`` gets ``config.json``, ``model.safetensors``, the tokenizer files,
+    ``generation_config.json`` and ``passport.json``, written under a temporary
+    sibling and renamed into place only after the check passes (H3). ``.OUT.lock``
+    beside ``out`` is held throughout; a killed export's temporary is removed. The run
+    directory is only read (committed checkpoints), so a training run can be exported.
     """
     out = Path(out)
     check_out(out)

@@ -1,19 +1,9 @@
 """The run manifest: what the run optimizes, fixed before the first step (S1).
 
-A manifest is a tree of plain values (``str``, ``int``, finite ``float``, ``bool``,
-``None``, lists and string-keyed mappings) grouped in sections. It is serialised as
-canonical JSON so that the same declaration always has the same bytes and therefore
-the same sha256 digest, on every machine and Python version:
-
-* keys sorted, separators ``(",", ":")``, UTF-8 (no ``\\u`` escapes for non-ASCII);
-* floats written as Python's shortest round-tripping ``repr`` (``0.1`` -> ``0.1``,
-  ``1e-05`` -> ``1e-05``); ``1`` and ``1.0`` are different values and stay different;
-* NaN and infinities are refused (they have no JSON spelling and no stable meaning);
-* tuples are written as lists; one trailing newline.
-
-The manifest is immutable: ``write_manifest`` refuses to replace a manifest with a
-different one, and progress (counters, cursors) lives beside it in checkpoints,
-never in it. ``diff_manifests`` names the differing fields for S4 resume refusals.
+A tree of plain values serialised as canonical JSON, so one declaration has one
+sha256 on every machine; immutable once written (progress lives in checkpoints), and
+``diff_manifests`` names the fields behind an S4 resume refusal.
+Design and derivations: docs/design/run.md#manifestpy (S1, S4).
 """
 
 from __future__ import annotations
@@ -88,6 +78,10 @@ class Manifest:
 
 def canonical_json(obj: Any) -> bytes:
     """The canonical UTF-8 bytes of ``obj`` (S1), ending in one newline.
+
+    Keys sorted, separators ``(",", ":")``, no ``\\u`` escapes, floats as Python's
+    shortest round-tripping ``repr`` (``1`` and ``1.0`` stay different), tuples as
+    lists: one declaration, one sha256, on every machine and Python version.
 
     Raises ``ConfigError`` naming the dotted path of the first value that has no
     canonical form (NaN/Inf, non-string keys, objects that are not plain data).

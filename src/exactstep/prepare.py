@@ -1,41 +1,9 @@
 """``exactstep prepare``: tokenize a source once into prepared shards (P1).
 
-The source is split exactly as a run splits it (by the hash of each document's
-name, ``data.val_fraction``), each document becomes the example the in-memory path
-would build, and the examples are written in source order into shards of about
-``shard_tokens`` tokens (a shard closes at the first document boundary at or past
-that size). The layout is ``data.prepared``'s. A text or chat source (a JSONL file;
-a Parquet or Arrow file; a directory of shards) is streamed with at most
-``2 * workers`` chunks in flight: a JSONL one line at a time, a columnar source one
-shard file at a time, so preparing it never holds the corpus in memory, only the
-largest shard file. The standard-library corpus (tens of MB) and the generated
-``arith`` conversations are read by the run's own readers (``data.corpus``,
-``rows.sources``), which build them whole.
-
-Invariants:
-
-- Byte-identical shards for the same source, settings and tokenizer whatever
-  ``workers`` is: documents are encoded in fixed chunks of ``CHUNK_DOCUMENTS``,
-  taken back in submission order, and written by this process alone; shard
-  boundaries depend only on the documents' lengths.
-- Publication is atomic, like a checkpoint's (S3): everything is written and fsynced
-  in ``.<out>.partial`` beside ``out``, ``prepared.json`` last, then the directory is
-  renamed into place and its parent fsynced. An interrupted preparation leaves only
-  the ``.partial`` directory, which is never read as prepared data and which the next
-  ``prepare`` into the same ``--out`` removes before starting again; a refused one
-  (an ``ExactstepError``) removes it at once.
-
-- One process at a time per ``--out`` (S8, X4): ``prepare`` holds ``.<out>.lock``
-  beside it (``durable.exclusive_lock``) from before it looks at ``out`` until it has
-  published, so a second ``prepare`` into the same ``out`` is refused naming the
-  first one's PID, and never removes the first one's ``.partial`` directory.
-- The workers die with the process that started them, however it ends: a SIGKILL
-  runs none of the pool's clean-up, so each worker ends itself (``die_with_parent``).
-
-Failure modes (one ``error:`` line each at the CLI): a source with no document, a
-malformed line (file and line named by the reader), an empty train or validation
-split, an ``--out`` that already holds something or that another process prepares
-into (``DirectoryInUse``), ``--workers`` below 1.
+The source is split and compiled exactly as a run would, streamed, and written into
+``data.prepared``'s shards, byte-identical whatever the worker count; the directory
+is published atomically, one process at a time per ``--out`` (S3, S8, X4).
+Design and derivations: docs/design/prepare-export.md#preparepy (P1, S3, S8, X4).
 """
 
 from __future__ import annotations
@@ -116,7 +84,11 @@ def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
 
     Returns the published ``prepared.json`` content. ``out`` is held for the whole
     call (``.<out>.lock`` beside it); another process holding it is a
-    ``DirectoryInUse`` before anything is read or written.
+    ``DirectoryInUse`` before anything is read or written. Shards are byte-identical
+    whatever ``workers`` is (P1). Everything is written in ``.<out>.partial`` and
+    renamed into place last (S3); an interrupted run leaves only that, which the next
+    ``prepare`` into ``out`` removes. Refused (``ExactstepError``): no document, a
+    malformed line, an empty split, a non-empty ``out``, ``workers`` below 1.
     """
     if workers < 1:
         raise ConfigError(f"--workers expects a positive number of processes; got {workers}")

@@ -1,22 +1,9 @@
 """Allowed ranges of numeric configuration values, checked at the boundary (X2, X4).
 
-Every numeric key of every configuration section is checked in its section's
-``__post_init__`` with ``check(key, value, allowed)``; a value outside its range is a
-``ConfigError`` that names the key, the allowed range and the value given, e.g.
-``model.norm_eps must be > 0; got -1.0``.
-
-Invariants:
-
-- A float is refused unless it is finite: no key gives NaN or an infinity a meaning
-  (0, not infinity, is the documented "off" value wherever there is one, and the
-  manifest holds finite numbers only). The comparisons are written so that NaN
-  fails them.
-- An integer must fit in a signed 64-bit integer (``INT64``), the width every
-  tensor index, seed and counter is stored in.
-- Values realised in float32 arithmetic by the model or the optimizer (norm eps,
-  RoPE base, init std, Adam eps, loss scale) must be positive normal float32 numbers
-  (``POSITIVE_FLOAT32``): a smaller one rounds to 0 and a larger one to infinity,
-  either of which makes every window non-finite.
+Each section's ``__post_init__`` calls ``check(key, value, allowed)``; a value
+outside its range (a non-finite float, an integer past 64 bits, a float32 value that
+would round to 0 or infinity) is a ``ConfigError`` naming key, range and value.
+Design and derivations: docs/design/run.md#rangespy (X2, X4).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The training run: build -> run windows -> finish. Orchestration only.
 
-Data flows ``examples -> Batch -> row losses -> Objective | NoObjective ->
-Disposition``; this module wires the stages and calls three components: the
-``Checkpointer`` (state), the ``Reporter`` (metrics, progress, summary) and the
-``Validator`` (held-out evaluation). The run directory:
-
-    RUN/manifest.json     immutable manifest + digest (S1), written before step 1
-    RUN/ledger.jsonl      one line per window (U4)
-    RUN/metrics.jsonl     interval metrics and evaluations (X3)
-    RUN/loss.png          loss curve (X3)
-    RUN/data_report.json  packing outcomes and efficiency (R4)
-    RUN/summary.json      end-of-run summary
-    RUN/checkpoints/      atomically published checkpoints + LATEST (S3, S8)
-    RUN/.exactstep.lock   held by the one command working in RUN (``hold_run_dir``)
+Wires the stages ``examples -> Batch -> row losses -> Objective | NoObjective ->
+Disposition`` and calls three components: the ``Checkpointer`` (state), the
+``Reporter`` (metrics, progress, summary) and the ``Validator`` (held-out
+evaluation); everything a run writes lives in one run directory (S1, U4, S3, X3).
+Design and derivations: docs/design/run.md#runnerpy (U4, S1, S3, S8, X3).
 """
 
 from __future__ import annotations
@@ -261,7 +253,12 @@ def identity_of(run: Run, start: int) -> RunIdentity:
 
 def train(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     """A new run in ``out_dir``. Refuses a directory that already holds another run, or
-    that another process works in (``hold_run_dir``)."""
+    that another process works in (``hold_run_dir``).
+
+    ``out_dir`` gets ``manifest.json`` (S1, before step 1), ``ledger.jsonl`` (U4),
+    ``metrics.jsonl`` and ``loss.png`` (X3), ``data_report.json`` (R4),
+    ``summary.json``, ``checkpoints/`` with ``LATEST`` (S3, S8) and, while a command
+    works in it, ``.exactstep.lock``."""
     started = time.perf_counter()
     with hold_run_dir(out_dir, "--out", new=True), environment.threads_restored():
         run = build_run(cfg, out_dir)

@@ -1,15 +1,9 @@
 """Per-document attention vs one dense-mask SDPA, forward + backward, same run.
 
-Both sides compute the same visibility (R2, R3): ``segments`` runs SDPA per
-document (grouped into length buckets) and ``dense`` hands SDPA one boolean
-``[B, 1, T, T]`` mask. Each timed call prepares the visibility from the batch and
-runs attention forward and backward. Figures: ``speedup_cross_document`` on rows
-whose causal key-query pairs are at least two thirds cross-document (issue 3 asks
->= 2x), ``speedup_training_packed`` and ``speedup_training_whole_rows`` at the
-default training shape (B=16, T=256, 4 heads of 64) with several documents per row
-and with one document per row, and the decoder's forward + backward
-``tokens_per_s`` at the default model shape with ``auto`` attention, against the
-dense mask (``model_speedup``).
+Both sides realise the same visibility (R2, R3); ``exactstep bench attention``
+reports the speed-up on cross-document rows and at the default training shape
+(packed and whole rows), and the decoder's ``tokens_per_s`` with ``auto`` attention.
+Design and derivations: docs/design/bench.md#benchattentionpy (R2, R3).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Checkpoint save and load of a full training state against plain torch.save/torch.load.
 
-The state is a small decoder-shaped model (tied embedding) with AdamW moments, a
-schedule, counters, RNG streams and a data cursor. The candidate is exactstep's
-atomic publication (safetensors weights + one file per part, fsync of every file,
-per-file sha256 manifest, rename, LATEST pointer) and its verified load (every
-digest checked before deserialising). The baseline is one ``torch.save`` of the
-same tensors to one file (no fsync, no digests) and ``torch.load(weights_only=True)``.
-Candidate and baseline alternate in the same process. Figures: ``save_time_ratio``
-(candidate / baseline; goal <= 2), the same against a baseline that also fsyncs its
-one file (durability has a disk cost that no amount of care removes),
-``load_time_ratio`` (verified; goal <= 1), the same without verification, and the
-state size.
+The candidate is exactstep's atomic publication and verified load (S3, S6); the
+baseline one ``torch.save`` file and ``torch.load(weights_only=True)``, alternating in
+one process. ``exactstep bench checkpoint`` reports save and load time ratios.
+Design and derivations: docs/design/bench.md#benchcheckpointpy (S3, S6).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Shared helpers for benchmarks: interleaved timing and one output convention.
 
-Every benchmark module in ``exactstep.bench`` defines ``run(quick: bool) -> dict`` returning
-plainly named figures (``time_ratio``, ``memory_ratio``, ``speedup``,
-``tokens_per_s`` ...) measured against a baseline in the same process, and a
-one-paragraph ``__doc__``. ``exactstep bench NAME [--quick] [--json]`` prints them.
-Timings alternate candidate and baseline so machine noise hits both alike.
+Every benchmark defines ``run(quick: bool) -> dict`` of plainly named figures measured
+against a baseline in the same process, and a one-paragraph ``__doc__``; timings
+alternate candidate and baseline so machine noise hits both alike.
+Design and derivations: docs/design/bench.md#benchcommonpy.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Per-window cost of the distributed transaction against plain DDP (D1, D2, U7).
 
-Two ranks on this host (gloo, CPU), the same small decoder and the same sharded
-rows. Candidate: what the runner does per window: the agreed microbatch count (one
-max all-reduce), exactstep's window (``UpdateEngine`` + ``DDPReducer``: one
-all-reduce of ``[D, tokens]`` before the forward, ``no_sync`` for the first K-1
-microbatches, one all-reduce of ``[finite flag, S, gold NLL]`` at the close, one host
-read), and the agreed stop flag (one max all-reduce). Baseline: a plain DDP accumulation loop over the same microbatches (local
-token mean per microbatch, ``no_sync``, clip, step; no extra collective, no agreed
-decision). The two alternate window by window in the same processes, so machine
-noise hits both alike. Figures: ``time_ratio`` (candidate / baseline, median
-seconds per window), ``overhead_ms_per_window`` and the extra collectives per window.
+Two CPU ranks run exactstep's agreed window (agreed count, ``DDPReducer``, agreed
+stop) and a plain DDP accumulation loop, alternating window by window;
+``exactstep bench ddp`` reports ``time_ratio``, the overhead and extra collectives.
+Design and derivations: docs/design/bench.md#benchddppy (D1, D2, U7).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Objective families (R8): packing efficiency and training throughput against causal LM.
 
-Every built family (``exactstep.families.BUILT``) trains the same model size (the
-built-in blocks at ``d_model`` 64, 2 layers; the encoder-decoder families put that
-many layers on each side) on its built-in data, through the real run (``build_run``:
-its compiler, R7 checks, the window transaction, AdamW), for the same number of
-windows of the same shape (``batch.rows`` x ``batch.seq_len`` planner columns). The
-runs alternate window by window so machine noise hits every family alike; the causal
-family is the baseline measured in the same run.
-
-Figures per family: ``efficiency`` (real planner tokens / slots, from the stream's
-data report), ``tokens_per_s`` (input tokens of the windows per second of training,
-the encoder side included), ``targets_per_s`` (supervised targets per second: what
-each family actually learns from) and ``time_ratio`` (seconds per window / causal's).
+Every built family trains the same model size on its built-in data through the real
+run, alternating window by window with the causal baseline; ``exactstep bench
+families`` reports each one's ``efficiency``, ``tokens_per_s``, ``targets_per_s`` and
+``time_ratio``.
+Design and derivations: docs/design/bench.md#benchfamiliespy (R8).
 """
 
 from __future__ import annotations

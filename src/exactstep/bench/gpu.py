@@ -1,34 +1,10 @@
 """The GPU smoke test: every CUDA path exercised once, with figures, in a few minutes.
 
-``exactstep bench gpu --json`` (``make gpu-smoke``) runs on one CUDA device; each check
-prints one line (``PASS``, ``FAIL`` or ``SKIP`` with its figures) on stderr as it
-ends, and the figures of all of them come back as one JSON object. Any ``FAIL``
-makes the command exit non-zero. Checks, in order:
-
-- ``attention``: per-document SDPA and FlexAttention (host-built block mask) against
-  the dense reference, forward and backward, fp32 (1e-5; FlexAttention 1e-4, it sums
-  in another order), and FlexAttention's first-call (compile) time (R3).
-- ``windows``: the same 30 bf16 windows of the default decoder with ``model.attention
-  = auto | segments | dense`` from one seed; ledger losses agree within bf16
-  tolerance; tokens/s of each (U1, U2).
-- ``sync_audit``: one window under ``torch.cuda.set_sync_debug_mode("warn")`` counts
-  exactly one synchronising call (the finite decision, U7), per-document and
-  ``auto``; a blocking copy is counted too (the detector works).
-- ``fp16_skip``: fp16 with an injected non-finite window: that window is skipped,
-  parameters are unchanged bitwise, the loss scale halves (U2, U4).
-- ``resume``: 20 windows straight against 10, then a resume from the window-10
-  checkpoint (no kill): final checkpoints (weights, optimizer, RNG, data cursor)
-  and ledgers compared bitwise (S5), through the real runner on CUDA.
-- ``chunked_ce``: the fused chunked cross entropy against ``logits.float()`` + CE at
-  N 32k, V 128k, H 2048 in bf16, forward + backward: peak memory and time ratios (L1).
-- ``mfu``: model FLOPs utilisation of the default decoder widened 8x (d_model 1024,
-  d_ff 2752, 32 heads of 32, 4 layers) training in bf16, against the bf16 matmul
-  peak measured in the same run.
-
-``--dry-run`` runs the same checks through the same code on the CPU with tiny shapes,
-so the smoke test cannot rot: what needs CUDA (FlexAttention's backward and compile,
-the sync debug mode, CUDA memory statistics) is reported as ``SKIP (needs CUDA)``,
-and figures measured on the CPU mean nothing about a GPU.
+``exactstep bench gpu --json`` (``make gpu-smoke``) runs its checks (attention,
+windows, sync audit, fp16 skip, resume, chunked CE, MFU) on one CUDA device, one
+``PASS`` / ``FAIL`` / ``SKIP`` line each; any ``FAIL`` exits non-zero. ``--dry-run``
+runs the same code on the CPU with tiny shapes so the test cannot rot.
+Design and derivations: docs/design/bench.md#benchgpupy (R3, U1, U2, U4, U7, S5, L1).
 """
 
 from __future__ import annotations

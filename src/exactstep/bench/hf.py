@@ -1,48 +1,10 @@
 """exactstep driving a Hugging Face Llama against Hugging Face ``Trainer`` (H1, R3, R4, L1).
 
-Same model (a ``LlamaForCausalLM`` about the size of the built-in default: hidden
-128, 4 layers, 4 heads, intermediate 344, tied head, byte vocabulary 259, ``sdpa``),
-same initial weights (the baseline's model is a copy of the one exactstep trains,
-and both are reset to those weights before every pass), the same data (the same
-token arrays), the same optimizer (fused AdamW, lr 1e-3, betas 0.9/0.999, eps 1e-8,
-no weight decay, constant lr, clip 1.0, a fresh optimizer every pass), fp32 on the
-CPU, one process, one intra-op thread on both sides (``THREADS``). One *pass* is one
-epoch over the data set; passes alternate (``interleaved_times``) so machine noise
-hits both alike. Each side's training loop is timed: exactstep's from its first
-window to its last, Trainer's from ``on_train_begin`` to ``on_train_end`` (a
-callback), so the once-per-run setup of either is not charged to every pass; the
-whole pass, setup included, is reported beside it.
-
-- exactstep: ``RowStream`` (best-fit-decreasing packing, R7 checks on) ->
-  ``UpdateEngine.run_window`` over ``HFCausalLM`` (per-document positions and a
-  block-diagonal 4D mask, R3; the head fused into the chunked CE, L1).
-- Hugging Face: ``Trainer`` with ``per_device_train_batch_size``, no evaluation, no
-  saving, default logging, ``dataloader_num_workers=0``, ``report_to=[]``, its
-  default fused AdamW; each example is one row padded to the longest of its batch.
-
-Two workloads:
-
-- ``long``: standard-library source files as ``BOS + bytes + EOS``, cut into pieces
-  of 256 tokens (exactstep's ``batch.overlong = "split"``; for Trainer the same
-  pieces, which is what a tokenizer's ``truncation=True, max_length=256,
-  return_overflowing_tokens=True`` gives), 16 rows per step on both sides;
-  ``DataCollatorForLanguageModeling(mlm=False)`` (labels -100 on padding).
-- ``sft``: the arithmetic chat conversations (one or two user turns, 39-90 tokens),
-  supervised on the assistant answers and their end-of-turn only (R5);
-  ``DataCollatorForSeq2Seq`` (dynamic padding, labels padded with -100) over
-  examples whose labels are -100 outside the assistant targets; exactstep packs them
-  into rows of 256.
-
-Trainer's batch size is the number of examples divided by exactstep's number of
-windows for the pass (rounded), so both make about as many optimizer updates over
-the same examples. Figures per workload: supervised (non-pad, owned) target tokens
-per second of each side, ``speedup`` (the median over passes of Trainer's loop time
-over exactstep's, each pair measured back to back; the goals are >= 1.0 on
-``long`` and >= 1.5 on ``sft``), the ratio of every pass, the
-supervised tokens each side processed per pass (equal by construction, counted by
-each side: exactstep's committed tokens, and the non--100 shifted labels of the
-batches Trainer's collator produced), the share of row slots holding real tokens,
-and each side's mean training loss of a pass from the same start.
+The same model, initial weights, data, optimizer and thread count on both sides;
+passes alternate, and each side's training loop is timed on two workloads (``long``
+text pieces, ``sft`` chat). ``exactstep bench hf`` reports supervised tokens per
+second and ``speedup`` (Trainer's loop time over exactstep's).
+Design and derivations: docs/design/bench.md#benchhfpy (H1, R3, R4, R5, L1).
 """
 
 from __future__ import annotations

@@ -1,61 +1,11 @@
 """Prepared-shard loader: packing throughput against raw memmap reads, and peak RSS
 of a 100-window run over two corpus sizes (P2, R4, R7).
 
-Synthetic prepared corpora (byte-tokenizer ids, lognormal document lengths, mean
-about 600 tokens, written straight into the ``data.prepared`` layout) of
-``SIZES_MB`` (``--quick``: ``QUICK_SIZES_MB``) megabytes of ``uint16`` tokens.
-
-Figures:
-
-- ``tokens_per_s``: real tokens per second that ``RowStream`` packs from the larger
-  corpus (best fit over the bounded buffer, the causal compiler, tensors built,
-  R7 checks on), reading each document through the memory map in the declared
-  block order: the steady rate of one stream, ``batches`` batches at a time;
-- ``memmap_tokens_per_s``: the baseline, the same number of tokens read as
-  contiguous ``numpy.memmap`` slices of ``seq_len`` tokens into an int64 tensor
-  ``[rows, seq_len]`` (nanoGPT's reader), from one memory map read on where it
-  stopped, timed interleaved with the candidate;
-- ``throughput_ratio``: the two rates' ratio (candidate / baseline);
-- ``plan_us`` / ``fill_us`` / ``batch_us``: microseconds per batch of each part of
-  ``RowStream.next_batch`` on the larger corpus (the planner's ``next_plan``; the
-  causal kernel's one call, ``kernels.CausalFill``, that fills the four tensors it
-  allocates, screens them (R7), counts the targets and builds the rows'
-  ``Segment``s; the ``Batch``), the median over blocks of 100 batches, and
-  ``parts_us`` their sum (each batch is dropped before the next is built, as in the
-  rates' loops, so a new batch is written into memory the last one left in cache;
-  a training loop that holds its batch while the next is packed writes colder
-  memory);
-- ``kernels_us``: the compiled work alone on the last block's plans: the C fill,
-  screen and count (``fill_screened``) called with arguments made beforehand, into
-  outputs allocated once (so they stay in cache): a floor under what any Python
-  around them can reach; ``kernels_tokens_per_s`` its rate and ``kernels_ratio``
-  that rate over the memmap rate (the throughput ratio with nothing but that call);
-- ``startup_s``: what a stream costs before its first batch and including it
-  (open and size-check the directory, the planner's first buffer of ``buffer``
-  pieces), once per run, so not part of either rate;
-- ``rss_small_mb`` / ``rss_large_mb``: peak resident memory of a fresh process that
-  trains a tiny decoder for 100 windows from each corpus (``train``, evaluation
-  off); ``rss_ratio`` = large / small (1.0 means the corpus size does not show);
-- ``step_s_free`` / ``step_s_inline`` / ``step_s_background`` / ``step_s_process``:
-  seconds per training window of the same run (the ``RSS_SCRIPT`` model and rows,
-  from the larger corpus) when the batches cost nothing (built beforehand), when
-  they are packed in line, when they are packed ahead on the worker thread
-  (``train.prefetch = 2``, ``rows.background``) and when they are packed ahead in a
-  loader process (``train.loader = "process"``, ``rows.loader_process``), measured
-  in alternating blocks; ``inline_step_ratio``, ``background_step_ratio`` and
-  ``process_step_ratio`` are each against the free data path (1.0 = invisible): the
-  median over blocks of each block's ratio to the free path's time in the same block,
-  with the quartiles of those ratios (``*_step_ratio_quartiles``);
-  ``neighbour_step_ratio``: the control, the free path again while a process that
-  only burns CPU runs beside the trainer (``Neighbour``): what any second process
-  costs the step on this machine, so the floor for ``process_step_ratio``;
-  ``next_s_*``: of each window, the seconds spent getting its batch (packing in
-  line; waiting for the thread; receiving from the process); ``cpu_s_*``: the
-  training process's CPU seconds per window (its threads included, the loader
-  process not), and ``process_cpu_ratio`` = ``cpu_s_process / cpu_s_free``: what
-  the loader process costs the trainer itself, which is the step ratio it reaches
-  when a core is free for the child (on a busy machine the child's own CPU time
-  is taken from the trainer too); ``torch_threads``: the step's intra-op threads.
+On synthetic prepared corpora, ``exactstep bench loader`` reports ``RowStream``'s
+rate against nanoGPT-style memmap reads, where a batch's time goes, whether peak RSS
+grows with the corpus (``rss_ratio``), and the step cost of packing inline, on a
+thread or in a loader process.
+Design and derivations: docs/design/bench.md#benchloaderpy (P2, R4, R7).
 """
 
 from __future__ import annotations
@@ -212,7 +162,8 @@ def throughput(path: Path, batches: int, repeats: int) -> dict:
 def batch_parts(path: Path, blocks: int, per_block: int) -> dict:
     """Microseconds per batch of each part of ``RowStream.next_batch`` over ``path``
     (the median over ``blocks`` blocks of ``per_block`` batches), and of the compiled
-    work alone on the same plans (``kernels_us``: see the module doc)."""
+    work alone on the same plans (``kernels_us``: the C fill, screen and count with
+    outputs allocated once; docs/design/bench.md#benchloaderpy)."""
     from exactstep.rows.batch import Batch, Segment
 
     stream = packing_stream(path)

@@ -1,28 +1,9 @@
 """Loss memory and time: fused chunked cross entropy vs naive ``logits.float()`` + CE (L1).
 
-Both paths compute the same objective (sum of per-row cross entropy over all rows,
-every row supervised, fp32 on the CPU) from final hidden states ``[N, H]`` and a head
-``[V, H]``, forward and backward, ending with ``hidden.grad`` and ``weight.grad``.
-The naive path materialises the ``[N, V]`` logits, their log-softmax and their
-gradient; the fused path (``exactstep.objective.microbatch_terms``) never holds more
-than ``chunk_rows x V`` of them.
-
-Memory is measured honestly: each measurement runs in a fresh interpreter that
-builds its inputs, runs the step once (warm-up: thread pools, allocator), drops the
-gradients, records the resident set size, resets the kernel's peak-RSS counter
-(``/proc/self/clear_refs`` = 5, Linux) and runs the step again; the figure is
-``VmHWM - VmRSS_before``, i.e. the peak extra resident memory of forward + backward,
-gradients included. Children run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB so that freed
-blocks leave the resident set at once (otherwise the heap keeps them and the figure
-depends on allocation history). Where the counter cannot be reset the child skips the warm-up and
-uses ``getrusage`` peak RSS instead (reported as ``memory_method``). Wall time is the
-median of interleaved runs (``exactstep.bench.common.interleaved_times``) in one process.
-
-Figures: ``memory_ratio`` (fused / naive peak extra, target <= 0.25), ``time_ratio``
-(fused / naive wall time, target <= 1.2), ``fused_growth_per_row_bytes`` when N
-doubles, compared with one row of hidden state (``H * 4`` bytes) and one row of
-logits (``V * 4`` bytes), and ``train_shape_time_ratio`` at the default training shape
-(N = 4096, V = 259, H = 256).
+Both paths compute the same objective forward and backward; memory is measured as
+peak extra RSS in a fresh interpreter per measurement, time as interleaved medians.
+``exactstep bench loss`` reports ``memory_ratio`` and ``time_ratio``.
+Design and derivations: docs/design/bench.md#benchlosspy (L1).
 """
 
 from __future__ import annotations

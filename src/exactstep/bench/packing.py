@@ -1,12 +1,9 @@
 """Packing plan: efficiency and throughput of best-fit-decreasing rows (R4).
 
-Documents with gamma- and lognormal-distributed lengths are packed into causal-LM
-batches (rows of ``seq_len`` tokens, tensors built, R7 checks on) by ``RowStream``,
-and by a baseline in the same run: sequential next-fit (documents in order; a row is
-closed as soon as the next document does not fit), compiled by the same causal
-compiler. Figures: efficiency (real tokens / slots) of each, tokens per second of
-each (real tokens emitted per second of packing + compiling), and the time ratio
-candidate / baseline per token.
+``RowStream``'s best-fit-decreasing plan and a sequential next-fit baseline pack the
+same documents through the same causal compiler; ``exactstep bench packing`` reports
+the efficiency and tokens per second of each and their time ratio per token.
+Design and derivations: docs/design/bench.md#benchpackingpy (R4).
 """
 
 from __future__ import annotations

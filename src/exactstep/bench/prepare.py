@@ -1,22 +1,9 @@
 """``exactstep prepare`` throughput against the tokenizer's own batch encoder (P1).
 
-The texts: standard-library source files (the built-in corpus, cut into consecutive
-documents of at most ``DOC_BYTES`` bytes; the first 300, ``--quick``, or 12,000),
-written as one JSONL file; enough text that the 2-worker pool's start-up (each
-process imports exactstep and loads the tokenizer) is a small part of the run. The
-tokenizer: a byte-level BPE of ``VOCAB`` ids trained on the same corpus with
-``exactstep tokenizer train`` (``tokenizers``, offline). Measured in the same run,
-alternating:
-
-- ``prepare_1_tokens_per_s`` / ``prepare_2_tokens_per_s``: tokens written per second
-  by ``prepare`` with 1 and 2 worker processes, end to end (the JSONL streamed, the
-  split, encoding, shards and index written and fsynced, the fingerprint hashed,
-  published atomically; its tokens include each document's BOS and EOS); with 2
-  workers the start-up of the spawned pool (each process imports exactstep and
-  builds the tokenizer) is included;
-- ``encode_batch_tokens_per_s``: the baseline, ``tokenizers.Tokenizer.encode_batch``
-  on the same texts already in memory (Rust, its own thread pool), tokens per second;
-- ``prepare_1_ratio`` / ``prepare_2_ratio``: each against the baseline.
+``prepare`` with 1 and 2 workers, end to end, against ``Tokenizer.encode_batch`` on
+the same texts in memory, alternating; ``exactstep bench prepare`` reports tokens per
+second of each and the ratios.
+Design and derivations: docs/design/bench.md#benchpreparepy (P1).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Cost of the whole window transaction against a plain hand-written loop (U1-U7).
 
-Same model (the built-in decoder, default ``ModelConfig``, byte vocabulary), same
-data (random token batches of 16 x 256 with a few documents per row, positions
-reset per document, the cross-document target ignored), same fused AdamW, in the
-same process, runs interleaved. The baseline is what one writes by hand:
-``forward -> F.cross_entropy on the logits -> backward -> clip_grad_norm_ ->
-AdamW step -> zero_grad``. The candidate is ``UpdateEngine.run_window``: host
-plan of the window denominator, chunked fp32 cross entropy with the head fused,
-one-host-read finite decision, clip, step, schedule, ledger-ready disposition.
-Both run in fp32 and under bf16 autocast. Figures: tokens per second of each and
-``time_ratio`` = candidate time / baseline time per window (lower is better; the
-goal is at most 1.03).
+``UpdateEngine.run_window`` and a hand-written forward / cross entropy / backward /
+clip / AdamW loop train the same model on the same data, interleaved, in fp32 and
+bf16; ``exactstep bench step`` reports tokens per second and ``time_ratio``.
+Design and derivations: docs/design/bench.md#benchsteppy (U1-U7).
 """
 
 from __future__ import annotations

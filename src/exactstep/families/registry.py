@@ -1,49 +1,10 @@
 """Objective families (R8): which examples, which compiler, which model.
 
-A family is a compiler from examples to the one ``Batch`` seam (``rows.compiler``)
-plus the model it needs and the data it reads; every other stage (the objective
-plan, the window transaction, checkpoints and resume, evaluation) is the same for
-all of them, so every existing contract holds for every family.
-
-``objective.family`` names the family; ``auto`` is ``chat`` for ``data.kind =
-"chat"`` and ``causal`` otherwise. ``resolve(cfg)`` makes the choice explicit
-before the manifest records it (S1) and points a family at its built-in data when
-the run did not choose any (``data.source`` left at ``"stdlib"``), so
-``exactstep train --set objective.family=X`` alone is a working run.
-
-Families and data kinds: each family reads one kind, ``data_kind_of``: ``text``
-(causal, mlm, span, permutation; encdec, whose pairs are two texts each; scheduled
-sampling over either), or ``chat`` (chat, prefix). ``data.kind`` left at ``auto``
-becomes that kind; a ``data.kind`` set to the other one is refused naming both keys
-(X4), never trained on the family's own kind without a word. The manifest records
-the resolved ``config.data.kind``, and the data section the kind actually read
-(``pairs`` for encdec).
-
-Each ``Family`` declares:
-
-- ``model`` and ``build_model(cfg, vocab_size)``: ``"decoder"`` (the built-in
-  decoder or a Hugging Face causal LM), ``"encoder"`` (the built-in stack run
-  bidirectionally: the visibility comes from ``Batch.causal``) or ``"encdec"`` (an
-  encoder-decoder), with weights that depend only on ``(cfg.model, vocab, seed)``;
-- ``data_kind``, ``default_source`` and ``load(cfg, tokenizer)``: what it reads and
-  how its examples are made (``rows.sources.load_bundle`` unless the family makes
-  its own);
-- ``specials(cfg)``: the extra special tokens it needs from the byte tokenizer;
-- ``compiler(cfg, tokenizer)``: its ``RowCompiler``;
-- ``objective(cfg)``: the manifest's ``objective`` section (S1): the family, who
-  owns the shift, what is owned, and the estimator when it is not teacher-forced
-  maximum likelihood;
-- ``score(model, parts, cfg, device)``: the family's end-of-run held-out figures
-  beyond the loss (a dict merged into ``summary.json``), e.g. greedy exact match;
-- ``inputs(cfg)``: an input program (``update.window.InputProgram``) when the
-  model's own outputs feed its inputs (scheduled sampling), else ``None``.
-
-Families live where their compiler lives; ``BUILT`` names each one's ``Family``
-object (``module:attribute``), or a function of the run's configuration returning
-one (a family built over another, as scheduled sampling over its base), imported
-only when a run chooses it. A family that is
-specified but not built is refused with a ``ConfigError`` naming the built ones,
-before anything is written.
+A family is a compiler to the one ``Batch`` seam plus the model and data it needs;
+every other stage is shared, so every contract holds for every family. ``resolve``
+makes the run's family and data kind explicit before the manifest records them (S1),
+``open_family`` builds its parts, and a family not built is refused (X4).
+Design and derivations: docs/design/families.md#familiesregistrypy (R8, S1, X4).
 """
 
 from __future__ import annotations
@@ -67,7 +28,16 @@ DEFAULT_SOURCE = "stdlib"
 
 @dataclass(frozen=True, kw_only=True)
 class Family:
-    """One objective family (see module doc), built with keywords."""
+    """One objective family (R8), built with keywords.
+
+    ``model`` / ``build_model(cfg, vocab_size)``: ``"decoder"``, ``"encoder"`` (the
+    built-in stack run bidirectionally) or ``"encdec"``, weights depending only on
+    ``(cfg.model, vocab, seed)``. ``data_kind``, ``default_source``, ``load``: what it
+    reads. ``specials``: extra byte-tokenizer specials. ``compiler``: its
+    ``RowCompiler``. ``objective``: the manifest's ``objective`` section (S1).
+    ``score``: end-of-run held-out figures merged into ``summary.json``. ``inputs``: an
+    input program when the model's outputs feed its inputs, else ``None``.
+    """
 
     name: str
     model: Literal["decoder", "encoder", "encdec"]
@@ -126,7 +96,8 @@ BUILT: dict[str, str] = {
 
 
 def family_name(cfg: Any) -> str:
-    """``objective.family`` with ``auto`` decided by ``data.kind``."""
+    """``objective.family`` with ``auto`` decided by ``data.kind``: ``chat`` for
+    ``data.kind = "chat"``, ``causal`` otherwise."""
     name = cfg.objective.family
     if name == "auto":
         return "chat" if cfg.data.kind == "chat" else "causal"
@@ -134,7 +105,9 @@ def family_name(cfg: Any) -> str:
 
 
 def family_of(cfg: Any) -> Family:
-    """The run's family; ``ConfigError`` for one specified but not built yet."""
+    """The run's family; ``ConfigError`` naming the built ones for one specified but
+    not built yet. A ``BUILT`` entry is a ``Family`` or a function of ``cfg`` returning
+    one (a family over a base, as scheduled sampling), imported only when chosen."""
     name = family_name(cfg)
     where = BUILT.get(name)
     if where is None:
@@ -170,8 +143,8 @@ def run_data_kind(cfg: Any) -> str:
 
 def resolve(cfg: Any) -> Any:
     """``cfg`` with its family and data kind explicit and its data pointed at the
-    family's built-in source when the run left ``data.source`` at the default (see
-    module doc). Raises ``ConfigError`` for a family not built yet or a ``data.kind``
+    family's built-in source when the run left ``data.source`` at the default
+    (``"stdlib"``), so ``--set objective.family=X`` alone is a working run. Raises ``ConfigError`` for a family not built yet or a ``data.kind``
     the family does not read (``run_data_kind``).
     """
     family = family_of(cfg)

@@ -1,16 +1,10 @@
 """The window under many processes: one engine, one reducer, equal microbatch counts (D1, D2).
 
-``distribute_engine`` turns a single-process ``UpdateEngine`` into a rank of a
-distributed job: it installs ``DDPReducer`` (denominator, finite flag and no-objective
-decision agreed over ranks) and wraps the engine's ``TrainModule`` in DDP so the
-forward *and* the backward of the first K-1 microbatches run under ``no_sync``.
-
-``agreed_window`` keeps collectives aligned: every rank must run the same number of
-microbatches in a window, or DDP's bucket all-reduce on one rank would wait for a
-backward that never comes on another. At the end of a finite stream the ranks agree
-(one all-reduce of the count, max) and a rank that ran out pads with *empty*
-microbatches: rows of padding tokens with no supervised target. They contribute 0 to
-``D`` and a graph-connected zero numerator, so the update is unchanged (D1, U1).
+``distribute_engine`` makes a single-process ``UpdateEngine`` one rank of the job
+(the ``DDPReducer``, DDP with ``no_sync``); ``agreed_window`` gives every rank the same
+microbatch count, padding with empty microbatches that leave the update unchanged
+(D1, U1); ``agreed_stop`` makes a stop signal one decision of all ranks.
+Design and derivations: docs/design/parallel.md#parallelagreementpy (D1, D2, U1).
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Multi-rank checkpoints: ``torch.distributed.checkpoint`` published like S3 (S7, S2, D3).
 
-Layout of one published checkpoint ``root/<name>/``::
-
-    dcp/                      model + optimizer, written by torch.distributed.checkpoint
-                              (each rank writes its shards; replicated tensors once)
-    common.pt                 schedule, scaler, counters, progress (rank 0; weights-only)
-    rank-00000.pt ...         per rank: every RNG stream and the data cursor (D3)
-    manifest.json             written last by rank 0: world size, per-file sha256
-
-Publication (S3) with many writers: every rank writes into the same temporary
-directory ``root/.tmp-<name>-dist``; a barrier; rank 0 commits the store's
-``Publication`` (digests, ``manifest.json`` last, rename, ``LATEST``, prune, S3/S8);
-a second barrier, so no rank runs on before the checkpoint is committed. A crash at any moment leaves ``LATEST`` naming a complete
-checkpoint. The barriers and torch.distributed.checkpoint's own coordination run on
-the host (gloo) group, bounded by ``parallel.timeout_s``: while rank 0 hashes a large
-checkpoint the other ranks wait on the host, with no collective pending on a device
-(an NCCL watchdog would take the job down instead).
-
-Resuming on another world size is a declared migration (S7): ``load`` refuses it
-unless ``reshard=True``. The rule, recorded by ``reshard_record``: the weights and
-optimizer are re-partitioned by torch.distributed.checkpoint; new rank ``r`` takes
-the RNG streams of old rank ``r mod W_old``; and every new rank's data cursor
-restarts at the *beginning of the epoch after the furthest epoch any old rank had
-reached*, sharded for the new world (``reshard_stream_state``). Nothing is seen
-twice within an epoch; the unread rest of the old epoch and the old packer
-remainders are skipped, and the record says how many epochs that was.
+Every rank writes its shards, RNG streams and data cursor into one temporary
+directory; rank 0 commits it through ``state.store`` between two host barriers, so
+``LATEST`` always names a complete checkpoint (S3). Loading on another world size is
+a declared migration (``reshard``), never a silent load (S7).
+Design and derivations: docs/design/parallel.md#paralleldcp_formatpy (S7, S2, S3, D3).
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Launching many processes and turning their failures into one message (D1, X4).
 
-Two ways in, one code path:
-
-- ``torchrun --nproc_per_node R -m exactstep train ...``: every worker reads the
-  launcher's variables (``init_distributed``); rank 0 owns the progress bar, the
-  ledger, metrics and every file of the run directory.
-- ``exactstep train --nproc R ...``: ``relaunch`` re-executes the same command under
-  torchrun's launcher (standalone rendezvous on this host) without ``--nproc`` and
-  reports the first failing rank's message as the one line the user sees.
-
-Failures: ``collective_guard`` turns a collective that failed because a peer died or
-stalled (gloo "connection closed", a timeout, an NCCL error) into a
-``DistributedError``; ``report_failure`` prints a user error on rank 0 only and
-records every rank's error in torchrun's per-worker error file, from which torchrun
-(and ``relaunch``) name the root cause: the earliest failure. A worker that ends by a
-signal without reporting is described by ``failure_line`` from what is known: its
-rank record (backend, timeout; ``process_group.write_rank_record``) and the other
-ranks' reports. SIGABRT on an NCCL rank is the NCCL watchdog (a collective timed out
-after ``parallel.timeout_s`` or NCCL failed); a rank the launcher had to stop after
-another rank timed out waiting for it had stalled; anything else died.
-
-Signals: a SIGTERM or SIGINT sent to the ``relaunch`` process is forwarded by
-torchrun's agent to every worker, which finishes its window, publishes a checkpoint
-and exits; rank 0 prints the one ``error: stopped by ...`` line. ``relaunch`` then
-prints nothing more (or, when no worker got as far as reporting, one line of its
-own) and returns 130, as a single process does (X4).
+Workers start under ``torchrun`` or through ``exactstep train --nproc R``
+(``relaunch``); a failed or stalled collective becomes a ``DistributedError``, every
+rank records its error for the launcher, and the user sees one ``error:`` line naming
+the root cause; a forwarded SIGTERM / SIGINT ends with a checkpoint and exit 130.
+Design and derivations: docs/design/parallel.md#parallellaunchpy (D1, X4).
 """
 
 from __future__ import annotations

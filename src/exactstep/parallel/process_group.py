@@ -1,25 +1,10 @@
 """Process groups: who am I, how many are we, and what happens when a peer dies (D1).
 
-The launcher's contract (torchrun) is read from the process environment:
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Without
-them (or with ``WORLD_SIZE=1``) the run is a single process and no process group is
-created, so every caller can use the same code path.
-
-Two process groups, both bounded by ``ParallelConfig.timeout_s`` (D1): the default
-group (``nccl`` on CUDA, ``gloo`` on CPU) carries the gradient collectives; the *host
-group*, a ``gloo`` group over the same ranks created right after it, carries every
-collective of host values (the window's agreements on D, the microbatch count and
-the stop flag) and the checkpoint barriers. A dead or stalled peer makes the
-surviving ranks raise (``DistributedError`` once translated) within that time instead
-of hanging: ``gloo`` raises in the waiting call; ``nccl`` honours it through its
-watchdog, which takes the process down (the launcher names it, ``parallel.launch``).
-The host group is a separate ``gloo`` group under every backend, so the path a CPU
-job tests is the path a CUDA job runs, and a rank that is busy on the host (rank 0
-hashing a large checkpoint) never leaves a collective pending on the device.
-
-Under torchrun each rank also leaves a small *rank record* (``RANK_RECORD_FILE``:
-backend, device, timeout) next to its error file, so the launcher can say what a
-worker was doing when it was killed without reporting (an NCCL watchdog abort).
+Reads torchrun's variables (none: a single process, no group); forms the default
+group for gradients and a ``gloo`` host group for host values and barriers, both
+bounded by ``parallel.timeout_s``, so a dead or stalled peer raises instead of
+hanging; and leaves a rank record the launcher reads when a worker dies silently.
+Design and derivations: docs/design/parallel.md#parallelprocess_grouppy (D1).
 """
 
 from __future__ import annotations
@@ -133,7 +118,10 @@ def init_distributed(
 ) -> DistContext:
     """Join the job described by the launcher's variables (``env``: default the process's).
 
-    Returns a world-1 context when no launcher variables are present. Raises
+    The variables are torchrun's: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``. Returns a world-1 context (no process group)
+    when they are absent or ``WORLD_SIZE=1``; otherwise forms the default group and
+    the ``gloo`` host group, both bounded by ``parallel.timeout_s``. Raises
     ``DistributedError`` naming the rendezvous address when the group cannot form.
     """
     env = os.environ if env is None else env
@@ -178,7 +166,8 @@ def new_host_group(timeout: timedelta):
 
 
 def host_group(ctx: DistContext):
-    """The group that reduces host tensors and runs barriers for ``ctx`` (see module)."""
+    """The group that reduces host tensors and runs barriers for ``ctx``: the ``gloo``
+    host group under every backend, so a CPU job tests the path a CUDA job runs."""
     if ctx.host_group is not None:
         return ctx.host_group
     if ctx.backend == "gloo":

@@ -1,29 +1,10 @@
 """The update engine's ``Reducer`` for many processes (D1, D2).
 
-What the window needs from the other ranks, and how ``DDPReducer`` provides it:
-
-- **One objective (D1, D5).** The window denominator ``D_W`` is known on the host
-  before any forward (L3), so the engine sums ``[D_local, tokens_local]`` over ranks
-  with ``sum`` and pre-scales every microbatch numerator by ``R / D_global``. DDP
-  then *averages* the gradient buckets (divides by ``R``), so each rank holds
-  ``(1/R) * sum_r grad(S_r) * R / D_global = grad(sum_r S_r) / D_global``, the
-  gradient of the global objective. Pre-scaling is chosen over scaling the
-  gradients after the all-reduce because ``D_global`` is available before the
-  forward and it keeps the close identical to the single-process path (one
-  numerator scale, ``unscale`` once, no extra pass over the gradients); the two
-  are equal in exact arithmetic and agree to rounding in fp32.
-- **Agreed decisions (D2, L4).** ``D_global == 0`` is seen identically by every
-  rank (it is the result of the same all-reduce), so all ranks record
-  ``NO_OBJECTIVE`` together. The finite decision is a flag summed over ranks
-  (packed with the reporting scalars into one tensor, one collective): any rank
-  with a non-finite gradient or loss makes every rank skip.
-- **Communication cadence (D1).** ``no_sync`` disables gradient synchronisation for
-  the forward *and* backward of the first K-1 microbatches; the K-th runs
-  normally and its backward all-reduces the accumulated buckets once.
-
-A rank whose shard is empty still runs every microbatch's forward and backward
-with zero coefficients (a graph-connected zero), so DDP's bucket collectives line
-up; that is the engine's side of the contract.
+``DDPReducer`` agrees the window's denominator over ranks before the forward (so each
+numerator is pre-scaled by ``R / D_global`` and DDP's average yields the global
+objective's gradient, D1, D5), makes the finite and no-objective decisions one for
+all ranks (D2, L4), and keeps DDP from syncing until a window's last microbatch.
+Design and derivations: docs/design/parallel.md#parallelreducerpy (D1, D2, D5, L4).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Wrapping for many processes: DDP (replicated) or FSDP2 (sharded) (D1, D4).
 
-``wrap_train_module`` wraps the update engine's ``TrainModule`` (model + objective)
-in ``DistributedDataParallel`` so that the whole forward, loss included, runs under
-DDP and ``no_sync`` covers forward and backward alike (D1). DDP broadcasts rank 0's
-parameters at construction, so every replica starts from the same weights.
-
-``shard_model`` applies FSDP2 ``fully_shard`` to each decoder block and then to the
-model as the root (D4). It must run *before* the optimizer is built, because it
-replaces the parameters with sharded ``DTensor``s. Its mesh is the default process
-group itself (``DeviceMesh.from_group``), so FSDP2 creates no group of its own and
-every collective keeps the ``parallel.timeout_s`` bound. Under bf16 it gathers
-parameters in bf16 and reduce-scatters gradients in fp32
-(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
-``fsdp_mixed_precision``): half the all-gather traffic, gradients summed unrounded. Gradient clipping over sharded
-parameters counts each logical parameter once when the norm is computed by
-``torch.nn.utils.get_total_norm`` over the ``DTensor`` gradients and reduced to a
-full value (``DTensor.full_tensor``). It is offered for CUDA; on CPU it runs only
-when the ``gloo`` backend can carry FSDP2's collectives, otherwise it raises
-``DistributedError``.
+``wrap_train_module`` puts the update engine's ``TrainModule`` (loss included) under
+DDP so ``no_sync`` covers forward and backward (D1); ``shard_model`` applies FSDP2
+``fully_shard`` per block and at the root, before the optimizer is built (D4).
+Design and derivations: docs/design/parallel.md#parallelwrappy (D1, D4, U2).
 """
 
 from __future__ import annotations
@@ -35,7 +21,8 @@ def wrap_train_module(module: nn.Module, ctx: DistContext, cfg: ParallelConfig) 
     """DDP around ``module`` for a replicated (``ddp``) run; unchanged otherwise.
 
     A single process, or an ``fsdp`` run (sharded by ``shard_model`` beforehand),
-    returns ``module`` as it is.
+    returns ``module`` as it is. DDP broadcasts rank 0's parameters at construction,
+    so every replica starts from the same weights.
     """
     if not ctx.distributed or cfg.strategy != "ddp":
         return module
@@ -76,6 +63,10 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
     when the device/backend pair cannot run FSDP2. The root keeps its parameters
     (embedding, tied head, final norm) gathered between forward and backward, so the
     objective can use the head weight after the model's forward.
+
+    Call it *before* the optimizer is built: it replaces the parameters with sharded
+    ``DTensor``s. Its mesh is the default process group, so every collective keeps the
+    ``parallel.timeout_s`` bound.
     """
     if cfg.strategy != "fsdp":
         return model

@@ -1,14 +1,9 @@
 """The Checkpointer: what the runner calls to save and restore a run's state (S2, S7).
 
-Built once per run with everything S2 names: the model, the update engine
-(optimizer, schedule, scaler, counters), the row stream (data cursor and packer
-remainder), the journals whose position a checkpoint records (``ledger.jsonl``,
-``metrics.jsonl``), and the run's manifest digest. Every RNG stream is captured at
-save time. The format is picked at construction: one process writes
-``state.safetensors_format``'s safetensors format; a multi-rank job writes through the
-``MultiRankFormat`` it is given (``parallel.dcp_format``, over DCP). A restore picks
-the loader by the checkpoint's own format, so a migration between them works in
-both directions when the caller allows it (``reshard``).
+Built once per run over everything S2 names (model, update engine, row stream,
+journals, manifest digest), it writes the one-process format or the multi-rank
+format it is given, and restores either, a migration only with ``reshard`` (S7).
+Design and derivations: docs/design/state.md#statecheckpointerpy (S2, S7, S9).
 """
 
 from __future__ import annotations
@@ -92,7 +87,12 @@ def checkpoint_name(next_window: int) -> str:
 
 
 class Checkpointer:
-    """``save(next_window)`` publishes S2 state; ``restore(path)`` loads it back."""
+    """``save(next_window)`` publishes S2 state; ``restore(path)`` loads it back.
+
+    Build one per run. One process writes the safetensors format; a distributed
+    ``ctx`` needs the ``multi_rank`` format it writes through (``ValueError``
+    otherwise). ``environment`` (S9) is recorded with each checkpoint.
+    """
 
     def __init__(self, root: Path, *, keep: int, model: torch.nn.Module, engine: Engine,
                  stream: Stream, ctx: Context, manifest_digest: str,

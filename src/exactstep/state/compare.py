@@ -1,10 +1,9 @@
 """Bit-for-bit comparison of training states (S5).
 
-``state_differences(a, b)`` walks two nested structures (dicts, lists, tuples,
-tensors, plain values) and names every path where they are not identical: a tensor
-differs if its dtype, shape or any byte differs (so ``-0.0`` vs ``0.0`` and two
-different NaN payloads are differences; ``torch.equal`` would hide the first), and
-a plain value differs if its type or value differs (``1`` vs ``1.0`` differ).
+``state_differences`` names every path where two nested states (parameters,
+optimizer state, RNG, counters) are not bitwise identical: what the resume
+equivalence tests assert on.
+Design and derivations: docs/design/state.md#statecomparepy (S5).
 """
 
 from __future__ import annotations
@@ -15,7 +14,13 @@ import torch
 
 
 def state_differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Dotted paths where ``a`` and ``b`` are not bitwise identical; ``[]`` if equal."""
+    """Dotted paths where ``a`` and ``b`` are not bitwise identical; ``[]`` if equal.
+
+    Walks dicts, lists, tuples, tensors and plain values. A tensor differs if its
+    dtype, shape or any byte differs (``-0.0`` vs ``0.0`` and two NaN payloads differ,
+    which ``torch.equal`` would hide); a plain value if its type or value differs
+    (``1`` vs ``1.0``).
+    """
     out: list[str] = []
     _walk(a, b, path, out)
     return out

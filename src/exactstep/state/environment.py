@@ -1,12 +1,10 @@
 """The numerics environment (S9): what a bitwise continuation depends on besides the
 state a checkpoint holds.
 
-The same weights, optimizer state, RNG and data cursor continue bit for bit only
-under the same kernels reducing in the same order: the intra-op thread count, the
-PyTorch build, the device, the CPU's kernel dispatch and the deterministic-algorithm
-switch. ``capture`` records them; the manifest keeps the run's first record and each
-checkpoint the record it was written under; ``differences`` names what a resume
-would change, which then makes it a declared, non-bitwise continuation.
+Thread count, PyTorch build, device, CPU kernel dispatch and the deterministic switch
+are recorded in the manifest and with each checkpoint; a resume that would change
+them is a declared, non-bitwise continuation, never a silent one.
+Design and derivations: docs/design/state.md#stateenvironmentpy (S9).
 """
 
 from __future__ import annotations

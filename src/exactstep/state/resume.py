@@ -1,20 +1,10 @@
 """Resume: the manifest check (S4), the choice of checkpoint with recovery (S6, S8),
 the journals check, and stop signals.
 
-* ``require_same_manifest(saved, current)``: the same manifest digest is an exact
-  resume; a different one is refused with every differing field named.
-* ``choose_resume_point(root, from_path)``: the verified checkpoint a resume starts
-  from. ``LATEST`` is followed when it names a checkpoint; a missing, garbage or
-  dangling ``LATEST`` is recovered by taking the newest checkpoint that verifies,
-  and the returned note says so. A run that never published a checkpoint starts
-  again from window 0. A damaged chosen checkpoint is refused naming the files and
-  the newest earlier checkpoint that verifies. Nothing on disk changes here.
-* ``check_journals(run_dir, marks, ...)``: ``ledger.jsonl`` and ``metrics.jsonl``
-  must still begin with the bytes the checkpoint recorded (S8).
-* ``StopRequest``: a context manager turning SIGTERM / SIGINT into a flag that the
-  training loop reads at window boundaries, so it can publish a checkpoint and exit
-  cleanly. A second signal of the same kind restores the default behaviour (a
-  second Ctrl-C interrupts at once).
+Between a run directory on disk and the runner's restore: which verified checkpoint
+a resume starts from, whether the manifest and the journals still match it, and how
+a SIGTERM / SIGINT becomes a clean stop at a window boundary.
+Design and derivations: docs/design/state.md#stateresumepy (S4, S6, S8).
 """
 
 from __future__ import annotations
@@ -71,7 +61,12 @@ class ResumePoint:
 
 
 def choose_resume_point(root: Path, from_path: Path | None = None) -> ResumePoint:
-    """Choose and verify the checkpoint a resume starts from (S3, S6, S8); see module doc.
+    """Choose and verify the checkpoint a resume starts from (S3, S6, S8).
+
+    ``from_path`` when given; else the one ``LATEST`` names; a missing, garbage or
+    dangling ``LATEST`` is recovered by taking the newest checkpoint that verifies,
+    and ``note`` says so. No checkpoint ever published: ``path`` is ``None`` (window 0).
+    Nothing on disk changes here.
 
     Raises ``CheckpointError`` naming the damaged files (and the newest earlier
     checkpoint that verifies, if any) when the chosen checkpoint fails verification,

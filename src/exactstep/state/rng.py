@@ -1,24 +1,9 @@
 """Capture and restore every random stream a run draws from (S2).
 
-Streams: Python ``random``, NumPy's legacy global generator, torch CPU, and the CUDA
-generator of the device this process uses. The captured state holds only values that
-``torch.load(..., weights_only=True)`` accepts (tensors, ints, floats, bools,
-strings, lists, dicts): the NumPy key array is stored as an int64 tensor.
-
-CUDA rule (S2, S7): a rank draws only from the generator of its own device
-(``cuda:LOCAL_RANK``, the current device), so that is the CUDA state it captures:
-``cuda`` holds one state (none when CUDA is not initialised) and ``cuda_devices``
-the index it came from, for the record. Restoring puts that state on the device the
-restoring process uses now, whatever its index and however many devices are visible:
-a checkpoint written on a host with 8 GPUs resumes on a host with 1. A CUDA state
-restored where no CUDA device is visible is refused (``CheckpointError``): the run
-would continue on other hardware. States of format 1 held every visible device;
-their entry for the current device index is the one restored.
-
-Invariant: ``restore_rng(capture_rng())`` followed by any draw gives the same number
-as that draw right after the capture, for every stream. ``isolated_rng()`` applies
-that around a block (evaluation, E1): whatever the block draws, every stream reads
-afterwards as if it had never run.
+Python, NumPy's global generator, torch CPU and this process's CUDA device are
+captured as weights-only-loadable data for checkpoints (S2, S7), restored for a
+bitwise resume (S5), and isolated around evaluation (``isolated_rng``, E1).
+Design and derivations: docs/design/state.md#staterngpy (S2, S5, S7, E1).
 """
 
 from __future__ import annotations
@@ -51,7 +36,13 @@ def seed_rng(seed: int) -> None:
 
 
 def capture_rng() -> dict[str, Any]:
-    """Snapshot every RNG stream as weights-only-loadable plain data and tensors."""
+    """Snapshot every RNG stream as weights-only-loadable plain data and tensors.
+
+    Python, NumPy (its key array as an int64 tensor), torch CPU, and the CUDA state of
+    this process's current device only (``cuda``, one entry or none when CUDA is not
+    initialised; ``cuda_devices`` records its index). Restoring it and drawing gives
+    the draw that would have followed the capture, for every stream.
+    """
     version, internal, gauss_next = random.getstate()
     np_state = np.random.get_state(legacy=False)
     state: dict[str, Any] = {
@@ -84,7 +75,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     """Put every stream back where ``capture_rng`` found it.
 
     Raises ``CheckpointError`` when the state is malformed, or holds a CUDA state and
-    no CUDA device is visible (see the module's CUDA rule).
+    no CUDA device is visible (the run would continue on other hardware).
     """
     try:
         fmt = state.get("format")
@@ -114,7 +105,10 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def restore_cuda_rng(cuda: list[torch.Tensor], *, legacy: bool = False) -> None:
-    """Put a captured CUDA state on the device this process uses (the module's rule).
+    """Put a captured CUDA state on the device this process uses now (S2, S7).
+
+    Whatever that device's index and however many devices are visible: a checkpoint
+    written on a host with 8 GPUs resumes on a host with 1.
 
     ``legacy`` (format 1): ``cuda`` lists every device visible at capture time, by
     index; the entry of the current device index is restored.

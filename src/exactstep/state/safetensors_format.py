@@ -1,14 +1,9 @@
 """The one-process checkpoint format: safetensors weights plus one file per part (S2).
 
-Layout of one published checkpoint ``root/<name>/`` (published by ``state.store``)::
-
-    model.safetensors   model weights (tied tensors stored once, aliases recorded)
-    <part>.json         a part that is plain JSON data (lossless round trip)
-    <part>.pt           any other part: torch.save, loadable with weights_only=True
-    manifest.json       the store's manifest, written last (S3)
-
-``publish_checkpoint`` writes the files into a ``Publication`` and commits it;
-``load_checkpoint`` verifies every digest before deserialising anything (S6).
+``publish_checkpoint`` writes a run's state into a ``state.store`` publication and
+commits it (S3); ``load_checkpoint`` verifies every digest before deserialising
+anything (S6). Multi-rank jobs use ``parallel.dcp_format`` instead (S7).
+Design and derivations: docs/design/state.md#statesafetensors_formatpy (S2, S3, S6).
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """The checkpoint store: how any checkpoint format is published, found, verified,
-pruned and quarantined (S3, S6, S8). Formats (``state.safetensors_format`` for one process,
-``parallel.dcp_format`` for many ranks) write files; only this module publishes.
-
-Layout of ``root`` (a run's ``checkpoints/`` directory)::
-
-    root/LATEST                   one line: the name of the current checkpoint
-    root/<name>/...               the format's files
-    root/<name>/manifest.json     written last: format, name, publication sequence,
-                                  per-file sha256 and size, part labels, and the
-                                  sha256 of all of that (``digest``) so the manifest
-                                  itself is checked too (S6)
-    root/quarantine/<name>[.k]/   published checkpoints that failed verification or
-                                  were superseded; moved aside, never deleted (S8)
-    root/.tmp-<name>-<tag>/       a publication in progress (never published)
-    root/.trash-<name>-<pid>/     a checkpoint being pruned
-
-Publication (S3): every file is written into the temporary directory and sealed
-(fsynced and hashed, on worker threads while the next file is written); the
-checkpoint manifest is written last and fsynced; the directory is fsynced and
-renamed into place; ``root`` is fsynced; only then is ``LATEST`` replaced (temp,
-fsync, ``os.replace``, fsync). A crash at any moment leaves ``LATEST`` naming a
-complete checkpoint (or absent before the first one).
-
-What may be removed (S8): clean-up removes only temporary names (``.tmp-``,
-``.trash-``, ``LATEST`` temporaries), which were provably never published. A
-directory with a published name is never deleted by clean-up: if a publication
-needs its name and it does not verify byte for byte as the same checkpoint, it is
-quarantined first. Pruning (``checkpoint.keep``) removes only committed
-checkpoints older than the newest ``keep`` and never the one ``LATEST`` names.
+pruned and quarantined (S3, S6, S8). Formats (``state.safetensors_format`` for one
+process, ``parallel.dcp_format`` for many ranks) write files; only this module
+publishes, and ``LATEST`` always names a complete checkpoint. Clean-up removes only
+never-published temporaries; a published checkpoint is quarantined, never deleted.
+Design and derivations: docs/design/state.md#statestorepy (S3, S6, S8).
 """
 
 from __future__ import annotations
