@@ -6,21 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from exactstep.config import RunConfig
 from exactstep.families.registry import DEFAULT_SOURCE, Family
 from exactstep.model.decoder import build_model
 from exactstep.rows.compiler import CAUSAL, RowCompiler
 
 
-def causal_objective(cfg: Any) -> dict[str, Any]:
+def causal_objective(cfg: RunConfig) -> dict[str, Any]:
     return {"family": "causal_lm", "shift_owner": "collator",
             "ownership": "all_next_tokens", "estimator": "teacher_forced_mle"}
 
 
-def causal_compiler(cfg: Any, tokenizer: Any) -> RowCompiler:
+def causal_compiler(cfg: RunConfig, tokenizer: Any) -> RowCompiler:
     return CAUSAL
 
 
-def build_decoder(cfg: Any, vocab_size: int) -> Any:
+def build_decoder(cfg: RunConfig, vocab_size: int) -> Any:
     return build_model(cfg.model, vocab_size, seed=cfg.seed)
 
 

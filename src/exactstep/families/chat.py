@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from exactstep.config import RunConfig
 from exactstep.data.chat import template_for
 from exactstep.eval import greedy_answer_accuracy
 from exactstep.families.causal import build_decoder, causal_compiler
@@ -14,12 +15,12 @@ from exactstep.families.registry import Family, FamilyParts
 from exactstep.rows.sources import arith_spec_of
 
 
-def chat_objective(cfg: Any) -> dict[str, Any]:
+def chat_objective(cfg: RunConfig) -> dict[str, Any]:
     return {"family": "chat_sft", "shift_owner": "collator",
             "ownership": "assistant_targets", "estimator": "teacher_forced_mle"}
 
 
-def chat_score(model: Any, parts: FamilyParts, cfg: Any, device: Any) -> dict[str, Any]:
+def chat_score(model: Any, parts: FamilyParts, cfg: RunConfig, device: Any) -> dict[str, Any]:
     """Greedy exact match on the built-in demo's held-out conversations (none for a
     user's chat data, which has no checkable answer)."""
     conversations = parts.data.heldout_conversations

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from exactstep.config import RunConfig
 from exactstep.data.pairs import (
     NUMWORDS_SOURCE,
 )
@@ -25,7 +26,7 @@ from exactstep.rows.encdec import (
 )
 
 
-def encdec_compiler(cfg: Any, tokenizer: Any) -> EncDecCompiler:
+def encdec_compiler(cfg: RunConfig, tokenizer: Any) -> EncDecCompiler:
     """The run's compiler; ``ConfigError`` for a source pad id outside the vocabulary
     or ``batch.boundary = "keep"`` (a target never crosses into the next pair)."""
     source_pad = source_pad_of(cfg, tokenizer)
@@ -39,14 +40,14 @@ def encdec_compiler(cfg: Any, tokenizer: Any) -> EncDecCompiler:
                           source_pad_id=source_pad)
 
 
-def encdec_objective(cfg: Any) -> dict[str, Any]:
+def encdec_objective(cfg: RunConfig) -> dict[str, Any]:
     return {"family": "encoder_decoder", "shift_owner": "collator",
             "ownership": "target_tokens", "estimator": "teacher_forced_mle",
             "decoder_input": "tgt[:-1]", "targets": "tgt[1:]",
             "source_len": source_len_of(cfg)}
 
 
-def build_encdec_model(cfg: Any, vocab_size: int) -> Any:
+def build_encdec_model(cfg: RunConfig, vocab_size: int) -> Any:
     return build_encoder_decoder(cfg, vocab_size)
 
 
@@ -64,7 +65,7 @@ def greedy_exact_match(model: Any, examples: Sequence[PairExample], tokenizer: A
     return sum(a == w for a, w in zip(answers, wanted, strict=True)) / len(examples)
 
 
-def encdec_score(model: Any, parts: Any, cfg: Any, device: Any) -> dict[str, Any]:
+def encdec_score(model: Any, parts: Any, cfg: RunConfig, device: Any) -> dict[str, Any]:
     """End-of-run greedy exact match on at most ``encdec.n_heldout`` validation pairs."""
     spec = encdec_of(cfg)
     examples = [e for e in parts.data.val if isinstance(e, PairExample)][: spec.n_heldout]

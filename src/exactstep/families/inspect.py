@@ -5,15 +5,14 @@ own ``render`` where it has more to show).
 
 from __future__ import annotations
 
-from typing import Any
-
+from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.families.registry import open_family, resolve
 from exactstep.rows.inspect import render_rows
 from exactstep.rows.stream import RowStream, eval_batches
 
 
-def inspect_rows(cfg: Any, rows: range, *, split: str = "train") -> str:
+def inspect_rows(cfg: RunConfig, rows: range, *, split: str = "train") -> str:
     """Render rows of the first microbatch a run with ``cfg`` would see (R6).
 
     Raises ``ConfigError`` when ``rows`` reaches past the microbatch.

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.eval import isolated
 from exactstep.families.causal import build_decoder
@@ -64,7 +65,7 @@ def unigram_guess(train: Sequence[Example], vocab: Vocabulary) -> int:
     return int(vocab.normal[int(np.argmax(counts[vocab.normal]))])
 
 
-def mlm_score(model: Any, parts: Any, cfg: Any, device: Any) -> dict[str, Any]:
+def mlm_score(model: Any, parts: Any, cfg: RunConfig, device: Any) -> dict[str, Any]:
     """The family's end-of-run held-out figures (``Family.score``): top-1 accuracy at
     the held-out selected positions, overall and by action (the masked ones are the
     figure that matters: a kept token is visible in the input), against the unigram
@@ -96,7 +97,7 @@ def mlm_score(model: Any, parts: Any, cfg: Any, device: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the family
 
 
-def mlm_compiler(cfg: Any, tokenizer: Any) -> MLMCompiler:
+def mlm_compiler(cfg: RunConfig, tokenizer: Any) -> MLMCompiler:
     """The run's compiler: its ``[mlm]`` settings, the tokenizer's ids, the run's seed.
     ``batch.boundary = "keep"`` is refused: it supervises a next document's first
     token, and a masked LM has no next-token target."""
@@ -106,7 +107,7 @@ def mlm_compiler(cfg: Any, tokenizer: Any) -> MLMCompiler:
     return MLMCompiler(cfg.mlm, Vocabulary.of(tokenizer), seed=cfg.seed)
 
 
-def mlm_objective(cfg: Any) -> dict[str, Any]:
+def mlm_objective(cfg: RunConfig) -> dict[str, Any]:
     """The manifest's objective section (S1): the family's passport (selection law,
     eligible tokens, replacement distribution, RNG address)."""
     s: MLMConfig = cfg.mlm
@@ -129,11 +130,11 @@ def mlm_objective(cfg: Any) -> dict[str, Any]:
     }
 
 
-def mlm_specials(cfg: Any) -> tuple[str, ...]:
+def mlm_specials(cfg: RunConfig) -> tuple[str, ...]:
     return ("mask",)
 
 
-def build_encoder(cfg: Any, vocab_size: int) -> Any:
+def build_encoder(cfg: RunConfig, vocab_size: int) -> Any:
     """The built-in block stack as a bidirectional encoder (its batches are not causal)."""
     if cfg.model.source != "builtin":
         raise ConfigError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from exactstep.config import RunConfig
 from exactstep.families.registry import DEFAULT_SOURCE, Family
 from exactstep.model.permutation import build_two_stream
 from exactstep.rows.permutation import (
@@ -16,13 +17,13 @@ from exactstep.rows.permutation import (
 )
 
 
-def permutation_compiler(cfg: Any, tokenizer: Any) -> PermutationCompiler:
+def permutation_compiler(cfg: RunConfig, tokenizer: Any) -> PermutationCompiler:
     """The run's compiler; refuses settings the family cannot honour (``ConfigError``)."""
     require_ignore_boundary(cfg.batch)
     return PermutationCompiler(seed=cfg.seed, predict_one_in=settings_of(cfg).predict_one_in)
 
 
-def permutation_objective(cfg: Any) -> dict[str, Any]:
+def permutation_objective(cfg: RunConfig) -> dict[str, Any]:
     """The manifest's ``objective`` section (S1): what identifies the objective (the
     factorisation program, its cutoff and RNG address, the streams, no memory)."""
     k = settings_of(cfg).predict_one_in
@@ -42,7 +43,7 @@ def permutation_objective(cfg: Any) -> dict[str, Any]:
     }
 
 
-def build_permutation_model(cfg: Any, vocab_size: int) -> Any:
+def build_permutation_model(cfg: RunConfig, vocab_size: int) -> Any:
     return build_two_stream(cfg.model, vocab_size, seed=cfg.seed)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from exactstep.config import RunConfig
 from exactstep.data.chat import template_for
 from exactstep.errors import ConfigError
 from exactstep.eval import greedy_answer_accuracy
@@ -18,11 +19,11 @@ from exactstep.rows.prefix import PREFIX, PrefixCompiler, prompt_length
 from exactstep.rows.sources import arith_spec_of, chat_policy_of
 
 
-def prefix_compiler(cfg: Any, tokenizer: Any) -> PrefixCompiler:
+def prefix_compiler(cfg: RunConfig, tokenizer: Any) -> PrefixCompiler:
     return PREFIX
 
 
-def prefix_objective(cfg: Any) -> dict[str, Any]:
+def prefix_objective(cfg: RunConfig) -> dict[str, Any]:
     """The manifest's ``objective`` section (S1) for the family."""
     return {"family": "prefix_lm", "shift_owner": "collator",
             "ownership": "continuation_targets", "prefix": "tokens_before_first_target",
@@ -30,7 +31,7 @@ def prefix_objective(cfg: Any) -> dict[str, Any]:
             "estimator": "teacher_forced_mle"}
 
 
-def build_prefix_decoder(cfg: Any, vocab_size: int) -> Any:
+def build_prefix_decoder(cfg: RunConfig, vocab_size: int) -> Any:
     """The built-in decoder; a Hugging Face model cannot take a bidirectional prefix."""
     if cfg.model.source != "builtin":
         raise ConfigError(
@@ -40,7 +41,7 @@ def build_prefix_decoder(cfg: Any, vocab_size: int) -> Any:
     return build_decoder(cfg, vocab_size)
 
 
-def prefix_score(model: Any, parts: FamilyParts, cfg: Any, device: Any) -> dict[str, Any]:
+def prefix_score(model: Any, parts: FamilyParts, cfg: RunConfig, device: Any) -> dict[str, Any]:
     """Greedy exact match on the built-in demo's held-out conversations, decoded with
     the prefix the training rows had: each conversation is compiled as a training
     example (same template, policy and row length), its ``prompt_length`` is the

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from exactstep.config import RunConfig
 from exactstep.data.tokenizer import Tokenizer, build_tokenizer
 from exactstep.errors import ConfigError
 from exactstep.rows.compiler import RowCompiler
@@ -62,7 +63,7 @@ class FamilyParts:
     compiler: RowCompiler
 
 
-def open_family(cfg: Any, *, share: tuple[int, int] = (0, 1)) -> FamilyParts:
+def open_family(cfg: RunConfig, *, share: tuple[int, int] = (0, 1)) -> FamilyParts:
     """The run's family, its tokenizer (with the specials it needs), both data splits
     and its compiler. Nothing is written; raises what each stage refuses.
 
@@ -75,7 +76,7 @@ def open_family(cfg: Any, *, share: tuple[int, int] = (0, 1)) -> FamilyParts:
     return FamilyParts(family, tokenizer, data, family.compiler(cfg, tokenizer))
 
 
-def family_tokenizer(cfg: Any) -> Tokenizer:
+def family_tokenizer(cfg: RunConfig) -> Tokenizer:
     """``data.tokenizer`` with the specials ``cfg``'s family needs (``<mask>``,
     sentinels): the tokenizer every entry point of the run, and ``prepare``, encode
     with, so prepared shards carry the run's tokenizer hash (S1)."""
@@ -95,7 +96,7 @@ BUILT: dict[str, str] = {
 }
 
 
-def family_name(cfg: Any) -> str:
+def family_name(cfg: RunConfig) -> str:
     """``objective.family`` with ``auto`` decided by ``data.kind``: ``chat`` for
     ``data.kind = "chat"``, ``causal`` otherwise."""
     name = cfg.objective.family
@@ -104,7 +105,7 @@ def family_name(cfg: Any) -> str:
     return name
 
 
-def family_of(cfg: Any) -> Family:
+def family_of(cfg: RunConfig) -> Family:
     """The run's family; ``ConfigError`` naming the built ones for one specified but
     not built yet. A ``BUILT`` entry is a ``Family`` or a function of ``cfg`` returning
     one (a family over a base, as scheduled sampling), imported only when chosen."""
@@ -127,7 +128,7 @@ def data_kind_of(family: Family) -> str:
 READS = {"text": "text", "chat": "conversations"}
 
 
-def run_data_kind(cfg: Any) -> str:
+def run_data_kind(cfg: RunConfig) -> str:
     """``data.kind`` as the run's family reads it (``auto`` made explicit); a kind the
     family does not read is a ``ConfigError`` naming both keys (R8, X4)."""
     family = family_of(cfg)
@@ -141,7 +142,7 @@ def run_data_kind(cfg: Any) -> str:
     return kind
 
 
-def resolve(cfg: Any) -> Any:
+def resolve(cfg: RunConfig) -> Any:
     """``cfg`` with its family and data kind explicit and its data pointed at the
     family's built-in source when the run left ``data.source`` at the default
     (``"stdlib"``), so ``--set objective.family=X`` alone is a working run. Raises ``ConfigError`` for a family not built yet or a ``data.kind``

@@ -6,25 +6,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.families.registry import Family
 from exactstep.model.encdec import build_encoder_decoder
 from exactstep.rows.span import SENTINEL_PREFIX, SPAN_STREAM, SpanCompiler
-from exactstep.rows.span_config import SpanConfig, row_shape
+from exactstep.rows.span_config import row_shape
 
 
-def span_config_of(cfg: Any) -> SpanConfig:
-    """The run's ``span`` section, or the T5 defaults when the config has none."""
-    return getattr(cfg, "span", None) or SpanConfig()
-
-
-def span_specials(cfg: Any) -> tuple[str, ...]:
+def span_specials(cfg: RunConfig) -> tuple[str, ...]:
     """``extra_id_{n-1}, ..., extra_id_0``: the byte tokenizer numbers extras upwards in
     the order asked, so ``extra_id_k`` gets ``vocab_size - 1 - k`` (T5's descending ids)."""
-    return tuple(f"{SENTINEL_PREFIX}{k}" for k in reversed(range(span_config_of(cfg).sentinels)))
+    return tuple(f"{SENTINEL_PREFIX}{k}" for k in reversed(range(cfg.span.sentinels)))
 
 
-def span_compiler(cfg: Any, tokenizer: Any) -> SpanCompiler:
+def span_compiler(cfg: RunConfig, tokenizer: Any) -> SpanCompiler:
     """The run's compiler; ``ConfigError`` for a setting that means nothing here
     (``batch.boundary = "keep"``: a piece's target never continues into the next) and
     for rows too short or too few sentinels (``row_shape``)."""
@@ -33,7 +29,7 @@ def span_compiler(cfg: Any, tokenizer: Any) -> SpanCompiler:
             "batch.boundary = 'keep' has no meaning for span corruption (each piece has its "
             "own target, ending with EOS); leave batch.boundary = 'ignore'"
         )
-    span = span_config_of(cfg)
+    span = cfg.span
     ids = [tokenizer.extra_id(f"{SENTINEL_PREFIX}{k}") for k in range(span.sentinels)]
     compiler = SpanCompiler(span, seed=cfg.seed, bos_id=tokenizer.bos_id,
                             eos_id=tokenizer.eos_id, sentinel_ids=ids)
@@ -41,10 +37,10 @@ def span_compiler(cfg: Any, tokenizer: Any) -> SpanCompiler:
     return compiler
 
 
-def span_objective(cfg: Any) -> dict[str, Any]:
+def span_objective(cfg: RunConfig) -> dict[str, Any]:
     """The manifest's ``objective`` section (S1): what the family optimises and how its
     rows are made, so two runs with other corruption settings cannot be confused."""
-    span = span_config_of(cfg)
+    span = cfg.span
     capacity, encoder, decoder = row_shape(span, cfg.batch.seq_len)
     return {"family": "span_corruption", "shift_owner": "collator",
             "ownership": "compact_sentinel_span_targets", "estimator": "teacher_forced_mle",
@@ -57,7 +53,7 @@ def span_objective(cfg: Any) -> dict[str, Any]:
                               "piece])"}
 
 
-def build_span_model(cfg: Any, vocab_size: int) -> Any:
+def build_span_model(cfg: RunConfig, vocab_size: int) -> Any:
     """The built-in encoder-decoder (``model.encdec``)."""
     return build_encoder_decoder(cfg, vocab_size)
 
