@@ -36,10 +36,10 @@ test-threads: $(STAMP)
 # The GPU smoke test (one CUDA device, a few minutes; install a CUDA build of PyTorch
 # with TORCH_SPEC). gpu-smoke-dry-run runs the same checks, tiny, on the CPU.
 gpu-smoke: $(STAMP)
-	$(BIN)/exactstep bench gpu --json
+	$(BIN)/exactstep smoke gpu --json
 
 gpu-smoke-dry-run: $(STAMP)
-	$(BIN)/exactstep bench gpu --dry-run --json
+	$(BIN)/exactstep smoke gpu --dry-run --json
 
 # Conformance probes (A1) on the engine, the two example loops and Hugging Face Trainer
 # and trl's SFTTrainer (the [hf] extra); AUDIT.md holds their table. The HF targets fail probes: not an error here.

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from exactstep.bench.gpu import count_syncs
+from exactstep.smoke.gpu import count_syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -24,7 +24,7 @@ CUDA = torch.device("cuda")
 
 @pytest.mark.parametrize("impl", ["segments", "auto"])
 def test_a_window_makes_exactly_one_synchronising_call(impl) -> None:
-    from exactstep.bench.gpu import DRY, GPU, Env, host_batches, make_engine
+    from exactstep.smoke.gpu import DRY, GPU, Env, host_batches, make_engine
 
     env = Env(CUDA, replace(GPU, model=replace(DRY.model, d_model=64, n_heads=4), rows=4,
                             seq_len=64), dry_run=False)

@@ -1,6 +1,6 @@
 """The GPU smoke test runs in CI as a dry run on the CPU, so it cannot rot (issue 16).
 
-``exactstep bench gpu --dry-run --json`` runs every check through the same code with
+``exactstep smoke gpu --dry-run --json`` runs every check through the same code with
 tiny shapes: the checks that need CUDA say so (``SKIP``, or ``not run here: ...``),
 every other one passes, stdout is one JSON object and stderr one line per check.
 Negative controls: a broken fp16 back-off fails its check, and a failing check makes
@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from exactstep.bench import gpu
+from exactstep.smoke import gpu
 from exactstep.cli import main
 from exactstep.update.precision import Precision
 
@@ -25,7 +25,7 @@ EXPECTED = {"attention": "PASS", "windows": "PASS", "sync_audit": "SKIP", "fp16_
 
 
 def test_dry_run_exercises_every_check_and_names_what_needs_cuda(capsys) -> None:
-    assert main(["bench", "gpu", "--dry-run", "--json"]) == 0
+    assert main(["smoke", "gpu", "--dry-run", "--json"]) == 0
     captured = capsys.readouterr()
     (summary,) = [json.loads(line) for line in captured.out.splitlines() if line.startswith("{")]
     assert summary["checks"] == EXPECTED and summary["ok"] is True
@@ -54,7 +54,7 @@ def test_a_failing_check_makes_the_command_exit_non_zero(monkeypatch, capsys) ->
         raise RuntimeError("boom")
 
     monkeypatch.setattr(gpu, "CHECKS", (("broken", broken),))
-    assert main(["bench", "gpu", "--dry-run", "--json"]) == 1
+    assert main(["smoke", "gpu", "--dry-run", "--json"]) == 1
     captured = capsys.readouterr()
     assert json.loads(captured.out)["checks"] == {"broken": "FAIL"}
     assert "check broken: FAIL" in captured.err and "RuntimeError: boom" in captured.err
@@ -74,9 +74,9 @@ def test_flops_per_token_counts_every_matmul_weight_and_causal_attention() -> No
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
 def test_without_cuda_and_without_dry_run_the_command_refuses(capsys) -> None:
-    assert main(["bench", "gpu"]) == 2
+    assert main(["smoke", "gpu"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: bench gpu needs a CUDA device; run 'exactstep bench gpu --dry-run' "
+    assert err == ("error: smoke gpu needs a CUDA device; run 'exactstep smoke gpu --dry-run' "
                    "to exercise the same code on the CPU")
 
 

@@ -22,6 +22,7 @@ from exactstep.errors import ConfigError, DistributedError, ExactstepError, Inte
 
 BENCH_PACKAGE = "exactstep.bench"  # each module in it but the helpers is one benchmark
 BENCH_HELPERS = frozenset({"common"})
+SMOKE_TESTS = ("gpu",)  # the modules of exactstep.smoke
 
 
 class Parser(argparse.ArgumentParser):
@@ -118,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--dry-run", action="store_true",
                        help="benchmarks that need a GPU: the same checks, tiny, on the CPU")
+
+    smoke = sub.add_parser("smoke", help="smoke tests: every path of a device run once")
+    smoke.add_argument("name", choices=SMOKE_TESTS, help="which smoke test")
+    smoke.add_argument("--json", action="store_true", help="print one JSON object")
+    smoke.add_argument("--dry-run", action="store_true",
+                       help="the same checks, tiny, on the CPU")
 
     tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
@@ -307,6 +314,8 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         return bench_command(args.name, quick=args.quick, as_json=args.json,
                              dry_run=args.dry_run)
+    if args.command == "smoke":
+        return smoke_command(args.name, as_json=args.json, dry_run=args.dry_run)
     if args.command == "tokenizer":
         return tokenizer_train_command(args)
     if args.command == "config":
@@ -443,6 +452,20 @@ def bench_names() -> list[str]:
         for info in pkgutil.iter_modules(package.__path__)
         if not info.ispkg and info.name not in BENCH_HELPERS and not info.name.startswith("_")
     )
+
+
+def smoke_command(name: str, *, as_json: bool, dry_run: bool) -> int:
+    """Run one smoke test (``exactstep.smoke``); exit 1 when a check failed."""
+    module = importlib.import_module(f"exactstep.smoke.{name}")
+    figures = module.run(quick=False, dry_run=dry_run)
+    if as_json:
+        print(json.dumps({"smoke": name, "dry_run": dry_run, **figures}, sort_keys=True,
+                         default=str))
+    else:
+        from exactstep.bench.common import format_figures
+
+        print(format_figures(name, figures))
+    return 0 if figures.get("ok", True) else 1
 
 
 def bench_command(name: str, *, quick: bool, as_json: bool, dry_run: bool = False) -> int:

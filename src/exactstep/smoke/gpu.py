@@ -1,10 +1,10 @@
 """The GPU smoke test: every CUDA path exercised once, with figures, in a few minutes.
 
-``exactstep bench gpu --json`` (``make gpu-smoke``) runs its checks (attention,
+``exactstep smoke gpu --json`` (``make gpu-smoke``) runs its checks (attention,
 windows, sync audit, fp16 skip, resume, chunked CE, MFU) on one CUDA device, one
 ``PASS`` / ``FAIL`` / ``SKIP`` line each; any ``FAIL`` exits non-zero. ``--dry-run``
 runs the same code on the CPU with tiny shapes so the test cannot rot.
-Design and derivations: docs/design/bench.md#benchgpupy (R3, U1, U2, U4, U7, S5, L1).
+Design and derivations: docs/design/bench.md#smokegpupy (R3, U1, U2, U4, U7, S5, L1).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def environment(dry_run: bool) -> Env:
     if dry_run:
         return Env(torch.device("cpu"), DRY, True)
     if not torch.cuda.is_available():
-        raise ConfigError("bench gpu needs a CUDA device; run 'exactstep bench gpu --dry-run' "
+        raise ConfigError("smoke gpu needs a CUDA device; run 'exactstep smoke gpu --dry-run' "
                           "to exercise the same code on the CPU")
     return Env(torch.device("cuda", torch.cuda.current_device()), GPU, False)
 
