@@ -253,3 +253,22 @@ def changes(engine: Any, evaluation: Any) -> list[str]:
     before = observe(engine)
     evaluation(engine)
     return state_differences(before, observe(engine))
+
+
+def multi_rank_state(run_dir: Path, world: int = 2) -> dict:
+    """Everything the newest multi-rank checkpoint of ``run_dir`` holds (the DCP model
+    and optimizer, the common parts, each rank's RNG and cursor), loaded in this one
+    process for a bitwise comparison (S5, S7)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from exactstep.state import latest_checkpoint
+
+    path = latest_checkpoint(run_dir / "checkpoints")
+    assert path is not None
+    flat = run_dir / f"{path.name}.pt"
+    dcp_to_torch_save(str(path / "dcp"), str(flat))
+    state = {"name": path.name, **torch.load(flat, weights_only=False)}
+    state["common"] = torch.load(path / "common.pt", weights_only=True)
+    for rank in range(world):
+        state[f"rank{rank}"] = torch.load(path / f"rank-{rank:05d}.pt", weights_only=True)
+    return state

@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from exactstep.smoke import gpu
 from exactstep.cli import main
+from exactstep.smoke import gpu
 from exactstep.update.precision import Precision
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

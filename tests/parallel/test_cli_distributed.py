@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from run_support import multi_rank_state as final_state
 from text_corpus import write_corpus
 
 from exactstep.state import latest_checkpoint
@@ -130,19 +130,6 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
-def final_state(run_dir: Path) -> dict:
-    """Everything a multi-rank checkpoint holds, loaded in this (single) process."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    path = latest_checkpoint(run_dir / "checkpoints")
-    assert path is not None
-    flat = run_dir / f"{path.name}.pt"
-    dcp_to_torch_save(str(path / "dcp"), str(flat))
-    state = {"name": path.name, **torch.load(flat, weights_only=False)}
-    state["common"] = torch.load(path / "common.pt", weights_only=True)
-    for rank in range(2):
-        state[f"rank{rank}"] = torch.load(path / f"rank-{rank:05d}.pt", weights_only=True)
-    return state
 
 
 def test_killed_rank_stops_the_job_with_one_error_line(runs) -> None:
