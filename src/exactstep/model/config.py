@@ -25,6 +25,8 @@ class ModelConfig:
     the run's seed). ``attn_implementation`` is the HF attention backend; which
     backends can isolate packed documents is decided when the model is built (R3).
     The built-in keys are then unused (but still recorded and validated).
+    ``dtype`` is the parameters' dtype: ``float32`` (a bf16 or fp16 checkpoint is
+    upcast exactly); ``bfloat16`` is refused (fp32 master weights, U2).
     """
 
     d_model: int = 128
@@ -40,6 +42,7 @@ class ModelConfig:
     path: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict)
     attn_implementation: str = "sdpa"
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
         """Sizes >= 1; ``rope_theta``, ``norm_eps`` and ``init_std`` are realised in
@@ -55,7 +58,20 @@ class ModelConfig:
             )
         if (self.d_model // self.n_heads) % 2:
             raise ConfigError("model.d_model / model.n_heads must be even (RoPE rotates pairs)")
+        self._check_dtype()
         self._check_source()
+
+    def _check_dtype(self) -> None:
+        """Parameters are fp32 master weights (U2): ``bfloat16`` is refused, whatever
+        the optimizer (docs/design/model.md#model-dtype)."""
+        if self.dtype != "float32":
+            raise ConfigError(
+                f"model.dtype = {self.dtype!r} would hold the parameters and the optimizer "
+                "state in bf16, where an update below half a bf16 step (2^-9 to 2^-8 of the "
+                "weight) rounds away and the committed update is not the declared one (U2); keep "
+                "model.dtype = 'float32' (a bf16 checkpoint is upcast exactly) and set "
+                "numerics.precision = 'bf16' to compute in bf16"
+            )
 
     def _check_source(self) -> None:
         """``path`` and ``hf_config`` belong to ``source = "hf"``, which needs exactly one."""

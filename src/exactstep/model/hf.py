@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
 from exactstep.errors import ConfigError, ModelError
@@ -39,6 +40,10 @@ HEAD_FEATURES: tuple[tuple[str, str, tuple], ...] = (
     ("logit_scale", "a final logit scale", (None, 1, 1.0)),
     ("logits_scaling", "a final logit scale", (None, 1, 1.0)),
 )
+
+#: safetensors' names of the floating-point dtypes, as torch spells them
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 #: RoPE types whose frequencies follow the longest position of the batch (R3)
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -110,6 +115,7 @@ class HFCausalLM(nn.Module):
         self.refusals: tuple[Window, ...] = used_windows(self.windows)
         self.row_limits: tuple[RowLimit, ...] = row_limits_of(model.config)
         self.initial_weights_sha256: str | None = None
+        self.stored_dtype: str | None = None  # of model.path's tensors; None: random init
 
     @property
     def decoder(self) -> nn.Module:
@@ -226,7 +232,8 @@ class HFCausalLM(nn.Module):
         """The manifest's ``model`` section (S1): what ``model.path`` or ``model.hf_config``
         resolved to, which the configuration alone does not pin down. The architecture
         (a sha256 over the resolved config, transient keys left out), the initial
-        weights (``initial_weights_sha256``, set by ``build_hf_model``) and the
+        weights (``initial_weights_sha256``, set by ``build_hf_model``), the dtype the
+        checkpoint stored them in (``stored_dtype``, before the upcast to fp32) and the
         modelling code's version; a resume whose directory now holds another config or
         other weights is refused naming this section."""
         return {
@@ -235,6 +242,7 @@ class HFCausalLM(nn.Module):
             "attn_implementation": self.attn_implementation,
             "config_sha256": config_digest(self.hf.config),
             "initial_weights_sha256": self.initial_weights_sha256,
+            "stored_dtype": self.stored_dtype,
             "transformers": import_transformers().__version__,
         }
 
@@ -242,13 +250,13 @@ class HFCausalLM(nn.Module):
 def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalLM:
     """The HF causal LM ``cfg`` declares, checked to keep every contract (H1).
 
-    From ``cfg.path`` (weights loaded, float32) or ``cfg.hf_config`` (random init,
-    deterministic in ``seed``, global RNG streams untouched: S5). Raises
-    ``ModelError`` for missing files, a backend or architecture that cannot isolate
-    packed documents (R3), a decoder stack that cannot be found, a head that is not a
-    plain linear map, router logits whose loss would be dropped (L3), or a model
-    vocabulary smaller than ``vocab_size``; ``ConfigError`` for an unknown
-    ``hf_config`` key.
+    From ``cfg.path`` (weights loaded and held in float32, ``model.dtype``) or
+    ``cfg.hf_config`` (random init, deterministic in ``seed``, global RNG streams
+    untouched: S5). Raises ``ModelError`` for missing files, a backend or architecture
+    that cannot isolate packed documents (R3), a decoder stack that cannot be found, a
+    head that is not a plain linear map, router logits whose loss would be dropped
+    (L3), or a model vocabulary smaller than ``vocab_size``; ``ConfigError`` for an
+    unknown ``hf_config`` key.
     """
     transformers = import_transformers()
     with quiet(transformers):
@@ -270,6 +278,8 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
         model.config.use_cache = False
         adapter = HFCausalLM(model, attn_implementation=cfg.attn_implementation)
         adapter.initial_weights_sha256 = weights_digest(model)
+        if cfg.path is not None:
+            adapter.stored_dtype = stored_dtype(Path(cfg.path))
         check_head(adapter)
         check_vocab(adapter, vocab_size)
         probe(adapter, vocab_size)
@@ -283,6 +293,18 @@ def config_digest(config: Any) -> str:
               if not k.startswith("_") and k != "transformers_version"}
     text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def stored_dtype(directory: Path) -> str:
+    """The floating-point dtype(s) of the tensors in ``directory``'s safetensors files,
+    read from their headers (``"bfloat16"``; several joined by ``+``, sorted)."""
+    names = set()
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                names.add(SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype(), ""))
+    names.discard("")
+    return "+".join(sorted(names)) or "none"
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -586,8 +608,10 @@ def windowed(visible: torch.Tensor, position_ids: torch.Tensor,
 
 
 def instantiate(transformers: Any, cfg: ModelConfig, config: Any, seed: int) -> nn.Module:
-    """Load or create the model in float32; random init from ``seed`` only (S5)."""
+    """Load or create the model in ``cfg.dtype`` (float32: fp32 master weights, U2;
+    a bf16 checkpoint's values are upcast exactly); random init from ``seed`` only (S5)."""
     auto = transformers.AutoModelForCausalLM
+    dtype = getattr(torch, cfg.dtype)
     pad = getattr(config, "pad_token_id", None)
     if isinstance(pad, int) and not 0 <= pad < config.vocab_size:
         raise ModelError(f"the {config.model_type} config's pad_token_id ({pad}) lies outside its "
@@ -597,10 +621,10 @@ def instantiate(transformers: Any, cfg: ModelConfig, config: Any, seed: int) -> 
             torch.default_generator.manual_seed(seed)
             if cfg.path is None:
                 return auto.from_config(config, attn_implementation=cfg.attn_implementation,
-                                        dtype=torch.float32)
+                                        dtype=dtype)
             model, info = auto.from_pretrained(
                 cfg.path, config=config, attn_implementation=cfg.attn_implementation,
-                dtype=torch.float32, local_files_only=True, output_loading_info=True)
+                dtype=dtype, local_files_only=True, output_loading_info=True)
     except Exception as exc:  # any failure of HF constructors: one line
         if cfg.attn_implementation == "sdpa" and "scaled_dot_product_attention" in str(exc):
             name = str(exc).split(" ", 1)[0]
