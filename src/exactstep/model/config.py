@@ -27,6 +27,10 @@ class ModelConfig:
     The built-in keys are then unused (but still recorded and validated).
     ``dtype`` is the parameters' dtype: ``float32`` (a bf16 or fp16 checkpoint is
     upcast exactly); ``bfloat16`` is refused (fp32 master weights, U2).
+
+    ``activation_checkpointing``: each block's activations are recomputed in the
+    backward instead of kept, while training with gradients on (H5); the built-in
+    decoder and HF models (the encoder-decoder and two-stream models refuse it).
     """
 
     d_model: int = 128
@@ -42,6 +46,7 @@ class ModelConfig:
     path: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict)
     attn_implementation: str = "sdpa"
+    activation_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:

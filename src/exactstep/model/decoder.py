@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
+from torch.utils.checkpoint import checkpoint
 
-from exactstep.errors import ModelError
+from exactstep.errors import ConfigError, ModelError
 from exactstep.model.attention import Visibility, attend_fused, prepare_visibility
 from exactstep.model.config import ModelConfig
 from exactstep.model.hf import build_hf_model
@@ -160,7 +161,9 @@ class Decoder(nn.Module):
         segment by a constant changes nothing (RoPE reads ``pos_i - pos_j``).
 
         ``visibility`` may be passed to reuse one prepared for the same batch;
-        otherwise it is prepared here once and shared by all layers.
+        otherwise it is prepared here once and shared by all layers. With
+        ``model.activation_checkpointing``, in training mode with gradients on, each
+        block is recomputed in the backward instead of keeping its activations (H5).
         """
         x = self.embed(batch.input_ids)  # [B, T, H]
         head_dim = self.cfg.d_model // self.cfg.n_heads
@@ -172,8 +175,12 @@ class Decoder(nn.Module):
             head_dim,
             self.cfg.rope_theta,
         )  # [B, T, 1, Dh]
+        recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.layers:
-            x = block(x, cos, sin, visibility)
+            if recompute:  # H5: keep the block's input only; rerun it in the backward
+                x = checkpoint(block, x, cos, sin, visibility, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, visibility)
         return self.final_norm(x)  # [B, T, H]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -200,6 +207,16 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> nn.Module:
         return build_hf_model(cfg, vocab_size, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     return Decoder(cfg, vocab_size, generator=generator)
+
+
+def refuse_checkpointing(cfg: ModelConfig, model: str) -> None:
+    """A ``ConfigError`` naming ``model.activation_checkpointing`` when it is set for a
+    model that does not recompute its blocks (H5: the flag is never a silent no-op)."""
+    if cfg.activation_checkpointing:
+        raise ConfigError(
+            f"model.activation_checkpointing = true is not available for {model}; set "
+            "model.activation_checkpointing = false"
+        )
 
 
 def model_section(model: nn.Module) -> dict | None:

@@ -283,6 +283,8 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
         check_head(adapter)
         check_vocab(adapter, vocab_size)
         probe(adapter, vocab_size)
+        if cfg.activation_checkpointing:
+            enable_checkpointing(adapter)
     return adapter
 
 
@@ -678,6 +680,29 @@ def hidden_states_of(out: Any, adapter: HFCausalLM) -> torch.Tensor:
             "final hidden states (H1); use another model"
         )
     return hidden
+
+
+def enable_checkpointing(adapter: HFCausalLM) -> None:
+    """HF's own activation checkpointing, non-reentrant (H5): each decoder layer keeps
+    its input only and is rerun in the backward, with the RNG state of its forward
+    (dropout replayed), while the layer is in training mode with gradients on. A model
+    without it is one ``ConfigError`` naming ``model.activation_checkpointing``."""
+    model, kwargs = adapter.hf, {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # the older name warns
+    supported = getattr(model, "supports_gradient_checkpointing", False) is True
+    try:
+        if supported and callable(enable):
+            enable(activation_checkpointing_kwargs=kwargs)
+        elif supported:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    except ValueError:  # HF: no layer of the model can be checkpointed
+        supported = False
+    if not supported:
+        raise ConfigError(
+            f"model.activation_checkpointing = true, but the {adapter.model_type} model "
+            f"({type(model).__name__}) does not support activation checkpointing in this "
+            "transformers; set model.activation_checkpointing = false"
+        ) from None
 
 
 def check_head(adapter: HFCausalLM) -> None:
