@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -78,6 +79,7 @@ I64_MAX = 2**63 - 1
 # Every numeric key: values at the edge of its range that are accepted, values just
 # outside that are refused, and the range the refusal must state. Extra overrides
 # make a value legal in context (e.g. d_model with n_heads).
+HF = ("model.source=hf", 'model.hf_config={"model_type": "llama"}')  # LoRA needs it
 RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("seed", (0, I64_MAX), (-1,), "in [0, 2**63 - 1]", ()),
     ("data.val_fraction", (1e-9, 0.999), (0, 1, -0.5), "in (0, 1)", ()),
@@ -92,6 +94,9 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("model.rope_theta", (F32_TINY, F32_MAX), (0, -1, 1e-39, 3.5e38), F32, ()),
     ("model.norm_eps", (F32_TINY, 1e-5), (0, -1, 1e-300, 1e39), F32, ()),
     ("model.init_std", (F32_TINY, F32_MAX), (0, -1, 1e-40, 1e300), F32, ()),
+    ("model.lora.r", (0, 8), (-1,), ">= 0", HF),
+    ("model.lora.alpha", (1e-9, 16.0), (0, -1), "> 0", ()),
+    ("model.lora.dropout", (0, 0.999), (1, -0.1), "in [0, 1)", ()),
     ("objective.label_smoothing", (0, 1), (-0.1, 1.1), "in [0, 1]", ()),
     ("objective.chunk_rows", (0,), (-1,), ">= 0", ()),
     ("update.accum", (1,), (0,), ">= 1", ()),
@@ -165,7 +170,8 @@ def test_each_numeric_key_accepts_its_range_and_refuses_outside_it(
     section, _, name = key.rpartition(".")
     for value in accepted:
         cfg = load_config(overrides=[*extra, f"{key}={value!r}"])
-        got = getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
+        got = getattr(functools.reduce(getattr, section.split("."), cfg) if section else cfg,
+                      name)
         assert got == value, (key, value, got)
     for value in refused:
         with pytest.raises(ConfigError) as info:
@@ -202,8 +208,8 @@ def test_every_section_refuses_nan_itself() -> None:
     written so that NaN fails it."""
     cfg = RunConfig()
     for key in float_keys():
-        section, name = key.split(".")
-        assert refuses_nan(getattr(cfg, section), name), key
+        section, _, name = key.rpartition(".")  # a nested section: model.lora.alpha
+        assert refuses_nan(functools.reduce(getattr, section.split("."), cfg), name), key
 
 
 def test_negative_control_a_less_than_check_lets_nan_through() -> None:

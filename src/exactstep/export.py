@@ -236,6 +236,11 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
             f"Hugging Face causal LMs, from runs of the {' or '.join(EXPORTABLE_FAMILIES)} "
             "family"
         )
+    if cfg.model.lora.enabled:
+        raise ConfigError(
+            f"{run_dir} trained LoRA adapters (model.lora.r = {cfg.model.lora.r}); exactstep "
+            "export does not yet write a merged model or a PEFT adapter directory (H4)"
+        )
     with open_finished_run(run_dir, from_checkpoint=from_checkpoint, device="cpu",
                            purpose="export") as run:
         return publish_export(run, out, CHECKPOINT_MANIFEST)

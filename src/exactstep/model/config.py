@@ -6,7 +6,42 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from exactstep.errors import ConfigError
-from exactstep.ranges import POSITIVE_FLOAT32, at_least, check
+from exactstep.ranges import POSITIVE_FLOAT32, above, at_least, between, check
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters through ``peft`` (H4); ``r = 0`` (the default) means off.
+
+    ``r`` is the adapter rank, ``alpha`` its scale numerator (``alpha / r``),
+    ``dropout`` the probability on the adapter's input, ``target_modules`` a
+    comma-separated list of module names (or ``all-linear``, every linear layer but the
+    head). ``bias`` is ``none`` only: training a bias would move the base (H4).
+    """
+
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str = "all-linear"
+    bias: Literal["none"] = "none"
+
+    def __post_init__(self) -> None:
+        """``r >= 0``, ``alpha > 0``, ``0 <= dropout < 1``, at least one target."""
+        check("model.lora.r", self.r, at_least(0))
+        check("model.lora.alpha", self.alpha, above(0))
+        check("model.lora.dropout", self.dropout, between(0, 1, high_open=True))
+        if not self.targets:
+            raise ConfigError("model.lora.target_modules names no module")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    @property
+    def targets(self) -> str | list[str]:
+        """``target_modules`` as ``peft`` takes it: ``"all-linear"`` or a list of names."""
+        names = [n.strip() for n in self.target_modules.split(",") if n.strip()]
+        return "all-linear" if names == ["all-linear"] else names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +61,8 @@ class ModelConfig:
     backends can isolate packed documents is decided when the model is built (R3).
     The built-in keys are then unused (but still recorded and validated).
     ``dtype`` is the parameters' dtype: ``float32`` (a bf16 or fp16 checkpoint is
-    upcast exactly); ``bfloat16`` is refused (fp32 master weights, U2).
+    upcast exactly); ``bfloat16`` is refused (fp32 master weights, U2). ``lora``:
+    adapters through ``peft``, HF models only (H4).
 
     ``activation_checkpointing``: each block's activations are recomputed in the
     backward instead of kept, while training with gradients on (H5); the built-in
@@ -48,6 +84,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     activation_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         """Sizes >= 1; ``rope_theta``, ``norm_eps`` and ``init_std`` are realised in
@@ -65,6 +102,11 @@ class ModelConfig:
             raise ConfigError("model.d_model / model.n_heads must be even (RoPE rotates pairs)")
         self._check_dtype()
         self._check_source()
+        if self.lora.enabled and self.source != "hf":
+            raise ConfigError(
+                "model.lora.r > 0 needs model.source = 'hf' (LoRA through peft, H4); the "
+                "built-in decoder takes no adapters yet"
+            )
 
     def _check_dtype(self) -> None:
         """Parameters are fp32 master weights (U2): ``bfloat16`` is refused, whatever

@@ -1,0 +1,305 @@
+"""LoRA adapters through ``peft`` on an HF causal LM (H4, U6, S1).
+
+Only the adapters train: the optimizer's groups, the clip set and the decay set are
+exactly the trainable unique parameters; a real run leaves every base tensor bitwise
+unchanged (negative control: without LoRA the same run moves them). One window of
+the engine equals an independent computation: HF's own logits of a copy of the same
+model, ``F.cross_entropy`` summed and divided by the window's supervised tokens,
+``clip_grad_norm_`` and ``torch.optim.AdamW`` on the copy's adapters.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hf_support import hf_config  # noqa: E402
+from run_support import TINY, set_args  # noqa: E402
+from text_corpus import write_corpus  # noqa: E402
+from update.test_real_stack import real_engine, window_batches  # noqa: E402
+from update.update_support import IGNORE_INDEX, make_batch  # noqa: E402
+
+from exactstep.cli import main  # noqa: E402
+from exactstep.config import load_config  # noqa: E402
+from exactstep.errors import ConfigError, ModelError  # noqa: E402
+from exactstep.finished_run import open_finished_run  # noqa: E402
+from exactstep.model.config import LoRAConfig, ModelConfig  # noqa: E402
+from exactstep.model.decoder import build_model  # noqa: E402
+from exactstep.update.config import UpdateConfig  # noqa: E402
+from exactstep.update.disposition import Outcome  # noqa: E402
+from exactstep.update.groups import resolve_groups  # noqa: E402
+
+VOCAB = 13  # test_real_stack's batches
+BYTE_VOCAB = 259  # the byte tokenizer's
+LR, CLIP, DECAY = 1e-2, 1.0, 0.1
+#: absolute, on parameters ~0.1 after a step of ~1e-2. AdamW's first step is
+#: ``lr * g / (|g| + eps)``: where ``|g|`` nears ``eps`` it magnifies the gradient's
+#: rounding (measured: 1.3e-6 at |g| = 6e-8, else <= 3e-8); SGD's is ``lr * g``.
+TOLERANCE = {"adamw": 2e-6, "sgd": 1e-8}
+
+
+def lora_llama(vocab: int, lora: LoRAConfig, **overrides) -> torch.nn.Module:
+    cfg = ModelConfig(source="hf", hf_config=hf_config("llama", vocab_size=vocab, **overrides),
+                      lora=lora)
+    return build_model(cfg, vocab, seed=3)
+
+
+def test_only_the_adapters_are_trainable_and_grouped():
+    model = lora_llama(VOCAB, LoRAConfig(r=4, target_modules="q_proj,v_proj"),
+                       tie_word_embeddings=True)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # q_proj 32 -> 32, v_proj 32 -> 16 (2 kv heads of 8), 2 layers, rank 4: r * (in + out)
+    expected = 2 * (4 * (32 + 32) + 4 * (32 + 16))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected == 896
+    groups = resolve_groups(model, UpdateConfig(weight_decay=DECAY))
+    assert {row["name"] for row in groups.table} == trainable
+    assert {id(p) for p in groups.parameters} == {
+        id(p) for p in model.parameters() if p.requires_grad}
+    assert [g["name"] for g in groups.param_groups] == ["decay"]  # adapters are matrices
+    plain = resolve_groups(lora_llama(VOCAB, LoRAConfig(), tie_word_embeddings=True),
+                           UpdateConfig(weight_decay=DECAY))
+    assert plain.numel > groups.numel and plain.digest != groups.digest
+
+
+def test_all_linear_targets_every_projection_but_not_the_head():
+    model = lora_llama(VOCAB, LoRAConfig(r=2))
+    adapted = {n.split(".lora_A.")[0].rsplit(".", 1)[-1]
+               for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj"}
+    assert not model.head_weight.requires_grad
+
+
+def test_a_head_or_missing_target_is_refused():
+    with pytest.raises(ModelError, match="output head"):
+        lora_llama(VOCAB, LoRAConfig(r=2, target_modules="q_proj,lm_head"))
+    with pytest.raises(ModelError, match="target_modules"):
+        lora_llama(VOCAB, LoRAConfig(r=2, target_modules="no_such_proj"))
+
+
+@pytest.mark.parametrize("bad", [{"r": -1}, {"alpha": 0.0}, {"dropout": 1.0},
+                                 {"dropout": -0.1}, {"target_modules": " , "}])
+def test_lora_ranges_are_validated(bad):
+    with pytest.raises(ConfigError, match="model.lora"):
+        LoRAConfig(**bad)
+
+
+def test_lora_on_the_built_in_decoder_is_refused():
+    with pytest.raises(ConfigError, match="model.source = 'hf'"):
+        ModelConfig(lora=LoRAConfig(r=2))
+
+
+def test_the_adapter_init_is_seeded_and_leaves_the_global_rng_alone():
+    before = torch.get_rng_state()
+    a = lora_llama(VOCAB, LoRAConfig(r=2)).state_dict()
+    assert torch.equal(torch.get_rng_state(), before)
+    b = lora_llama(VOCAB, LoRAConfig(r=2)).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("loaded", [False, True])
+def test_the_adapter_dropout_draws_in_training_and_not_in_evaluation(tmp_path, loaded):
+    """From ``hf_config`` or from ``model.path``: a built model trains (its modules in
+    training mode), so the declared dropout draws until evaluation switches it off."""
+    from model.test_hf_manifest import saved_llama
+
+    from exactstep.eval import eval_mode
+
+    if loaded:
+        saved_llama(tmp_path / "llama")
+        cfg = ModelConfig(source="hf", path=str(tmp_path / "llama"),
+                          lora=LoRAConfig(r=4, dropout=0.5))
+        model = build_model(cfg, BYTE_VOCAB, seed=3)
+    else:
+        model = lora_llama(BYTE_VOCAB, LoRAConfig(r=4, dropout=0.5))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.fill_(0.1)
+    batch = make_batch([[1, 2, 3, 4, 5]], [[2, 3, 4, 5, 6]])
+    assert not torch.equal(model(batch), model(batch))
+    with eval_mode(model), torch.no_grad():
+        assert torch.equal(model(batch), model(batch))
+
+
+def independent_window(twin, batches, optimizer_name: str) -> None:
+    """One window on ``twin`` (a PeftModel) by plain PyTorch: the token mean of HF's own
+    logits over the window, global-norm clipping and ``torch.optim.AdamW`` or ``SGD``
+    with ``UpdateConfig``'s defaults."""
+    params = [p for p in twin.parameters() if p.requires_grad]
+    defaults = UpdateConfig()
+    if optimizer_name == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=DECAY, eps=defaults.eps,
+                                      betas=(defaults.beta1, defaults.beta2))
+    else:
+        optimizer = torch.optim.SGD(params, lr=LR, weight_decay=DECAY,
+                                    momentum=defaults.momentum)
+    tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+    total = 0.0
+    for b in batches:
+        logits = twin(input_ids=b.input_ids, use_cache=False).logits  # [B, T, V]
+        total = total + F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(),
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
+    (total / tokens).backward()
+    torch.nn.utils.clip_grad_norm_(params, CLIP)
+    optimizer.step()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_one_window_equals_an_independent_step_on_the_adapters(optimizer):
+    model = lora_llama(VOCAB, LoRAConfig(r=4, alpha=8.0))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # B starts at 0 (A's gradient would be 0): start elsewhere
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    twin = copy.deepcopy(model.hf)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = real_engine(model, lr=LR, clip=CLIP, weight_decay=DECAY, optimizer=optimizer)
+    batches = window_batches()
+    assert engine.run_window(batches, 0).outcome == Outcome.COMMITTED
+    independent_window(twin, batches, optimizer)
+
+    ours = {k.removeprefix("hf."): v for k, v in model.state_dict().items()}
+    theirs = twin.state_dict()
+    assert ours.keys() == theirs.keys()
+    moved = 0
+    for name, value in ours.items():
+        if ".lora_" in name:
+            error = float((value - theirs[name]).abs().max())
+            assert error <= TOLERANCE[optimizer], (name, error)
+            moved += not torch.equal(value, start["hf." + name])
+        else:  # the base: bitwise unchanged in both
+            assert torch.equal(value, start["hf." + name]) and torch.equal(theirs[name], value)
+    assert moved == 28  # A and B of 7 projections in 2 layers
+
+
+# ------------------------------------------------------------------------ a real run
+
+
+def run_args(corpus: Path, lora: dict) -> dict:
+    rows = {k: v for k, v in TINY.items() if not k.startswith("model.")}
+    table = json.dumps(hf_config("llama", vocab_size=BYTE_VOCAB))
+    return {**rows, "data.source": corpus, "model.source": "hf", "model.hf_config": table,
+            "train.steps": 3, "update.warmup": 0, "update.weight_decay": DECAY,
+            "train.eval_tokens": 32, "train.threads": 1,
+            **{f"model.lora.{k}": v for k, v in lora.items()}}
+
+
+def trained_and_initial(tmp_path: Path, lora: dict) -> tuple[dict, dict, dict, Path]:
+    corpus, run = tmp_path / "docs.jsonl", tmp_path / "run"
+    write_corpus(corpus)
+    pairs = run_args(corpus, lora)
+    assert main(["train", "--out", str(run), "--no-progress", *set_args(pairs)]) == 0
+    cfg = load_config(overrides=[f"{k}={v}" for k, v in pairs.items()])
+    initial = build_model(cfg.model, BYTE_VOCAB, seed=cfg.seed).state_dict()
+    with open_finished_run(run) as finished:
+        trained = {k: v.detach().clone() for k, v in finished.model.state_dict().items()}
+    section = json.loads((run / "manifest.json").read_text())["manifest"]["model"]
+    return initial, trained, section, run
+
+
+@pytest.mark.slow
+def test_a_real_run_moves_only_the_adapters(tmp_path):
+    initial, trained, section, run = trained_and_initial(
+        tmp_path, {"r": 4, "alpha": 8.0, "dropout": 0.1})
+    assert initial.keys() == trained.keys()
+    base = [k for k in initial if ".lora_" not in k]
+    adapters = [k for k in initial if ".lora_B." in k]
+    assert base and adapters
+    assert all(torch.equal(initial[k], trained[k]) for k in base)
+    assert all(not torch.equal(initial[k], trained[k]) for k in adapters)
+    lora = section["lora"]
+    assert lora["base_weights_sha256"] == section["initial_weights_sha256"]
+    # rank 4, 2 layers, r * (in + out): q, o 32 -> 32; k, v 32 -> 16; gate, up, down 32 <-> 64
+    assert lora["adapter_parameters"] == 2 * 4 * (2 * 64 + 2 * 48 + 3 * 96) == 4096
+    # a LoRA export (merged or adapter directory) is not written yet: refused, nothing made
+    assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 2
+    assert not (tmp_path / "exported").exists()
+
+
+@pytest.mark.slow
+def test_without_lora_the_same_run_moves_the_base(tmp_path):  # negative control
+    initial, trained, section, _ = trained_and_initial(tmp_path, {})
+    assert "lora" not in section
+    moved = [k for k in initial if not torch.equal(initial[k], trained[k])]
+    assert "hf.model.layers.0.self_attn.q_proj.weight" in moved
+
+
+# ---------------------------------------------------------- manifest and resume (S1, S4, S5)
+
+
+@pytest.mark.slow
+def test_a_changed_base_refuses_resume_naming_its_digest(tmp_path, capfd):
+    """The base comes from ``model.path``; one weight changed there after the run and the
+    resume is refused naming the base digest (negative control: untouched, it resumes)."""
+    from model.test_hf_manifest import saved_llama
+    from safetensors.torch import load_file, save_file
+
+    model_dir, run, corpus = tmp_path / "llama", tmp_path / "run", tmp_path / "docs.jsonl"
+    saved_llama(model_dir)
+    write_corpus(corpus)
+    pairs = {**run_args(corpus, {"r": 2}), "model.path": model_dir, "train.steps": 2}
+    del pairs["model.hf_config"]
+    assert main(["train", "--out", str(run), "--no-progress", *set_args(pairs)]) == 0
+    section = json.loads((run / "manifest.json").read_text())["manifest"]["model"]
+    assert section["lora"]["base_weights_sha256"] == section["initial_weights_sha256"]
+    assert main(["resume", str(run), "--no-progress"]) == 0  # negative control
+    weights = model_dir / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1.0
+    save_file(tensors, weights, metadata={"format": "pt"})
+    capfd.readouterr()
+    assert main(["resume", str(run), "--no-progress"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: ") and "model.lora.base_weights_sha256" in err, err
+
+
+LORA_RUN = {"model.source": "hf", "model.hf_config": json.dumps(hf_config("llama")),
+            "model.lora.r": 4, "model.lora.dropout": 0.25}
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_lora_run_with_dropout_is_bitwise_identical_s5(tmp_path):
+    """Straight = SIGKILLed twice and resumed, bitwise (the adapters' dropout masks come
+    from the checkpointed RNG streams); a resume without the data cursor differs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from families.test_family_kill_resume import (
+        WINDOWS,
+        FamilyHarness,
+        final_state,
+        killed_lineage,
+        straight_run,
+    )
+
+    from exactstep.state.compare import state_differences
+
+    h = FamilyHarness(tmp_path, LORA_RUN)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        straight_f = pool.submit(straight_run, copy.copy(h))
+        lineage_f = pool.submit(killed_lineage, copy.copy(h))
+        straight, (killed, defective) = straight_f.result(), lineage_f.result()
+    name_a, state_a, files_a = final_state(straight)
+    name_b, state_b, files_b = final_state(killed)
+    assert name_a == name_b == f"window-{WINDOWS:08d}"
+    assert state_differences(state_a, state_b) == []
+    assert files_a == files_b
+    assert (straight / "ledger.jsonl").read_bytes() == (killed / "ledger.jsonl").read_bytes()
+    assert (straight / "manifest.json").read_bytes() == (killed / "manifest.json").read_bytes()
+    manifest = json.loads((straight / "manifest.json").read_bytes())["manifest"]
+    assert manifest["config"]["model"]["lora"]["dropout"] == 0.25
+    differences = state_differences(state_a, final_state(defective)[1])
+    assert any(d.startswith("model.") and ".lora_" in d for d in differences)
+    assert not any(d.startswith("model.") and ".lora_" not in d for d in differences)
