@@ -221,12 +221,17 @@ def test_negative_control_a_flag_that_never_reaches_the_forward_is_caught_h5() -
         assert saved_bytes(model, batch) == saved_bytes(plain, batch)
 
 
-@pytest.mark.xfail(strict=True, reason="a model loaded from model.path trains in the eval "
-                   "mode from_pretrained leaves it in, where HF's layers do not recompute")
-def test_a_model_loaded_from_a_path_recomputes_too_h5(tmp_path) -> None:
-    build("llama", False).hf.save_pretrained(tmp_path)
+def test_a_model_loaded_from_a_path_trains_in_train_mode_and_recomputes_h1_h5(tmp_path) -> None:
+    """``from_pretrained`` leaves a model in eval mode (no dropout, no recompute); a run
+    trains what it loaded in train mode, as it trains a model built from a config."""
+    from transformers import AutoModelForCausalLM
+
+    build("llama", False, attention_dropout=0.3).hf.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True)
+    assert not plain.training  # negative control: what transformers hands back
     cfg = ModelConfig(source="hf", path=str(tmp_path), activation_checkpointing=True)
     model = build_model(cfg, VOCAB, seed=0)
+    assert all(module.training for module in model.modules())
     assert recomputed_calls(model, blocks, packed()) == len(blocks(model))
 
 
