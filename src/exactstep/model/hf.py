@@ -5,7 +5,7 @@ final hidden states like the built-in decoder (never logits, never ``labels=``: 
 L1) and sees packed rows only through per-document positions and a 4D block mask its
 backend honours (R3). A backend, head, window or vocabulary that cannot keep these
 contracts is refused when the model is built, checked by a one-time probe.
-Design and derivations: docs/design/model.md#modelhfpy (H1, R1, R3, U6, L1).
+Design and derivations: docs/design/model.md#modelhfpy (H1, H4, R1, R3, U6, L1).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 from exactstep.errors import ConfigError, ModelError
 from exactstep.model.attention import dense_visibility_mask, windowed_visibility
-from exactstep.model.config import ModelConfig
+from exactstep.model.config import LoRAConfig, ModelConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.state.rng import isolated_rng
 
@@ -116,6 +116,7 @@ class HFCausalLM(nn.Module):
         self.row_limits: tuple[RowLimit, ...] = row_limits_of(model.config)
         self.initial_weights_sha256: str | None = None
         self.stored_dtype: str | None = None  # of model.path's tensors; None: random init
+        self.lora: LoRAConfig | None = None  # set by ``with_lora`` (H4)
 
     @property
     def decoder(self) -> nn.Module:
@@ -244,6 +245,16 @@ class HFCausalLM(nn.Module):
             "initial_weights_sha256": self.initial_weights_sha256,
             "stored_dtype": self.stored_dtype,
             "transformers": import_transformers().__version__,
+            **({"lora": self.lora_section()} if self.lora is not None else {}),
+        }
+
+    def lora_section(self) -> dict[str, Any]:
+        """With LoRA (H4): the frozen base's digest (the weights before the adapters were
+        added), the adapters' parameter count and the ``peft`` version."""
+        return {
+            "base_weights_sha256": self.initial_weights_sha256,
+            "adapter_parameters": sum(p.numel() for p in self.parameters() if p.requires_grad),
+            "peft": import_peft().__version__,
         }
 
 
@@ -285,7 +296,41 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
         probe(adapter, vocab_size)
         if cfg.activation_checkpointing:
             enable_checkpointing(adapter)
+    if cfg.lora.enabled:
+        with_lora(adapter, cfg.lora, seed=seed)
     return adapter
+
+
+def with_lora(adapter: HFCausalLM, lora: LoRAConfig, *, seed: int) -> None:
+    """Wrap ``adapter.hf`` with ``peft.get_peft_model`` (H4): every base tensor frozen,
+    the adapters the only trainable parameters; their random init from ``seed`` only
+    (S5). The decoder stack is found again through the wrapper. A target that is the
+    output head is refused: exactstep fuses the plain head weight into its loss (L1).
+    """
+    peft = import_peft()
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=lora.targets, bias=lora.bias, task_type="CAUSAL_LM")
+    try:
+        with isolated_rng(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.default_generator.manual_seed(seed)
+            wrapped = peft.get_peft_model(adapter.hf, config)
+    except ValueError as exc:  # peft: a target module that the model does not have
+        raise ModelError(f"model.lora.target_modules: {first_line(exc)}") from None
+    if hasattr(wrapped.get_output_embeddings(), "lora_A"):
+        raise ModelError("model.lora.target_modules names the output head; exactstep fuses the "
+                         "plain head weight into its loss (L1), so the head takes no adapter")
+    adapter.hf = wrapped
+    adapter.decoder_name = decoder_name(wrapped)
+    adapter.lora = lora
+
+
+def import_peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ModelError("model.lora needs peft: pip install 'exactstep[hf]'") from None
+    return peft
 
 
 def config_digest(config: Any) -> str:
