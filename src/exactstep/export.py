@@ -9,6 +9,7 @@ Design and derivations: docs/design/prepare-export.md#exportpy (H3, H2, S6, S8).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -236,11 +237,6 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
             f"Hugging Face causal LMs, from runs of the {' or '.join(EXPORTABLE_FAMILIES)} "
             "family"
         )
-    if cfg.model.lora.enabled:
-        raise ConfigError(
-            f"{run_dir} trained LoRA adapters (model.lora.r = {cfg.model.lora.r}); exactstep "
-            "export does not yet write a merged model or a PEFT adapter directory (H4)"
-        )
     with open_finished_run(run_dir, from_checkpoint=from_checkpoint, device="cpu",
                            purpose="export") as run:
         return publish_export(run, out, CHECKPOINT_MANIFEST)
@@ -273,8 +269,9 @@ def publish_export(run: Any, out: Path, checkpoint_manifest: str) -> ExportRepor
             "special_ids": tokenizer.special_ids(),
             "template_hash": data.representation.get("template_hash"),
             "dtype": "float32",
-            "architecture": (model.hf.config.architectures or [type(model.hf).__name__])[0]
-                            if cfg.model.source == "hf" else "LlamaForCausalLM",
+            "architecture": architecture_of(model) if cfg.model.source == "hf"
+                            else "LlamaForCausalLM",
+            **({"adapters": "merged"} if getattr(model, "lora", None) is not None else {}),
             "check": figures,
             "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()},
         }
@@ -297,8 +294,8 @@ def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: st
     from transformers import GenerationConfig
 
     special = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
-    hf_model = model.hf if cfg.model.source == "hf" else llama_model(model, cfg, tokenizer,
-                                                                     special)
+    hf_model = (hf_model_of(model) if cfg.model.source == "hf"
+                else llama_model(model, cfg, tokenizer, special))
     for role, token_id in special.items():
         setattr(hf_model.config, f"{role}_token_id", token_id)
     hf_model.generation_config = GenerationConfig(
@@ -311,6 +308,22 @@ def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: st
         hf_tokenizer.chat_template = template  # data.chat_template, when the run set one
     hf_tokenizer.save_pretrained(tmp)
     return hf_tokenizer
+
+
+def hf_model_of(model: Any) -> Any:
+    """An HF run's model as plain ``transformers`` holds it: with LoRA (H4), a copy with
+    the adapters merged into the base (``merge_and_unload``; the run's model keeps
+    them, so the handoff check compares the merged weights against it)."""
+    if getattr(model, "lora", None) is None:
+        return model.hf
+    return copy.deepcopy(model.hf).merge_and_unload()
+
+
+def architecture_of(model: Any) -> str:
+    """The class name ``config.json`` records for an HF run's model (the base's, under
+    LoRA: the export is merged)."""
+    hf = model.hf.get_base_model() if getattr(model, "lora", None) is not None else model.hf
+    return (hf.config.architectures or [type(hf).__name__])[0]
 
 
 def llama_model(model: Any, cfg: Any, tokenizer: Any, special: dict[str, int]) -> Any:

@@ -222,9 +222,34 @@ def test_a_real_run_moves_only_the_adapters(tmp_path):
     assert lora["base_weights_sha256"] == section["initial_weights_sha256"]
     # rank 4, 2 layers, r * (in + out): q, o 32 -> 32; k, v 32 -> 16; gate, up, down 32 <-> 64
     assert lora["adapter_parameters"] == 2 * 4 * (2 * 64 + 2 * 48 + 3 * 96) == 4096
-    # a LoRA export (merged or adapter directory) is not written yet: refused, nothing made
-    assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 2
-    assert not (tmp_path / "exported").exists()
+    check_merged_export(run, tmp_path, initial)
+
+
+def check_merged_export(run: Path, tmp_path: Path, initial: dict) -> None:
+    """``exactstep export`` of a LoRA run writes the merged model, which plain
+    transformers loads as the base class (the export's own handoff check compared its
+    logits with the trained model's, H3). Negative control: the adapters dropped
+    instead of merged (``unload``) fail that check and nothing is published."""
+    from exactstep import export as export_module
+    from exactstep.errors import ExportError
+
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    passport = json.loads((out / "passport.json").read_text())
+    assert passport["adapters"] == "merged" and passport["architecture"] == "LlamaForCausalLM"
+    assert passport["check"]["max_abs_logit_diff"] <= passport["check"]["tolerance"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in k for k in hf.state_dict())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(hf.state_dict()[q],
+                           initial[f"hf.base_model.model.{q.replace('.weight', '.base_layer.weight')}"])
+    dropped = tmp_path / "dropped"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export_module, "hf_model_of", lambda model: copy.deepcopy(model.hf).unload())
+        with pytest.raises(ExportError, match="logits differ"):
+            export_module.export_run(run, dropped)
+    assert not dropped.exists()
 
 
 @pytest.mark.slow
