@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export", help="write a Hugging Face model directory, checked (H3); "
                        "'export verify DIR' checks one against its passport",
-        usage="exactstep export RUN_DIR [--from CHECKPOINT] --out DIR\n"
+        usage="exactstep export RUN_DIR [--from CHECKPOINT] --out DIR [--adapter]\n"
               "       exactstep export verify DIR")
     export.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run directory (uses the checkpoint a resume would), or "
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "are recomputed")
     export.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
     export.add_argument("--out", help="the new export directory (required to export)")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write the PEFT adapter directory, not the merged model")
 
     inspect = sub.add_parser("inspect", help="print rows: input -> target, segment, position, masks")
     add_config_args(inspect)
@@ -296,6 +298,7 @@ def dispatch(args: argparse.Namespace) -> int:
         report = export_run(
             Path(args.run_dir), Path(args.out),
             from_checkpoint=Path(args.from_checkpoint) if args.from_checkpoint else None,
+            adapter=args.adapter,
         )
         print(report.format())
         return 0

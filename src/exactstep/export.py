@@ -10,6 +10,7 @@ Design and derivations: docs/design/prepare-export.md#exportpy (H3, H2, S6, S8).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from exactstep.durable import (
 from exactstep.errors import ConfigError, ExportError
 from exactstep.families import family_name
 from exactstep.finished_run import open_finished_run, run_config
+from exactstep.model.decoder import build_model
 from exactstep.rows.batch import single_segment_batch
 from exactstep.state.store import CHECKPOINT_MANIFEST
 
@@ -198,7 +200,8 @@ def _json(path: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- export
 
 
-def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None) -> ExportReport:
+def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None,
+               adapter: bool = False) -> ExportReport:
     """Export ``run_dir``'s checkpoint (``--from`` or the one a resume would choose) to ``out``.
 
     Raises ``ConfigError`` when ``out`` exists and is not empty or cannot be written,
@@ -210,17 +213,18 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None)
     sibling and renamed into place only after the check passes (H3). ``.OUT.lock``
     beside ``out`` is held throughout; a killed export's temporary is removed. The run
     directory is only read (committed checkpoints), so a training run can be exported.
+    ``adapter``: a LoRA run's PEFT adapter directory instead of the merged model (H4).
     """
     out = Path(out)
     check_out(out)
     with exclusive_lock(lock_beside(out), f"--out {out}"):
         for leftover in stale_temporaries(out):  # a killed export's, never published (S8)
             shutil.rmtree(leftover, ignore_errors=True)
-        return export_held(run_dir, out, from_checkpoint=from_checkpoint)
+        return export_held(run_dir, out, from_checkpoint=from_checkpoint, adapter=adapter)
 
 
-def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
-                ) -> ExportReport:
+def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None,
+                adapter: bool = False) -> ExportReport:
     """``export_run`` with ``out`` held (``check_out`` again: another export may have
     published it before this one got the lock)."""
     from transformers.utils import logging as hf_logging
@@ -237,13 +241,18 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
             f"Hugging Face causal LMs, from runs of the {' or '.join(EXPORTABLE_FAMILIES)} "
             "family"
         )
+    if adapter and not cfg.model.lora.enabled:
+        raise ConfigError(f"exactstep export --adapter writes LoRA adapters; {run_dir} trained "
+                          "none (model.lora.r = 0)")
     with open_finished_run(run_dir, from_checkpoint=from_checkpoint, device="cpu",
                            purpose="export") as run:
-        return publish_export(run, out, CHECKPOINT_MANIFEST)
+        return publish_export(run, out, CHECKPOINT_MANIFEST, adapter=adapter)
 
 
-def publish_export(run: Any, out: Path, checkpoint_manifest: str) -> ExportReport:
-    """Write, check (H3) and publish the export of an opened run (``FinishedRun``)."""
+def publish_export(run: Any, out: Path, checkpoint_manifest: str, *,
+                   adapter: bool = False) -> ExportReport:
+    """Write, check (H3) and publish the export of an opened run (``FinishedRun``);
+    ``adapter``: the PEFT adapter directory, checked by ``adapter_check`` (H4)."""
     cfg, manifest, tokenizer, data = run.cfg, run.manifest, run.parts.tokenizer, run.parts.data
     model = run.model
     model.eval()
@@ -255,10 +264,15 @@ def publish_export(run: Any, out: Path, checkpoint_manifest: str) -> ExportRepor
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        written = write_artifact(tmp, model, cfg, tokenizer, template)
-        check_tokenizer(tmp, written, tokenizer.special_ids())
-        figures = handoff_check(tmp, model, tokenizer, data.val,
-                                max_tokens=min(CHECK_TOKENS, cfg.batch.seq_len))
+        max_tokens = min(CHECK_TOKENS, cfg.batch.seq_len)
+        if adapter:
+            written = write_adapter(tmp, model, tokenizer, template)
+            check_tokenizer(tmp, written, tokenizer.special_ids())
+            figures = adapter_check(tmp, model, cfg, tokenizer, data.val, max_tokens=max_tokens)
+        else:
+            written = write_artifact(tmp, model, cfg, tokenizer, template)
+            check_tokenizer(tmp, written, tokenizer.special_ids())
+            figures = handoff_check(tmp, model, tokenizer, data.val, max_tokens=max_tokens)
         passport = {
             "format": "exactstep-export/1",
             "exactstep": __version__,
@@ -271,7 +285,9 @@ def publish_export(run: Any, out: Path, checkpoint_manifest: str) -> ExportRepor
             "dtype": "float32",
             "architecture": architecture_of(model) if cfg.model.source == "hf"
                             else "LlamaForCausalLM",
-            **({"adapters": "merged"} if getattr(model, "lora", None) is not None else {}),
+            **({"adapters": "peft" if adapter else "merged",
+                "base_weights_sha256": model.initial_weights_sha256}
+               if getattr(model, "lora", None) is not None else {}),
             "check": figures,
             "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()},
         }
@@ -308,6 +324,54 @@ def write_artifact(tmp: Path, model: Any, cfg: Any, tokenizer: Any, template: st
         hf_tokenizer.chat_template = template  # data.chat_template, when the run set one
     hf_tokenizer.save_pretrained(tmp)
     return hf_tokenizer
+
+
+def write_adapter(tmp: Path, model: Any, tokenizer: Any, template: str | None) -> Any:
+    """The PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
+    and the tokenizer; returns the tokenizer written."""
+    model.hf.save_pretrained(tmp, safe_serialization=True)
+    hf_tokenizer = getattr(tokenizer, "hf", None)
+    if hf_tokenizer is None:
+        hf_tokenizer = byte_tokenizer_hf(tokenizer, template)
+    elif template is not None:
+        hf_tokenizer.chat_template = template
+    hf_tokenizer.save_pretrained(tmp)
+    return hf_tokenizer
+
+
+def adapter_check(tmp: Path, model: Any, cfg: Any, tokenizer: Any, documents: Any, *,
+                  max_tokens: int) -> dict[str, Any]:
+    """The written adapters on the run's base reproduce the trained model's logits (H4).
+
+    The base is built again without adapters (``model.path`` or ``model.hf_config`` and
+    the run's seed) and must have the digest the run recorded; ``PeftModel.from_pretrained``
+    loads the directory onto it. Raises ``ExportError`` otherwise.
+    """
+    import peft
+
+    base_cfg = dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, r=0))
+    base = build_model(base_cfg, tokenizer.vocab_size, seed=cfg.seed)
+    if base.initial_weights_sha256 != model.initial_weights_sha256:
+        raise ExportError("the run's base model no longer has the recorded "
+                          "model.lora.base_weights_sha256; the adapters cannot be checked on it; "
+                          "nothing was published")
+    loaded = peft.PeftModel.from_pretrained(base.hf, tmp).eval()
+    worst, tokens, used = 0.0, 0, 0
+    with torch.no_grad():
+        for example in list(documents)[:CHECK_DOCUMENTS]:
+            ids = torch.as_tensor(example.tokens[:max_tokens], dtype=torch.int64)[None]
+            expected = model.logits(model(single_segment_batch(ids)))  # [1, T, V]
+            got = loaded(input_ids=ids).logits.float()  # [1, T, V]
+            worst = max(worst, float((got - expected).abs().max()))
+            tokens, used = tokens + ids.shape[1], used + 1
+    if used == 0:
+        raise ExportError("the run has no held-out documents to check the export on")
+    if not worst <= LOGIT_TOLERANCE:
+        raise ExportError(f"the exported adapters on the base give logits that differ from the "
+                          f"trained model's by {worst:.3g} (tolerance {LOGIT_TOLERANCE:g}); "
+                          "nothing was published")
+    return {"max_abs_logit_diff": worst, "tolerance": LOGIT_TOLERANCE, "documents": used,
+            "tokens": tokens}
 
 
 def hf_model_of(model: Any) -> Any:

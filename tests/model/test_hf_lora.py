@@ -223,6 +223,7 @@ def test_a_real_run_moves_only_the_adapters(tmp_path):
     # rank 4, 2 layers, r * (in + out): q, o 32 -> 32; k, v 32 -> 16; gate, up, down 32 <-> 64
     assert lora["adapter_parameters"] == 2 * 4 * (2 * 64 + 2 * 48 + 3 * 96) == 4096
     check_merged_export(run, tmp_path, initial)
+    check_adapter_export(run, tmp_path)
 
 
 def check_merged_export(run: Path, tmp_path: Path, initial: dict) -> None:
@@ -254,7 +255,10 @@ def check_merged_export(run: Path, tmp_path: Path, initial: dict) -> None:
 
 @pytest.mark.slow
 def test_without_lora_the_same_run_moves_the_base(tmp_path):  # negative control
-    initial, trained, section, _ = trained_and_initial(tmp_path, {})
+    initial, trained, section, run = trained_and_initial(tmp_path, {})
+    with pytest.raises(ConfigError, match="--adapter writes LoRA adapters"):
+        from exactstep import export as export_module
+        export_module.export_run(run, tmp_path / "adapter", adapter=True)
     assert "lora" not in section
     moved = [k for k in initial if not torch.equal(initial[k], trained[k])]
     assert "hf.model.layers.0.self_attn.q_proj.weight" in moved
@@ -328,3 +332,51 @@ def test_killed_and_resumed_lora_run_with_dropout_is_bitwise_identical_s5(tmp_pa
     differences = state_differences(state_a, final_state(defective)[1])
     assert any(d.startswith("model.") and ".lora_" in d for d in differences)
     assert not any(d.startswith("model.") and ".lora_" not in d for d in differences)
+
+
+def check_adapter_export(run: Path, tmp_path: Path) -> None:
+    """``exactstep export --adapter`` writes a PEFT adapter directory holding only the
+    adapters; peft loads it onto the base built again without LoRA, and the logits
+    equal the trained model's. Negative control: adapters written with ``lora_B``
+    zeroed fail the export's own check and nothing is published."""
+    import peft
+    from safetensors.torch import load_file, save_file
+
+    from exactstep import export as export_module
+    from exactstep.errors import ExportError
+    from exactstep.eval import eval_mode
+    from exactstep.rows.batch import single_segment_batch
+
+    out = tmp_path / "adapter"
+    assert main(["export", str(run), "--out", str(out), "--adapter"]) == 0
+    passport = json.loads((out / "passport.json").read_text())
+    assert passport["adapters"] == "peft" and len(passport["base_weights_sha256"]) == 64
+    tensors = load_file(out / "adapter_model.safetensors")
+    assert tensors and all(".lora_A." in k or ".lora_B." in k for k in tensors)
+    assert not (out / "model.safetensors").exists()
+    assert main(["export", "verify", str(out)]) == 0  # every digest the passport lists
+    with open_finished_run(run) as finished:
+        cfg, trained = finished.cfg, finished.model
+        base_cfg = ModelConfig(source="hf", hf_config=cfg.model.hf_config)
+        base = build_model(base_cfg, BYTE_VOCAB, seed=cfg.seed).hf
+        loaded = peft.PeftModel.from_pretrained(base, out).eval()
+        ids = torch.tensor([[1, 72, 101, 108, 108, 111]])
+        with torch.no_grad(), eval_mode(trained):  # adapter dropout off
+            expected = trained.logits(trained(single_segment_batch(ids)))
+            error = float((loaded(input_ids=ids).logits - expected).abs().max())
+    assert error <= 1e-5, error
+
+    def zeroed(tmp, model, tokenizer, template):
+        written = export_module_write(tmp, model, tokenizer, template)
+        weights = {k: (torch.zeros_like(v) if ".lora_B." in k else v)
+                   for k, v in load_file(tmp / "adapter_model.safetensors").items()}
+        save_file(weights, tmp / "adapter_model.safetensors")
+        return written
+
+    export_module_write = export_module.write_adapter
+    bad = tmp_path / "bad_adapter"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export_module, "write_adapter", zeroed)
+        with pytest.raises(ExportError, match="adapters on the base give logits"):
+            export_module.export_run(run, bad, adapter=True)
+    assert not bad.exists()
