@@ -380,3 +380,30 @@ def check_adapter_export(run: Path, tmp_path: Path) -> None:
         with pytest.raises(ExportError, match="adapters on the base give logits"):
             export_module.export_run(run, bad, adapter=True)
     assert not bad.exists()
+
+
+def test_activation_checkpointing_with_lora_recomputes_and_changes_nothing():
+    """H5 with H4: one window with adapter dropout 0.25 and every block recomputed ends
+    bitwise where the window without recomputation ends (dropout masks replayed); the
+    recomputation happened (an adapted layer runs twice per microbatch, once without)."""
+    ends, calls = {}, {}
+    for checkpointing in (False, True):
+        cfg = ModelConfig(source="hf", hf_config=hf_config("llama", vocab_size=VOCAB),
+                          lora=LoRAConfig(r=4, dropout=0.25),
+                          activation_checkpointing=checkpointing)
+        model = build_model(cfg, VOCAB, seed=3)
+        with torch.no_grad():  # B away from 0, so the dropout on A's input matters
+            for name, param in model.named_parameters():
+                if ".lora_B." in name:
+                    param.fill_(0.05)
+        count = [0]
+        layer = model.hf.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")
+        layer.register_forward_hook(lambda *_, c=count: c.__setitem__(0, c[0] + 1))
+        torch.manual_seed(0)
+        engine = real_engine(model, lr=LR, clip=CLIP, weight_decay=DECAY)
+        assert engine.run_window(window_batches(), 0).outcome == Outcome.COMMITTED
+        ends[checkpointing] = {k: v.clone() for k, v in model.state_dict().items()}
+        calls[checkpointing] = count[0]
+    assert calls == {False: 3, True: 6}
+    assert ends[False].keys() == ends[True].keys()
+    assert all(torch.equal(ends[False][k], ends[True][k]) for k in ends[False])
