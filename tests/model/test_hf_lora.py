@@ -196,16 +196,36 @@ def run_args(corpus: Path, lora: dict) -> dict:
 
 
 def trained_and_initial(tmp_path: Path, lora: dict) -> tuple[dict, dict, dict, Path]:
+    """The initial state, the state of the very model the run trained (caught as it is
+    built: a LoRA checkpoint holds no base to compare), the manifest's model section."""
+    import exactstep.model.decoder as decoder_module
+
     corpus, run = tmp_path / "docs.jsonl", tmp_path / "run"
     write_corpus(corpus)
     pairs = run_args(corpus, lora)
-    assert main(["train", "--out", str(run), "--no-progress", *set_args(pairs)]) == 0
+    built = []
+
+    def catching(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+
+    build = decoder_module.build_hf_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decoder_module, "build_hf_model", catching)
+        assert main(["train", "--out", str(run), "--no-progress", *set_args(pairs)]) == 0
+    assert len(built) == 1
+    trained = {k: v.detach().clone() for k, v in built[0].state_dict().items()}
     cfg = load_config(overrides=[f"{k}={v}" for k, v in pairs.items()])
     initial = build_model(cfg.model, BYTE_VOCAB, seed=cfg.seed).state_dict()
-    with open_finished_run(run) as finished:
-        trained = {k: v.detach().clone() for k, v in finished.model.state_dict().items()}
     section = json.loads((run / "manifest.json").read_text())["manifest"]["model"]
     return initial, trained, section, run
+
+
+def checkpoint_model(run: Path) -> dict:
+    from exactstep.state.safetensors_format import load_checkpoint
+    from exactstep.state.store import latest_checkpoint
+
+    return load_checkpoint(latest_checkpoint(run / "checkpoints"))[0]
 
 
 @pytest.mark.slow
@@ -222,6 +242,12 @@ def test_a_real_run_moves_only_the_adapters(tmp_path):
     assert lora["base_weights_sha256"] == section["initial_weights_sha256"]
     # rank 4, 2 layers, r * (in + out): q, o 32 -> 32; k, v 32 -> 16; gate, up, down 32 <-> 64
     assert lora["adapter_parameters"] == 2 * 4 * (2 * 64 + 2 * 48 + 3 * 96) == 4096
+    stored = checkpoint_model(run)  # the adapters only (S2, H4), as trained
+    assert set(stored) == {k for k in initial if ".lora_" in k}
+    assert all(torch.equal(stored[k], trained[k]) for k in stored)
+    with open_finished_run(run) as finished:  # the base rebuilt, the adapters loaded
+        reopened = finished.model.state_dict()
+    assert all(torch.equal(reopened[k], trained[k]) for k in trained)
     check_merged_export(run, tmp_path, initial)
     check_adapter_export(run, tmp_path)
 
@@ -262,6 +288,7 @@ def test_without_lora_the_same_run_moves_the_base(tmp_path):  # negative control
     assert "lora" not in section
     moved = [k for k in initial if not torch.equal(initial[k], trained[k])]
     assert "hf.model.layers.0.self_attn.q_proj.weight" in moved
+    assert set(checkpoint_model(run)) == set(initial)  # the whole model
 
 
 # ---------------------------------------------------------- manifest and resume (S1, S4, S5)
@@ -407,3 +434,25 @@ def test_activation_checkpointing_with_lora_recomputes_and_changes_nothing():
     assert calls == {False: 3, True: 6}
     assert ends[False].keys() == ends[True].keys()
     assert all(torch.equal(ends[False][k], ends[True][k]) for k in ends[False])
+
+
+def test_the_checkpoint_state_is_the_adapters_and_loads_back_only_whole():
+    """S2 under H4: ``checkpoint_state`` is the trainable tensors; loading it onto a fresh
+    model restores them, and a state lacking an adapter or carrying a stranger is
+    refused (negative controls)."""
+    model = lora_llama(VOCAB, LoRAConfig(r=2, target_modules="q_proj"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.fill_(0.5)
+    state = model.checkpoint_state()
+    assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad}
+    fresh = lora_llama(VOCAB, LoRAConfig(r=2, target_modules="q_proj"))
+    fresh.load_checkpoint_state(state)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    lacking = dict(state)
+    lacking.pop(sorted(lacking)[0])
+    with pytest.raises(ModelError, match="1 adapter tensor"):
+        fresh.load_checkpoint_state(lacking)
+    with pytest.raises(ModelError, match="1 unexpected"):
+        fresh.load_checkpoint_state({**state, "hf.stranger": torch.zeros(1)})

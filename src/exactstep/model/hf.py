@@ -248,6 +248,30 @@ class HFCausalLM(nn.Module):
             **({"lora": self.lora_section()} if self.lora is not None else {}),
         }
 
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds (S2): with LoRA the adapters only, since the base is
+        rebuilt from ``model.path`` or the seed and pinned by its digest in the
+        manifest (H4, S4); else the whole state dict."""
+        state = self.state_dict()
+        if self.lora is None:
+            return state
+        adapters = {name for name, p in self.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in adapters}
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``checkpoint_state``'s tensors; with LoRA only frozen base tensors may be
+        absent (a whole state dict loads too). Anything else is a ``ModelError``."""
+        if self.lora is None:
+            self.load_state_dict(state)
+            return
+        adapters = {name for name, p in self.named_parameters() if p.requires_grad}
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        lacking = sorted(set(missing) & adapters)
+        if unexpected or lacking:
+            raise ModelError(f"the checkpoint does not fit the LoRA model: "
+                             f"{len(unexpected)} unexpected tensor(s) {sorted(unexpected)[:2]}, "
+                             f"{len(lacking)} adapter tensor(s) missing {lacking[:2]}")
+
     def lora_section(self) -> dict[str, Any]:
         """With LoRA (H4): the frozen base's digest (the weights before the adapters were
         added), the adapters' parameter count and the ``peft`` version."""

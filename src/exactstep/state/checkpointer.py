@@ -142,7 +142,7 @@ class Checkpointer:
                     keep=self.keep)
             parts["rng"] = capture_rng()
             parts["data"] = self.stream.state_dict()
-            model_state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            model_state = checkpoint_model_state(self.model)
             return publish_checkpoint(self.root, name, model_state, parts, keep=self.keep)
         except StorageError as exc:
             raise StorageError(f"{exc}; free space and continue with: exactstep resume "
@@ -182,7 +182,7 @@ class Checkpointer:
                 f"{self.ctx.world_size}; relaunch with 1 process, or pass --reshard"
             )
         model_state, parts = load_checkpoint(path)
-        self.model.load_state_dict(model_state)
+        load_model_state(self.model, model_state)
         self.engine.load_state_dict({k: parts[name] for k, name in ENGINE_PARTS.items()})
         restore_rng(parts["rng"])
         events = []
@@ -257,11 +257,29 @@ def _restored(progress: dict[str, Any], events: list[dict[str, Any]]) -> Restore
     return Restored(int(progress["next_window"]), progress, journals, events)
 
 
+def checkpoint_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a one-process checkpoint holds of ``model``: its ``checkpoint_state()``
+    where it has one (with LoRA, the adapters only: H4), else its whole state dict."""
+    own = getattr(model, "checkpoint_state", None)
+    state = own() if callable(own) else model.state_dict()
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load what ``checkpoint_model_state`` saved (``load_checkpoint_state`` where the
+    model has one)."""
+    own = getattr(model, "load_checkpoint_state", None)
+    if callable(own):
+        own(state)
+    else:
+        model.load_state_dict(state)
+
+
 def load_weights(path: Path, model: torch.nn.Module,
                  multi_rank: MultiRankFormat | None = None) -> None:
     """Load only a checkpoint's weights into ``model`` (evaluation, warm start, E1)."""
     if checkpoint_format(path) == FORMAT:
-        model.load_state_dict(load_checkpoint(path)[0])
+        load_model_state(model, load_checkpoint(path)[0])
         return
     if multi_rank is None:
         raise DistributedError(f"{path} is a multi-rank checkpoint; no loader for it was given")
