@@ -27,6 +27,21 @@ Tensor = torch.Tensor
 # ----------------------------------------------------------------------------- helpers
 
 
+#: The most bytes one chunk's fp32 logits may take (L1): ``chunk_rows`` is lowered to
+#: ``CHUNK_LOGIT_BYTES // (4 V)`` rows when it asks for more, so a chunk stays this small
+#: at any vocabulary (1024 rows at V = 151,936 are 594 MiB). Measurements and why 64:
+#: docs/design/objective.md#chunk-size-in-bytes-l1.
+CHUNK_LOGIT_BYTES = 64 * 2**20
+
+
+def rows_per_chunk(chunk_rows: int, vocab_size: int) -> int:
+    """The rows a chunk holds: ``chunk_rows`` capped by ``CHUNK_LOGIT_BYTES`` (at least
+    one row); ``0`` (unchunked, asked for explicitly) stays ``0``."""
+    if chunk_rows <= 0:
+        return 0
+    return max(1, min(chunk_rows, CHUNK_LOGIT_BYTES // (4 * max(vocab_size, 1))))
+
+
 def chunk_bounds(num_rows: int, chunk_rows: int) -> Iterator[tuple[int, int]]:
     """``[start, stop)`` of each chunk; ``chunk_rows = 0`` means one chunk of all rows."""
     step = num_rows if chunk_rows <= 0 else chunk_rows
@@ -388,8 +403,9 @@ def fused_row_losses(
     sm = resolve_smoothing(cfg, head_weight_VH.shape[0], pad_id)
     dtype = compute_dtype(hidden_NH, head_weight_VH)
     index = supervised_index(labels_N, rows_index)
+    chunk = rows_per_chunk(cfg.chunk_rows, head_weight_VH.shape[0])
     ce_M, nll_M = _FusedRowLosses.apply(
-        hidden_NH, head_weight_VH, labels_N, index, sm, cfg.chunk_rows, dtype
+        hidden_NH, head_weight_VH, labels_N, index, sm, chunk, dtype
     )
     return scatter_rows(ce_M, nll_M, index, labels_N.shape[0])
 
@@ -440,7 +456,7 @@ def fused_weighted_sum(
         coeff_N,
         index,
         sm,
-        cfg.chunk_rows,
+        rows_per_chunk(cfg.chunk_rows, head_weight_VH.shape[0]),
         dtype,
         need_h,
         need_w,
@@ -467,9 +483,10 @@ def logits_row_losses(
         )
     sm = resolve_smoothing(cfg, logits_NV.shape[1], pad_id)
     index = supervised_index(labels_N, rows_index)
+    chunk = rows_per_chunk(cfg.chunk_rows, logits_NV.shape[1])
     if index is None:
-        return _LogitsRowLosses.apply(logits_NV, labels_N, sm, cfg.chunk_rows)
+        return _LogitsRowLosses.apply(logits_NV, labels_N, sm, chunk)
     ce_M, nll_M = _LogitsRowLosses.apply(
-        logits_NV.index_select(0, index), labels_N.index_select(0, index), sm, cfg.chunk_rows
+        logits_NV.index_select(0, index), labels_N.index_select(0, index), sm, chunk
     )
     return scatter_rows(ce_M, nll_M, index, labels_N.shape[0])
