@@ -113,26 +113,30 @@ def test_rows_per_chunk_caps_bytes_and_keeps_explicit_choices():
     assert ce_module.rows_per_chunk(1024, cap) == 1  # at least one row
 
 
-def test_export_logit_check_holds_no_document_sized_logits(monkeypatch):
-    """The handoff check (H3) compares a document's logits chunk by chunk through
+@pytest.mark.parametrize("lora", [False, True])
+def test_export_logit_check_holds_no_document_sized_logits(monkeypatch, lora):
+    """The handoff check (H3), and the adapter check through ``peft`` (H4), compare a document's logits chunk by chunk through
     transformers' ``logits_to_keep``. At V = 200,000 and T = 256 a document's fp32
     logits are 205 MB; the bound is half of that (102 MB: a chunk of at most half the
     document), a capped chunk is 83 rows (66 MB). Negative control: one chunk of all T
     positions (the unchunked comparison)."""
-    pytest.importorskip("transformers")
+    pytest.importorskip("peft" if lora else "transformers")
     from exactstep import export
+    from exactstep.model.config import LoRAConfig
 
     vocab, length = 200_000, 256
     model = build_model(ModelConfig(source="hf", attn_implementation="sdpa", hf_config={
         "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": length, "tie_word_embeddings": True}), vocab, seed=0).eval()
+        "max_position_embeddings": length, "tie_word_embeddings": True},
+        lora=LoRAConfig(r=2 if lora else 0)), vocab, seed=0).eval()
+    eager = None if lora else model.hf
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
     bound = length * vocab * 4 // 2
 
     def largest() -> tuple[int, tuple[float, float]]:
         with torch.no_grad(), LargestTensor() as probe:
-            diffs = export.logit_differences(model, model.hf, model.hf, ids)
+            diffs = export.logit_differences(model, model.hf, eager, ids)
         return probe.largest, diffs
 
     chunked, (diff, spread) = largest()
