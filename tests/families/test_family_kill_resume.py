@@ -104,24 +104,33 @@ def check_draws_mattered(name: str, run_dir: Path) -> None:
             summary["masked_targets_keep"] == summary["masked_targets"]
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_killed_and_resumed_family_run_is_bitwise_identical_s5(name, tmp_path):
-    """One test per family (its four processes run once, whatever the test workers):
-    straight = killed twice and resumed, bitwise; a resume without the data cursor
-    differs (negative control)."""
-    h = FamilyHarness(tmp_path, FAMILIES[name])
+def bitwise_lineage(h: Harness, windows: int = WINDOWS) -> tuple[Path, Path, dict]:
+    """Run ``h`` straight and as the killed lineage (two SIGKILLs, resumed each time)
+    side by side, and assert S5: the final checkpoints hold bitwise-identical state and
+    files, and the ledgers and manifests are byte-identical. Returns the straight run,
+    the no-cursor control (resumed without its data cursor) and the straight run's
+    manifest body."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         straight_f = pool.submit(straight_run, copy.copy(h))
         lineage_f = pool.submit(killed_lineage, copy.copy(h))
         straight, (killed, defective) = straight_f.result(), lineage_f.result()
     name_a, state_a, files_a = final_state(straight)
     name_b, state_b, files_b = final_state(killed)
-    assert name_a == name_b == f"window-{WINDOWS:08d}"
+    assert name_a == name_b == f"window-{windows:08d}"
     assert state_differences(state_a, state_b) == []
     assert files_a == files_b
     assert (straight / "ledger.jsonl").read_bytes() == (killed / "ledger.jsonl").read_bytes()
     assert (straight / "manifest.json").read_bytes() == (killed / "manifest.json").read_bytes()
-    manifest = json.loads((straight / "manifest.json").read_bytes())["manifest"]
+    return straight, defective, json.loads((straight / "manifest.json").read_bytes())["manifest"]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_killed_and_resumed_family_run_is_bitwise_identical_s5(name, tmp_path):
+    """One test per family (its four processes run once, whatever the test workers):
+    straight = killed twice and resumed, bitwise; a resume without the data cursor
+    differs (negative control)."""
+    straight, defective, manifest = bitwise_lineage(FamilyHarness(tmp_path, FAMILIES[name]))
+    state_a = final_state(straight)[1]
     assert manifest["config"]["objective"]["family"] == name
     check_draws_mattered(name, straight)
     differences = state_differences(state_a, final_state(defective)[1])

@@ -12,13 +12,11 @@ Uses the launcher of ``state.test_kill_resume`` and the lineage of
 
 from __future__ import annotations
 
-import copy
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from families.test_family_kill_resume import final_state, killed_lineage, straight_run
+from families.test_family_kill_resume import bitwise_lineage, final_state
 from state.test_hf_kill_resume import TABLE, hf_settings
 from state.test_kill_resume import WINDOWS, Harness, settings
 
@@ -53,20 +51,9 @@ class CheckpointingHarness(Harness):
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_killed_and_resumed_checkpointed_run_is_bitwise_identical_s5_h5(name, tmp_path):
-    h = CheckpointingHarness(tmp_path, name)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        straight_f = pool.submit(straight_run, copy.copy(h))
-        lineage_f = pool.submit(killed_lineage, copy.copy(h))
-        straight, (killed, defective) = straight_f.result(), lineage_f.result()
-    windows = RUNS[name][2]
-    name_a, state_a, files_a = final_state(straight)
-    name_b, state_b, files_b = final_state(killed)
-    assert name_a == name_b == f"window-{windows:08d}"
-    assert state_differences(state_a, state_b) == []
-    assert files_a == files_b
-    assert (straight / "ledger.jsonl").read_bytes() == (killed / "ledger.jsonl").read_bytes()
-    assert (straight / "manifest.json").read_bytes() == (killed / "manifest.json").read_bytes()
-    manifest = json.loads((straight / "manifest.json").read_bytes())["manifest"]
+    straight, defective, manifest = bitwise_lineage(CheckpointingHarness(tmp_path, name),
+                                                    windows=RUNS[name][2])
+    state_a = final_state(straight)[1]
     assert manifest["config"]["model"]["activation_checkpointing"] is True
     if name == "hf_dropout":
         assert manifest["config"]["model"]["hf_config"]["attention_dropout"] == 0.2

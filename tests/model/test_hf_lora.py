@@ -330,31 +330,12 @@ LORA_RUN = {"model.source": "hf", "model.hf_config": json.dumps(hf_config("llama
 def test_killed_and_resumed_lora_run_with_dropout_is_bitwise_identical_s5(tmp_path):
     """Straight = SIGKILLed twice and resumed, bitwise (the adapters' dropout masks come
     from the checkpointed RNG streams); a resume without the data cursor differs."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from families.test_family_kill_resume import (
-        WINDOWS,
-        FamilyHarness,
-        final_state,
-        killed_lineage,
-        straight_run,
-    )
+    from families.test_family_kill_resume import FamilyHarness, bitwise_lineage, final_state
 
     from exactstep.state.compare import state_differences
 
-    h = FamilyHarness(tmp_path, LORA_RUN)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        straight_f = pool.submit(straight_run, copy.copy(h))
-        lineage_f = pool.submit(killed_lineage, copy.copy(h))
-        straight, (killed, defective) = straight_f.result(), lineage_f.result()
-    name_a, state_a, files_a = final_state(straight)
-    name_b, state_b, files_b = final_state(killed)
-    assert name_a == name_b == f"window-{WINDOWS:08d}"
-    assert state_differences(state_a, state_b) == []
-    assert files_a == files_b
-    assert (straight / "ledger.jsonl").read_bytes() == (killed / "ledger.jsonl").read_bytes()
-    assert (straight / "manifest.json").read_bytes() == (killed / "manifest.json").read_bytes()
-    manifest = json.loads((straight / "manifest.json").read_bytes())["manifest"]
+    straight, defective, manifest = bitwise_lineage(FamilyHarness(tmp_path, LORA_RUN))
+    state_a = final_state(straight)[1]
     assert manifest["config"]["model"]["lora"]["dropout"] == 0.25
     differences = state_differences(state_a, final_state(defective)[1])
     assert any(d.startswith("model.") and ".lora_" in d for d in differences)
