@@ -245,6 +245,25 @@ def test_hf_config_typos_and_unknown_model_types_are_refused():
         build_model(ModelConfig(source="hf", hf_config={"model_type": "nosuch"}), VOCAB, seed=0)
 
 
+def test_a_config_json_rope_theta_is_taken_and_reaches_the_rotary_tables():
+    """config.json files (Qwen2.5's among them) spell the RoPE base ``rope_theta``; the
+    installed transformers stores it in ``rope_parameters``. It must be accepted and
+    used: the rotary inverse frequencies are ``theta ** (-2i / d)`` (negative control:
+    the default base gives other frequencies)."""
+    dims = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=64, num_hidden_layers=1)
+    model = build_model(hf_model_config("qwen2", rope_theta=1000.0, **dims), VOCAB, seed=0)
+    default = build_model(hf_model_config("qwen2", **dims), VOCAB, seed=0)
+    head_dim = 16
+    expected = 1000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+    def inv_freq(adapter):
+        return next(b for n, b in adapter.hf.named_buffers() if n.endswith("inv_freq")).double()
+
+    torch.testing.assert_close(inv_freq(model), expected, rtol=1e-6, atol=0)
+    assert not torch.allclose(inv_freq(default), expected)
+
+
 def test_the_probe_leaves_modes_and_streams_as_they_were():
     model = hf_model("gpt2", VOCAB)
     model.train()

@@ -487,7 +487,9 @@ def known_config_keys(config_class: type) -> set[str]:
     if dataclasses.is_dataclass(config_class):
         keys |= {f.name for f in dataclasses.fields(config_class)}
     keys |= set(getattr(config_class, "attribute_map", {}))
-    return keys | {"rope_scaling"}  # the older spelling of rope_parameters
+    if "rope_parameters" in keys:  # config.json files still spell these the older way
+        keys |= {"rope_scaling", "rope_theta"}
+    return keys | {"rope_scaling"}
 
 
 def model_class_of(transformers: Any, config: Any) -> type | None:
