@@ -25,13 +25,25 @@ from safetensors import safe_open
 from torch import nn
 
 from exactstep.errors import ConfigError, ModelError
-from exactstep.model.attention import dense_visibility_mask, windowed_visibility
+from exactstep.model import hf_attention
+from exactstep.model.attention import dense_visibility_mask, prepare_visibility, windowed_visibility
 from exactstep.model.config import LoRAConfig, ModelConfig
+from exactstep.model.lora import (
+    HEAD_TARGETED,
+    adapted,
+    adapter_state,
+    adapting,
+    import_peft,
+    load_adapter_state,
+    lora_config,
+    lora_section,
+)
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.state.rng import isolated_rng
 
-#: attention backends whose isolation of packed documents exactstep realises (R3)
-ISOLATING_BACKENDS = ("sdpa", "eager")
+#: attention backends whose isolation of packed documents exactstep realises (R3):
+#: HF's own two with a 4D block mask, and exactstep's per-document attention
+ISOLATING_BACKENDS = ("sdpa", "eager", hf_attention.NAME)
 
 #: config attributes that make the head more than ``hidden @ W.T``, with their names;
 #: a value in the tuple is neutral (the feature is off)
@@ -145,6 +157,13 @@ class HFCausalLM(nn.Module):
             )
         device = self.head_weight.device
         position_ids = batch.position_ids.to(device)
+        if self.attn_implementation == hf_attention.NAME:  # per document: no [B, 1, T, T] mask
+            visibility = prepare_visibility(batch, "auto", device, head_dim=head_dim_of(self))
+            with hf_attention.packed_forward():
+                out = self.decoder(input_ids=batch.input_ids.to(device), position_ids=position_ids,
+                                   use_cache=False, return_dict=True,
+                                   **{hf_attention.VISIBILITY_KEYWORD: visibility})
+            return hidden_states_of(out, self)  # [B, T, H]
         out = self.decoder(
             input_ids=batch.input_ids.to(device),
             position_ids=position_ids,
@@ -213,12 +232,16 @@ class HFCausalLM(nn.Module):
                 )
         for window in self.refusals:
             if seq_len > window.size:
+                per_document = (self.attn_implementation == hf_attention.NAME
+                                and window.size <= PROBE_WINDOW_LIMIT)
                 raise ModelError(
                     f"batch.seq_len = {seq_len} exceeds the {self.model_type} model's "
                     f"{window.field} = {window.size} ({window.kind} attention), which "
-                    "exactstep's block mask does not realise for this model, so a packed row "
-                    f"would differ from its documents alone (R3); lower batch.seq_len to at "
-                    f"most {window.size}"
+                    + (f"attn_implementation {hf_attention.NAME!r} does not realise"
+                       if per_document else "exactstep's block mask does not realise for this "
+                       "model") + ", so a packed row would differ from its documents alone "
+                    f"(R3); lower batch.seq_len to at most {window.size}"
+                    + (" or set model.attn_implementation = 'sdpa'" if per_document else "")
                 )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -252,34 +275,20 @@ class HFCausalLM(nn.Module):
         """What a checkpoint holds (S2): with LoRA the adapters only, since the base is
         rebuilt from ``model.path`` or the seed and pinned by its digest in the
         manifest (H4, S4); else the whole state dict."""
-        state = self.state_dict()
-        if self.lora is None:
-            return state
-        adapters = {name for name, p in self.named_parameters() if p.requires_grad}
-        return {k: v for k, v in state.items() if k in adapters}
+        return self.state_dict() if self.lora is None else adapter_state(self)
 
     def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load ``checkpoint_state``'s tensors; with LoRA only frozen base tensors may be
         absent (a whole state dict loads too). Anything else is a ``ModelError``."""
         if self.lora is None:
             self.load_state_dict(state)
-            return
-        adapters = {name for name, p in self.named_parameters() if p.requires_grad}
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        lacking = sorted(set(missing) & adapters)
-        if unexpected or lacking:
-            raise ModelError(f"the checkpoint does not fit the LoRA model: "
-                             f"{len(unexpected)} unexpected tensor(s) {sorted(unexpected)[:2]}, "
-                             f"{len(lacking)} adapter tensor(s) missing {lacking[:2]}")
+        else:
+            load_adapter_state(self, state)
 
     def lora_section(self) -> dict[str, Any]:
         """With LoRA (H4): the frozen base's digest (the weights before the adapters were
         added), the adapters' parameter count and the ``peft`` version."""
-        return {
-            "base_weights_sha256": self.initial_weights_sha256,
-            "adapter_parameters": sum(p.numel() for p in self.parameters() if p.requires_grad),
-            "peft": import_peft().__version__,
-        }
+        return lora_section(self, self.initial_weights_sha256)
 
 
 def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalLM:
@@ -317,6 +326,7 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
             adapter.stored_dtype = stored_dtype(Path(cfg.path))
         check_head(adapter)
         check_vocab(adapter, vocab_size)
+        check_exactstep_attention(adapter)
         probe(adapter, vocab_size)
         if cfg.activation_checkpointing:
             enable_checkpointing(adapter)
@@ -331,30 +341,14 @@ def with_lora(adapter: HFCausalLM, lora: LoRAConfig, *, seed: int) -> None:
     (S5). The decoder stack is found again through the wrapper. A target that is the
     output head is refused: exactstep fuses the plain head weight into its loss (L1).
     """
-    peft = import_peft()
-    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=lora.targets, bias=lora.bias, task_type="CAUSAL_LM")
-    try:
-        with isolated_rng(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.default_generator.manual_seed(seed)
-            wrapped = peft.get_peft_model(adapter.hf, config)
-    except ValueError as exc:  # peft: a target module that the model does not have
-        raise ModelError(f"model.lora.target_modules: {first_line(exc)}") from None
-    if hasattr(wrapped.get_output_embeddings(), "lora_A"):
-        raise ModelError("model.lora.target_modules names the output head; exactstep fuses the "
-                         "plain head weight into its loss (L1), so the head takes no adapter")
+    config = lora_config(lora, task_type="CAUSAL_LM")
+    with adapting(seed):
+        wrapped = import_peft().get_peft_model(adapter.hf, config)
+    if adapted(wrapped.get_output_embeddings()):
+        raise ModelError(HEAD_TARGETED)
     adapter.hf = wrapped
     adapter.decoder_name = decoder_name(wrapped)
     adapter.lora = lora
-
-
-def import_peft() -> Any:
-    try:
-        import peft
-    except ImportError:
-        raise ModelError("model.lora needs peft: pip install 'exactstep[hf]'") from None
-    return peft
 
 
 def config_digest(config: Any) -> str:
@@ -508,13 +502,42 @@ def check_backend(transformers: Any, config: Any, backend: str) -> None:
     if backend not in ISOLATING_BACKENDS:
         raise ModelError(backend_message(config.model_type, backend,
                                          "sdpa" if has_sdpa else "eager"))
-    if backend == "sdpa" and not has_sdpa:
-        raise ModelError(no_sdpa_message(config.model_type, model_class.__name__))
+    if backend in ("sdpa", hf_attention.NAME) and not has_sdpa:
+        raise ModelError(no_sdpa_message(config.model_type, model_class.__name__, backend))
+    if backend == hf_attention.NAME:
+        hf_attention.register(transformers)  # HF's calls without packed rows run its sdpa
 
 
-def no_sdpa_message(model_type: str, class_name: str) -> str:
+def check_exactstep_attention(adapter: HFCausalLM) -> None:
+    """``attn_implementation = "exactstep"`` runs what the model's attention does only
+    where it needs nothing beyond scaled, causal, per-document attention: soft-capping,
+    attention dropout or sinks are one ``ModelError`` naming ``sdpa`` (R3)."""
+    if adapter.attn_implementation != hf_attention.NAME:
+        return
+    found = hf_attention.refusal(text_config_of(adapter.hf.config), adapter.hf)
+    if found is not None:
+        raise ModelError(
+            f"model type {adapter.model_type} applies {found}, which attn_implementation "
+            f"{hf_attention.NAME!r} (exactstep's per-document attention) does not; set "
+            "model.attn_implementation = 'sdpa'"
+        )
+
+
+def head_dim_of(adapter: HFCausalLM) -> int | None:
+    """The attention head dimension the config declares (``head_dim``, else
+    ``hidden_size / num_attention_heads``), or None where it declares neither."""
+    config = text_config_of(adapter.hf.config)
+    head_dim = getattr(config, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0:
+        return head_dim
+    hidden, heads = (getattr(config, name, None) for name in ("hidden_size", "num_attention_heads"))
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def no_sdpa_message(model_type: str, class_name: str, backend: str = "sdpa") -> str:
     return (
-        f"model type {model_type} ({class_name}) has no sdpa attention in this transformers; "
+        f"model type {model_type} ({class_name}) has no sdpa attention in this transformers"
+        f"{'' if backend == 'sdpa' else f', which {backend!r} runs on'}; "
         "set model.attn_implementation = 'eager' (exactstep isolates packed documents under "
         "eager too, R3)"
     )
@@ -891,10 +914,12 @@ def probe(adapter: HFCausalLM, vocab_size: int) -> None:
     lengths = probe_lengths(adapter, crossing=True)
     if lengths is not None:
         used = used_windows(adapter.windows)
-        within = frozenset(w for w in used if w.size <= PROBE_WINDOW_LIMIT)
+        crossed = frozenset(w for w in used if w.size <= PROBE_WINDOW_LIMIT)
+        # exactstep's per-document attention realises no window: only the model's own
+        within = frozenset() if adapter.attn_implementation == hf_attention.NAME else crossed
         for realised in (within, frozenset()) if within else (within,):
             adapter.realised = realised
-            adapter.refusals = tuple(w for w in used if w not in within)
+            adapter.refusals = tuple(w for w in used if w not in crossed)
             if probe_error(adapter, vocab_size, lengths) is None:
                 return
         adapter.realised = frozenset()
