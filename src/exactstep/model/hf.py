@@ -502,24 +502,33 @@ def check_backend(transformers: Any, config: Any, backend: str) -> None:
     if backend not in ISOLATING_BACKENDS:
         raise ModelError(backend_message(config.model_type, backend,
                                          "sdpa" if has_sdpa else "eager"))
-    if backend in ("sdpa", hf_attention.NAME) and not has_sdpa:
-        raise ModelError(no_sdpa_message(config.model_type, model_class.__name__, backend))
-    if backend == hf_attention.NAME:
-        hf_attention.register(transformers)  # HF's calls without packed rows run its sdpa
+    if backend == "sdpa" and not has_sdpa:
+        raise ModelError(no_sdpa_message(config.model_type, model_class.__name__))
+    if backend == hf_attention.NAME:  # HF's calls without packed rows run HF's sdpa function
+        if getattr(model_class, "_supports_attention_backend", True) is False:
+            raise ModelError(
+                f"model type {config.model_type} ({model_class.__name__}) runs its own attention, "
+                f"not transformers' attention interface, so attn_implementation "
+                f"{hf_attention.NAME!r} cannot reach it; set model.attn_implementation = "
+                f"{'sdpa' if has_sdpa else 'eager'!r}"
+            )
+        hf_attention.register(transformers)
 
 
 def check_exactstep_attention(adapter: HFCausalLM) -> None:
     """``attn_implementation = "exactstep"`` runs what the model's attention does only
     where it needs nothing beyond scaled, causal, per-document attention: soft-capping,
-    attention dropout or sinks are one ``ModelError`` naming ``sdpa`` (R3)."""
+    attention dropout or sinks are one ``ModelError`` naming ``sdpa`` (``eager`` for a
+    model without it) (R3)."""
     if adapter.attn_implementation != hf_attention.NAME:
         return
     found = hf_attention.refusal(text_config_of(adapter.hf.config), adapter.hf)
     if found is not None:
+        fix = "sdpa" if getattr(adapter.hf, "_supports_sdpa", True) is not False else "eager"
         raise ModelError(
             f"model type {adapter.model_type} applies {found}, which attn_implementation "
             f"{hf_attention.NAME!r} (exactstep's per-document attention) does not; set "
-            "model.attn_implementation = 'sdpa'"
+            f"model.attn_implementation = {fix!r}"
         )
 
 
@@ -534,10 +543,9 @@ def head_dim_of(adapter: HFCausalLM) -> int | None:
     return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
-def no_sdpa_message(model_type: str, class_name: str, backend: str = "sdpa") -> str:
+def no_sdpa_message(model_type: str, class_name: str) -> str:
     return (
-        f"model type {model_type} ({class_name}) has no sdpa attention in this transformers"
-        f"{'' if backend == 'sdpa' else f', which {backend!r} runs on'}; "
+        f"model type {model_type} ({class_name}) has no sdpa attention in this transformers; "
         "set model.attn_implementation = 'eager' (exactstep isolates packed documents under "
         "eager too, R3)"
     )
