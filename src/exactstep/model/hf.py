@@ -3,8 +3,9 @@
 ``build_hf_model`` wraps an ``AutoModelForCausalLM`` as ``HFCausalLM``, which returns
 final hidden states like the built-in decoder (never logits, never ``labels=``: R1,
 L1) and sees packed rows only through per-document positions and a 4D block mask its
-backend honours (R3). A backend, head, window or vocabulary that cannot keep these
-contracts is refused when the model is built, checked by a one-time probe.
+backend honours, or exactstep's per-document attention (``hf_attention``; R3). A
+backend, head, window or vocabulary that cannot keep these contracts is refused when
+the model is built, checked by a one-time probe.
 Design and derivations: docs/design/model.md#modelhfpy (H1, H4, R1, R3, U6, L1).
 """
 
@@ -144,7 +145,9 @@ class HFCausalLM(nn.Module):
         """Final hidden states ``[B, T, H]`` of the decoder stack (no logits, no labels: R1).
 
         Visibility: ``batch.position_ids`` and the block-diagonal causal mask of
-        ``batch.segment_ids``, narrowed to the realised windows (R3). Refuses, without
+        ``batch.segment_ids``, narrowed to the realised windows (R3); under
+        ``attn_implementation = "exactstep"`` the batch's ``Visibility`` instead (no
+        ``[B, 1, T, T]`` mask, no realised window). Refuses, without
         reading any device value, a batch with ``prefix_len``, a bidirectional batch,
         and rows longer than the model's positions, a window it does not realise or a
         row limit.
@@ -986,7 +989,8 @@ def probe_error(adapter: HFCausalLM, vocab_size: int,
             f"{adapter.attn_implementation!r} does not isolate packed documents: a document's "
             f"logits move by {max(isolation_error, leak) / scale:.1e} (relative) when another "
             "shares its row (R3); use an architecture that honours a 4D attention mask and "
-            "position_ids"
+            "position_ids" + ("" if adapter.attn_implementation != hf_attention.NAME else
+                              ", or set model.attn_implementation = 'sdpa'")
         )
     return None
 
@@ -999,7 +1003,7 @@ def backend_message(model_type: str, backend: str, suggestion: str = "sdpa") -> 
     return (
         f"model type {model_type} with attn_implementation {backend!r} cannot isolate packed "
         f"documents here (R3): exactstep realises segment visibility for HF models as a 4D mask, "
-        f"which only {' and '.join(map(repr, ISOLATING_BACKENDS))} honour; set "
+        f"which only 'sdpa' and 'eager' honour, or per document ({hf_attention.NAME!r}); set "
         f"model.attn_implementation = {suggestion!r}"
     )
 
