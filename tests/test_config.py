@@ -79,7 +79,6 @@ I64_MAX = 2**63 - 1
 # Every numeric key: values at the edge of its range that are accepted, values just
 # outside that are refused, and the range the refusal must state. Extra overrides
 # make a value legal in context (e.g. d_model with n_heads).
-HF = ("model.source=hf", 'model.hf_config={"model_type": "llama"}')  # LoRA needs it
 RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("seed", (0, I64_MAX), (-1,), "in [0, 2**63 - 1]", ()),
     ("data.val_fraction", (1e-9, 0.999), (0, 1, -0.5), "in (0, 1)", ()),
@@ -94,7 +93,7 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("model.rope_theta", (F32_TINY, F32_MAX), (0, -1, 1e-39, 3.5e38), F32, ()),
     ("model.norm_eps", (F32_TINY, 1e-5), (0, -1, 1e-300, 1e39), F32, ()),
     ("model.init_std", (F32_TINY, F32_MAX), (0, -1, 1e-40, 1e300), F32, ()),
-    ("model.lora.r", (0, 8), (-1,), ">= 0", HF),
+    ("model.lora.r", (0, 8), (-1,), ">= 0", ()),
     ("model.lora.alpha", (1e-9, 16.0), (0, -1), "> 0", ()),
     ("model.lora.dropout", (0, 0.999), (1, -0.1), "in [0, 1)", ()),
     ("objective.label_smoothing", (0, 1), (-0.1, 1.1), "in [0, 1]", ()),

@@ -93,11 +93,6 @@ def test_lora_ranges_are_validated(bad):
         LoRAConfig(**bad)
 
 
-def test_lora_on_the_built_in_decoder_is_refused():
-    with pytest.raises(ConfigError, match="model.source = 'hf'"):
-        ModelConfig(lora=LoRAConfig(r=2))
-
-
 def test_the_adapter_init_is_seeded_and_leaves_the_global_rng_alone():
     before = torch.get_rng_state()
     a = lora_llama(VOCAB, LoRAConfig(r=2)).state_dict()

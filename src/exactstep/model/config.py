@@ -62,7 +62,8 @@ class ModelConfig:
     The built-in keys are then unused (but still recorded and validated).
     ``dtype`` is the parameters' dtype: ``float32`` (a bf16 or fp16 checkpoint is
     upcast exactly); ``bfloat16`` is refused (fp32 master weights, U2). ``lora``:
-    adapters through ``peft``, HF models only (H4).
+    adapters through ``peft`` (H4), on the built-in decoder or an HF model (the
+    encoder-decoder and two-stream models refuse them).
 
     ``activation_checkpointing``: each block's activations are recomputed in the
     backward instead of kept, while training with gradients on (H5); the built-in
@@ -102,11 +103,6 @@ class ModelConfig:
             raise ConfigError("model.d_model / model.n_heads must be even (RoPE rotates pairs)")
         self._check_dtype()
         self._check_source()
-        if self.lora.enabled and self.source != "hf":
-            raise ConfigError(
-                "model.lora.r > 0 needs model.source = 'hf' (LoRA through peft, H4); the "
-                "built-in decoder takes no adapters yet"
-            )
 
     def _check_dtype(self) -> None:
         """Parameters are fp32 master weights (U2): ``bfloat16`` is refused, whatever

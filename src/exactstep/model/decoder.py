@@ -19,8 +19,18 @@ from torch.utils.checkpoint import checkpoint
 
 from exactstep.errors import ConfigError, ModelError
 from exactstep.model.attention import Visibility, attend_fused, prepare_visibility
-from exactstep.model.config import ModelConfig
-from exactstep.model.hf import build_hf_model
+from exactstep.model.config import LoRAConfig, ModelConfig
+from exactstep.model.hf import build_hf_model, weights_digest
+from exactstep.model.lora import (
+    HEAD_TARGETED,
+    adapted,
+    adapter_state,
+    adapting,
+    inject_adapters,
+    load_adapter_state,
+    lora_config,
+    lora_section,
+)
 from exactstep.rows.batch import Batch
 
 
@@ -129,6 +139,8 @@ class Decoder(nn.Module):
             if cfg.tie_embeddings
             else skip_init(nn.Linear, cfg.d_model, vocab_size, bias=False)
         )
+        self.lora: LoRAConfig | None = None  # set by ``with_lora`` (H4)
+        self.initial_weights_sha256: str | None = None  # the frozen base's, under LoRA
         self.init_weights(generator)
 
     @torch.no_grad()
@@ -194,6 +206,27 @@ class Decoder(nn.Module):
     def check_rows(self, seq_len: int) -> None:
         """Rows of any length are exact here (RoPE is computed for any position)."""
 
+    def describe(self) -> dict | None:
+        """The manifest's ``model`` section (S1): with LoRA, ``{"source": "builtin",
+        "lora": ...}`` (the base's digest, the adapters' size, peft's version: H4), so a
+        resume onto another base is refused naming ``model.lora.base_weights_sha256``
+        (S4); without, ``None`` (the configuration describes the model whole)."""
+        if self.lora is None:
+            return None
+        return {"source": "builtin", "lora": lora_section(self, self.initial_weights_sha256)}
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds (S2): with LoRA the adapters only (the base is rebuilt
+        from the seed and pinned by its digest, H4); else the whole state dict."""
+        return self.state_dict() if self.lora is None else adapter_state(self)
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``checkpoint_state``'s tensors (``load_adapter_state`` under LoRA)."""
+        if self.lora is None:
+            self.load_state_dict(state)
+        else:
+            load_adapter_state(self, state)
+
 
 def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> nn.Module:
     """The model ``cfg`` declares, whose weights depend only on ``(cfg, vocab_size, seed)``.
@@ -206,7 +239,33 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> nn.Module:
     if cfg.source == "hf":
         return build_hf_model(cfg, vocab_size, seed=seed)
     generator = torch.Generator().manual_seed(seed)
-    return Decoder(cfg, vocab_size, generator=generator)
+    decoder = Decoder(cfg, vocab_size, generator=generator)
+    if cfg.lora.enabled:
+        with_lora(decoder, cfg.lora, seed=seed)
+    return decoder
+
+
+def with_lora(decoder: Decoder, lora: LoRAConfig, *, seed: int) -> None:
+    """Put peft's LoRA adapters on ``decoder`` in place (H4): its class, forward and
+    ``head_weight`` stay; every base tensor is frozen and the adapters are the only
+    trainable parameters (U6); their init comes from ``seed`` only (S5). ``all-linear``
+    is every block's linear layer (``qkv``, ``out``, ``gate_up``, ``down``), never the
+    head; a target whose weight is the head (``head``, or ``embed`` when tied) is
+    refused: the loss fuses the plain head weight (L1). The base's digest is kept for
+    the manifest (``describe``)."""
+    decoder.initial_weights_sha256 = weights_digest(decoder)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in decoder.layers.named_modules()
+                     if isinstance(module, nn.Linear)})
+    targets = linear if lora.targets == "all-linear" else lora.targets
+    try:
+        with adapting(seed):
+            inject_adapters(lora_config(lora, targets), decoder)
+    except ModelError as exc:
+        raise ModelError(f"{exc}; the built-in decoder's linear layers are "
+                         f"{', '.join(linear)}") from None
+    if adapted(decoder.head) or (decoder.head is None and adapted(decoder.embed)):
+        raise ModelError(HEAD_TARGETED)
+    decoder.lora = lora
 
 
 def refuse_checkpointing(cfg: ModelConfig, model: str) -> None:
@@ -216,6 +275,16 @@ def refuse_checkpointing(cfg: ModelConfig, model: str) -> None:
         raise ConfigError(
             f"model.activation_checkpointing = true is not available for {model}; set "
             "model.activation_checkpointing = false"
+        )
+
+
+def refuse_lora(cfg: ModelConfig, model: str) -> None:
+    """A ``ConfigError`` naming ``model.lora.r`` when adapters are asked of a model that
+    takes none (H4: ``model.lora`` is never a silent no-op)."""
+    if cfg.lora.enabled:
+        raise ConfigError(
+            f"model.lora.r = {cfg.lora.r} (LoRA adapters) is not available for {model}; set "
+            "model.lora.r = 0"
         )
 
 

@@ -24,7 +24,14 @@ from torch.nn.utils import skip_init
 from exactstep.errors import ConfigError, ModelError
 from exactstep.model.attention import Visibility, choose_buckets, prepare_visibility
 from exactstep.model.config import ModelConfig
-from exactstep.model.decoder import Attention, Block, SwiGLU, refuse_checkpointing, rope_tables
+from exactstep.model.decoder import (
+    Attention,
+    Block,
+    SwiGLU,
+    refuse_checkpointing,
+    refuse_lora,
+    rope_tables,
+)
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide, single_segment_batch
 from exactstep.transfer import host_to_device
 
@@ -266,6 +273,7 @@ class EncoderDecoder(nn.Module):
         if vocab_size < 1:
             raise ModelError(f"vocab_size must be >= 1; got {vocab_size}")
         refuse_checkpointing(cfg, "the encoder-decoder model (objective.family = 'encdec')")
+        refuse_lora(cfg, "the encoder-decoder model (objective.family = 'encdec')")
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.source_vocab_size = source_vocab_size or vocab_size

@@ -18,7 +18,14 @@ from torch import nn
 
 from exactstep.errors import ConfigError, ModelError
 from exactstep.model.config import ModelConfig
-from exactstep.model.decoder import Block, Decoder, apply_rope, refuse_checkpointing, rope_tables
+from exactstep.model.decoder import (
+    Block,
+    Decoder,
+    apply_rope,
+    refuse_checkpointing,
+    refuse_lora,
+    rope_tables,
+)
 from exactstep.rows.batch import Batch
 
 #: The attention settings this model honours (both mean its dense two-stream masks).
@@ -130,6 +137,7 @@ class TwoStreamDecoder(Decoder):
         self, cfg: ModelConfig, vocab_size: int, *, generator: torch.Generator | None = None
     ) -> None:
         refuse_checkpointing(cfg, "the two-stream model (objective.family = 'permutation')")
+        refuse_lora(cfg, "the two-stream model (objective.family = 'permutation')")
         super().__init__(cfg, vocab_size, generator=generator)  # the decoder's draws first
         self.layers = nn.ModuleList(TwoStreamBlock(block) for block in self.layers)
         self.query = nn.Parameter(torch.empty(cfg.d_model))

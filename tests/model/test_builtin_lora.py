@@ -1,0 +1,204 @@
+"""LoRA adapters through ``peft`` on the built-in decoder (H4, U6, S2, S4, S5).
+
+Only the adapters train: the optimizer's groups, the clip set and the decay set are
+exactly the trainable unique parameters, and the model keeps its class, forward and
+head. One window of the engine equals an independent computation: the plain decoder
+run with weights ``W + (alpha / r) B A`` formed by hand, ``F.cross_entropy`` summed
+over the window and divided by its supervised tokens, ``clip_grad_norm_`` and
+``torch.optim.AdamW`` on ``A`` and ``B``. A real run leaves every base tensor bitwise
+unchanged (negative control: without LoRA it moves them), checkpoints the adapters
+only, refuses to resume onto another base, resumes bitwise after SIGKILLs and exports
+a merged Llama that plain transformers loads with the same logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from update.test_real_stack import real_engine, window_batches  # noqa: E402
+from update.update_support import IGNORE_INDEX  # noqa: E402
+
+from exactstep.errors import ConfigError, ModelError  # noqa: E402
+from exactstep.model.config import LoRAConfig, ModelConfig  # noqa: E402
+from exactstep.model.decoder import Decoder, build_model  # noqa: E402
+from exactstep.update.config import UpdateConfig  # noqa: E402
+from exactstep.update.disposition import Outcome  # noqa: E402
+from exactstep.update.groups import resolve_groups  # noqa: E402
+
+VOCAB = 13  # test_real_stack's batches
+BYTE_VOCAB = 259  # the byte tokenizer's
+LR, CLIP, DECAY = 1e-2, 1.0, 0.1
+SMALL = {"d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 24}
+LINEAR = {"qkv": (16, 48), "out": (16, 16), "gate_up": (16, 48), "down": (24, 16)}
+#: absolute, on adapter entries ~0.1 moved by ~1e-2: AdamW's first step ``lr * g /
+#: (|g| + eps)`` magnifies the rounding of a gradient near ``eps`` (W x + s B (A x)
+#: against (W + s B A) x differ in the last bits).
+TOLERANCE = 2e-6
+
+
+def lora_decoder(lora: LoRAConfig, vocab: int = VOCAB, **overrides) -> Decoder:
+    return build_model(ModelConfig(**{**SMALL, **overrides}, lora=lora), vocab, seed=3)
+
+
+def test_only_the_adapters_are_trainable_and_grouped():
+    """U6 under H4: the trainable parameters are the adapters of every block linear
+    layer (``all-linear``: never the head), the groups (hence the clip and decay sets)
+    are exactly they; the class and the tied head stay. Negative control: without
+    LoRA the groups hold the base."""
+    for tie in (True, False):
+        model = lora_decoder(LoRAConfig(r=4), tie_embeddings=tie)
+        assert type(model) is Decoder
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
+        assert adapted == set(LINEAR)
+        assert all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
+        expected = 2 * sum(4 * (i + o) for i, o in LINEAR.values())  # r * (in + out), 2 layers
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected == 1600
+        assert not model.head_weight.requires_grad
+        assert (model.head_weight is model.embed.weight) == tie
+        groups = resolve_groups(model, UpdateConfig(weight_decay=DECAY))
+        assert {row["name"] for row in groups.table} == trainable
+        assert {id(p) for p in groups.parameters} == {
+            id(p) for p in model.parameters() if p.requires_grad}
+        assert [g["name"] for g in groups.param_groups] == ["decay"]  # adapters are matrices
+    plain = resolve_groups(lora_decoder(LoRAConfig()), UpdateConfig(weight_decay=DECAY))
+    assert plain.numel == lora_decoder(LoRAConfig()).num_parameters() > groups.numel
+
+
+def test_named_targets_and_refusals():
+    model = lora_decoder(LoRAConfig(r=2, target_modules="qkv,down"))
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1]
+            for n, p in model.named_parameters() if p.requires_grad} == {"qkv", "down"}
+    with pytest.raises(ModelError, match="output head"):
+        lora_decoder(LoRAConfig(r=2, target_modules="qkv,head"), tie_embeddings=False)
+    with pytest.raises(ModelError, match="output head"):  # tied: the embedding is the head
+        lora_decoder(LoRAConfig(r=2, target_modules="embed"))
+    with pytest.raises(ModelError, match="target_modules.*linear layers are down, gate_up"):
+        lora_decoder(LoRAConfig(r=2, target_modules="q_proj"))
+
+
+def test_lora_is_accepted_for_the_decoder_and_refused_where_no_adapter_goes():
+    """The configuration takes LoRA on the built-in decoder now; the encoder-decoder
+    and two-stream models refuse it with one ``ConfigError`` naming the key."""
+    from exactstep.model.encdec import EncoderDecoder
+    from exactstep.model.permutation import TwoStreamDecoder
+
+    cfg = ModelConfig(**SMALL, lora=LoRAConfig(r=2))
+    assert cfg.lora.enabled
+    for cls in (EncoderDecoder, TwoStreamDecoder):
+        with pytest.raises(ConfigError, match=r"^model\.lora\.r = 2 .*set model\.lora\.r = 0$"):
+            cls(cfg, VOCAB)
+        cls(ModelConfig(**SMALL), VOCAB)  # negative control: without LoRA it builds
+
+
+def test_the_adapter_init_is_seeded_and_leaves_the_global_rng_alone():
+    before = torch.get_rng_state()
+    a = lora_decoder(LoRAConfig(r=2)).state_dict()
+    assert torch.equal(torch.get_rng_state(), before)
+    b = lora_decoder(LoRAConfig(r=2)).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    other = build_model(ModelConfig(**SMALL, lora=LoRAConfig(r=2)), VOCAB, seed=4).state_dict()
+    name = "layers.0.attn.qkv.lora_A.default.weight"
+    assert not torch.equal(a[name], other[name])  # the seed decides the init
+    base = build_model(ModelConfig(**SMALL), VOCAB, seed=3).state_dict()
+    assert all(torch.equal(a[k.replace(".weight", ".base_layer.weight")
+                             if k.rsplit(".", 2)[-2] in LINEAR else k], v)
+               for k, v in base.items())  # the base is the model built without LoRA
+
+
+def independent_window(model: Decoder, batches, lora: LoRAConfig) -> dict[str, torch.Tensor]:
+    """One window by plain PyTorch: the decoder without adapters, run (``functional_call``)
+    with each adapted weight replaced by ``W + (alpha / r) B @ A`` from leaf tensors
+    ``A``, ``B``; the token mean of the window's cross-entropy, ``clip_grad_norm_`` and
+    ``torch.optim.AdamW`` (``UpdateConfig``'s defaults) on the ``A``s and ``B``s.
+    Returns the stepped adapters under the model's names."""
+    state = model.state_dict()
+    plain = build_model(ModelConfig(**SMALL), VOCAB, seed=3)  # the same base, no peft
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in state.items()
+              if ".lora_" in k}
+    defaults = UpdateConfig()
+    optimizer = torch.optim.AdamW(list(leaves.values()), lr=LR, weight_decay=DECAY,
+                                  eps=defaults.eps, betas=(defaults.beta1, defaults.beta2))
+    scale = lora.alpha / lora.r
+
+    def weights() -> dict[str, torch.Tensor]:
+        out = {}
+        for name in plain.state_dict():
+            layer = name.removesuffix(".weight")
+            a = leaves.get(f"{layer}.lora_A.default.weight")
+            if a is None:
+                out[name] = state[name]
+            else:
+                b = leaves[f"{layer}.lora_B.default.weight"]
+                out[name] = state[f"{layer}.base_layer.weight"] + scale * (b @ a)
+        return out
+
+    tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+    total = 0.0
+    for batch in batches:
+        w = weights()
+        hidden = torch.func.functional_call(plain, w, (batch,))  # [B, T, H]
+        logits = F.linear(hidden, w["embed.weight"])  # [B, T, V], the tied head
+        total = total + F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(),
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
+    (total / tokens).backward()
+    torch.nn.utils.clip_grad_norm_(list(leaves.values()), CLIP)
+    optimizer.step()
+    return {k: v.detach() for k, v in leaves.items()}
+
+
+def test_one_window_equals_an_independent_step_on_the_adapters():
+    lora = LoRAConfig(r=4, alpha=8.0)
+    model = lora_decoder(lora)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # B starts at 0 (A's gradient would be 0): start elsewhere
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = window_batches()
+    theirs = independent_window(model, batches, lora)
+    engine = real_engine(model, lr=LR, clip=CLIP, weight_decay=DECAY)
+    assert engine.run_window(batches, 0).outcome == Outcome.COMMITTED
+    ours = model.state_dict()
+    assert set(theirs) == {k for k in ours if ".lora_" in k}
+    worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
+    assert worst <= TOLERANCE, worst
+    assert all(not torch.equal(ours[k], start[k]) for k in theirs)  # every adapter moved
+    assert all(torch.equal(ours[k], start[k]) for k in ours if k not in theirs)  # base: bitwise
+    # negative control: the independent step with the scale halved (alpha / r = 1) is far off
+    with torch.no_grad():
+        for k, v in start.items():
+            model.state_dict()[k].copy_(v)
+    unscaled = independent_window(model, batches, LoRAConfig(r=4, alpha=4.0))
+    assert max(float((ours[k] - unscaled[k]).abs().max()) for k in theirs) > 100 * TOLERANCE
+
+
+def test_the_checkpoint_state_is_the_adapters_and_loads_back_only_whole():
+    """S2 under H4: ``checkpoint_state`` is the trainable tensors; loading it onto a fresh
+    model restores them, and a state lacking an adapter or carrying a stranger is
+    refused (negative controls). Without LoRA it is the whole state dict."""
+    model = lora_decoder(LoRAConfig(r=2, target_modules="qkv"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.fill_(0.5)
+    state = model.checkpoint_state()
+    assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert len(state) == 4
+    fresh = lora_decoder(LoRAConfig(r=2, target_modules="qkv"))
+    fresh.load_checkpoint_state(state)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    lacking = dict(state)
+    lacking.pop(sorted(lacking)[0])
+    with pytest.raises(ModelError, match="1 adapter tensor"):
+        fresh.load_checkpoint_state(lacking)
+    with pytest.raises(ModelError, match="1 unexpected"):
+        fresh.load_checkpoint_state({**state, "stranger": torch.zeros(1)})
+    plain = lora_decoder(LoRAConfig())
+    assert plain.checkpoint_state().keys() == plain.state_dict().keys()
+    assert plain.describe() is None  # the manifest of a run without LoRA is unchanged
