@@ -27,7 +27,12 @@ from torch import nn
 
 from exactstep.errors import ConfigError, ModelError
 from exactstep.model import hf_attention
-from exactstep.model.attention import dense_visibility_mask, prepare_visibility, windowed_visibility
+from exactstep.model.attention import (
+    dense_visibility_mask,
+    prepare_visibility,
+    resolve_impl,
+    windowed_visibility,
+)
 from exactstep.model.config import LoRAConfig, ModelConfig
 from exactstep.model.lora import (
     HEAD_TARGETED,
@@ -161,7 +166,9 @@ class HFCausalLM(nn.Module):
         device = self.head_weight.device
         position_ids = batch.position_ids.to(device)
         if self.attn_implementation == hf_attention.NAME:  # per document: no [B, 1, T, T] mask
-            visibility = prepare_visibility(batch, "auto", device, head_dim=head_dim_of(self))
+            head_dim = head_dim_of(self)  # FlexAttention on CUDA where it runs, else segments
+            impl = resolve_impl("auto", device, head_dim)  # never the dense mask, whatever B, T
+            visibility = prepare_visibility(batch, impl, device, head_dim=head_dim)
             with hf_attention.packed_forward():
                 out = self.decoder(input_ids=batch.input_ids.to(device), position_ids=position_ids,
                                    use_cache=False, return_dict=True,
