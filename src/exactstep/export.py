@@ -35,6 +35,7 @@ from exactstep.errors import ConfigError, ExportError
 from exactstep.families import family_name
 from exactstep.finished_run import open_finished_run, run_config
 from exactstep.model.decoder import build_model
+from exactstep.model.lora import merged_state
 from exactstep.objective.cross_entropy import rows_per_chunk
 from exactstep.rows.batch import single_segment_batch
 from exactstep.state.store import CHECKPOINT_MANIFEST
@@ -214,7 +215,8 @@ def export_run(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None,
     sibling and renamed into place only after the check passes (H3). ``.OUT.lock``
     beside ``out`` is held throughout; a killed export's temporary is removed. The run
     directory is only read (committed checkpoints), so a training run can be exported.
-    ``adapter``: a LoRA run's PEFT adapter directory instead of the merged model (H4).
+    ``adapter``: a LoRA run's PEFT adapter directory instead of the merged model (H4),
+    for an HF base only (a built-in decoder's LoRA run exports merged).
     """
     out = Path(out)
     check_out(out)
@@ -245,6 +247,10 @@ def export_held(run_dir: Path, out: Path, *, from_checkpoint: Path | None = None
     if adapter and not cfg.model.lora.enabled:
         raise ConfigError(f"exactstep export --adapter writes LoRA adapters; {run_dir} trained "
                           "none (model.lora.r = 0)")
+    if adapter and cfg.model.source == "builtin":
+        raise ConfigError(f"exactstep export --adapter writes adapters for a Hugging Face base "
+                          f"model; {run_dir} trained them on the built-in decoder, whose base "
+                          "exists only inside the run: export it merged (without --adapter)")
     with open_finished_run(run_dir, from_checkpoint=from_checkpoint, device="cpu",
                            purpose="export") as run:
         return publish_export(run, out, CHECKPOINT_MANIFEST, adapter=adapter)
@@ -390,14 +396,16 @@ def architecture_of(model: Any) -> str:
 
 
 def llama_model(model: Any, cfg: Any, tokenizer: Any, special: dict[str, int]) -> Any:
-    """The built-in decoder's weights in a ``LlamaForCausalLM`` (no copy of the init)."""
+    """The built-in decoder's weights in a ``LlamaForCausalLM`` (no copy of the init);
+    with LoRA, the adapters merged into the base by peft (``merged_state``, H4)."""
     from transformers import LlamaForCausalLM
 
     hf_config = llama_config(cfg.model, tokenizer.vocab_size, special,
                              max_positions=max(cfg.batch.seq_len, 2048))
     with torch.device("meta"):
         hf_model = LlamaForCausalLM(hf_config)
-    state = llama_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, cfg.model)
+    own = merged_state(model) if getattr(model, "lora", None) is not None else model.state_dict()
+    state = llama_state({k: v.detach().cpu() for k, v in own.items()}, cfg.model)
     hf_model.load_state_dict(state, strict=True, assign=True)
     if cfg.model.tie_embeddings:
         hf_model.tie_weights()

@@ -17,14 +17,22 @@ import pytest
 
 pytest.importorskip("peft")
 
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from run_support import TINY, set_args  # noqa: E402
+from text_corpus import write_corpus  # noqa: E402
 from update.test_real_stack import real_engine, window_batches  # noqa: E402
 from update.update_support import IGNORE_INDEX  # noqa: E402
 
+from exactstep.cli import main  # noqa: E402
+from exactstep.config import load_config  # noqa: E402
 from exactstep.errors import ConfigError, ModelError  # noqa: E402
 from exactstep.model.config import LoRAConfig, ModelConfig  # noqa: E402
 from exactstep.model.decoder import Decoder, build_model  # noqa: E402
+from exactstep.model.hf import weights_digest  # noqa: E402
 from exactstep.update.config import UpdateConfig  # noqa: E402
 from exactstep.update.disposition import Outcome  # noqa: E402
 from exactstep.update.groups import resolve_groups  # noqa: E402
@@ -202,3 +210,179 @@ def test_the_checkpoint_state_is_the_adapters_and_loads_back_only_whole():
     plain = lora_decoder(LoRAConfig())
     assert plain.checkpoint_state().keys() == plain.state_dict().keys()
     assert plain.describe() is None  # the manifest of a run without LoRA is unchanged
+
+
+# ------------------------------------------------------------------------ a real run
+
+
+def run_args(corpus: Path, lora: dict) -> dict:
+    return {**TINY, "data.source": corpus, "train.steps": 3, "update.warmup": 0,
+            "update.weight_decay": DECAY, "train.eval_tokens": 32, "train.threads": 1,
+            **{f"model.lora.{k}": v for k, v in lora.items()}}
+
+
+def trained_run(tmp_path: Path, lora: dict) -> tuple[dict, dict, dict, Path]:
+    """The initial state, the state of the very model the run trained (caught as it is
+    built: a LoRA checkpoint holds no base to compare), the manifest and the run."""
+    import exactstep.families.causal as causal
+
+    corpus, run = tmp_path / "docs.jsonl", tmp_path / "run"
+    write_corpus(corpus)
+    pairs = run_args(corpus, lora)
+    built = []
+
+    def catching(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+
+    build = causal.build_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(causal, "build_model", catching)
+        assert main(["train", "--out", str(run), "--no-progress", *set_args(pairs)]) == 0
+    assert len(built) == 1
+    trained = {k: v.detach().clone() for k, v in built[0].state_dict().items()}
+    cfg = load_config(overrides=[f"{k}={v}" for k, v in pairs.items()])
+    initial = build_model(cfg.model, BYTE_VOCAB, seed=cfg.seed).state_dict()
+    manifest = json.loads((run / "manifest.json").read_text())["manifest"]
+    return initial, trained, manifest, run
+
+
+def checkpoint_model(run: Path) -> dict:
+    from exactstep.state.safetensors_format import load_checkpoint
+    from exactstep.state.store import latest_checkpoint
+
+    return load_checkpoint(latest_checkpoint(run / "checkpoints"))[0]
+
+
+@pytest.mark.slow
+def test_a_real_run_moves_only_the_adapters_and_exports_merged(tmp_path):
+    """Every base tensor bitwise unchanged, the adapters moved; the manifest pins the
+    base by the digest of the model built without LoRA; the checkpoint holds the
+    adapters as trained, and the finished run reopens to the trained model."""
+    from exactstep.finished_run import open_finished_run
+
+    initial, trained, manifest, run = trained_run(tmp_path, {"r": 4, "alpha": 8.0,
+                                                             "dropout": 0.1})
+    assert initial.keys() == trained.keys()
+    base = [k for k in initial if ".lora_" not in k]
+    adapters = [k for k in initial if ".lora_B." in k]
+    assert base and len(adapters) == 4
+    assert all(torch.equal(initial[k], trained[k]) for k in base)
+    assert all(not torch.equal(initial[k], trained[k]) for k in adapters)
+    cfg = load_config(overrides=[f"model.{k}={v}" for k, v in
+                                 {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32}.items()])
+    plain = build_model(cfg.model, BYTE_VOCAB, seed=manifest["config"]["seed"])
+    section = manifest["model"]
+    assert section["source"] == "builtin"
+    assert section["lora"]["base_weights_sha256"] == weights_digest(plain)
+    # rank 4, 1 layer, r * (in + out): qkv 16 -> 48, out 16 -> 16, gate_up 16 -> 64, down 32 -> 16
+    assert section["lora"]["adapter_parameters"] == 4 * (64 + 32 + 80 + 48) == 896
+    assert manifest["config"]["model"]["lora"]["r"] == 4
+    stored = checkpoint_model(run)  # the adapters only (S2, H4), as trained
+    assert set(stored) == {k for k in initial if ".lora_" in k}
+    assert all(torch.equal(stored[k], trained[k]) for k in stored)
+    with open_finished_run(run) as finished:  # the base rebuilt, the adapters loaded
+        reopened = finished.model.state_dict()
+    assert all(torch.equal(reopened[k], trained[k]) for k in trained)
+    check_merged_export(run, tmp_path, trained, scale=8.0 / 4)
+
+
+def check_merged_export(run: Path, tmp_path: Path, trained: dict, scale: float) -> None:
+    """``exactstep export`` writes the merged model as a Llama: its q projection is
+    ``W + s B A`` formed here by hand, and plain transformers' logits equal the trained
+    model's. Negative control: the base exported without the adapters fails the
+    export's own handoff check and nothing is published. ``--adapter`` is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from exactstep import export as export_module
+    from exactstep.errors import ExportError
+    from exactstep.eval import eval_mode
+    from exactstep.finished_run import open_finished_run
+    from exactstep.rows.batch import single_segment_batch
+
+    out = tmp_path / "exported"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    passport = json.loads((out / "passport.json").read_text())
+    assert passport["adapters"] == "merged" and passport["architecture"] == "LlamaForCausalLM"
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in k for k in hf.state_dict())
+    layer = "layers.0.attn.qkv"
+    by_hand = trained[f"{layer}.base_layer.weight"] + scale * (
+        trained[f"{layer}.lora_B.default.weight"] @ trained[f"{layer}.lora_A.default.weight"])
+    q = hf.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert float((q - by_hand[:16]).abs().max()) <= 1e-6
+    assert not torch.equal(q, trained[f"{layer}.base_layer.weight"][:16])
+    ids = torch.tensor([[256, 72, 101, 108, 108, 111, 32, 111, 119, 108]])
+    with open_finished_run(run) as finished:
+        model = finished.model
+        with torch.no_grad(), eval_mode(model):  # adapter dropout off
+            expected = model.logits(model(single_segment_batch(ids)))
+            error = float((hf(input_ids=ids).logits - expected).abs().max())
+    assert error <= 1e-5, error
+    dropped = tmp_path / "dropped"
+    with pytest.MonkeyPatch.context() as mp:  # the adapters left out instead of merged
+        mp.setattr(export_module, "merged_state", lambda model: {
+            k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()
+            if ".lora_" not in k})
+        with pytest.raises(ExportError, match="logits differ"):
+            export_module.export_run(run, dropped)
+    assert not dropped.exists()
+    with pytest.raises(ConfigError, match="export it merged"):
+        export_module.export_run(run, tmp_path / "adapter", adapter=True)
+
+
+@pytest.mark.slow
+def test_without_lora_the_same_run_moves_the_base(tmp_path):  # negative control
+    initial, trained, manifest, run = trained_run(tmp_path, {})
+    assert "model" not in manifest
+    moved = [k for k in initial if not torch.equal(initial[k], trained[k])]
+    assert "layers.0.attn.qkv.weight" in moved
+    assert set(checkpoint_model(run)) == set(initial)  # the whole model
+
+
+# ---------------------------------------------------------- resume (S4, S5)
+
+
+@pytest.mark.slow
+def test_a_changed_base_refuses_resume_naming_its_digest(tmp_path, capfd):
+    """The base is rebuilt from the seed on resume; built differently (one weight
+    changed), the resume is refused naming the base digest (negative control: as
+    built before, it resumes)."""
+    corpus, run = tmp_path / "docs.jsonl", tmp_path / "run"
+    write_corpus(corpus)
+    pairs = {**run_args(corpus, {"r": 2}), "train.steps": 2}
+    assert main(["train", "--out", str(run), "--no-progress", *set_args(pairs)]) == 0
+    assert main(["resume", str(run), "--no-progress"]) == 0  # negative control
+    original = Decoder.init_weights
+
+    def changed(self, generator=None):
+        original(self, generator)
+        with torch.no_grad():
+            self.layers[0].attn.out.weight.view(-1)[0] += 1.0
+
+    capfd.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Decoder, "init_weights", changed)
+        assert main(["resume", str(run), "--no-progress"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: ") and "model.lora.base_weights_sha256" in err, err
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_lora_run_with_dropout_is_bitwise_identical_s5(tmp_path):
+    """Straight = SIGKILLed twice and resumed, bitwise (the adapters' dropout masks come
+    from the checkpointed RNG streams); a resume without the data cursor differs in
+    the adapters and nowhere in the base (which no checkpoint holds)."""
+    from families.test_family_kill_resume import FamilyHarness, bitwise_lineage, final_state
+
+    from exactstep.state.compare import state_differences
+
+    straight, defective, manifest = bitwise_lineage(
+        FamilyHarness(tmp_path, {"model.lora.r": 4, "model.lora.dropout": 0.25}))
+    state_a = final_state(straight)[1]
+    assert manifest["config"]["model"]["lora"]["dropout"] == 0.25
+    assert state_a["model"] and all(".lora_" in k for k in state_a["model"])  # adapters only
+    differences = state_differences(state_a, final_state(defective)[1])
+    assert any(d.startswith("model.") and ".lora_" in d for d in differences)
+    assert not any(d.startswith("model.") and ".lora_" not in d for d in differences)
