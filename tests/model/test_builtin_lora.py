@@ -208,6 +208,8 @@ def test_the_checkpoint_state_is_the_adapters_and_loads_back_only_whole():
     with pytest.raises(ModelError, match="1 unexpected"):
         fresh.load_checkpoint_state({**state, "stranger": torch.zeros(1)})
     plain = lora_decoder(LoRAConfig())
+    with pytest.raises(ModelError, match="holds no LoRA adapters"):  # a plain model's state
+        fresh.load_checkpoint_state(plain.state_dict())
     assert plain.checkpoint_state().keys() == plain.state_dict().keys()
     assert plain.describe() is None  # the manifest of a run without LoRA is unchanged
 
@@ -386,3 +388,26 @@ def test_killed_and_resumed_lora_run_with_dropout_is_bitwise_identical_s5(tmp_pa
     differences = state_differences(state_a, final_state(defective)[1])
     assert any(d.startswith("model.") and ".lora_" in d for d in differences)
     assert not any(d.startswith("model.") and ".lora_" not in d for d in differences)
+
+
+@pytest.mark.slow
+def test_a_warm_start_into_lora_from_a_plain_run_is_refused(tmp_path, capfd):
+    """A LoRA run's base is rebuilt from the seed on every resume, so a warm start that
+    would put a plain run's weights under new adapters is refused (one error line,
+    nothing written); the way the message names works: the parent exported, adapters
+    trained on the export as an HF model."""
+    corpus = tmp_path / "docs.jsonl"
+    write_corpus(corpus)
+    pairs = {**run_args(corpus, {}), "train.steps": 2}
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    assert main(["train", "--out", str(parent), "--no-progress", *set_args(pairs)]) == 0
+    capfd.readouterr()
+    assert main(["resume", str(parent), "--warm-start", str(child), "--no-progress",
+                 "--set", "model.lora.r=2"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: the checkpoint holds no LoRA adapters") and "model.path" in err
+    assert not child.exists()
+    exported = tmp_path / "exported"
+    assert main(["export", str(parent), "--out", str(exported)]) == 0
+    on_export = {**pairs, "model.source": "hf", "model.path": exported, "model.lora.r": 2}
+    assert main(["train", "--out", str(child), "--no-progress", *set_args(on_export)]) == 0

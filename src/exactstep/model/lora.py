@@ -84,9 +84,15 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load ``adapter_state``'s tensors (a whole state dict loads too): only frozen base
-    tensors may be absent; an adapter missing or a tensor the model lacks is a
-    ``ModelError``."""
+    tensors may be absent; a state without adapters (a plain model's), an adapter
+    missing or a tensor the model lacks is a ``ModelError``."""
     adapters = adapter_names(model)
+    if not adapters & set(state):
+        raise ModelError(
+            "the checkpoint holds no LoRA adapters (a run without model.lora, e.g. the parent "
+            "of a warm start): a LoRA run rebuilds its base from the model's source and seed, "
+            "never from another run's weights; export that run (exactstep export) and train "
+            "adapters on it with model.source = 'hf' and model.path = the export")
     missing, unexpected = model.load_state_dict(state, strict=False)
     lacking = sorted(set(missing) & adapters)
     if unexpected or lacking:
