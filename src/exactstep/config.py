@@ -50,7 +50,9 @@ class TrainConfig:
     ``if __name__ == "__main__":``). Neither changes the batches or the resume state,
     so a resume may change them. ``threads``: intra-op threads (0 = PyTorch's count);
     the count used is recorded (S9), a resume restores it, and a resume given another
-    count is a declared, non-bitwise continuation.
+    count is a declared, non-bitwise continuation. ``compile``: ``torch.compile`` the
+    model's forward (``model.compiled``: the built-in decoder's blocks, an HF model's
+    decoder stack; other models refused); recorded and restored like ``threads`` (S9).
     """
 
     steps: int = 800
@@ -62,6 +64,7 @@ class TrainConfig:
     progress: bool = True
     prefetch: int = 0
     loader: Literal["thread", "process"] = "thread"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check("train.steps", self.steps, at_least(1))

@@ -37,6 +37,7 @@ from exactstep.manifest import (
     run_sections,
     write_manifest,
 )
+from exactstep.model.compiled import compile_model
 from exactstep.model.decoder import model_section
 from exactstep.parallel.agreement import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.dcp_format import DcpFormat
@@ -107,7 +108,8 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     (D3), the model is sharded when ``parallel.strategy = "fsdp"``, and the engine's
     reducer agrees D, the finite decision and the no-objective decision (D2).
     ``train.threads`` (0: PyTorch's count) is set for the process here and the
-    numerics environment recorded after it (S9).
+    numerics environment recorded after it (S9); ``train.compile`` compiles the
+    model's forward in place, its parameter names unchanged (``model.compiled``).
     """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -127,6 +129,8 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
         stream = ahead(stream, cfg.train.prefetch)
     model = parts.family.build_model(cfg, tokenizer.vocab_size)
     model.check_rows(cfg.batch.seq_len)  # refused before anything is written
+    if cfg.train.compile:
+        compile_model(model, family=cfg.objective.family)
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
                         precision=cfg.numerics.precision)
     optimizer, groups = build_optimizer(model, cfg.update)
@@ -136,7 +140,7 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),
                           inputs=parts.family.inputs(cfg))
     distribute_engine(engine, ctx, cfg.parallel)
-    env = environment.capture(ctx.device)
+    env = environment.capture(ctx.device, compiled=cfg.train.compile)
     manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent,
                                            model_section(model), parts.family.objective(cfg),
                                            env))
@@ -331,7 +335,7 @@ def resume(
 
     Every check (manifest, checkpoint choice and verification, journals) runs before
     anything on disk changes (S8). The numerics environment the checkpoint recorded
-    is restored (its thread count, unless ``train.threads`` is overridden); what
+    is restored (its thread count and ``train.compile``, unless overridden); what
     cannot be restored makes the resume a declared, non-bitwise continuation: one
     line, and a CONTINUATION line in the ledger (S9). A different world size is a
     declared migration (S7): refused unless ``reshard``, which keeps the run's
@@ -357,6 +361,8 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
     recorded = recorded_environment(point.path, old, DcpFormat)
     if recorded is not None and not overridden(overrides, "train.threads"):
         cfg = replace(cfg, train=replace(cfg.train, threads=int(recorded["threads"])))
+    if recorded is not None and not overridden(overrides, "train.compile"):
+        cfg = replace(cfg, train=replace(cfg.train, compile=bool(recorded.get("compile"))))
     with environment.threads_restored():
         run = build_run(cfg, run_dir)
         try:

@@ -1,8 +1,8 @@
 """The numerics environment (S9): what a bitwise continuation depends on besides the
 state a checkpoint holds.
 
-Thread count, PyTorch build, device, CPU kernel dispatch and the deterministic switch
-are recorded in the manifest and with each checkpoint; a resume that would change
+Thread count, PyTorch build, device, CPU kernel dispatch, the deterministic switch and
+whether the model's forward is compiled (``train.compile``) are recorded in the manifest and with each checkpoint; a resume that would change
 them is a declared, non-bitwise continuation, never a silent one.
 Design and derivations: docs/design/state.md#stateenvironmentpy (S9).
 """
@@ -19,14 +19,19 @@ import torch
 
 #: The fields of a record, in the order they are printed.
 FIELDS = ("threads", "torch", "device", "cpu_capability", "cpu", "deterministic",
-          "gpu", "cuda")
+          "gpu", "cuda", "compile")
+
+#: What a field reads as in a record written before it was recorded.
+ABSENT = {"compile": False}
 
 
-def capture(device: torch.device | str) -> dict[str, Any]:
+def capture(device: torch.device | str, *, compiled: bool = False) -> dict[str, Any]:
     """This process's numerics environment as plain data (JSON-ready).
 
     Call it after the run has set its thread count: ``threads`` is the count PyTorch
     will use, not the one asked for. ``gpu`` and ``cuda`` are ``None`` on the CPU.
+    ``compile``: whether the model's forward runs compiled (``train.compile``: other
+    kernels, other rounding than eager).
     """
     kind = torch.device(device).type
     on_cuda = kind == "cuda"
@@ -39,6 +44,7 @@ def capture(device: torch.device | str) -> dict[str, Any]:
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "gpu": torch.cuda.get_device_name(torch.device(device)) if on_cuda else None,
         "cuda": str(torch.version.cuda) if on_cuda else None,
+        "compile": compiled,
     }
 
 
@@ -54,11 +60,14 @@ def cpu_model() -> str:
 
 def differences(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
     """``field recorded -> current`` for each field that differs; a missing record
-    (a run from before S9 was recorded) differs as a whole."""
+    (a run from before S9 was recorded) differs as a whole; a field a record predates
+    reads as its ``ABSENT`` value."""
     if recorded is None:
         return ["environment not recorded"]
-    return [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
-            for key in FIELDS if recorded.get(key) != current.get(key)]
+    before = {key: recorded.get(key, ABSENT.get(key)) for key in FIELDS}
+    now = {key: current.get(key, ABSENT.get(key)) for key in FIELDS}
+    return [f"{key} {before[key]!r} -> {now[key]!r}" for key in FIELDS
+            if before[key] != now[key]]
 
 
 def describe(record: Mapping[str, Any] | None) -> str:
