@@ -49,6 +49,7 @@ audit: $(STAMP)
 	$(BIN)/exactstep audit --target python:exactstep.audit.examples.annotated:make
 	-$(BIN)/exactstep audit --target hf-trainer
 	-$(BIN)/exactstep audit --target hf-trainer:flattening
+	-$(BIN)/exactstep audit --target hf-trainer:lora
 	-$(BIN)/exactstep audit --target trl-sft
 	-$(BIN)/exactstep audit --target trl-sft:assistant_only_loss
 	-$(BIN)/exactstep audit --target trl-sft:padding_free

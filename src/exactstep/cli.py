@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--target", required=True, metavar="T",
                        help="exactstep (this engine), python:MODULE:FUNCTION (FUNCTION() "
                             "returns an exactstep.audit.TrainingStep), hf-trainer"
-                            "[:padding|flattening] (Hugging Face Trainer and its collator), "
+                            "[:padding|flattening|lora] (Hugging Face Trainer and its "
+                            "collator; lora: Trainer + peft), "
                             "or trl-sft[:completion_only_loss|assistant_only_loss|"
                             "padding_free|packing] (trl's SFTTrainer)")
     audit.add_argument("--json", action="store_true", help="print one JSON object")

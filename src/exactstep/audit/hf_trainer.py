@@ -4,7 +4,8 @@ What is audited is ``transformers.Trainer`` as users run it, on a tiny random-in
 ``LlamaForCausalLM`` (nothing downloaded). The probe fixes only which examples form each
 microbatch; the collator (``hf-trainer:padding``, the default, or ``:flattening``), the
 accumulation, the loss normalization, the optimizer groups, the scheduler and the step
-are the Trainer's.
+are the Trainer's. ``hf-trainer:lora`` is the padding collator on a ``peft`` LoRA model
+(Trainer + peft, as users fine-tune with adapters).
 Design and derivations: docs/design/audit.md#audithf_trainerpy (A1, S2).
 """
 
@@ -15,6 +16,7 @@ import json
 import math
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,13 +26,18 @@ from exactstep.audit.probes import NotApplicable
 from exactstep.audit.protocol import Microbatch, ProbeSpec
 
 COLLATORS = ("padding", "flattening")
+VARIANTS = (*COLLATORS, "lora")  # lora: the padding collator, the model wrapped by peft
 
 
 class HFTrainerStep:
     """``TrainingStep`` over ``transformers.Trainer``.
 
     ``collator``: ``padding`` (``DataCollatorForSeq2Seq``, a packed row is one example)
-    or ``flattening`` (``DataCollatorWithFlattening``, one example per document).
+    or ``flattening`` (``DataCollatorWithFlattening``, one example per document);
+    ``lora`` is ``padding`` with the model wrapped by ``peft.get_peft_model`` (rank 4
+    on every linear layer but the head, adapters initialised non-zero so that the
+    first update moves both factors); the probes then watch the adapters, the only
+    trainable parameters.
     ``save``/``load`` work only for the loop's own data (``set_data``/``train_steps``,
     through the Trainer's checkpoints; ``ignore_data_skip`` turns off its data skip on
     resume), else ``NotApplicable``; so is a loss scale without CUDA.
@@ -39,12 +46,13 @@ class HFTrainerStep:
     smoothing_convention = "uniform"  # TrainingArguments.label_smoothing_factor
 
     def __init__(self, collator: str = "padding", *, ignore_data_skip: bool = False) -> None:
-        if collator not in COLLATORS:
+        if collator not in VARIANTS:
             from exactstep.errors import ConfigError
 
-            raise ConfigError(f"unknown hf-trainer collator {collator!r}; use one of "
-                              f"{', '.join(COLLATORS)}")
-        self.collator = collator
+            raise ConfigError(f"unknown hf-trainer variant {collator!r}; use one of "
+                              f"{', '.join(VARIANTS)}")
+        self.lora = collator == "lora"
+        self.collator = "padding" if self.lora else collator
         self.ignore_data_skip = ignore_data_skip
         self.workdir = tempfile.TemporaryDirectory(prefix="exactstep-audit-hf-")
         self.builds = 0
@@ -65,6 +73,8 @@ class HFTrainerStep:
             bos_token_id=spec.bos_id, eos_token_id=spec.eos_id, attn_implementation="sdpa",
         )
         self.module = LlamaForCausalLM(config)
+        if self.lora:
+            self.module = with_adapters(self.module, spec)
         self.trainer = self.make_trainer(spec)
         self.builds += 1  # each build its own checkpoint directory
         self.data_rows: list[dict] | None = None
@@ -201,6 +211,21 @@ class HFTrainerStep:
             raise NotApplicable("Trainer resumes only from its own checkpoint directory")
         state = json.loads((Path(path) / "trainer_state.json").read_text())
         self.steps_done, self.resume_from = int(state["global_step"]), str(path)
+
+
+def with_adapters(model: torch.nn.Module, spec: ProbeSpec) -> torch.nn.Module:
+    """``model`` wrapped by ``peft`` as users do: rank 4, alpha 8, every linear layer
+    but the head, adapter dropout ``spec.dropout``; ``init_lora_weights=False`` draws
+    both factors (from the seeded global RNG, like the model), so the adapters change
+    the logits from the start and every probe sees them."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=spec.dropout,
+                        target_modules="all-linear", init_lora_weights=False,
+                        task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # peft reads transformers' deprecated checkpointing flag
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from exactstep.errors import ConfigError
 
 TARGETS = ("exactstep", "python:MODULE:FUNCTION", "hf-trainer", "hf-trainer:flattening",
-           "trl-sft", "trl-sft:assistant_only_loss", "trl-sft:padding_free", "trl-sft:packing")
+           "hf-trainer:lora", "trl-sft", "trl-sft:assistant_only_loss", "trl-sft:padding_free", "trl-sft:packing")
 METHODS = ("build", "logits", "train", "evaluate", "save", "load")
 
 
@@ -62,9 +62,10 @@ def resolve_target(target: str) -> object:
 
 
 def hf_trainer_target(target: str) -> object:
-    """``hf-trainer[:padding|flattening]``; needs the ``hf`` extra."""
+    """``hf-trainer[:padding|flattening|lora]``; needs the ``hf`` extra."""
     collator = target.partition(":")[2] or "padding"
-    for package in ("transformers", "accelerate"):  # Trainer needs both
+    packages = ("transformers", "accelerate") + (("peft",) if collator == "lora" else ())
+    for package in packages:  # Trainer needs the first two
         try:
             importlib.import_module(package)
         except ImportError:
