@@ -186,6 +186,33 @@ def test_one_window_equals_an_independent_step_on_the_adapters():
     assert max(float((ours[k] - unscaled[k]).abs().max()) for k in theirs) > 100 * TOLERANCE
 
 
+def test_activation_checkpointing_with_lora_recomputes_and_changes_nothing():
+    """H5 with H4 on the built-in decoder: one window with adapter dropout 0.25 and every
+    block recomputed ends bitwise where the window without recomputation ends (the
+    dropout masks replayed); the recomputation happened (an adapted layer runs twice
+    per microbatch, once without). Negative control: other dropout draws (another
+    seed of the global stream) end elsewhere, so the masks matter."""
+    ends, calls = {}, {}
+    for checkpointing, seed in ((False, 0), (True, 0), ("other draws", 1)):
+        model = lora_decoder(LoRAConfig(r=4, dropout=0.25),
+                             activation_checkpointing=checkpointing is True)
+        with torch.no_grad():  # B away from 0, so the dropout on A's input matters
+            for name, param in model.named_parameters():
+                if ".lora_B." in name:
+                    param.fill_(0.05)
+        count = [0]
+        model.layers[0].attn.qkv.register_forward_hook(lambda *_, c=count: c.__setitem__(0, c[0] + 1))
+        torch.manual_seed(seed)
+        engine = real_engine(model, lr=LR, clip=CLIP, weight_decay=DECAY)
+        assert engine.run_window(window_batches(), 0).outcome == Outcome.COMMITTED
+        ends[checkpointing] = {k: v.clone() for k, v in model.state_dict().items()}
+        calls[checkpointing] = count[0]
+    assert calls == {False: 3, True: 6, "other draws": 3}
+    assert ends[False].keys() == ends[True].keys()
+    assert all(torch.equal(ends[False][k], ends[True][k]) for k in ends[False])
+    assert not all(torch.equal(ends[False][k], ends["other draws"][k]) for k in ends[False])
+
+
 def test_the_checkpoint_state_is_the_adapters_and_loads_back_only_whole():
     """S2 under H4: ``checkpoint_state`` is the trainable tensors; loading it onto a fresh
     model restores them, and a state lacking an adapter or carrying a stranger is
