@@ -7,6 +7,7 @@ and a checkpoint holds them alone (``adapter_state`` / ``load_adapter_state``, S
 the base is rebuilt from its source and pinned by its digest (``lora_section``, S1,
 S4). ``merged_state`` is a LoRA model's state with the adapters folded into the base
 (what a merged export writes).
+Design and derivations: docs/design/model.md#model-lora (H4, U6, S2, S5).
 """
 
 from __future__ import annotations
