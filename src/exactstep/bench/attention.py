@@ -9,12 +9,13 @@ Design and derivations: docs/design/bench.md#benchattentionpy (R2, R3).
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 import torch.nn.functional as F
 
 from exactstep.bench.common import interleaved_times, median
-from exactstep.model.attention import attend_fused, prepare_visibility
+from exactstep.model.attention import attend_fused, prepare_visibility, resolve_impl
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.rows.batch import Batch, Segment
@@ -67,23 +68,13 @@ def cross_document_fraction(rows: list[list[int]], seq_len: int) -> float:
     return 1.0 - sum(within) / (causal_pairs * len(rows))
 
 
-def attention_speedup(batch: Batch, n_heads: int, head_dim: int, repeats: int) -> float:
-    """Median dense time / median segments time, each call = prepare + forward + backward."""
-    B, T = batch.shape
-    g = torch.Generator().manual_seed(0)
-    # The decoder's layout: rotated queries and keys, and values, in one tensor.
-    qkv = torch.randn(B, T, 3, n_heads, head_dim, generator=g).requires_grad_()
-    upstream = torch.randn(B, T, n_heads, head_dim, generator=g)
-
-    def step(impl: str):
-        def call() -> None:
-            out = attend_fused(qkv, prepare_visibility(batch, impl, CPU))  # [B, T, nH, Dh]
-            out.backward(upstream)
-
-        return call
-
-    seg, dense = interleaved_times(step("segments"), step("dense"), repeats=repeats)
-    return median(dense) / median(seg)
+def attention_speedup(batch: Batch, n_heads: int, head_dim: int, repeats: int) -> dict:
+    """Median dense time over median segments and over median auto time, each call =
+    prepare + forward + backward, the three interleaved; and what auto chose."""
+    times = side_times(batch, n_heads, head_dim, repeats, ("dense", "segments", "auto"))
+    return {"segments": times["dense"] / times["segments"],
+            "auto": times["dense"] / times["auto"],
+            "auto_choice": resolve_impl("auto", CPU, batch=batch)}
 
 
 def decoder_figures(batch: Batch, repeats: int) -> dict:
@@ -113,6 +104,8 @@ def decoder_figures(batch: Batch, repeats: int) -> dict:
 
 
 def run(quick: bool) -> dict:
+    """Figures at PyTorch's default thread count (a run with ``train.threads = 0``),
+    then the attention figures again on one thread."""
     repeats = 3 if quick else 9
     rng = random.Random(0)
     # Cross-document rows: T=512, documents of 96..192 tokens (about 4 per row).
@@ -121,30 +114,106 @@ def run(quick: bool) -> dict:
     # Training shape: B=16, T=256; packed rows of 16..128-token documents, and rows
     # that are one document each (what splitting long documents produces).
     train_rows = random_lengths(rng, 16, 256, 16, 128)
-    figures = {
+    packed = packed_rows(train_rows, 256)
+    figures: dict = {
+        "threads": torch.get_num_threads(),
         "cross_document_fraction": cross_document_fraction(cross_rows, 512),
-        "speedup_cross_document": attention_speedup(cross, 4, 64, repeats),
         "training_cross_document_fraction": cross_document_fraction(train_rows, 256),
-        "speedup_training_packed": attention_speedup(packed_rows(train_rows, 256), 4, 64, repeats),
-        "speedup_training_whole_rows": attention_speedup(
-            packed_rows([[256]] * 16, 256), 4, 64, repeats
-        ),
     }
+
+    def attention_figures(suffix: str) -> None:
+        for name, batch in (("cross_document", cross), ("training_packed", packed)):
+            sides = attention_speedup(batch, 4, 64, repeats)
+            figures[f"speedup_{name}{suffix}"] = sides["segments"]
+            figures[f"auto_speedup_{name}{suffix}"] = sides["auto"]
+            figures[f"auto_choice_{name}{suffix}"] = sides["auto_choice"]
+
+    attention_figures("")
+    figures["speedup_training_whole_rows"] = attention_speedup(
+        packed_rows([[256]] * 16, 256), 4, 64, repeats)["auto"]
     figures.update(decoder_figures(packed_rows([[256]] * 16, 256), 1 if quick else 5))
-    figures["threads"] = torch.get_num_threads()
-    # The same cross-document comparison on one thread: on a shared, oversubscribed
-    # machine every multi-threaded operator waits for a second core, which swamps
-    # the compute saved; one thread measures the compute alone.
+    figures["packed_model_speedup"] = decoder_figures(packed, 1 if quick else 5)["model_speedup"]
+    # The same comparisons on one thread: no operator waits for a second core.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        figures["speedup_cross_document_one_thread"] = attention_speedup(cross, 4, 64, repeats)
+        attention_figures("_one_thread")
     finally:
         torch.set_num_threads(threads)
     return figures
 
 
+CALIBRATION_LAYOUTS = ((1, 8), (8, 32), (16, 128), (8, 2), (4, 1))  # (low, high) or T/low..T/high
+
+
+def calibration_cases(seed: int = 0) -> list[tuple[str, Batch]]:
+    """Packed rows at B x T = 16 x 256 and 8 x 1024: uniform document lengths in
+    [1, 8], [8, 32], [16, 128], [T/8, T/2] and [T/4, T] (the last one clipped)."""
+    rng = random.Random(seed)
+    cases = []
+    for B, T in ((16, 256), (8, 1024)):
+        for a, b in CALIBRATION_LAYOUTS:
+            low, high = (a, b) if a < b else (T // a, T // b)
+            name = f"{B}x{T} docs {low}..{high}"
+            cases.append((name, packed_rows(random_lengths(rng, B, T, low, high), T)))
+    return cases
+
+
+def calibrate(threads: tuple[int, ...] = (1, 2), repeats: int = 7) -> list[dict]:
+    """Dense, per-document (its one-thread buckets) and auto attention (prepare +
+    forward + backward), median of ``repeats`` interleaved calls, for every
+    calibration case, width (d_model 128 with 4 heads, 512 with 8) and thread count,
+    with the cost model's figures and auto's choice at that count."""
+    from exactstep.model import attention as attn  # lazy: cost-model features, calibration only
+
+    saved, rows = torch.get_num_threads(), []
+    try:
+        for name, batch in calibration_cases():
+            for n_heads, head_dim in ((4, 32), (8, 64)):
+                for t in threads:
+                    torch.set_num_threads(t)
+                    times = side_times(batch, n_heads, head_dim, repeats,
+                                       ("dense", "segments", "auto"))
+                    rows.append({"case": name, "d_model": n_heads * head_dim, "threads": t,
+                                 **attn.auto_costs(batch, t),
+                                 "auto_choice": attn.resolve_impl("auto", CPU, batch=batch),
+                                 **{f"{k}_ms": round(1e3 * v, 2) for k, v in times.items()}})
+    finally:
+        torch.set_num_threads(saved)
+    return rows
+
+
+def side_times(batch: Batch, n_heads: int, head_dim: int, repeats: int, impls) -> dict:
+    """Median seconds of each implementation in ``impls``, calls interleaved."""
+    B, T = batch.shape
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(B, T, 3, n_heads, head_dim, generator=g).requires_grad_()
+    upstream = torch.randn(B, T, n_heads, head_dim, generator=g)
+
+    def call(impl: str) -> None:
+        out = attend_fused(qkv, prepare_visibility(batch, impl, CPU))  # [B, T, nH, Dh]
+        out.backward(upstream)
+        qkv.grad = None
+
+    for impl in impls:  # warm-up
+        call(impl)
+    seconds = {impl: [] for impl in impls}
+    for r in range(repeats):
+        for impl in impls if r % 2 == 0 else impls[::-1]:
+            t0 = time.perf_counter()
+            call(impl)
+            seconds[impl].append(time.perf_counter() - t0)
+    return {impl: median(s) for impl, s in seconds.items()}
+
+
 if __name__ == "__main__":
+    import json
+    import sys
+
     from exactstep.bench.common import format_figures
 
-    print(format_figures("attention", run(quick=True)))
+    if sys.argv[1:2] == ["--calibrate"]:  # the measurement behind model.attention's auto choice
+        for row in calibrate():
+            print(json.dumps(row), flush=True)
+    else:
+        print(format_figures("attention", run(quick=True)))

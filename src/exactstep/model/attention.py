@@ -11,6 +11,7 @@ Design and derivations: docs/design/model.md#modelattentionpy (R2, R3, R8, U7).
 from __future__ import annotations
 
 import functools
+from math import inf
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,15 +29,22 @@ FLEX_MIN_HEAD_DIM = 16
 # FlexAttention's default tile: the block mask describes (128 x 128) query/key blocks.
 FLEX_BLOCK_SIZE = 128
 
-# Cost model used to choose length buckets for the "segments" path. A bucket of
-# length L holding n segments costs about n * L * (L + _LINEAR_COST) units (the
-# attention is quadratic, gathers and softmax rows are linear), plus _CALL_COST
-# units per bucket for the fixed work of a bucket (about ten small operators
-# forward and backward). Units are key-query pairs. Measured on 2 CPU cores: one
-# unit is ~0.1 us, a bucket's fixed work ~0.3 ms on an idle machine and several ms
-# when the cores are oversubscribed; the constant leans towards few buckets.
+# Cost model of the CPU attention paths, in units of one key-query pair (forward and
+# backward). Per-document SDPA ("segments"): a bucket of length L holding n segments
+# costs n * L * (L + _LINEAR_COST) (the attention is quadratic, gathers and softmax
+# rows are linear) plus a fixed cost per bucket (about ten small operators forward
+# and backward). The dense mask costs B * T * (T + _LINEAR_COST). The fixed cost
+# depends on the intra-op thread count: every operator on several threads waits for
+# all of them, which on a busy machine dwarfs a small operator's work. "auto" on CPU
+# runs whichever is cheaper at the run's thread count (``auto_costs``), with buckets
+# sized at that count. Measured on 2 shared CPU cores (one unit ~0.05 us on one
+# thread): docs/design/model.md#auto-on-cpu.
 _LINEAR_COST = 32
-_CALL_COST = 30000
+_CALL_COST = 30000  # per bucket, one thread (and the explicit "segments" buckets)
+_CALL_COST_THREADED = 1_500_000  # per bucket, two threads (used for every count above one)
+# "auto" never builds a dense mask of more than 2**26 key-query pairs (64 MiB as
+# bool, SDPA's float copy 256 MiB): beyond that memory, not time, decides.
+_DENSE_MAX_PAIRS = 2**26
 
 
 @dataclass(frozen=True)
@@ -80,13 +88,21 @@ class Visibility:
     block_mask: object | None = None  # flex BlockMask
 
 
-def resolve_impl(impl: str, device: torch.device, head_dim: int | None = None) -> str:
+def resolve_impl(
+    impl: str, device: torch.device, head_dim: int | None = None, *,
+    batch: Batch | None = None, threads: int | None = None,
+) -> str:
     """The implementation ``impl`` runs as on ``device``; validates the name.
 
     ``"auto"`` is ``"flex"`` on CUDA unless ``head_dim`` (when given) is below
-    ``FLEX_MIN_HEAD_DIM``, where compiled FlexAttention cannot run; then, and on every
-    other device, it is ``"segments"``. An explicit ``"flex"`` below that head
-    dimension on CUDA is refused with a ``ModelError`` naming the fix.
+    ``FLEX_MIN_HEAD_DIM``, where compiled FlexAttention cannot run. On the CPU, given
+    the ``batch``, it is the cheaper of ``"segments"`` and ``"dense"`` under the cost
+    model at ``threads`` intra-op threads (default: ``torch.get_num_threads()``) for
+    causal rows of several documents without a prefix (``auto_costs``); everywhere
+    else it is ``"segments"``. The choice is a pure function of the batch's segment
+    layout, the thread count and the device (host data, no sync; S9 restores the
+    thread count on resume, so a resumed run chooses the same). An explicit
+    ``"flex"`` below that head dimension on CUDA is refused with a ``ModelError``.
     """
     if impl not in IMPLEMENTATIONS:
         raise ModelError(
@@ -95,7 +111,12 @@ def resolve_impl(impl: str, device: torch.device, head_dim: int | None = None) -
     device = torch.device(device)
     small_head = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     if impl == "auto":
-        return "flex" if device.type == "cuda" and not small_head else "segments"
+        if device.type == "cuda" and not small_head:
+            return "flex"
+        if batch is not None and device.type == "cpu" and _auto_weighs(batch):
+            costs = auto_costs(batch, torch.get_num_threads() if threads is None else threads)
+            return "dense" if costs["dense"] < costs["segments"] else "segments"
+        return "segments"
     if impl == "flex" and device.type == "cuda" and small_head:
         raise ModelError(
             f"model.attention = 'flex' needs a head dimension (model.d_model / model.n_heads) "
@@ -105,8 +126,16 @@ def resolve_impl(impl: str, device: torch.device, head_dim: int | None = None) -
     return impl
 
 
+def _auto_weighs(batch: Batch) -> bool:
+    """``"auto"`` weighs the two CPU paths for this batch: causal, no prefix (the
+    layouts the cost model is calibrated on), and not whole rows (which run as one
+    plain causal SDPA, faster than either)."""
+    return batch.causal and batch.prefix_len is None and not _whole_rows(batch)
+
+
 def prepare_visibility(
-    batch: Batch, impl: str, device: torch.device, *, head_dim: int | None = None
+    batch: Batch, impl: str, device: torch.device, *, head_dim: int | None = None,
+    threads: int | None = None,
 ) -> Visibility:
     """Build the visibility of ``batch`` for ``impl`` on ``device`` (once per forward).
 
@@ -117,9 +146,10 @@ def prepare_visibility(
     are never read. Every path but ``"dense"`` equals ``"dense"`` to 1e-5 in fp32.
 
     ``head_dim`` (the model's ``d_model / n_heads``) lets ``"auto"`` avoid FlexAttention
-    where it cannot run (``resolve_impl``). Whole rows without a prefix take the plain
-    causal SDPA path under every implementation but ``"dense"`` (the reference); with
-    one, the per-document path.
+    where it cannot run; ``threads`` (default: the intra-op thread count in force) is
+    what ``"auto"`` weighs the CPU paths at, and sizes its buckets (``resolve_impl``).
+    Whole rows without a prefix take the plain causal SDPA path under every
+    implementation but ``"dense"`` (the reference); with one, the per-document path.
 
     Failure modes: unknown ``impl``; ``"flex"`` on CPU with gradients enabled (no
     FlexAttention backward there) or on CUDA below the minimum head dimension; a
@@ -129,7 +159,8 @@ def prepare_visibility(
     when ``segment_ids`` is on the CPU, where the check costs no sync).
     """
     device = torch.device(device)
-    chosen = resolve_impl(impl, device, head_dim)
+    threads = torch.get_num_threads() if threads is None else threads
+    chosen = resolve_impl(impl, device, head_dim, batch=batch, threads=threads)
     if batch.prefix_len is not None:
         check_prefix_len(batch)
     if chosen == "flex" and device.type != "cuda" and torch.is_grad_enabled():
@@ -147,7 +178,9 @@ def prepare_visibility(
                           whole_rows=True)
     if chosen == "flex" and not _whole_rows(batch):
         return _prepare_flex(batch, device)
-    return _prepare_segments(batch, device)  # whole rows with a prefix: one masked SDPA
+    # "auto" sizes its buckets at the thread count it weighed; "segments" is fixed
+    call_cost = bucket_call_cost(threads) if impl == "auto" else _CALL_COST
+    return _prepare_segments(batch, device, call_cost)  # whole rows with a prefix: one SDPA
 
 
 def check_prefix_len(batch: Batch) -> None:
@@ -437,12 +470,17 @@ def _check_segments_match_ids(batch: Batch) -> None:
         )
 
 
-def _choose_buckets(lengths: list[int]) -> list[int]:
+def _choose_buckets(lengths: list[int], call_cost: float = _CALL_COST) -> list[int]:
     """Bucket lengths (ascending) minimising the cost model; exact dynamic programme.
 
     Returns the ascending list of bucket lengths; each segment goes to the smallest
-    bucket that holds it.
+    bucket that holds it. ``call_cost`` is the fixed cost of one bucket.
     """
+    return _bucket_plan(lengths, call_cost)[0]
+
+
+def _bucket_plan(lengths: list[int], call_cost: float) -> tuple[list[int], float]:
+    """``(bucket lengths ascending, their total cost)`` for ``lengths`` (non-empty)."""
     distinct = sorted(set(lengths))
     counts = np.bincount(np.asarray(lengths), minlength=distinct[-1] + 1)
     n = len(distinct)
@@ -454,14 +492,40 @@ def _choose_buckets(lengths: list[int]) -> list[int]:
         L = distinct[i - 1]
         per_segment = L * (L + _LINEAR_COST)
         for j in range(i):
-            cost = best[j] + (prefix[i] - prefix[j]) * per_segment + _CALL_COST
+            cost = best[j] + (prefix[i] - prefix[j]) * per_segment + call_cost
             if cost < best[i]:
                 best[i], choice[i] = cost, j
     cuts, i = [], n
     while i > 0:
         cuts.append(distinct[i - 1])
         i = choice[i]
-    return sorted(cuts)
+    return sorted(cuts), float(best[n])
+
+
+def bucket_call_cost(threads: int) -> int:
+    """The cost model's fixed cost of one bucket at ``threads`` intra-op threads
+    (measured at one and two; two's is used for every count above one)."""
+    return _CALL_COST if threads <= 1 else _CALL_COST_THREADED
+
+
+def auto_costs(batch: Batch, threads: int) -> dict:
+    """The cost model's figures for ``batch`` at ``threads`` intra-op threads (host data).
+
+    ``dense`` and ``segments`` are the costs of the two CPU paths (the segments' with
+    the buckets that are cheapest at ``threads``; the dense one infinite past
+    ``_DENSE_MAX_PAIRS``); ``buckets`` is their number and
+    ``documents`` the number of non-empty segments. A pure function of the batch's
+    segment layout (``batch.shape``, ``batch.segments``) and ``threads``.
+    """
+    B, T = batch.shape
+    lengths = [s.length for row in batch.segments for s in row if s.length]
+    buckets, cost = _bucket_plan(lengths, bucket_call_cost(threads)) if lengths else ([], 0.0)
+    return {
+        "dense": float(B * T * (T + _LINEAR_COST)) if B * T * T <= _DENSE_MAX_PAIRS else inf,
+        "segments": cost,
+        "buckets": len(buckets),
+        "documents": len(lengths),
+    }
 
 
 #: Public name of the bucket choice, for other attention layouts built on the same
@@ -469,7 +533,7 @@ def _choose_buckets(lengths: list[int]) -> list[int]:
 choose_buckets = _choose_buckets
 
 
-def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
+def _prepare_segments(batch: Batch, device: torch.device, call_cost: float) -> Visibility:
     B, T = batch.shape
     starts = [b * T + s.start for b, row in enumerate(batch.segments) for s in row if s.length]
     lengths = [s.length for row in batch.segments for s in row if s.length]
@@ -488,7 +552,7 @@ def _prepare_segments(batch: Batch, device: torch.device) -> Visibility:
     sizes: list[int] = []
     offset = 0
     if lengths:
-        bucket_lengths = _choose_buckets(lengths)
+        bucket_lengths = _choose_buckets(lengths, call_cost)
         starts_a, lengths_a = np.asarray(starts), np.asarray(lengths)
         which = np.searchsorted(bucket_lengths, lengths_a)  # smallest bucket >= length
         for bi, L in enumerate(bucket_lengths):
