@@ -9,7 +9,8 @@
   controls: attention over the whole row leaks; Gemma 3's scaling dropped differs;
 * no ``[.., T, T]`` tensor is built in a training step (every operator's output
   recorded under a ``TorchDispatchMode``); negative control: under ``sdpa`` the
-  recorder finds the dense mask;
+  recorder finds the dense mask; HF's search of ``position_ids`` for documents (a
+  host sync) is never run; negative control: HF's own call runs it;
 * HF's own calls without packed rows (a document alone, a padded 2D mask) give
   exactly ``sdpa``'s values; activation checkpointing reaches the visibility in its
   recomputation (gradients equal to without);
@@ -256,3 +257,22 @@ def test_the_build_time_probe_refuses_a_leaking_exactstep(monkeypatch):
         q, k, v, is_causal=True))
     with pytest.raises(ModelError, match="'exactstep' does not isolate packed documents"):
         hf_model("llama", VOCAB, attn="exactstep")
+
+
+def test_a_packed_forward_never_searches_position_ids_for_documents(monkeypatch):
+    """HF's ``find_packed_sequence_indices`` reads a device value (a host sync, U7);
+    a packed forward under ``exactstep`` never calls it. Negative control: HF's own
+    call with ``position_ids`` and no mask does."""
+    import transformers.masking_utils as masking
+
+    model = hf_model("llama", VOCAB, attn="exactstep")
+    calls = []
+    search = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices",
+                        lambda position_ids: calls.append(1) or search(position_ids))
+    batch = packed_batch(documents(), SEQ_LEN)
+    with torch.no_grad():
+        model(batch)
+        assert calls == []
+        model.hf(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    assert calls == [1]

@@ -169,9 +169,12 @@ class HFCausalLM(nn.Module):
             head_dim = head_dim_of(self)  # FlexAttention on CUDA where it runs, else segments
             impl = resolve_impl("auto", device, head_dim)  # never the dense mask, whatever B, T
             visibility = prepare_visibility(batch, impl, device, head_dim=head_dim)
+            # a 2D all-visible mask spares HF's search for documents in position_ids (a
+            # host sync); its mask builders then build nothing (``packed_forward``)
+            keys = torch.ones(batch.shape, dtype=torch.bool, device=device)  # [B, T]
             with hf_attention.packed_forward():
                 out = self.decoder(input_ids=batch.input_ids.to(device), position_ids=position_ids,
-                                   use_cache=False, return_dict=True,
+                                   attention_mask=keys, use_cache=False, return_dict=True,
                                    **{hf_attention.VISIBILITY_KEYWORD: visibility})
             return hidden_states_of(out, self)  # [B, T, H]
         out = self.decoder(
