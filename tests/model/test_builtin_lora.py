@@ -172,6 +172,10 @@ def test_one_window_equals_an_independent_step_on_the_adapters():
     theirs = independent_window(model, batches, lora)
     engine = real_engine(model, lr=LR, clip=CLIP, weight_decay=DECAY)
     assert engine.run_window(batches, 0).outcome == Outcome.COMMITTED
+    # the clip set (U3, U6) is the adapters, and no base tensor got a gradient
+    assert {id(p) for p in engine.parameters} == {
+        id(p) for p in model.parameters() if p.requires_grad}
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     ours = model.state_dict()
     assert set(theirs) == {k for k in ours if ".lora_" in k}
     worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
