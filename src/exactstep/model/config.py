@@ -57,7 +57,8 @@ class ModelConfig:
     ``source = "hf"``: a Hugging Face causal LM (``exactstep.model.hf``, H1), from
     exactly one of ``path`` (a directory with ``config.json`` and safetensors weights)
     or ``hf_config`` (an HF config as a table with a ``model_type``, random init from
-    the run's seed). ``attn_implementation`` is the HF attention backend; which
+    the run's seed). ``attn_implementation`` is the HF attention backend (``sdpa``,
+    ``eager``, or ``exactstep``: per-document attention without a dense mask); which
     backends can isolate packed documents is decided when the model is built (R3).
     The built-in keys are then unused (but still recorded and validated).
     ``dtype`` is the parameters' dtype: ``float32`` (a bf16 or fp16 checkpoint is
