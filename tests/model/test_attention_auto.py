@@ -36,10 +36,16 @@ def call_cost(threads: int) -> float:
     return attn._CALL_COST if threads <= 1 else attn._CALL_COST_THREADED
 
 
+def document_cost(threads: int) -> float:
+    """The documented per-document cost, read the same way."""
+    return attn._DOCUMENT_COST if threads <= 1 else attn._DOCUMENT_COST_THREADED
+
+
 def expected_choice(rows: list[list[int]], T: int, threads: int) -> str:
     """The cost model in words, by brute force over bucket sets (independent of the
-    module's dynamic programme): the cheapest bucketing of the documents against the
-    dense mask's B * T * (T + linear), unless that mask is over the cap."""
+    module's dynamic programme): the cheapest bucketing of the documents plus a cost
+    per document, against the dense mask's B * T * (T + linear) unless that mask is
+    over the cap."""
     import itertools
 
     lengths = [n for row in rows for n in row]
@@ -56,7 +62,7 @@ def expected_choice(rows: list[list[int]], T: int, threads: int) -> str:
     dense = len(rows) * T * (T + attn._LINEAR_COST)
     if len(rows) * T * T > attn._DENSE_MAX_PAIRS:
         return "segments"
-    return "dense" if dense < best else "segments"
+    return "dense" if dense < best + document_cost(threads) * len(lengths) else "segments"
 
 
 def equal_rows(length: int, B: int, T: int) -> list[list[int]]:
@@ -65,11 +71,13 @@ def equal_rows(length: int, B: int, T: int) -> list[list[int]]:
     return [row] * B
 
 
-# Layouts: (rows, T). Per-document costs by hand at one / two threads:
-#   16 x [64]*4, T=256:  64 * 64 * 96 = 393,216 + 30,000 < 1,179,648 (dense) -> segments;
-#                        393,216 + 1,500,000 > 1,179,648 -> dense at two threads.
-#   8 x [8]*128, T=1024: 1,024 * 8 * 40 = 327,680 + 1,500,000 < 8,650,752 -> segments.
-FLIPS = (equal_rows(64, 16, 256), 256)
+# Layouts: (rows, T). Costs by hand (one bucket, then per document) at one / two threads:
+#   16 x [4]*64, T=256:  1,024 * 4 * 36 = 147,456; + 30,000 + 1,024 * 500 = 689,456
+#                        < 1,179,648 (dense) -> segments; + 300,000 + 1,024 * 1,500 =
+#                        1,983,456 > 1,179,648 -> dense at two threads.
+#   8 x [8]*128, T=1024: 1,024 * 8 * 40 = 327,680 + 300,000 + 1,536,000 = 2,163,680
+#                        < 8,650,752 -> segments at two threads too.
+FLIPS = (equal_rows(4, 16, 256), 256)
 STAYS = (equal_rows(8, 8, 1024), 1024)
 
 
@@ -154,17 +162,19 @@ def test_a_resume_under_the_recorded_thread_count_chooses_the_same():
 
 
 def test_tiny_documents_pick_what_the_model_says():
-    """All documents one token long. By hand: 16 x 256 such documents cost 4,096 * 33
-    = 135,168 in one bucket, + 30,000 on one thread (segments, < 1,179,648 dense),
-    + 1,500,000 on two (dense); 8 x 1,024 of them cost 8,192 * 33 + 1,500,000 =
-    1,770,336 < 8,650,752 (segments). Negative control: a tiny-document batch is not
-    whole rows, so it is weighed at all (a one-token row would be)."""
+    """All documents one token long. By hand: 16 x 256 of them cost 4,096 * 33 =
+    135,168 in one bucket, + 30,000 + 4,096 * 500 = 2,213,168 on one thread, more than
+    the dense 1,179,648 (dense, at every count); 8 x 1,024 of them cost 8,192 * 33 +
+    300,000 + 8,192 * 1,500 = 12,858,336 > 8,650,752 on two threads (dense) and
+    8,192 * 33 + 30,000 + 8,192 * 500 = 4,396,336 on one (segments). Negative control:
+    a tiny-document batch is weighed at all (a one-token-row batch is whole rows)."""
     small, large = equal_rows(1, 16, 256), equal_rows(1, 8, 1024)
     assert [resolve_impl("auto", CPU, batch=batch_for(small, 256), threads=t)
+            for t in (1, 2)] == ["dense", "dense"]
+    assert [resolve_impl("auto", CPU, batch=batch_for(large, 1024), threads=t)
             for t in (1, 2)] == ["segments", "dense"]
-    assert resolve_impl("auto", CPU, batch=batch_for(large, 1024), threads=2) == "segments"
-    assert [expected_choice(small, 256, t) for t in (1, 2)] == ["segments", "dense"]
-    assert expected_choice(large, 1024, 2) == "segments"
+    assert [expected_choice(small, 256, t) for t in (1, 2)] == ["dense", "dense"]
+    assert [expected_choice(large, 1024, t) for t in (1, 2)] == ["segments", "dense"]
     whole = prepare_visibility(batch_for([[1]] * 4, 1), "auto", CPU, threads=2)
     assert whole.impl == "segments" and whole.whole_rows
 
@@ -178,7 +188,7 @@ def test_auto_weighs_only_causal_rows_of_documents_without_a_prefix():
                         threads=2) == "segments"
     prefixed = batch_for(rows, T)
     prefixed = type(prefixed)(**{**prefixed.__dict__,
-                                 "prefix_len": torch.ones(16, 4, dtype=torch.long)})
+                                 "prefix_len": torch.ones(16, 64, dtype=torch.long)})
     assert resolve_impl("auto", CPU, batch=prefixed, threads=2) == "segments"
     whole = batch_for([[256]] * 16, 256)
     assert resolve_impl("auto", CPU, batch=whole, threads=2) == "segments"
@@ -199,7 +209,7 @@ def test_the_dense_mask_is_capped(monkeypatch):
 def test_explicit_segments_keep_their_buckets_at_every_thread_count():
     """... while "auto" sizes its buckets at the thread count: here, by hand, padding
     the 512 eight-token documents to 16 costs 512 * (16 * 48 - 8 * 40) = 229,376, more
-    than a bucket on one thread (30,000), less than one on two (1,500,000)."""
+    than a bucket on one thread (30,000), less than one on two (300,000)."""
     batch = batch_for([[8] * 64 + [16] * 32] * 8, 1024)
     one, two = (prepare_visibility(batch, "segments", CPU, threads=t) for t in (1, 2))
     assert [b.length for b in one.buckets] == [b.length for b in two.buckets] == [8, 16]
@@ -228,15 +238,18 @@ def test_what_auto_picks_realises_the_same_visibility():
     """Dense when auto picks it is the reference itself (bitwise); per-document with
     the threaded buckets equals it to 1e-5. Negative control: the plain causal
     visibility of whole rows, applied to packed rows, is far off."""
-    batch = batch_for([[6, 9, 2, 13], [1, 20, 5]], 30)
+    batch = batch_for([[10, 22, 16, 8, 24] * 3 + [16], [12, 20] * 6 + [30]], 256)
     reference = attention_and_grads(batch, prepare_visibility(batch, "dense", CPU))
+    impls = []
     for threads in (1, 2):
         vis = prepare_visibility(batch, "auto", CPU, threads=threads)
+        impls.append(vis.impl)
         got = attention_and_grads(batch, vis)
         if vis.impl == "dense":
             assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
         for a, b in zip(real_rows(batch, got), real_rows(batch, reference), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+    assert impls == ["segments", "dense"]  # both paths were checked
     leaky = attn.Visibility(impl="segments", batch_shape=batch.shape, causal=True,
                             whole_rows=True)
     wrong = real_rows(batch, attention_and_grads(batch, leaky))

@@ -1,9 +1,12 @@
-"""Per-document attention vs one dense-mask SDPA, forward + backward, same run.
+"""Per-document attention and ``auto`` vs one dense-mask SDPA, forward + backward.
 
-Both sides realise the same visibility (R2, R3); ``exactstep bench attention``
-reports the speed-up on cross-document rows and at the default training shape
-(packed and whole rows), and the decoder's ``tokens_per_s`` with ``auto`` attention.
-Design and derivations: docs/design/bench.md#benchattentionpy (R2, R3).
+All sides realise the same visibility (R2, R3); ``exactstep bench attention``
+reports the speed-ups at PyTorch's default thread count, and on one thread, on
+cross-document rows and at the default training shape (packed and whole rows), and
+the decoder's ``tokens_per_s`` with ``auto`` attention. ``python -m
+exactstep.bench.attention --calibrate`` measures the cost model behind ``auto``.
+Design and derivations: docs/design/bench.md#benchattentionpy,
+docs/design/model.md#auto-on-cpu (R2, R3).
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from exactstep.bench.common import interleaved_times, median
-from exactstep.model.attention import attend_fused, prepare_visibility, resolve_impl
+from exactstep.model.attention import (
+    attend_fused,
+    auto_costs,
+    prepare_visibility,
+    resolve_impl,
+)
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.rows.batch import Batch, Segment
@@ -164,8 +172,6 @@ def calibrate(threads: tuple[int, ...] = (1, 2), repeats: int = 7) -> list[dict]
     forward + backward), median of ``repeats`` interleaved calls, for every
     calibration case, width (d_model 128 with 4 heads, 512 with 8) and thread count,
     with the cost model's figures and auto's choice at that count."""
-    from exactstep.model import attention as attn  # lazy: cost-model features, calibration only
-
     saved, rows = torch.get_num_threads(), []
     try:
         for name, batch in calibration_cases():
@@ -175,8 +181,8 @@ def calibrate(threads: tuple[int, ...] = (1, 2), repeats: int = 7) -> list[dict]
                     times = side_times(batch, n_heads, head_dim, repeats,
                                        ("dense", "segments", "auto"))
                     rows.append({"case": name, "d_model": n_heads * head_dim, "threads": t,
-                                 **attn.auto_costs(batch, t),
-                                 "auto_choice": attn.resolve_impl("auto", CPU, batch=batch),
+                                 **auto_costs(batch, t),
+                                 "auto_choice": resolve_impl("auto", CPU, batch=batch),
                                  **{f"{k}_ms": round(1e3 * v, 2) for k, v in times.items()}})
     finally:
         torch.set_num_threads(saved)

@@ -11,8 +11,8 @@ Design and derivations: docs/design/model.md#modelattentionpy (R2, R3, R8, U7).
 from __future__ import annotations
 
 import functools
-from math import inf
 from dataclasses import dataclass
+from math import inf
 
 import numpy as np
 import torch
@@ -33,15 +33,18 @@ FLEX_BLOCK_SIZE = 128
 # backward). Per-document SDPA ("segments"): a bucket of length L holding n segments
 # costs n * L * (L + _LINEAR_COST) (the attention is quadratic, gathers and softmax
 # rows are linear) plus a fixed cost per bucket (about ten small operators forward
-# and backward). The dense mask costs B * T * (T + _LINEAR_COST). The fixed cost
-# depends on the intra-op thread count: every operator on several threads waits for
-# all of them, which on a busy machine dwarfs a small operator's work. "auto" on CPU
-# runs whichever is cheaper at the run's thread count (``auto_costs``), with buckets
-# sized at that count. Measured on 2 shared CPU cores (one unit ~0.05 us on one
-# thread): docs/design/model.md#auto-on-cpu.
+# and backward) plus a cost per document (the kernel's work per sequence and head).
+# The dense mask costs B * T * (T + _LINEAR_COST). The fixed costs depend on the
+# intra-op thread count: an operator on several threads waits for all of them, and
+# the per-sequence work does not shrink with them as the pair work does. "auto" on
+# CPU runs whichever is cheaper at the run's thread count (``auto_costs``), with
+# buckets sized at that count. Measured on 2 shared CPU cores (one unit ~0.03 us on
+# one thread at d_model 128): docs/design/model.md#auto-on-cpu.
 _LINEAR_COST = 32
 _CALL_COST = 30000  # per bucket, one thread (and the explicit "segments" buckets)
-_CALL_COST_THREADED = 1_500_000  # per bucket, two threads (used for every count above one)
+_CALL_COST_THREADED = 300_000  # per bucket, two threads (used for every count above one)
+_DOCUMENT_COST = 500  # per document, one thread
+_DOCUMENT_COST_THREADED = 1500  # per document, two threads (and above)
 # "auto" never builds a dense mask of more than 2**26 key-query pairs (64 MiB as
 # bool, SDPA's float copy 256 MiB): beyond that memory, not time, decides.
 _DENSE_MAX_PAIRS = 2**26
@@ -508,6 +511,11 @@ def bucket_call_cost(threads: int) -> int:
     return _CALL_COST if threads <= 1 else _CALL_COST_THREADED
 
 
+def document_cost(threads: int) -> int:
+    """The cost model's cost per document at ``threads`` intra-op threads (as above)."""
+    return _DOCUMENT_COST if threads <= 1 else _DOCUMENT_COST_THREADED
+
+
 def auto_costs(batch: Batch, threads: int) -> dict:
     """The cost model's figures for ``batch`` at ``threads`` intra-op threads (host data).
 
@@ -522,7 +530,7 @@ def auto_costs(batch: Batch, threads: int) -> dict:
     buckets, cost = _bucket_plan(lengths, bucket_call_cost(threads)) if lengths else ([], 0.0)
     return {
         "dense": float(B * T * (T + _LINEAR_COST)) if B * T * T <= _DENSE_MAX_PAIRS else inf,
-        "segments": cost,
+        "segments": cost + document_cost(threads) * len(lengths),
         "buckets": len(buckets),
         "documents": len(lengths),
     }
