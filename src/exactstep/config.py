@@ -130,8 +130,27 @@ def load_config(
         raw = read_toml(Path(path))
     for item in overrides:
         key, value = split_override(item)
-        set_dotted(raw, key, value)
+        set_dotted(raw, key, in_table(key, value))
     return build(RunConfig, raw, prefix="")
+
+
+def in_table(key: str, value: str) -> Any:
+    """A ``--set`` value for a key inside a free table (``model.hf_config.num_hidden_layers``)
+    read as a JSON literal where it is one (``6``, ``1e-6``, ``true``), else kept as the
+    string; every other key's value is coerced to its field's type by ``build``."""
+    hint: Any = RunConfig
+    for part in key.split(".")[:-1]:
+        if hint is dict or typing.get_origin(hint) is dict:
+            break
+        if not dataclasses.is_dataclass(hint):
+            return value
+        hint = typing.get_type_hints(hint).get(part)
+    if not (hint is dict or typing.get_origin(hint) is dict):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def apply_overrides(cfg: RunConfig, overrides: typing.Sequence[str]) -> RunConfig:
@@ -141,8 +160,28 @@ def apply_overrides(cfg: RunConfig, overrides: typing.Sequence[str]) -> RunConfi
     raw = cfg.to_dict()
     for item in overrides:
         key, value = split_override(item)
-        set_dotted(raw, key, value)
+        set_dotted(raw, key, in_table(key, value))
     return build(RunConfig, raw, prefix="")
+
+
+def in_table(key: str, value: str) -> Any:
+    """A ``--set`` value for a key inside a free table (``model.hf_config.num_hidden_layers``)
+    read as a JSON literal where it is one (``6``, ``1e-6``, ``true``), else kept as the
+    string; every other key's value is coerced to its field's type by ``build``."""
+    hint: Any = RunConfig
+    for part in key.split(".")[:-1]:
+        if not dataclasses.is_dataclass(hint):
+            break
+        hint = typing.get_type_hints(hint).get(part)
+    else:
+        if not (hint is dict or typing.get_origin(hint) is dict):
+            return value
+    if not (hint is dict or typing.get_origin(hint) is dict):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def config_from_manifest(manifest: Any) -> RunConfig:

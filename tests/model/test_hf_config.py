@@ -95,3 +95,37 @@ def test_a_toml_date_is_not_plain_data(tmp_path):
 def test_source_and_its_keys_must_agree(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(overrides=overrides)
+
+
+def test_set_inside_the_table_reads_json_literals_and_keeps_the_rest(tmp_path):
+    """``--set model.hf_config.KEY=V`` changes one key of the file's table: ``V`` as a
+    JSON literal where it is one (an HF config validates types strictly), else as the
+    string given; the other keys stay as the file has them."""
+    path = tmp_path / "run.toml"
+    path.write_text(TOML, encoding="utf-8")
+    cfg = load_config(path, ["model.hf_config.num_hidden_layers=6",
+                             "model.hf_config.rms_norm_eps=1e-6",
+                             "model.hf_config.tie_word_embeddings=false",
+                             "model.hf_config.hidden_act=gelu",
+                             "model.hf_config.rope_parameters.rope_theta=500000.0"])
+    table = cfg.model.hf_config
+    assert table["num_hidden_layers"] == 6 and type(table["num_hidden_layers"]) is int
+    assert table["rms_norm_eps"] == 1e-6 and type(table["rms_norm_eps"]) is float
+    assert table["tie_word_embeddings"] is False
+    assert table["hidden_act"] == "gelu"
+    assert table["rope_parameters"] == {"rope_type": "default", "rope_theta": 500000.0}
+    assert table["hidden_size"] == 32 and table["model_type"] == "llama"
+    # a typed key outside a table is still coerced by its field (control: a string there)
+    assert load_config(path, ["batch.rows=3"]).batch.rows == 3
+    assert load_config(path, ["model.attn_implementation=sdpa"]).model.attn_implementation == "sdpa"
+
+
+def test_an_invalid_value_inside_the_table_names_the_reason():
+    """HF's validator puts the reason on a second line; the one error line carries it."""
+    from exactstep.errors import ModelError
+    from exactstep.model.hf import build_hf_model
+
+    cfg = ModelConfig(source="hf", hf_config={"model_type": "qwen2", "num_hidden_layers": "6"})
+    with pytest.raises(ModelError, match="num_hidden_layers.*expected int, got str") as info:
+        build_hf_model(cfg, 259, seed=0)
+    assert "\n" not in str(info.value)

@@ -459,7 +459,8 @@ def load_config(transformers: Any, cfg: ModelConfig, vocab_size: int) -> Any:
     try:
         return transformers.AutoConfig.for_model(model_type, **table)
     except Exception as exc:  # HF validators raise their own types
-        raise ModelError(f"model.hf_config is not a valid {model_type} config ({first_line(exc)})"
+        reason = " ".join(str(exc).split())  # HF validators put the reason on a second line
+        raise ModelError(f"model.hf_config is not a valid {model_type} config ({reason})"
                          ) from None
 
 
