@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "exactstep"
 
 #: Floor of each room, from the ground up: data flows upward through them.
 FLOORS = {
-    "errors": 1, "lazy": 1,
+    "errors": 1, "lazy": 1, "host_memory": 1,
     "durable": 2, "ranges": 2,
     "manifest": 3,
     "data": 4, "state": 4,

@@ -28,6 +28,7 @@ from exactstep.errors import CheckpointError, DistributedError, Interrupted, Res
 from exactstep.eval import Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
+from exactstep.host_memory import keep_mmap_threshold
 from exactstep.manifest import (
     MANIFEST_FILE,
     Manifest,
@@ -113,6 +114,7 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    keep_mmap_threshold()  # a window's freed activations leave the resident set (L1)
     seed_rng(cfg.seed)  # every stream starts from the seed; a resume restores them later
     ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
     # "auto" numerics become what this device runs, before the manifest records them (S1)
