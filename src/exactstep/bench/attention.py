@@ -76,12 +76,12 @@ def cross_document_fraction(rows: list[list[int]], seq_len: int) -> float:
     return 1.0 - sum(within) / (causal_pairs * len(rows))
 
 
-def attention_speedup(batch: Batch, n_heads: int, head_dim: int, repeats: int) -> dict:
-    """Median dense time over median segments and over median auto time, each call =
-    prepare + forward + backward, the three interleaved; and what auto chose."""
-    times = side_times(batch, n_heads, head_dim, repeats, ("dense", "segments", "auto"))
-    return {"segments": times["dense"] / times["segments"],
-            "auto": times["dense"] / times["auto"],
+def attention_speedup(batch: Batch, n_heads: int, head_dim: int, repeats: int,
+                      sides: tuple[str, ...] = ("dense", "segments", "auto")) -> dict:
+    """Median dense time over the median time of each other side in ``sides`` (each
+    call = prepare + forward + backward, the sides interleaved), and what auto chose."""
+    times = side_times(batch, n_heads, head_dim, repeats, sides)
+    return {**{side: times["dense"] / times[side] for side in sides if side != "dense"},
             "auto_choice": resolve_impl("auto", CPU, batch=batch)}
 
 
@@ -129,23 +129,25 @@ def run(quick: bool) -> dict:
         "training_cross_document_fraction": cross_document_fraction(train_rows, 256),
     }
 
-    def attention_figures(suffix: str) -> None:
-        for name, batch in (("cross_document", cross), ("training_packed", packed)):
+    def attention_figures(suffix: str, cases) -> None:
+        for name, batch in cases:
             sides = attention_speedup(batch, 4, 64, repeats)
             figures[f"speedup_{name}{suffix}"] = sides["segments"]
             figures[f"auto_speedup_{name}{suffix}"] = sides["auto"]
             figures[f"auto_choice_{name}{suffix}"] = sides["auto_choice"]
 
-    attention_figures("")
-    figures["speedup_training_whole_rows"] = attention_speedup(
-        packed_rows([[256]] * 16, 256), 4, 64, repeats)["auto"]
+    cases = (("cross_document", cross), ("training_packed", packed))
+    attention_figures("", cases)
+    figures["speedup_training_whole_rows"] = attention_speedup(  # auto = segments here
+        packed_rows([[256]] * 16, 256), 4, 64, repeats, ("dense", "auto"))["auto"]
     figures.update(decoder_figures(packed_rows([[256]] * 16, 256), 1 if quick else 5))
-    figures["packed_model_speedup"] = decoder_figures(packed, 1 if quick else 5)["model_speedup"]
+    if not quick:
+        figures["packed_model_speedup"] = decoder_figures(packed, 5)["model_speedup"]
     # The same comparisons on one thread: no operator waits for a second core.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        attention_figures("_one_thread")
+        attention_figures("_one_thread", cases[:1] if quick else cases)
     finally:
         torch.set_num_threads(threads)
     return figures
