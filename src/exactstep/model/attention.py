@@ -3,9 +3,12 @@
 A query sees keys of its own real segment (earlier ones, or its segment's prefix,
 when the batch is causal); padding sees only itself and labels never enter (R2).
 ``prepare_visibility`` builds this once per forward as a dense mask, per-document
-SDPA buckets or a FlexAttention block mask (``resolve_impl`` picks per device), and
-``attend`` applies it in every layer without a hidden host sync (U7).
-Design and derivations: docs/design/model.md#modelattentionpy (R2, R3, R8, U7).
+SDPA buckets or a FlexAttention block mask (``resolve_impl`` picks per device; on
+the CPU ``auto`` weighs dense against per-document by the batch's layout and the
+thread count, S9), and ``attend`` applies it in every layer without a hidden host
+sync (U7).
+Design and derivations: docs/design/model.md#modelattentionpy,
+docs/design/model.md#auto-on-cpu (R2, R3, R8, U7).
 """
 
 from __future__ import annotations
