@@ -5,7 +5,7 @@ checkpointing, on SFT chats of varied length with assistant-only targets (R5). E
 side runs in a fresh interpreter, in alternation, so its peak resident set is its own.
 ``exactstep bench finetune`` reports supervised tokens per second, peak RSS and the
 ratios exactstep/Trainer (``peak_rss_ratio``, ``tokens_per_s_ratio``) per variant.
-Design and derivations: docs/design/bench.md (the ``bench hf`` pieces reused here).
+Design and derivations: docs/design/bench.md#benchfinetunepy (H1, H4, H5, L1).
 """
 
 from __future__ import annotations
@@ -238,9 +238,11 @@ def measured(spec: dict, check: bool) -> dict:
 def build_exactstep(spec: dict, vocab_size: int) -> Any:
     """exactstep's model: ``build_hf_model`` from the config (probe included), LoRA and
     activation checkpointing through ``ModelConfig`` (H4, H5)."""
+    from exactstep.host_memory import keep_mmap_threshold
     from exactstep.model.config import LoRAConfig, ModelConfig
     from exactstep.model.hf import build_hf_model
 
+    keep_mmap_threshold()  # as every exactstep run does (runner.build_run, L1)
     lora = LoRAConfig(**spec["lora_config"]) if spec["lora"] else LoRAConfig()
     cfg = ModelConfig(source="hf", hf_config=dict(spec["model"]), attn_implementation="sdpa",
                       activation_checkpointing=spec["ac"], lora=lora)
