@@ -14,6 +14,9 @@
 * HF's own calls without packed rows (a document alone, a padded 2D mask) give
   exactly ``sdpa``'s values; activation checkpointing reaches the visibility in its
   recomputation (gradients equal to without);
+* ``model.attention = "auto"`` (the default) takes, per batch, the path the built-in
+  decoder's cost model picks at the thread count in force: per document on one
+  thread, the dense mask on two for rows of many small documents; both equal ``sdpa``;
 * bad input, each one ``ModelError`` naming the fix: soft-capping, attention
   dropout, sinks, a model outside the attention interface, a row longer than a
   window, a mask or a missing visibility at the attention; the build-time probe
@@ -38,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from exactstep.errors import ModelError  # noqa: E402
 from exactstep.model import hf_attention  # noqa: E402
-from exactstep.model.attention import attend, prepare_visibility  # noqa: E402
+from exactstep.model.attention import attend, prepare_visibility, resolve_impl  # noqa: E402
 from exactstep.model.config import ModelConfig  # noqa: E402
 from exactstep.model.decoder import build_model  # noqa: E402
 
@@ -60,7 +63,8 @@ GEMMA3 = {"model_type": "gemma3_text", **COMMON, "head_dim": 8, "query_pre_attn_
 def pair(family: str | dict):
     """The same weights under ``exactstep`` and under ``sdpa`` (the reference)."""
     table = hf_config(family) if isinstance(family, str) else family
-    ours, dense = (build_model(ModelConfig(source="hf", hf_config=table, attn_implementation=attn),
+    ours, dense = (build_model(ModelConfig(source="hf", hf_config=table, attn_implementation=attn,
+                                           attention="segments"),  # per document always
                                VOCAB, seed=3) for attn in ("exactstep", "sdpa"))
     assert ours.hf.config._attn_implementation == "exactstep"
     assert ours.initial_weights_sha256 == dense.initial_weights_sha256
@@ -150,6 +154,31 @@ def test_no_tensor_of_the_rows_square_is_built(family):
     # negative control: the recorder sees sdpa's dense [B, 1, T, T] mask
     found = square_tensors(dense, batch)
     assert (len(DOC_LENGTHS), 1, SEQ_LEN, SEQ_LEN) in {shape for _, shape in found}
+
+
+@torch.no_grad()
+def test_auto_weighs_per_document_against_the_dense_mask_at_the_thread_count(monkeypatch):
+    """16 rows of 256 holding documents of 4 tokens: at one thread per-document SDPA is
+    cheaper, at two the dense mask (the built-in decoder's rule, ``resolve_impl``); the
+    forward takes that path (seen at the attention) and equals ``sdpa``'s dense mask."""
+    table = {**hf_config("llama"), "max_position_embeddings": 256}
+    ours, dense = (build_model(ModelConfig(source="hf", hf_config=table, attn_implementation=attn),
+                               VOCAB, seed=3) for attn in ("exactstep", "sdpa"))
+    assert ours.attention == "auto"
+    batch = packed_batch(fill_rows([[4] * 64] * 16, VOCAB, seed=2), 256)
+    seen: list[str] = []
+    real = hf_attention.attend
+    monkeypatch.setattr(hf_attention, "attend",
+                        lambda q, k, v, vis: seen.append(vis.impl) or real(q, k, v, vis))
+    chosen = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        chosen[threads] = resolve_impl("auto", torch.device("cpu"), batch=batch, threads=threads)
+        seen.clear()
+        error = float((ours(batch) - dense(batch)).abs().max())
+        assert set(seen) == {chosen[threads]}, threads
+        assert error <= TOL
+    assert chosen == {1: "segments", 2: "dense"}  # the test sees both paths
 
 
 # ------------------------------------------------------------------ HF's own calls

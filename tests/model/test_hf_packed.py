@@ -1,7 +1,8 @@
 """R3 for Hugging Face models (H1): packed rows == documents run one by one.
 
 For each family, under ``sdpa`` (a 4D block mask) and ``exactstep`` (per-document
-attention, no mask), a packed batch (several documents per row, positions reset,
+attention with no mask, and the dense mask its ``model.attention = "auto"`` takes where
+that is cheaper), a packed batch (several documents per row, positions reset,
 padding at the tail) through exactstep's adapter gives the same per-document
 logits, the same token-mean loss and the same parameter gradients (fp32, 1e-5)
 as HF's *own* forward of each document alone (no mask, HF's default positions):
@@ -73,11 +74,14 @@ def maskless_logits(model: HFCausalLM, rows) -> list[torch.Tensor]:
     return [logits[b, s.start : s.stop] for b, row in enumerate(batch.segments) for s in row]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "exactstep"])
+@pytest.mark.parametrize("attn", ["sdpa", "exactstep:segments", "exactstep:dense"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_rows_equal_documents_alone_and_hf_flattening_leaks(family, attn):
+    attn, _, realised = attn.partition(":")  # exactstep: per document, or its dense mask
     model = hf_model(family, VOCAB, seed=3, attn=attn)
     assert model.hf.config._attn_implementation == attn
+    if realised:
+        model.attention = realised
     model.train()
     rows = documents()
     packed = run_packed(model, rows)

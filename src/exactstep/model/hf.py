@@ -30,7 +30,6 @@ from exactstep.model import hf_attention
 from exactstep.model.attention import (
     dense_visibility_mask,
     prepare_visibility,
-    resolve_impl,
     windowed_visibility,
 )
 from exactstep.model.config import LoRAConfig, ModelConfig
@@ -133,6 +132,10 @@ class HFCausalLM(nn.Module):
         self.refusals: tuple[Window, ...] = used_windows(self.windows)
         self.row_limits: tuple[RowLimit, ...] = row_limits_of(model.config)
         self.initial_weights_sha256: str | None = None
+        #: under ``attn_implementation = "exactstep"``: ``model.attention``, how the batch's
+        #: visibility is realised (``auto``: the cheaper of per-document and dense at the
+        #: thread count, R3, S9; ``segments``: always per document)
+        self.attention: str = "auto"
         self.stored_dtype: str | None = None  # of model.path's tensors; None: random init
         self.lora: LoRAConfig | None = None  # set by ``with_lora`` (H4)
 
@@ -151,8 +154,10 @@ class HFCausalLM(nn.Module):
 
         Visibility: ``batch.position_ids`` and the block-diagonal causal mask of
         ``batch.segment_ids``, narrowed to the realised windows (R3); under
-        ``attn_implementation = "exactstep"`` the batch's ``Visibility`` instead (no
-        ``[B, 1, T, T]`` mask, no realised window). Refuses, without
+        ``attn_implementation = "exactstep"`` the batch's ``Visibility`` as
+        ``model.attention`` realises it (per document with no ``[B, 1, T, T]`` mask, or
+        under ``auto`` the dense mask where the cost model finds it cheaper at the
+        thread count; no realised window). Refuses, without
         reading any device value, a batch with ``prefix_len``, a bidirectional batch,
         and rows longer than the model's positions, a window it does not realise or a
         row limit.
@@ -166,9 +171,8 @@ class HFCausalLM(nn.Module):
         device = self.head_weight.device
         position_ids = batch.position_ids.to(device)
         if self.attn_implementation == hf_attention.NAME:  # per document: no [B, 1, T, T] mask
-            head_dim = head_dim_of(self)  # FlexAttention on CUDA where it runs, else segments
-            impl = resolve_impl("auto", device, head_dim)  # never the dense mask, whatever B, T
-            visibility = prepare_visibility(batch, impl, device, head_dim=head_dim)
+            head_dim = head_dim_of(self)  # model.attention, as the built-in decoder reads it
+            visibility = prepare_visibility(batch, self.attention, device, head_dim=head_dim)
             # a 2D all-visible mask spares HF's search for documents in position_ids (a
             # host sync); its mask builders then build nothing (``packed_forward``)
             keys = torch.ones(batch.shape, dtype=torch.bool, device=device)  # [B, T]
@@ -334,6 +338,7 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
             )
         model.config.use_cache = False
         adapter = HFCausalLM(model, attn_implementation=cfg.attn_implementation)
+        adapter.attention = cfg.attention
         adapter.initial_weights_sha256 = weights_digest(model)
         if cfg.path is not None:
             adapter.stored_dtype = stored_dtype(Path(cfg.path))
@@ -921,6 +926,21 @@ def frozen(model: nn.Module) -> Iterator[None]:
 
 
 def probe(adapter: HFCausalLM, vocab_size: int) -> None:
+    """``probe_realisation`` under every way the forward can realise visibility: for
+    ``attn_implementation = "exactstep"`` under ``model.attention = "auto"``, both the
+    per-document path and the dense mask (a batch may take either, R3)."""
+    if adapter.attn_implementation != hf_attention.NAME or adapter.attention != "auto":
+        probe_realisation(adapter, vocab_size)
+        return
+    try:
+        for impl in ("segments", "dense"):
+            adapter.attention = impl
+            probe_realisation(adapter, vocab_size)
+    finally:
+        adapter.attention = "auto"
+
+
+def probe_realisation(adapter: HFCausalLM, vocab_size: int) -> None:
     """Refuse a model whose head is not linear or whose packed documents interact;
     decide which windows the mask realises (R3).
 
