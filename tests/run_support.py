@@ -54,6 +54,28 @@ def set_args(pairs: Mapping[str, Any]) -> list[str]:
     return [arg for key, value in pairs.items() for arg in ("--set", f"{key}={value}")]
 
 
+def train_catching(module: Any, builder: str, argv: Sequence[str]) -> torch.nn.Module:
+    """Run ``exactstep`` with ``argv`` in this process, ``module.builder`` (a model
+    builder) wrapped to catch the model the run trains; that very model (a LoRA
+    checkpoint holds no base to compare with)."""
+    import pytest
+
+    from exactstep.cli import main
+
+    built: list[torch.nn.Module] = []
+    build = getattr(module, builder)
+
+    def catching(*args: Any, **kwargs: Any) -> torch.nn.Module:
+        built.append(build(*args, **kwargs))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, builder, catching)
+        assert main(list(argv)) == 0
+    assert len(built) == 1
+    return built[0]
+
+
 def write_texts(path: Path, texts: Sequence[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path

@@ -164,26 +164,6 @@ def apply_overrides(cfg: RunConfig, overrides: typing.Sequence[str]) -> RunConfi
     return build(RunConfig, raw, prefix="")
 
 
-def in_table(key: str, value: str) -> Any:
-    """A ``--set`` value for a key inside a free table (``model.hf_config.num_hidden_layers``)
-    read as a JSON literal where it is one (``6``, ``1e-6``, ``true``), else kept as the
-    string; every other key's value is coerced to its field's type by ``build``."""
-    hint: Any = RunConfig
-    for part in key.split(".")[:-1]:
-        if not dataclasses.is_dataclass(hint):
-            break
-        hint = typing.get_type_hints(hint).get(part)
-    else:
-        if not (hint is dict or typing.get_origin(hint) is dict):
-            return value
-    if not (hint is dict or typing.get_origin(hint) is dict):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        return value
-
-
 def config_from_manifest(manifest: Any) -> RunConfig:
     """The ``RunConfig`` a run's manifest recorded (its ``config`` section, X2)."""
     return build(RunConfig, manifest.body["config"], prefix="")

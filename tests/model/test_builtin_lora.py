@@ -22,7 +22,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from run_support import TINY, set_args  # noqa: E402
+from run_support import TINY, set_args, train_catching  # noqa: E402
 from text_corpus import write_corpus  # noqa: E402
 from update.test_real_stack import real_engine, window_batches  # noqa: E402
 from update.update_support import IGNORE_INDEX  # noqa: E402
@@ -262,18 +262,9 @@ def trained_run(tmp_path: Path, lora: dict) -> tuple[dict, dict, dict, Path]:
     corpus, run = tmp_path / "docs.jsonl", tmp_path / "run"
     write_corpus(corpus)
     pairs = run_args(corpus, lora)
-    built = []
-
-    def catching(*args, **kwargs):
-        built.append(build(*args, **kwargs))
-        return built[-1]
-
-    build = causal.build_model
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(causal, "build_model", catching)
-        assert main(["train", "--out", str(run), "--no-progress", *set_args(pairs)]) == 0
-    assert len(built) == 1
-    trained = {k: v.detach().clone() for k, v in built[0].state_dict().items()}
+    model = train_catching(causal, "build_model", ["train", "--out", str(run), "--no-progress",
+                                              *set_args(pairs)])
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = load_config(overrides=[f"{k}={v}" for k, v in pairs.items()])
     initial = build_model(cfg.model, BYTE_VOCAB, seed=cfg.seed).state_dict()
     manifest = json.loads((run / "manifest.json").read_text())["manifest"]
