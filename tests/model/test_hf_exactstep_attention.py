@@ -73,13 +73,7 @@ def pair(family: str | dict):
     return ours, dense
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tolerances were measured with one intra-op thread; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tolerances measured at one thread
 
 
 # ------------------------------------------------------------------ packed = separate

@@ -61,12 +61,7 @@ INIT = {"initializer_range": 0.5}
 LOSS_RTOL = 2e-2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def engine_for(model: nn.Module, precision: str) -> UpdateEngine:
