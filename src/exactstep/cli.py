@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write a self-contained HTML report")
     audit.add_argument("--probe", dest="probes", action="append", metavar="NAME",
                        help="run only this probe (repeatable)")
+    audit.add_argument("--probe-timeout", type=float, default=None, metavar="S",
+                       help="a probe running longer than S seconds is that probe's ERROR "
+                            "(default 300; 0: no limit)")
 
     bench = sub.add_parser("bench", help="benchmarks measured side by side against a baseline")
     bench.add_argument("name",
@@ -314,7 +317,7 @@ def dispatch(args: argparse.Namespace) -> int:
         return verify_command(Path(args.path))
     if args.command == "audit":
         return audit_command(args.target, as_json=args.json, report=args.report,
-                             probes=args.probes)
+                             probes=args.probes, probe_timeout=args.probe_timeout)
     if args.command == "bench":
         return bench_command(args.name, quick=args.quick, as_json=args.json,
                              dry_run=args.dry_run)
@@ -429,12 +432,22 @@ def verify_command(path: Path) -> int:
 
 
 def audit_command(target: str, *, as_json: bool, report: str | None,
-                  probes: list[str] | None) -> int:
-    """Run the audit (A1); exit 0 only when every applicable probe passed, else 1."""
-    from exactstep.audit.render import format_html, format_json, format_table
-    from exactstep.audit.run import audit
+                  probes: list[str] | None, probe_timeout: float | None = None) -> int:
+    """Run the audit (A1); exit 0 only when every applicable probe passed, else 1.
 
-    result = audit(target, probes)
+    The exit status is the audit's, never the target's: a target's ``sys.exit`` is a
+    probe's ERROR, and whatever the target writes to stdout goes to stderr, so stdout
+    holds the table or exactly one JSON object."""
+    from exactstep.audit.render import format_html, format_json, format_table
+    from exactstep.audit.run import PROBE_TIMEOUT_S, audit, target_stdout_to_stderr
+
+    if probe_timeout is None:
+        probe_timeout = PROBE_TIMEOUT_S
+    if probe_timeout < 0 or probe_timeout != probe_timeout:
+        raise ConfigError(f"--probe-timeout expects seconds >= 0 (0: no limit); got "
+                          f"{probe_timeout:g}")
+    with target_stdout_to_stderr():
+        result = audit(target, probes, probe_timeout=probe_timeout or None)
     print(format_json(result) if as_json else format_table(result))
     if report:
         try:
