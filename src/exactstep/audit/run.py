@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from exactstep.errors import ConfigError
 
 TARGETS = ("exactstep", "python:MODULE:FUNCTION", "hf-trainer", "hf-trainer:flattening",
-           "hf-trainer:lora", "trl-sft", "trl-sft:assistant_only_loss", "trl-sft:padding_free", "trl-sft:packing")
+           "hf-trainer:lora", "trl-sft", "trl-sft:assistant_only_loss", "trl-sft:padding_free",
+           "trl-sft:packing")
 METHODS = ("build", "logits", "train", "evaluate", "save", "load")
 # The slowest probe took 1.5 s (--target exactstep) and 3.3 s (hf-trainer) on a loaded
 # 2-core machine; 300 s leaves two orders of magnitude for slower machines and lies above
