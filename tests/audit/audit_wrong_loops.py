@@ -377,6 +377,62 @@ class DecayOnNothing(AnnotatedLoop):
             group["weight_decay"] = 0.0  # BUG: the declared decay group is not decayed
 
 
+class SwappedBetas(NanoGPTLoop):
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizer()
+        if self.spec.optimizer == "adamw":
+            for group in optimizer.param_groups:
+                group["betas"] = group["betas"][::-1]  # BUG: (beta2, beta1)
+        return optimizer
+
+
+class AdamNoBiasCorrection(torch.optim.Optimizer):
+    """A hand-written AdamW without bias correction (m and v start at 0 and stay low)."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float],
+                 eps: float) -> None:
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                p.mul_(1 - lr * group["weight_decay"])
+                # BUG: m / (sqrt(v) + eps), not m_hat / (sqrt(v_hat) + eps)
+                p.addcdiv_(state["m"], state["v"].sqrt().add_(group["eps"]), value=-lr)
+
+
+class NoBiasCorrection(NanoGPTLoop):
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizer()
+        if self.spec.optimizer == "sgd":
+            return optimizer
+        return AdamNoBiasCorrection(optimizer.param_groups, lr=self.spec.lr,
+                                    betas=self.spec.betas, eps=self.spec.eps)
+
+
+class Amsgrad(AnnotatedLoop):
+    def build(self, spec) -> None:  # noqa: ANN001
+        super().build(spec)
+        if spec.optimizer == "adamw":
+            for group in self.optimizer.param_groups:
+                group["amsgrad"] = True  # BUG: the running max of v, not v
+
+
+class FreshOptimizerEachWindow(NanoGPTLoop):
+    def train_window(self, window: Sequence[Microbatch]) -> float | None:
+        self.optimizer = self.configure_optimizer()  # BUG: moments and step count reset
+        return super().train_window(window)
+
+
 # -- skipped and empty windows (L4, U4, U5) ---------------------------------------------
 
 
@@ -403,6 +459,13 @@ class LambdaLRStepsOnSkip(AnnotatedLoop):
         if not math.isfinite(loss):
             self.lr_scheduler.step()  # BUG: the schedule moves without an update
         return super().close(loss, ntokens)
+
+
+class UncappedWarmup(NanoGPTLoop):
+    def get_lr(self, it: int) -> float:
+        if self.spec.warmup <= 0:
+            return self.spec.lr
+        return self.spec.lr * (it + 1) / self.spec.warmup  # BUG: no min(1, .): keeps growing
 
 
 class ZeroTargetWindowSteps(NanoGPTLoop):

@@ -26,7 +26,7 @@ def test_the_engine_passes_and_json_is_one_object(capsys) -> None:
     assert len(out.strip().splitlines()) == 1
     report = json.loads(out)
     assert report["ok"] is True and report["target"] == "exactstep"
-    assert report["counts"] == {"PASS": 24, "FAIL": 0, "N/A": 2, "ERROR": 0}
+    assert report["counts"] == {"PASS": 26, "FAIL": 0, "N/A": 2, "ERROR": 0}
     first = report["probes"][0]
     assert {"probe", "contract", "status", "expected", "observed", "fix"} <= set(first)
 

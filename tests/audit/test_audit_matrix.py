@@ -21,8 +21,9 @@ from exactstep.audit.run import run_audit
 
 # Probes whose expectation is the declared update itself: any loss bug moves them.
 UPDATE = {"shift", "eos_target", "padding", "accumulation", "remainder", "schedule_clock",
-          "packed_documents", "chat_ownership", "label_smoothing", "clip_global_norm",
-          "scaled_clip", "adamw_decoupled", "nonfinite_skip", "ddp_token_mean"}
+          "schedule_after_warmup", "packed_documents", "chat_ownership", "label_smoothing",
+          "clip_global_norm", "scaled_clip", "adamw_decoupled", "adamw_steps",
+          "nonfinite_skip", "ddp_token_mean"}
 # The Annotated-Transformer loop does not declare data-parallel training: N/A there.
 DATA_PARALLEL = {"ddp_token_mean"}
 # Probes that compare evaluate()'s numbers with the declared loss.
@@ -58,8 +59,8 @@ EXPECTED: dict[str, set[str]] = {
     "DropRemainder": {"remainder"},
     "NoRemainderClose": {"remainder"},
     # the NaN (and the overflowed) gradient stays; resumed windows start from zero grads
-    "NoZeroGrad": {"remainder", "schedule_clock", "resume", "nonfinite_skip", "resume_scaler",
-                   "resume_data"},
+    "NoZeroGrad": {"remainder", "schedule_clock", "schedule_after_warmup", "adamw_steps",
+                   "resume", "nonfinite_skip", "resume_scaler", "resume_data"},
     "ZeroGradBeforeStep": NEVER_STEPS,
     "ZeroGradEveryMicrobatch": {"accumulation", "remainder", "schedule_clock", "scaled_clip"},
     # packed documents (R2, R3)
@@ -85,11 +86,19 @@ EXPECTED: dict[str, set[str]] = {
     "ClipBeforeUnscale": {"scaled_clip"},
     "DoubleUnscale": {"scaled_clip", "resume_scaler"},  # GradScaler raises: an ERROR
     # the optimizer (U6); decay_groups is N/A when the step is not AdamW's
-    "L2InLossWithAdam": {"adamw_decoupled"},
+    "L2InLossWithAdam": {"adamw_decoupled", "adamw_steps"},
     "DecayOnEverything": {"decay_groups"},
     "DecayOnNothing": {"decay_groups"},
+    # past the first update (where the betas cancel): the betas, the bias correction, the
+    # second moment and the step count (U6); the first update is still AdamW's, except
+    # without bias correction
+    "SwappedBetas": {"adamw_steps"},
+    "NoBiasCorrection": {"adamw_decoupled", "adamw_steps"},
+    "Amsgrad": {"adamw_steps"},
+    "FreshOptimizerEachWindow": {"adamw_steps"},
     # skipped and empty windows (L4, U4, U5)
     "SchedulerAdvancesOnSkip": {"nonfinite_skip"},
+    "UncappedWarmup": {"schedule_after_warmup"},  # the other probes stay inside warm-up
     "NoFiniteCheck": {"nonfinite_skip"},
     "LambdaLRStepsOnSkip": {"nonfinite_skip"},
     "ZeroTargetWindowSteps": {"zero_target_window"},

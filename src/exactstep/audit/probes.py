@@ -489,6 +489,104 @@ def decay_groups(step: TrainingStep) -> Measure:
                    "as declared" if not wrong else "wrong decay on " + ", ".join(wrong))
 
 
+def prefix_runs(step: TrainingStep, spec: ProbeSpec,
+                windows: Sequence[Microbatch]) -> list[dict[str, torch.Tensor]]:
+    """The parameters at the start and after each of ``windows`` (one microbatch each,
+    ``accum`` 1): window ``k``'s state comes from a fresh build and one ``train`` call
+    over the first ``k`` windows, as a user runs the loop (a loop whose ``train``
+    restarts its schedule or optimizer per call is observed over one call)."""
+    states = []
+    for k in range(1, len(windows) + 1):
+        step.build(spec)
+        if k == 1:
+            states.append(ref.snapshot(step.module))
+        check_logs(train(step, windows[:k]))
+        states.append(ref.snapshot(step.module))
+    return states
+
+
+ADAMW_STEPS = replace(ADAMW, betas=(0.8, 0.9))  # unequal, non-default: both moments show
+
+
+def first_step_decay(step: TrainingStep, before: dict, first: dict,
+                     window: Microbatch) -> tuple[dict[str, bool], set[str]]:
+    """Per parameter, whether the observed first update is the decayed AdamW form
+    (``decay_groups`` owns the grouping, so ``adamw_steps`` follows the target's), and
+    the parameters whose two forms coincide there (zero-initialized norm biases: their
+    decay shows only later), given the declared group."""
+    ref.restore(step.module, before)
+    grads, _ = ref.window_gradient(step, [window], ADAMW_STEPS)
+    forms = {flag: ref.adamw_first_step(before, grads, ADAMW_STEPS,
+                                        dict.fromkeys(before, flag)) for flag in (True, False)}
+    declared = ref.decays(step.module)
+    decay, unseen = {}, set()
+    for n in before:
+        e = {f: float((first[n] - forms[f][n]).abs().max()) for f in forms}
+        decay[n] = declared[n] if e[True] == e[False] else e[True] < e[False]
+        if e[True] == e[False]:
+            unseen.add(n)
+    return decay, unseen
+
+
+def adamw_steps(step: TrainingStep) -> Measure:
+    """Four AdamW windows (betas (0.8, 0.9), weight decay 0.1): the parameters after
+    each window against ``torch.optim.AdamW`` from the same initial parameters, driven
+    by the reference gradients (U6). Past the first update the betas, the step count
+    and the bias correction no longer cancel. The decay group is the one the first
+    update shows; the parameters it cannot show are tried decayed and not, as one."""
+    windows = [plain_rows(seed=70 + i) for i in range(4)]
+    states = prefix_runs(step, ADAMW_STEPS, windows)
+    decay, unseen = first_step_decay(step, states[0], states[1], windows[0])
+    groupings = [decay] + ([{**decay, **{n: not decay[n] for n in unseen}}] if unseen else [])
+    errs: list[float] = []
+    for grouping in groupings:
+        ref.restore(step.module, states[0])
+        expected = ref.reference_adamw(step, windows, ADAMW_STEPS, grouping)
+        e = [deviation(states[0], x, o)[0] for x, o in zip(expected, states[1:], strict=True)]
+        if not errs or max(e) < max(errs):
+            errs = e
+    return Measure(max(errs) <= RTOL, f"each of {len(windows)} AdamW updates (betas "
+                   f"{ADAMW_STEPS.betas}) within {RTOL:.0e} of torch.optim.AdamW",
+                   "deviation after each window: " + ", ".join(f"{e:.1e}" for e in errs),
+                   [0.0] * len(errs), errs)
+
+
+AFTER_WARMUP = replace(SPEC, warmup=2)
+
+
+def schedule_after_warmup(step: TrainingStep) -> Measure:
+    """Four SGD windows under a warmup of 2: each update ``k``, taken from the target's
+    own parameters before it, is ``lr_k`` times the reference gradient there; the
+    updates past warm-up (``k >= warmup``) must be at ``lr_at(k) = lr`` (U5). The
+    warm-up's own updates are ``schedule_clock``'s; every observed rate is reported."""
+    spec = AFTER_WARMUP
+    windows = [plain_rows(seed=80 + i, n=1, length=6) for i in range(4)]
+    states = prefix_runs(step, spec, windows)
+    observed, errs = [], []
+    for k, window in enumerate(windows):
+        before, after = states[k], states[k + 1]
+        if any(not torch.isfinite(v).all() for v in after.values()):
+            raise TargetFault("a parameter is non-finite after train()")
+        ref.restore(step.module, before)
+        grads, _ = ref.window_gradient(step, [window], spec)
+        delta = {n: after[n] - before[n] for n in grads}
+        norm2 = sum(float((g * g).sum()) for g in grads.values())
+        observed.append(-sum(float((delta[n] * grads[n]).sum()) for n in grads) / norm2)
+        scale = spec.lr_at(k) * max(float(g.abs().max()) for g in grads.values())
+        errs.append(max(float((delta[n] + spec.lr_at(k) * grads[n]).abs().max())
+                        for n in grads) / scale)
+    if all(torch.equal(states[0][n], states[-1][n]) for n in states[0]):
+        raise TargetFault("train() changed no parameter: the loop never stepped")
+    declared = [spec.lr_at(k) for k in range(len(windows))]
+    late = range(spec.warmup, len(windows))
+    return Measure(all(errs[k] <= RTOL for k in late),
+                   f"updates {late.start}..{late.stop - 1} at lr {spec.lr:g} (declared "
+                   f"rates {', '.join(f'{v:g}' for v in declared)}), within {RTOL:.0e}",
+                   "rates " + ", ".join(f"{v + 0.0:.4g}" for v in observed) + "; deviation of "
+                   f"updates {late.start}..{late.stop - 1}: "
+                   + ", ".join(f"{errs[k]:.1e}" for k in late), declared, observed)
+
+
 def zero_target_window(step: TrainingStep) -> Measure:
     g = gen(13)
     tokens, _ = data.chat(g, 4, 0, SPEC)
@@ -831,6 +929,9 @@ PROBES: tuple[Probe, ...] = (
     Probe("schedule_clock", "U5", "the update taken after k committed updates uses lr(k): "
           "advance the schedule once per optimizer step (not per microbatch) and take the "
           "first update at lr(0) = lr / warmup (a warmup from 0 wastes it)", schedule_clock),
+    Probe("schedule_after_warmup", "U5", "cap the warm-up: lr(k) = lr * min(1, (k + 1) / "
+          "warmup); past warm-up the rate stays at lr (the schedule's own shape after)",
+          schedule_after_warmup),
     Probe("ddp_token_mean", "D5", "under DDP all-reduce the window's target count and "
           "scale each micro-loss by world_size / global count (DDP averages gradients); "
           "a mean of rank-local token means weighs ranks, not tokens", ddp_token_mean),
@@ -855,6 +956,9 @@ PROBES: tuple[Probe, ...] = (
           "term to the loss", adamw_decoupled),
     Probe("decay_groups", "U6", "put norms, biases and embeddings in a weight_decay=0 "
           "group", decay_groups),
+    Probe("adamw_steps", "U6", "step AdamW with the declared betas and one optimizer for "
+          "the run (its moments and step count persist across windows), bias-correct both "
+          "moments, amsgrad off: torch.optim.AdamW(groups, lr, betas, eps)", adamw_steps),
     Probe("zero_target_window", "L4", "a window with no supervised target must not step, "
           "advance or log a loss (skip when the target count is 0)", zero_target_window),
     Probe("nonfinite_skip", "U4", "on a non-finite loss or gradient skip the window: no "

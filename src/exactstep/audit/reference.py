@@ -4,7 +4,8 @@ Nothing here calls the target's loop: the target contributes only its model's
 forward (``TrainingStep.logits``). The shift, the masks, the token mean over the
 window, label smoothing, clipping, SGD, the first AdamW step and the schedule are
 written out here from ``ProbeSpec``'s declaration, so a probe compares the target
-with an independent computation, never with itself.
+with an independent computation, never with itself; AdamW over several windows is
+PyTorch's own ``torch.optim.AdamW`` on copies, driven by these gradients.
 """
 
 from __future__ import annotations
@@ -270,6 +271,38 @@ def adamw_first_step(theta: dict[str, torch.Tensor], grads: dict[str, torch.Tens
         shrink = 1.0 - lr * spec.weight_decay if decay[name] else 1.0
         out[name] = t * shrink - lr * g / (g.abs() + spec.eps)
     return out
+
+
+def reference_adamw(step: TrainingStep, microbatches: Sequence[Microbatch], spec: ProbeSpec,
+                    decay: dict[str, bool]) -> list[dict[str, torch.Tensor]]:
+    """The parameters after each committed window of a correct AdamW loop (U1, U5, U6)
+    from the current parameters: ``torch.optim.AdamW`` (one instance for the run, the
+    declared ``betas``, ``eps``, ``weight_decay`` on the ``decay`` group, rate
+    ``spec.lr_at(k)``) stepping detached copies with each window's reference gradient,
+    taken at the reference's own parameters. The live parameters are left as they were."""
+    before = snapshot(step.module)
+    shadow = {n: nn.Parameter(t.clone()) for n, t in before.items()}
+    groups = [{"params": [p for n, p in shadow.items() if decay[n] == flag],
+               "weight_decay": spec.weight_decay if flag else 0.0} for flag in (True, False)]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.lr,
+                                  betas=spec.betas, eps=spec.eps, foreach=False)
+    states: list[dict[str, torch.Tensor]] = []
+    try:
+        for window in windows_of(microbatches, spec.accum):
+            grads, count = window_gradient(step, window, spec)
+            if count == 0:
+                continue  # L4: no objective, nothing advances
+            grads = clip_global(grads, spec.clip)
+            for name, param in shadow.items():
+                param.grad = grads[name].clone()
+            for group in optimizer.param_groups:
+                group["lr"] = spec.lr_at(len(states))
+            optimizer.step()
+            restore(step.module, {n: p.detach() for n, p in shadow.items()})
+            states.append(snapshot(step.module))
+        return states
+    finally:
+        restore(step.module, before)
 
 
 def eval_reference(step: TrainingStep, microbatches: Sequence[Microbatch],
