@@ -2,8 +2,9 @@
 state a checkpoint holds.
 
 Thread count, PyTorch build, device, CPU kernel dispatch, the deterministic switch and
-whether the model's forward is compiled (``train.compile``) are recorded in the manifest and with each checkpoint; a resume that would change
-them is a declared, non-bitwise continuation, never a silent one.
+whether the model's forward is compiled (``train.compile``) are recorded in the
+manifest and with each checkpoint; a resume that would change them is a declared,
+non-bitwise continuation, never a silent one.
 Design and derivations: docs/design/state.md#stateenvironmentpy (S9).
 """
 
