@@ -78,9 +78,25 @@ def test_with_the_pin_they_are_returned(tmp_path, mode):
         assert result["pinned"] is True
 
 
-def test_the_users_own_setting_stands(tmp_path):
-    """``MALLOC_MMAP_THRESHOLD_`` set: nothing is changed (here the user's 32 MiB keeps
-    the 4 MiB tensors in the heap, so they stay resident)."""
-    result = freed("keep", tmp_path, MALLOC_MMAP_THRESHOLD_=str(32 << 20))
-    assert result["pinned"] is False
-    assert result["held"] > 300
+def test_the_users_own_setting_stands(tmp_path, monkeypatch):
+    """``MALLOC_MMAP_THRESHOLD_`` set: ``mallopt`` is never called (their choice stands);
+    unset: it is called once, with glibc's parameter number and default. The C library
+    is replaced by a recorder; the subprocess shows the same refusal in a real one."""
+    import ctypes
+
+    from exactstep import host_memory
+
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+    assert host_memory.keep_mmap_threshold() is False and calls == []
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert host_memory.keep_mmap_threshold() is True
+    assert calls == [(-3, 128 * 1024)]  # M_MMAP_THRESHOLD in glibc's <malloc.h>
+    assert freed("keep", tmp_path, MALLOC_MMAP_THRESHOLD_=str(32 << 20))["pinned"] is False
