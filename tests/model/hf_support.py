@@ -45,3 +45,18 @@ def hf_model_config(family: str, attn: str = "sdpa", **overrides: Any) -> ModelC
 
 def hf_model(family: str, vocab: int, *, seed: int = 0, attn: str = "sdpa", **overrides: Any):
     return build_model(hf_model_config(family, attn, **overrides), vocab, seed=seed)
+
+
+def perturb_saved_weight(model_dir: Any) -> None:
+    """Add 1.0 to the first element of the first tensor (by name) of a saved HF model's
+    ``model.safetensors``: the same architecture, other weights."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    weights = Path(model_dir) / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1.0
+    save_file(tensors, weights, metadata={"format": "pt"})

@@ -21,7 +21,7 @@ pytest.importorskip("peft")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hf_support import hf_config  # noqa: E402
+from hf_support import hf_config, perturb_saved_weight  # noqa: E402
 from run_support import TINY, set_args, train_catching  # noqa: E402
 from text_corpus import write_corpus  # noqa: E402
 from update.test_real_stack import real_engine, window_batches  # noqa: E402
@@ -285,7 +285,6 @@ def test_a_changed_base_refuses_resume_naming_its_digest(tmp_path, capfd):
     """The base comes from ``model.path``; one weight changed there after the run and the
     resume is refused naming the base digest (negative control: untouched, it resumes)."""
     from model.test_hf_manifest import saved_llama
-    from safetensors.torch import load_file, save_file
 
     model_dir, run, corpus = tmp_path / "llama", tmp_path / "run", tmp_path / "docs.jsonl"
     saved_llama(model_dir)
@@ -296,12 +295,7 @@ def test_a_changed_base_refuses_resume_naming_its_digest(tmp_path, capfd):
     section = json.loads((run / "manifest.json").read_text())["manifest"]["model"]
     assert section["lora"]["base_weights_sha256"] == section["initial_weights_sha256"]
     assert main(["resume", str(run), "--no-progress"]) == 0  # negative control
-    weights = model_dir / "model.safetensors"
-    tensors = load_file(weights)
-    name = sorted(tensors)[0]
-    tensors[name] = tensors[name].clone()
-    tensors[name].view(-1)[0] += 1.0
-    save_file(tensors, weights, metadata={"format": "pt"})
+    perturb_saved_weight(model_dir)
     capfd.readouterr()
     assert main(["resume", str(run), "--no-progress"]) == 2
     err = capfd.readouterr().err

@@ -21,9 +21,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from hf_support import hf_config  # noqa: E402
+from hf_support import hf_config, perturb_saved_weight  # noqa: E402
 from run_support import TINY, set_args  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 from text_corpus import write_corpus  # noqa: E402
 
 from exactstep.cli import main  # noqa: E402
@@ -86,12 +85,7 @@ def test_the_manifest_pins_the_directory_and_a_changed_one_refuses_resume(finish
     assert "model.config_sha256" in err and "model.initial_weights_sha256" not in err
     config_path.write_text(original)
 
-    weights = model_dir / "model.safetensors"
-    tensors = load_file(weights)
-    name = sorted(tensors)[0]
-    tensors[name] = tensors[name].clone()
-    tensors[name].view(-1)[0] += 1.0
-    save_file(tensors, weights, metadata={"format": "pt"})
+    perturb_saved_weight(model_dir)
     code, err = resume_error(run, capfd)
     assert code == 2 and err.count("\n") == 1
     assert "model.initial_weights_sha256" in err and "model.config_sha256" not in err
