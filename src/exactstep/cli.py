@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--nproc", type=int, metavar="R",
                        help="run R local processes under torchrun (DDP over gloo/nccl)")
+    train.add_argument("--resume", choices=("auto",),
+                       help="auto: when --out already holds this same run (a restart or "
+                            "requeue of this command), continue it exactly from its newest "
+                            "verifying checkpoint; a different run there is refused (S10)")
 
     resume = sub.add_parser("resume", help="continue a run exactly from its last checkpoint")
     resume.add_argument("run_dir", help="the run directory to continue")
@@ -269,6 +273,11 @@ def dispatch(args: argparse.Namespace) -> int:
         from exactstep.runner import train
 
         cfg = load_config(args.config, args.overrides)
+        if args.resume == "auto":
+            from exactstep.runner import train_or_continue
+
+            train_or_continue(cfg, Path(args.out), progress=not args.no_progress)
+            return 0
         train(cfg, Path(args.out), progress=not args.no_progress)
         return 0
     if args.command == "resume":

@@ -274,6 +274,41 @@ def train(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict[str, 
             shutdown(run.ctx)
 
 
+def train_or_continue(cfg: RunConfig, out_dir: Path, *, progress: bool = True
+                      ) -> dict[str, Any]:
+    """``exactstep train --resume auto`` (S10): the same command run again on the same
+    ``out_dir`` (an elastic restart, a scheduler requeue) continues the run there.
+
+    No ``manifest.json`` in ``out_dir``: an ordinary new run (``train``). A manifest:
+    ``resume``'s own continuation (``continue_run``: the newest verifying checkpoint,
+    recovery and quarantine, journal checks, the recorded numerics environment), with
+    ``cfg`` rebuilt and required to give the run's manifest (S4), else refused naming
+    the differing fields before anything changes; no checkpoint published yet: window
+    0 under that manifest, the first attempt's journals and leftovers dropped.
+    Each rank decides before it joins the process group, and no rank writes the
+    manifest before every rank has joined, so the ranks of one job agree.
+    """
+    if not (Path(out_dir) / MANIFEST_FILE).is_file():
+        return train(cfg, out_dir, progress=progress)
+    started = time.perf_counter()
+    old = read_manifest(out_dir)
+
+    def same_run(saved: Manifest, current: Manifest) -> None:
+        if saved.digest != current.digest:
+            differing = diff_manifests(saved, current)
+            migrate = (f", or move it to this world size with 'exactstep resume {out_dir} "
+                       "--reshard'" if "parallel.world_size" in differing else "")
+            raise ResumeError(
+                f"--resume auto: {out_dir} holds another run; its manifest differs from "
+                f"this command's configuration in: {', '.join(differing) or '(digest only)'}"
+                f"; nothing was changed; run the original command again{migrate}, or "
+                "choose a new --out")
+
+    with hold_run_dir(out_dir, "--out"):
+        return continue_run(out_dir, old, cfg, (), None, False, progress, started,
+                            same_run=same_run)
+
+
 def hold_run_dir(path: Path, what: str, *, new: bool = False
                  ) -> contextlib.AbstractContextManager:
     """The run directory's lock for the life of this command (S8, X4; durable's
@@ -355,8 +390,12 @@ def resume(
 
 def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequence[str],
                  from_checkpoint: Path | None, reshard: bool, progress: bool,
-                 started: float) -> dict[str, Any]:
-    """``resume``'s exact continuation, with the run directory held."""
+                 started: float, *,
+                 same_run: Callable[[Manifest, Manifest], None] = require_same_manifest
+                 ) -> dict[str, Any]:
+    """``resume``'s exact continuation, with the run directory held; ``same_run``
+    refuses a rebuilt manifest that is not the run's (S4; ``train --resume auto``
+    words its refusal its own way, S10)."""
     point = choose_resume_point(Path(run_dir) / "checkpoints", from_checkpoint)
     if point.path is None:
         refuse_lost_checkpoints(Path(run_dir), cfg)
@@ -369,7 +408,7 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
         run = build_run(cfg, run_dir)
         try:
             keep_run_manifest(run, old, reshard)
-            require_same_manifest(old, run.manifest)
+            same_run(old, run.manifest)
             next_window, events, marks = 0, [], {}
             if point.path is not None:
                 restored = run.checkpointer.restore(point.path, reshard=reshard)
@@ -494,4 +533,4 @@ def warm_start(run_dir: Path, old: Manifest, cfg: RunConfig, new_dir: Path,
             shutdown(run.ctx)
 
 
-__all__ = ["train", "resume"]
+__all__ = ["train", "train_or_continue", "resume"]

@@ -139,7 +139,7 @@ def init_distributed(
     try:
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{addr}:{port}",
+            store=attempt_store(addr, int(port), rank, world, timeout, env),
             rank=rank,
             world_size=world,
             timeout=timeout,
@@ -156,6 +156,23 @@ def init_distributed(
                       backend=backend, host_group=host, timeout_s=cfg.timeout_s)
     write_rank_record(ctx, env)
     return ctx
+
+
+def attempt_store(addr: str, port: int, rank: int, world: int, timeout: timedelta,
+                  env: Mapping[str, str]) -> dist.Store:
+    """The store the group forms over, as ``tcp://addr:port`` would make it: rank 0
+    hosts it, or torchrun's agent does. The agent keeps its store across
+    ``--max-restarts`` restarts, where a restarted rank would read the dead attempt's
+    addresses and fail to connect (pytorch/pytorch#135712), so there each attempt's
+    keys live under their own prefix (S10). The agents of several nodes may count
+    restarts differently; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every
+    attempt a fresh store instead (docs/design/parallel.md#resume-auto)."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout,
+                             multi_tenant=True)
+    store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"exactstep/attempt-{attempt}", store)
 
 
 def new_host_group(timeout: timedelta):
