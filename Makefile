@@ -7,13 +7,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= runs/default
 
-.PHONY: train test test-fast test-threads lint bench clean gpu-smoke gpu-smoke-dry-run audit
+.PHONY: train test test-fast test-threads lint bench clean gpu-smoke gpu-smoke-dry-run audit docs docs-serve
 
 $(STAMP): pyproject.toml setup.py src/exactstep/rows/kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev,hf,track]"
+	$(BIN)/pip install --quiet -e ".[dev,hf,track,docs]"
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -55,8 +55,17 @@ audit: $(STAMP)
 	-$(BIN)/exactstep audit --target trl-sft:padding_free
 	-$(BIN)/exactstep audit --target trl-sft:packing
 
+# The documentation site (mkdocs-material, the docs extra): built strictly (a broken
+# link or a missing page fails) into site/, offline (no external font, script or
+# analytics); the reference pages are generated from the code at build time.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

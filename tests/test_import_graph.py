@@ -209,9 +209,10 @@ def test_importing_the_configuration_does_not_load_torch():
 
 
 def test_the_readme_map_lists_every_room():
-    """README's map of the house names each room of ``FLOORS`` (a file as ``name.py``,
-    a package as ``name/``), and no room that does not exist."""
-    text = (PACKAGE.parents[1] / "README.md").read_text(encoding="utf-8")
+    """The map of the house (docs/concepts/house.md, linked from the README) names each
+    room of ``FLOORS`` (a file as ``name.py``, a package as ``name/``), and no room that
+    does not exist."""
+    text = (PACKAGE.parents[1] / "docs" / "concepts" / "house.md").read_text(encoding="utf-8")
     block = text.split("The house, in data-flow order")[1].split("```")[1]
     named = {word.rstrip("/").removesuffix(".py") for line in block.splitlines()
              for word in line.split()[:3] if word.endswith((".py", "/"))}

@@ -1,4 +1,9 @@
-"""The README's Python API table is a promise: every name imports as written (X2)."""
+"""The Python API table is a promise: every name imports as written (X2).
+
+The table moved from the README to the documentation site's page
+``docs/guides/python.md`` (under its title "Use the stages from Python"); the README
+links to it.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "python.md"
+TITLE = "# Use the stages from Python"
 ROW = re.compile(r"^\| [a-z]+ \| `(exactstep[a-z_.]*)` \| (.+) \|$")
 
 
 def api_table(text: str) -> list[tuple[str, str]]:
-    """(module, name) for every name in the table under '## Python API'."""
-    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    """(module, name) for every name in the table under the page's title."""
+    section = text.split(TITLE, 1)[1].split("\n## ", 1)[0]
     pairs = []
     for line in section.splitlines():
         match = ROW.match(line)
@@ -24,7 +30,7 @@ def api_table(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-PAIRS = api_table(README.read_text(encoding="utf-8"))
+PAIRS = api_table(PAGE.read_text(encoding="utf-8"))
 
 
 def test_the_table_is_found_and_covers_every_stage() -> None:
@@ -41,7 +47,7 @@ def test_every_name_in_the_api_table_imports_as_written(module: str, name: str) 
 
 def test_the_reader_catches_a_name_that_does_not_import() -> None:
     """Negative control: a table naming a missing function is caught."""
-    text = "## Python API\n\n| data | `exactstep.data` | `load_corpus`, `no_such_name` |\n"
+    text = f"{TITLE}\n\n| data | `exactstep.data` | `load_corpus`, `no_such_name` |\n"
     pairs = api_table(text)
     assert pairs == [("exactstep.data", "load_corpus"), ("exactstep.data", "no_such_name")]
     with pytest.raises(AttributeError):
