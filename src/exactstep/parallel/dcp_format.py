@@ -3,7 +3,8 @@
 Every rank writes its shards, RNG streams and data cursor into one temporary
 directory; rank 0 commits it through ``state.store`` between two host barriers, so
 ``LATEST`` always names a complete checkpoint (S3). Loading on another world size is
-a declared migration (``reshard``), never a silent load (S7).
+a declared migration (``reshard``), never a silent load (S7). The model part holds
+what a one-process checkpoint holds: with LoRA the adapters only (H4, S2).
 Design and derivations: docs/design/parallel.md#paralleldcp_formatpy (S7, S2, S3, D3).
 """
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from exactstep.durable import fsync_path
 from exactstep.errors import CheckpointError, DistributedError
 from exactstep.parallel.process_group import DistContext, host_group
 from exactstep.state.store import (
@@ -38,11 +40,34 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def part_labels(world: int) -> dict[str, str]:
+def part_labels(world: int, *, adapters_only: bool = False) -> dict[str, str]:
     """What each file holds, for ``checkpoint verify`` (S6)."""
-    labels = {"model+optimizer": DCP_DIR, "scheduler+scaler+progress": COMMON_FILE}
+    model = "adapters" if adapters_only else "model"
+    labels = {f"{model}+optimizer": DCP_DIR, "scheduler+scaler+progress": COMMON_FILE}
     labels.update({f"rng+data (rank {r})": rank_file(r) for r in range(world)})
     return labels
+
+
+def held_names(model: nn.Module) -> set[str] | None:
+    """The names of the model tensors a checkpoint holds: those of the model's own
+    ``checkpoint_state()`` where it has one (with LoRA the adapters only, the base
+    being rebuilt from its source and pinned by its digest in the manifest: H4, S4),
+    else None (every tensor). The same rule as a one-process checkpoint's."""
+    own = getattr(model, "checkpoint_state", None)
+    return set(own()) if callable(own) else None
+
+
+def held_part(state: dict[str, Any], names: set[str] | None) -> dict[str, Any]:
+    """``state`` narrowed to ``names`` (None: all of it)."""
+    return state if names is None else {k: v for k, v in state.items() if k in names}
+
+
+def load_options(held: dict[str, Any], whole: dict[str, Any]):
+    """``strict`` loading, unless the checkpoint holds a part of the model (LoRA):
+    then the frozen base tensors, rebuilt from the source, are absent on purpose."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=len(held) == len(whole))
 
 
 # ------------------------------------------------------------------------ save
@@ -74,15 +99,20 @@ def save_distributed_checkpoint(
     owner = Publication(root, name, tag=PUBLICATION_TAG) if ctx.is_main else nullcontext()
     with owner as publication:
         _barrier(ctx)  # the directory exists before any rank writes into it
+        names = held_names(model)
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        whole = len(model_sd)
+        model_sd = held_part(model_sd, names)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
                  process_group=_group(ctx))
-        torch.save(rank_state, tmp / rank_file(ctx.rank))  # rank 0's commit seals every file
+        torch.save(rank_state, tmp / rank_file(ctx.rank))
+        fsync_path(tmp / rank_file(ctx.rank))  # durable from its own node before the barrier
         if publication is not None:
             torch.save(common, tmp / COMMON_FILE)
         _barrier(ctx)
         if publication is not None:
-            publication.commit(format=DIST_FORMAT, parts=part_labels(ctx.world_size),
+            parts = part_labels(ctx.world_size, adapters_only=len(model_sd) < whole)
+            publication.commit(format=DIST_FORMAT, parts=parts,
                                fields={"world_size": ctx.world_size}, keep=keep)
     _barrier(ctx)
     return root / name
@@ -154,12 +184,15 @@ def load_distributed_checkpoint(
     manifest = read_manifest(path)
     saved_world = int(manifest["world_size"])
     dcp_files = [k for k in manifest["files"] if k.startswith(DCP_DIR + "/")]
+    names = held_names(model)
     if optimizer is None:
         check_files(path, manifest, dcp_files if ctx.is_main else [])
         _barrier(ctx)
-        state = {"model": get_model_state_dict(model)}
+        whole = get_model_state_dict(model)
+        state = {"model": held_part(whole, names)}
+        options = load_options(state["model"], whole)
         dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
         return None
     if saved_world != ctx.world_size and not reshard:
         raise DistributedError(
@@ -172,10 +205,11 @@ def load_distributed_checkpoint(
     check_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
     _barrier(ctx)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": held_part(model_sd, names), "optim": optim_sd}
+    options = load_options(state["model"], model_sd)
     dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=options)
     common = torch.load(path / COMMON_FILE, weights_only=True)
     olds = [torch.load(path / f, weights_only=True) for f in mine]
     if saved_world == ctx.world_size:

@@ -2,7 +2,8 @@
 
 ``wrap_train_module`` puts the update engine's ``TrainModule`` (loss included) under
 DDP so ``no_sync`` covers forward and backward (D1); ``shard_model`` applies FSDP2
-``fully_shard`` per block and at the root, before the optimizer is built (D4).
+``fully_shard`` per block (the built-in decoder's layers, an HF model's decoder
+layers, LoRA adapters included) and at the root, before the optimizer is built (D4).
 Design and derivations: docs/design/parallel.md#parallelwrappy (D1, D4, U2).
 """
 
@@ -54,13 +55,39 @@ def fsdp_mixed_precision(precision: str):
     return MixedPrecisionPolicy()
 
 
+def shard_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one, in model order (D4).
+
+    The built-in decoder's ``layers``; otherwise (an HF causal LM, with or without
+    peft's LoRA wrapper) every outermost module whose class one of the model's
+    ``_no_split_modules`` names (its decoder layers, as Hugging Face marks them for
+    sharding). Nothing found: the root alone is sharded.
+    """
+    layers = getattr(model, "layers", None)
+    if layers is not None:
+        return list(layers)
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()  # ids of the modules within a block already taken
+    for module in model.modules():  # pre-order: a block comes before what it holds
+        if id(module) in inside or type(module).__name__ not in names:
+            continue
+        blocks.append(module)
+        inside.update(id(m) for m in module.modules())
+    return blocks
+
+
 def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
                 precision: str = "fp32") -> nn.Module:
-    """FSDP2: ``fully_shard`` every block of ``model.layers``, then ``model`` (D4).
+    """FSDP2: ``fully_shard`` every block of ``shard_blocks(model)``, then ``model`` (D4).
 
     ``precision`` is the run's resolved ``numerics.precision``
-    (``fsdp_mixed_precision``). Raises ``DistributedError`` for a single process, or
-    when the device/backend pair cannot run FSDP2. The root keeps its parameters
+    (``fsdp_mixed_precision``). A single process (e.g. a 2 -> 1 ``--reshard``)
+    holds every parameter itself: ``model`` is returned unsharded, as ``ddp`` runs
+    one process unwrapped. Raises ``DistributedError`` when the device/backend pair
+    cannot run FSDP2. The root keeps its parameters
     (embedding, tied head, final norm) gathered between forward and backward, so the
     objective can use the head weight after the model's forward.
 
@@ -68,13 +95,8 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
     ``DTensor``s. Its mesh is the default process group, so every collective keeps the
     ``parallel.timeout_s`` bound.
     """
-    if cfg.strategy != "fsdp":
+    if cfg.strategy != "fsdp" or not ctx.distributed:
         return model
-    if not ctx.distributed:
-        raise DistributedError(
-            "parallel.strategy = 'fsdp' needs several processes; launch with torchrun "
-            "(or use parallel.strategy = 'ddp' for one process)"
-        )
     if ctx.device.type != "cuda" and ctx.backend != "gloo":
         raise DistributedError("FSDP2 on CPU needs the gloo backend; set parallel.backend = 'gloo'")
     try:
@@ -86,7 +108,7 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
         # the job's timeout when CUDA is visible but the job runs on gloo
         mesh = DeviceMesh.from_group(dist.group.WORLD, ctx.device.type)
         policy = fsdp_mixed_precision(precision)
-        for block in getattr(model, "layers", ()):
+        for block in shard_blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
     except (RuntimeError, NotImplementedError, AssertionError) as exc:
