@@ -19,6 +19,7 @@ import inspect
 import re
 import sys
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -93,7 +94,7 @@ def type_name(hint: Any) -> str:
     if origin is Literal:
         kinds = {type(a).__name__ for a in typing.get_args(hint)}
         return " | ".join(sorted(kinds))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in typing.get_args(hint))
     if hint is type(None):
         return "none"
