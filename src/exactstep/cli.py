@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--nproc", type=int, metavar="R",
                        help="run R local processes under torchrun (DDP over gloo/nccl)")
+    add_node_args(train)
     train.add_argument("--resume", choices=("auto",),
                        help="auto: when --out already holds this same run (a restart or "
                             "requeue of this command), continue it exactly from its newest "
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--reshard", action="store_true",
                         help="allow a different world size: re-partition the data cursor (S7)")
     resume.add_argument("--nproc", type=int, metavar="R", help="run R local processes")
+    add_node_args(resume)
 
     prepare = sub.add_parser("prepare", help="tokenize a source once into memory-mapped shards")
     prepare.add_argument("source", help="'stdlib', a JSONL file, Parquet/Arrow files or a "
@@ -155,6 +157,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """torchrun's multi-node flags, named as torchrun names them (D1): one launcher per
+    node, each with ``--nproc R`` processes (default 1), meeting at HOST:PORT."""
+    p.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="the job spans N nodes; run the same command on each")
+    p.add_argument("--node-rank", type=int, default=0, metavar="K",
+                   help="this node's rank, 0..N-1 (node 0 hosts the rendezvous)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="where the nodes meet: node 0's address and a free port")
+    p.add_argument("--rdzv-id", default="exactstep", metavar="ID",
+                   help="the job's rendezvous id, the same on every node")
+    p.add_argument("--rdzv-backend", choices=("c10d", "static"), default="c10d",
+                   help="torchrun's rendezvous backend (default c10d)")
+
+
+def check_nodes(args: argparse.Namespace) -> None:
+    """``--nnodes N`` needs N >= 1, ``0 <= --node-rank < N`` and, for N > 1,
+    ``--rdzv-endpoint HOST:PORT`` (D1); refused in one line before anything runs."""
+    nnodes = getattr(args, "nnodes", 1)
+    if nnodes < 1:
+        raise DistributedError(f"--nnodes expects a positive number of nodes; got {nnodes}")
+    if not 0 <= args.node_rank < nnodes:
+        raise DistributedError(f"--node-rank expects 0..{nnodes - 1} for --nnodes {nnodes}; "
+                               f"got {args.node_rank}")
+    endpoint = args.rdzv_endpoint
+    if nnodes > 1 and not endpoint:
+        raise DistributedError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's "
+                               "address and a free port), the same on every node")
+    host, _, port = (endpoint or "h:1").rpartition(":")
+    if not host or not port.isdigit():
+        raise DistributedError(f"--rdzv-endpoint expects HOST:PORT; got {endpoint!r}")
+
+
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a TOML configuration file")
     add_set_arg(p)
@@ -195,15 +230,22 @@ def main(argv: list[str] | None = None) -> int:
         nproc = getattr(args, "nproc", None)
         if nproc is not None:
             check_nproc(nproc)
+        if getattr(args, "nnodes", 1) != 1 or getattr(args, "rdzv_endpoint", None):
+            check_nodes(args)
+            nproc = nproc or 1  # torchrun's default: one process per node
     except ExactstepError as exc:  # a usage error: nothing ran, nothing heavy is loaded
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     try:
         if nproc is not None and "WORLD_SIZE" not in os.environ:
             stop_on_early_sigterm()
-            from exactstep.parallel.launch import relaunch, strip_nproc
+            from exactstep.parallel.launch import Nodes, relaunch, strip_launch_flags
 
-            return relaunch(strip_nproc(argv)[0], nproc)
+            nodes = None
+            if getattr(args, "nnodes", 1) > 1:
+                nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_id,
+                              args.rdzv_backend)
+            return relaunch(strip_launch_flags(argv), nproc, nodes=nodes)
         return dispatch(args)
     except ExactstepError as exc:
         from exactstep.parallel.launch import report_failure

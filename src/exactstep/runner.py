@@ -50,6 +50,7 @@ from exactstep.parallel.process_group import (
     shutdown,
 )
 from exactstep.parallel.reducer import build_reducer
+from exactstep.parallel.storage import check_shared_run_dir
 from exactstep.parallel.wrap import shard_model
 from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
 from exactstep.rows.background import BackgroundStream
@@ -269,6 +270,7 @@ def train(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict[str, 
     with hold_run_dir(out_dir, "--out", new=True), environment.threads_restored():
         run = build_run(cfg, out_dir)
         try:
+            check_shared_run_dir(run.ctx, out_dir)  # every node sees it, before window 0
             return train_new(run, started, progress)
         finally:
             shutdown(run.ctx)
@@ -407,6 +409,7 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
     with environment.threads_restored():
         run = build_run(cfg, run_dir)
         try:
+            check_shared_run_dir(run.ctx, run_dir)  # every node sees it (D1)
             keep_run_manifest(run, old, reshard)
             same_run(old, run.manifest)
             next_window, events, marks = 0, [], {}

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,64 @@ def write_error_file(path: str, rank: int, exc: BaseException) -> None:
         json.dump(record, fh)
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """torchrun's multi-node flags (D1), under the names torchrun gives them.
+
+    ``nnodes`` launchers, one per node, meet at ``endpoint`` (``HOST:PORT``) under the
+    rendezvous ``backend`` and ``rdzv_id``. Under ``c10d`` the rendezvous numbers the
+    nodes itself; ``node_rank`` 0 is the node that hosts the rendezvous store. Under
+    ``static`` ``node_rank`` is the node's rank, as with torchrun.
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: str = "127.0.0.1:0"
+    rdzv_id: str = "exactstep"
+    backend: str = "c10d"
+
+    @property
+    def many(self) -> bool:
+        return self.nnodes > 1
+
+    def flags(self) -> str:
+        """The flags that repeat this launch on this node (empty on one node)."""
+        if not self.many:
+            return ""
+        own = (f" --rdzv-id {self.rdzv_id}" if self.rdzv_id != Nodes.rdzv_id else "") + (
+            f" --rdzv-backend {self.backend}" if self.backend != Nodes.backend else "")
+        return (f" --nnodes {self.nnodes} --node-rank {self.node_rank} --rdzv-endpoint "
+                f"{self.endpoint}{own}")
+
+    def node_of(self, rank: int, nproc: int) -> int:
+        """The node (rendezvous group rank) of global ``rank``: torchrun numbers a
+        node's ``nproc`` workers consecutively."""
+        return rank // nproc
+
+
+# The launcher's own flags: what ``relaunch`` consumes and the workers never see.
+LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id",
+                "--rdzv-backend")
+
+
+def strip_launch_flags(argv: Sequence[str]) -> list[str]:
+    """``argv`` without the launcher's flags (``LAUNCH_FLAGS``, ``--x V`` or ``--x=V``)."""
+    out: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if item in LAUNCH_FLAGS:
+            i += 2
+            continue
+        if item.split("=", 1)[0] in LAUNCH_FLAGS and "=" in item:
+            i += 1
+            continue
+        out.append(item)
+        i += 1
+    return out
+
+
 def strip_nproc(argv: Sequence[str]) -> tuple[list[str], int | None]:
     """``argv`` without ``--nproc R`` / ``--nproc=R``, and R (None when absent)."""
     out: list[str] = []
@@ -131,8 +190,11 @@ def _positive(text: str) -> int:
     return value
 
 
-def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0) -> int:
-    """Run ``exactstep <argv>`` as ``nproc`` local workers under torchrun's launcher.
+def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0,
+             nodes: Nodes | None = None) -> int:
+    """Run ``exactstep <argv>`` as ``nproc`` local workers under torchrun's launcher;
+    with ``nodes`` (``--nnodes N``) as this node's share of an N-node job, whose
+    launchers meet at ``nodes.endpoint`` within ``timeout_s``.
 
     Returns 0 on success. On failure prints one line naming the first failing rank
     and its message (unless that rank is 0, which printed it already) and returns
@@ -142,17 +204,23 @@ def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0) -> in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    nodes = nodes or Nodes()
     quiet_launcher_logs()
+    rdzv: dict[str, Any] = {"timeout": int(timeout_s)}
+    if nodes.many and nodes.backend == "static":
+        rdzv["rank"] = nodes.node_rank
+    elif nodes.many:  # node 0 hosts the rendezvous store: no race for the port
+        rdzv["is_host"] = nodes.node_rank == 0
     # the workers' error files land here (read after a signal) and go away afterwards
     with tempfile.TemporaryDirectory(prefix="exactstep-launch-") as log_dir:
         config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
+            min_nodes=nodes.nnodes,
+            max_nodes=nodes.nnodes,
             nproc_per_node=nproc,
-            run_id=f"exactstep-{os.getpid()}",
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",
-            rdzv_configs={"timeout": int(timeout_s)},
+            run_id=nodes.rdzv_id if nodes.many else f"exactstep-{os.getpid()}",
+            rdzv_backend=nodes.backend if nodes.many else "c10d",
+            rdzv_endpoint=nodes.endpoint if nodes.many else "127.0.0.1:0",
+            rdzv_configs=rdzv,
             max_restarts=0,
             monitor_interval=0.5,
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
@@ -160,9 +228,9 @@ def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0) -> in
         try:
             elastic_launch(config, sys.executable)("-m", "exactstep", *argv)
         except ChildFailedError as exc:
-            return report_child_failure(exc, argv, nproc, Path(log_dir))
+            return report_child_failure(exc, argv, nproc, Path(log_dir), nodes)
         except SignalException as exc:
-            return report_signal(exc.sigval, Path(log_dir), argv, nproc)
+            return report_signal(exc.sigval, Path(log_dir), argv, nproc, nodes)
     return 0
 
 
@@ -175,14 +243,15 @@ def quiet_launcher_logs() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def report_signal(sigval: int, log_dir: Path, argv: Sequence[str], nproc: int) -> int:
+def report_signal(sigval: int, log_dir: Path, argv: Sequence[str], nproc: int,
+                  nodes: Nodes | None = None) -> int:
     """After torchrun forwarded a signal to the workers and they exited: one line
     (rank 0's own, unless it never got to report) and the exit code 130."""
     if not rank_reported(log_dir, 0):
         name = signal_name(sigval)
         print(f"error: stopped by {name} before the workers reported; continue from the last "
-              f"committed checkpoint, if any, with 'exactstep resume {run_dir_of(argv)} "
-              f"--nproc {nproc}'", file=sys.stderr, flush=True)
+              f"committed checkpoint, if any, with {resume_hint(argv, nproc, nodes)}",
+              file=sys.stderr, flush=True)
     return Interrupted.exit_code
 
 
@@ -201,12 +270,12 @@ def rank_reported(log_dir: Path, rank: int) -> bool:
 
 
 def report_child_failure(exc: Any, argv: Sequence[str], nproc: int,
-                         log_dir: Path | None = None) -> int:
+                         log_dir: Path | None = None, nodes: Nodes | None = None) -> int:
     """One line for a failed worker (unless rank 0 printed its own) and its exit code."""
     failures = exc.failures
     rank, failure = root_cause(failures)
     record = rank_record(log_dir, rank) if log_dir is not None else None
-    line = failure_line(rank, failure, failures, record, argv, nproc)
+    line = failure_line(rank, failure, failures, record, argv, nproc, nodes)
     if line is not None:
         print(line, file=sys.stderr, flush=True)
     return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
@@ -214,7 +283,7 @@ def report_child_failure(exc: Any, argv: Sequence[str], nproc: int,
 
 def failure_line(rank: int, failure: Any, failures: Mapping[int, Any],
                  record: Mapping[str, Any] | None, argv: Sequence[str],
-                 nproc: int) -> str | None:
+                 nproc: int, nodes: Nodes | None = None) -> str | None:
     """The one ``error:`` line for the root-cause ``failure`` of ``rank`` (X4, D1), or
     None when rank 0 already printed its own error.
 
@@ -222,8 +291,9 @@ def failure_line(rank: int, failure: Any, failures: Mapping[int, Any],
     ``failures`` holds every rank's; ``record`` is the rank's record (or None).
     """
     message = failure_text(failure)
-    resume = (f"continue from the last committed checkpoint with "
-              f"'exactstep resume {run_dir_of(argv)} --nproc {nproc}'")
+    resume = f"continue from the last committed checkpoint with {resume_hint(argv, nproc, nodes)}"
+    if nodes is not None and nodes.many and PEER_FAILURE_TEXT in message:
+        return other_node_line(rank, message, failures, nproc, nodes, resume)
     if killed_without_report(failure):
         sig = signal_name(-failure.exitcode)
         if record and record.get("backend") == "nccl" and sig == "SIGABRT":
@@ -250,6 +320,35 @@ def failure_line(rank: int, failure: Any, failures: Mapping[int, Any],
     return None
 
 
+def resume_hint(argv: Sequence[str], nproc: int, nodes: Nodes | None) -> str:
+    """The command that continues the run (on every node, for a multi-node job)."""
+    command = f"'exactstep resume {run_dir_of(argv)} --nproc {nproc}"
+    if nodes is None or not nodes.many:
+        return command + "'"
+    return (f"{command}{nodes.flags()}' on this node and the same, with its own "
+            "--node-rank, on every other node")
+
+
+def other_node_line(rank: int, message: str, failures: Mapping[int, Any], nproc: int,
+                    nodes: Nodes, resume: str) -> str:
+    """Every rank of this node failed only because a peer did not answer (a stalled or
+    dead node, D1, X4): name the other nodes and their ranks, and the bound waited."""
+    mine = {nodes.node_of(r, nproc) for r in failures}
+    others = [n for n in range(nodes.nnodes) if n not in mine]
+    named = "; ".join(
+        f"node {n} (rank{'s' if nproc > 1 else ''} "
+        f"{', '.join(str(r) for r in range(n * nproc, (n + 1) * nproc))})" for n in others)
+    here = f"node {min(mine)}" if mine else "this node"
+    if PEER_TIMEOUT_TEXT in message:
+        what = (f"stopped answering: rank {rank} on {here} waited {timeout_of_text(message)} "
+                "for it in a collective and gave up (it stalled or its host is unreachable)")
+    else:
+        what = (f"died or failed: rank {rank} on {here} lost its connection in a collective; "
+                "if it failed, its own launcher names the cause")
+    return (f"error: {named or 'another node'} {what}; the ranks of {here} were stopped; "
+            f"{resume}")
+
+
 def killed_without_report(failure: Any) -> bool:
     """Ended by a signal before it could write an error of its own."""
     return (failure.exitcode is not None and failure.exitcode < 0
@@ -274,7 +373,11 @@ def timed_out_waiting(failures: Mapping[int, Any], rank: int) -> int | None:
 
 def timeout_of(failure: Any) -> str:
     """The bound a peer failure names ("3 s (parallel.timeout_s)"), from its text."""
-    text = failure_text(failure)
+    return timeout_of_text(failure_text(failure))
+
+
+def timeout_of_text(text: str) -> str:
+    """The bound named in a peer failure's ``text``."""
     _, _, after = text.partition(PEER_TIMEOUT_TEXT + " ")
     return after.split(";")[0].strip() or "parallel.timeout_s"
 
