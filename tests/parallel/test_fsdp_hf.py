@@ -10,7 +10,8 @@ Engine level, a tiny HF Llama built from a config, whole and with LoRA adapters:
   optimizer) differ. ``--reshard``'s load, 2 ranks -> 1 unsharded process, gives
   the saved parameters bitwise and continues within 1e-5 of the 2-rank run.
 - H4, S2: under LoRA the checkpoint's model part is the adapters only, the tensors
-  a one-process checkpoint holds; without LoRA, every tensor.
+  a one-process checkpoint holds; without LoRA, every tensor. A checkpoint without
+  the tensors a model needs is refused before loading (X4).
 
 Through the command line, with LoRA (S5, S7): ``train --nproc 2`` straight and the
 same run with rank 1 SIGKILLed in window 3 then ``resume --nproc 2`` (adapter
@@ -48,6 +49,7 @@ from run_support import multi_rank_state  # noqa: E402
 from text_corpus import write_corpus  # noqa: E402
 from workers import UPDATE, load_common, shards, spawn_ranks  # noqa: E402
 
+from exactstep.errors import CheckpointError, ModelError  # noqa: E402
 from exactstep.parallel.dcp_format import load_distributed_checkpoint  # noqa: E402
 from exactstep.parallel.process_group import single_process  # noqa: E402
 from exactstep.state.checkpointer import checkpoint_model_state  # noqa: E402
@@ -152,6 +154,22 @@ def test_fsdp2_checkpoint_holds_what_one_process_holds(ranks, lora_r) -> None:
         assert held and all(".lora_" in k for k in held)
     else:  # the whole model, base tensors included
         assert held == set(engine.model.state_dict())
+
+
+def test_a_checkpoint_without_the_tensors_a_model_needs_is_refused_before_loading(ranks) -> None:
+    """X4, H4: weights of a run without LoRA into a LoRA model (a warm start) is one
+    ``ModelError`` saying how to train adapters on them, as in one process; adapters
+    alone into the whole model a ``CheckpointError``. Control: each loads into its own."""
+    out, results = ranks
+    cpu = single_process(torch.device("cpu"))
+    for lora_r, other, error in ((4, 0, ModelError), (0, 4, CheckpointError)):
+        model = hf_engine(lora_r, UPDATE.lr).model
+        with pytest.raises(error, match="holds no LoRA adapters" if lora_r else "missing"):
+            load_distributed_checkpoint(checkpoint_path(out, other), model=model,
+                                        optimizer=None, ctx=cpu)
+        load_distributed_checkpoint(checkpoint_path(out, lora_r), model=model, optimizer=None,
+                                    ctx=cpu)
+        assert state_differences(results[0][lora_r]["saved"], dict(model.state_dict())) == []
 
 
 # ----------------------------------------------------------------- the command line

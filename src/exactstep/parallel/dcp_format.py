@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from exactstep.durable import fsync_path
-from exactstep.errors import CheckpointError, DistributedError
+from exactstep.errors import CheckpointError, DistributedError, ModelError
 from exactstep.parallel.process_group import DistContext, host_group
 from exactstep.state.store import (
     Publication,
@@ -68,6 +68,26 @@ def load_options(held: dict[str, Any], whole: dict[str, Any]):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(strict=len(held) == len(whole))
+
+
+def require_held(path: Path, held: dict[str, Any], whole: dict[str, Any]) -> None:
+    """Refuse, before loading, a checkpoint that lacks model tensors ``held`` names:
+    with LoRA and no adapter at all (a run without LoRA, e.g. a warm start's parent)
+    a ``ModelError`` saying how to train adapters on it; else a ``CheckpointError``."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata
+    missing = sorted(k for k in held if f"model.{k}" not in saved)
+    if missing and len(held) < len(whole) and len(missing) == len(held):
+        raise ModelError(
+            f"checkpoint {path.name} holds no LoRA adapters (a run without model.lora, "
+            "e.g. the parent of a warm start): a LoRA run rebuilds its base from the "
+            "model's source and seed, never from another run's weights; export that run "
+            "(exactstep export) and train adapters on it with model.source = 'hf' and "
+            "model.path = the export")
+    if missing:
+        raise CheckpointError(f"checkpoint {path.name} does not fit this model: "
+                              f"{len(missing)} tensor(s) missing, e.g. {missing[:2]}")
 
 
 # ------------------------------------------------------------------------ save
@@ -191,6 +211,7 @@ def load_distributed_checkpoint(
         whole = get_model_state_dict(model)
         state = {"model": held_part(whole, names)}
         options = load_options(state["model"], whole)
+        require_held(path, state["model"], whole)
         dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
         set_model_state_dict(model, state["model"], options=options)
         return None
@@ -207,6 +228,7 @@ def load_distributed_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": held_part(model_sd, names), "optim": optim_sd}
     options = load_options(state["model"], model_sd)
+    require_held(path, state["model"], model_sd)
     dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=options)
