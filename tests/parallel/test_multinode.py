@@ -12,7 +12,8 @@ with the same relative ``--out`` (a node-local directory): one ``error:`` line p
 launcher naming the fix, before any window. A stalled node (node 1's worker stops
 itself with SIGSTOP) is named by node 0 within ``parallel.timeout_s``; node 1 is then
 SIGKILLed whole (launcher and worker), the last published checkpoint stays, and the
-two-node resume ends bitwise equal to the straight run. The line for a dead node (a
+two-node resume (the ``torchrun ... -m exactstep`` form) ends bitwise equal to the
+straight run. The line for a dead node (a
 closed connection instead of a timeout) is checked on torchrun's failure records.
 
 The faults and the hook reach the workers through a ``sitecustomize`` module on
@@ -153,7 +154,8 @@ class Nodes:
         return {**env, **extra}
 
     def start(self, args: list[str], *, cwd: Path | None = None, **env: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "exactstep", *args], cwd=cwd or self.root,
+        argv = args if args[:1] == ["-m"] else ["-m", "exactstep", *args]
+        return subprocess.Popen([sys.executable, *argv], cwd=cwd or self.root,
                                 env=self.env(**env), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
 
@@ -164,15 +166,21 @@ class Nodes:
 
     def two(self, command: list[str], *, cwds: tuple[Path, Path] | None = None,
             env: dict[str, str] | None = None, node1_env: dict[str, str] | None = None,
-            stop_node1_after_node0: bool = False) -> list[dict]:
+            stop_node1_after_node0: bool = False, torchrun: bool = False) -> list[dict]:
         """``command`` on node 0 and node 1 (``env`` on both, ``node1_env`` on node 1);
-        returns each node's exit code, stderr and end time."""
+        returns each node's exit code, stderr and end time. ``torchrun``: the
+        documented ``torchrun --nnodes 2 ... -m exactstep <command>`` form instead."""
         port = free_port()
         procs = []
         for node in (0, 1):
             flags = ["--nnodes", "2", "--node-rank", str(node),
                      "--rdzv-endpoint", f"127.0.0.1:{port}"]
-            procs.append(self.start([*command, *flags], cwd=cwds[node] if cwds else None,
+            argv = [*command, *flags]
+            if torchrun:
+                argv = ["-m", "torch.distributed.run", *flags, "--nproc-per-node", "1",
+                        "--rdzv-backend", "c10d", "--rdzv-id", "job", "-m", "exactstep",
+                        *command]
+            procs.append(self.start(argv, cwd=cwds[node] if cwds else None,
                                     **(env or {}), **((node1_env or {}) if node else {})))
         out = []
         for node, proc in enumerate(procs):
@@ -211,7 +219,7 @@ def jobs(tmp_path_factory) -> dict:
                                node1_env=fault, stop_node1_after_node0=True)
     out["stalled_at"] = float((root / "stalled-at").read_text())
     out["latest_after_stall"] = latest_checkpoint(stalled / "checkpoints")
-    out["resumed"] = nodes.two(["resume", str(stalled), "--no-progress"])
+    out["resumed"] = nodes.two(["resume", str(stalled), "--no-progress"], torchrun=True)
     out["stalled_dir"] = stalled
     return out
 
@@ -275,8 +283,9 @@ def test_stalled_node_is_named_within_the_timeout(jobs) -> None:
 
 
 def test_restart_after_a_stalled_and_killed_node_resumes_bitwise(jobs) -> None:
-    """S5, S7 across nodes: both nodes resumed from the last published checkpoint end
-    bitwise equal to the straight one-node run, with the same ledger."""
+    """S5, S7 across nodes: both nodes resumed from the last published checkpoint (by
+    the documented ``torchrun --nnodes 2 --rdzv-backend c10d ... -m exactstep resume``)
+    end bitwise equal to the straight one-node run, with the same ledger."""
     assert [n["rc"] for n in jobs["resumed"]] == [0, 0], [n["stderr"] for n in jobs["resumed"]]
     a, b = final_state(jobs["one"]), final_state(jobs["stalled_dir"])
     assert state_differences(a, b) == []
