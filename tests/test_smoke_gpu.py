@@ -21,7 +21,7 @@ from exactstep.update.precision import Precision
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EXPECTED = {"attention": "PASS", "windows": "PASS", "sync_audit": "SKIP", "fp16_skip": "PASS",
-            "resume": "PASS", "chunked_ce": "PASS", "mfu": "PASS"}
+            "resume": "PASS", "fsdp_hf": "PASS", "chunked_ce": "PASS", "mfu": "PASS"}
 
 
 def test_dry_run_exercises_every_check_and_names_what_needs_cuda(capsys) -> None:
@@ -39,6 +39,8 @@ def test_dry_run_exercises_every_check_and_names_what_needs_cuda(capsys) -> None
     assert summary["resume_differences"] == 0
     assert summary["fp16_skip_scale_after_skip"] == summary["fp16_skip_scale_before_skip"] / 2
     assert summary["windows_max_loss_rel_diff"] <= gpu.BF16_LOSS_RTOL
+    assert summary["fsdp_hf_full_units"] == summary["fsdp_hf_lora_units"] == 3  # 2 layers + root
+    assert summary["fsdp_hf_full_max_abs_diff"] <= gpu.FSDP_TOLERANCE
 
 
 def test_negative_control_a_scaler_that_never_backs_off_fails_the_fp16_check(monkeypatch):
@@ -47,6 +49,16 @@ def test_negative_control_a_scaler_that_never_backs_off_fails_the_fp16_check(mon
                         lambda self, optimizer, *, finite: real(self, optimizer, finite=True))
     result, _ = gpu.run_check("fp16_skip", gpu.check_fp16_skip, gpu.environment(True))
     assert result.status == "FAIL" and "did not halve" in " ".join(result.notes)
+
+
+def test_negative_control_fsdp_without_per_layer_units_fails_its_check(monkeypatch):
+    """D4: sharding the root alone (what an HF model got before) fails ``fsdp_hf``."""
+    pytest.importorskip("peft")
+    from exactstep.parallel import wrap
+
+    monkeypatch.setattr(wrap, "shard_blocks", lambda model: [])
+    result, _ = gpu.run_check("fsdp_hf", gpu.check_fsdp_hf, gpu.environment(True))
+    assert result.status == "FAIL" and "not 2 decoder layers" in " ".join(result.notes)
 
 
 def test_a_failing_check_makes_the_command_exit_non_zero(monkeypatch, capsys) -> None:

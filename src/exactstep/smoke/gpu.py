@@ -1,10 +1,10 @@
 """The GPU smoke test: every CUDA path exercised once, with figures, in a few minutes.
 
 ``exactstep smoke gpu --json`` (``make gpu-smoke``) runs its checks (attention,
-windows, sync audit, fp16 skip, resume, chunked CE, MFU) on one CUDA device, one
-``PASS`` / ``FAIL`` / ``SKIP`` line each; any ``FAIL`` exits non-zero. ``--dry-run``
-runs the same code on the CPU with tiny shapes so the test cannot rot.
-Design and derivations: docs/design/bench.md#smokegpupy (R3, U1, U2, U4, U7, S5, L1).
+windows, sync audit, fp16 skip, resume, FSDP2 on an HF model, chunked CE, MFU) on one
+CUDA device, one ``PASS`` / ``FAIL`` / ``SKIP`` line each; any ``FAIL`` exits non-zero.
+``--dry-run`` runs the same code on the CPU with tiny shapes so the test cannot rot.
+Design and derivations: docs/design/bench.md#smokegpupy (R3, U1, U2, U4, U7, S5, L1, D4).
 """
 
 from __future__ import annotations
@@ -29,9 +29,14 @@ from exactstep.bench.attention import packed_rows, random_lengths
 from exactstep.bench.step import random_packed_batch
 from exactstep.errors import ConfigError
 from exactstep.model.attention import attend, prepare_visibility
-from exactstep.model.config import ModelConfig
+from exactstep.model.config import LoRAConfig, ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig
+from exactstep.parallel.agreement import distribute_engine
+from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.dcp_format import load_distributed_checkpoint, save_distributed_checkpoint
+from exactstep.parallel.process_group import DistContext, free_port, new_host_group
+from exactstep.parallel.wrap import shard_model
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.disposition import Outcome
 from exactstep.update.groups import build_optimizer
@@ -428,6 +433,121 @@ def check_resume(env: Env, result: Check) -> None:
         result.fail("the ledgers differ")
 
 
+# ------------------------------------------------------------------- FSDP2, HF model
+
+#: a tiny Llama built from its config (no download); positions cover the GPU rows
+FSDP_HF_CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "max_position_embeddings": 512, "vocab_size": VOCAB}
+FSDP_TOLERANCE = 1e-5  # D5: fp32, absolute on every parameter
+
+
+@contextlib.contextmanager
+def one_rank_job(env: Env) -> Iterator[DistContext]:
+    """A process group of this one process (nccl on CUDA, gloo on the CPU), so FSDP2,
+    its collectives and torch.distributed.checkpoint run their own code; left after."""
+    import datetime
+
+    import torch.distributed as dist
+
+    backend = "nccl" if env.cuda else "gloo"
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1, timeout=timeout,
+                            device_id=env.device if env.cuda else None)
+    try:
+        yield DistContext(rank=0, world_size=1, local_rank=0, device=env.device,
+                          backend=backend, host_group=new_host_group(timeout), timeout_s=120.0)
+    finally:
+        dist.destroy_process_group()
+
+
+def hf_engine(env: Env, lora: bool, precision: str, ctx: DistContext | None = None
+              ) -> UpdateEngine:
+    """The engine over ``FSDP_HF_CONFIG`` (LoRA r = 8 on every linear layer when
+    ``lora``), sharded by ``shard_model`` when ``ctx`` is given."""
+    cfg = ModelConfig(source="hf", hf_config=FSDP_HF_CONFIG,
+                      lora=LoRAConfig(r=8 if lora else 0))
+    model = build_model(cfg, VOCAB, seed=0).to(env.device)
+    parallel = ParallelConfig(strategy="fsdp")
+    if ctx is not None:
+        model = shard_model(model, ctx, parallel, precision=precision)
+    update = UpdateConfig(lr=3e-3, schedule="constant", warmup=0, clip=1.0)
+    optimizer, _ = build_optimizer(model, update)
+    engine = UpdateEngine(model, optimizer, build_schedule(update, 1000),
+                          Precision(NumericsConfig(precision=precision), env.device),
+                          update, ObjectiveConfig(), device=env.device, pad_id=PAD)
+    return engine if ctx is None else distribute_engine(engine, ctx, parallel)
+
+
+def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model`` whole (FSDP2 holds ``DTensor`` shards)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def check_fsdp_hf(env: Env, result: Check) -> None:
+    """D4, D5, S7 on an HF model, whole and with LoRA: FSDP2 units per decoder layer and
+    at the root; the sharded windows equal the unsharded ones (fp32, 1e-5); a DCP
+    checkpoint loaded into a fresh sharded engine continues bitwise for one window;
+    bf16 (parameters gathered in bf16) keeps the fp32 losses to ``BF16_LOSS_RTOL``."""
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        result.skip("needs the [hf] extra (transformers, peft)")
+        return
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    if dist.is_initialized():
+        result.skip("this process already belongs to a process group")
+        return
+    batches = host_batches(env, env.shapes.windows)
+    *first, last = batches
+    layers = FSDP_HF_CONFIG["num_hidden_layers"]
+    losses: dict[str, list[float]] = {}
+    with one_rank_job(env) as ctx, tempfile.TemporaryDirectory(prefix="exactstep-fsdp-") as tmp:
+        for lora in (False, True):
+            tag = "lora" if lora else "full"
+            plain, sharded = hf_engine(env, lora, "fp32"), hf_engine(env, lora, "fp32", ctx)
+            units = sum(isinstance(m, FSDPModule) for m in sharded.model.modules())
+            for name, engine in (("plain", plain), ("sharded", sharded)):
+                losses[f"{tag}_{name}"] = [engine.run_window([b], w).loss
+                                           for w, b in enumerate(first)]
+            reference, full = gathered(plain.model), gathered(sharded.model)
+            diff = max((full[k] - v).abs().max().item() for k, v in reference.items())
+            save_distributed_checkpoint(Path(tmp) / tag, "window", model=sharded.model,
+                                        optimizer=sharded.optimizer, common={},
+                                        rank_state={"rng": None, "data": None}, ctx=ctx, keep=1)
+            fresh = hf_engine(env, lora, "fp32", ctx)
+            load_distributed_checkpoint(Path(tmp) / tag / "window", model=fresh.model,
+                                        optimizer=fresh.optimizer, ctx=ctx)
+            fresh.schedule.load_state_dict(sharded.schedule.state_dict())
+            for engine in (sharded, fresh):
+                engine.run_window([last], len(first))
+            resumed = gathered(fresh.model)
+            mismatched = [k for k, v in gathered(sharded.model).items()
+                          if not torch.equal(v, resumed[k])]
+            result.figures[f"{tag}_units"] = units
+            result.figures[f"{tag}_max_abs_diff"] = diff
+            if units != layers + 1:
+                result.fail(f"{tag}: {units} FSDP2 units, not {layers} decoder layers + the root")
+            if diff > FSDP_TOLERANCE:
+                result.fail(f"{tag}: sharded parameters differ from unsharded by {diff:.3g}")
+            if mismatched:
+                result.fail(f"{tag}: the resumed window differs at {', '.join(mismatched[:3])}")
+        bf16 = hf_engine(env, False, "bf16", ctx)
+        bf16_losses = [bf16.run_window([b], w).loss for w, b in enumerate(first)]
+    worst = max(abs(a - b) / abs(b)
+                for a, b in zip(bf16_losses, losses["full_plain"], strict=True))
+    result.figures["bf16_max_loss_rel_diff"] = worst
+    if worst > BF16_LOSS_RTOL:
+        result.fail(f"bf16 losses differ from fp32 by more than {BF16_LOSS_RTOL:g} (relative)")
+    if not env.cuda:
+        result.notes.append("one gloo rank on the CPU; nccl on CUDA")
+
+
 # ----------------------------------------------------------------------- chunked CE
 
 
@@ -543,6 +663,7 @@ CHECKS: tuple[tuple[str, Callable[[Env, Check], None]], ...] = (
     ("sync_audit", check_sync_audit),
     ("fp16_skip", check_fp16_skip),
     ("resume", check_resume),
+    ("fsdp_hf", check_fsdp_hf),
     ("chunked_ce", check_chunked_ce),
     ("mfu", check_mfu),
 )
