@@ -465,8 +465,10 @@ def one_rank_job(env: Env) -> Iterator[DistContext]:
 def hf_engine(env: Env, lora: bool, precision: str, ctx: DistContext | None = None
               ) -> UpdateEngine:
     """The engine over ``FSDP_HF_CONFIG`` (LoRA r = 8 on every linear layer when
-    ``lora``), sharded by ``shard_model`` when ``ctx`` is given."""
-    cfg = ModelConfig(source="hf", hf_config=FSDP_HF_CONFIG,
+    ``lora``), sharded by ``shard_model`` when ``ctx`` is given. Eager attention: its
+    CUDA kernels are deterministic (fp32 SDPA's memory-efficient backward is not), so
+    the resumed window can be compared bitwise."""
+    cfg = ModelConfig(source="hf", hf_config=FSDP_HF_CONFIG, attn_implementation="eager",
                       lora=LoRAConfig(r=8 if lora else 0))
     model = build_model(cfg, VOCAB, seed=0).to(env.device)
     parallel = ParallelConfig(strategy="fsdp")
