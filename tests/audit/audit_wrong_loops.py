@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from audit_correct_loops import FunctionalEmbedding
 from torch.utils.checkpoint import checkpoint
 
 from exactstep.audit.examples.annotated import (
@@ -377,6 +378,17 @@ class DecayOnNothing(AnnotatedLoop):
             group["weight_decay"] = 0.0  # BUG: the declared decay group is not decayed
 
 
+class FunctionalTableDecayed(FunctionalEmbedding):
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizer()
+        if self.spec.optimizer == "adamw":
+            # BUG: the token table, an nn.Parameter read with F.embedding, is decayed
+            optimizer.param_groups[0]["params"].append(self.module.wte)
+            optimizer.param_groups[1]["params"] = [
+                p for p in optimizer.param_groups[1]["params"] if p is not self.module.wte]
+        return optimizer
+
+
 class SwappedBetas(NanoGPTLoop):
     def configure_optimizer(self) -> torch.optim.Optimizer:
         optimizer = super().configure_optimizer()
@@ -433,6 +445,44 @@ class FreshOptimizerEachWindow(NanoGPTLoop):
         return super().train_window(window)
 
 
+# -- the logged loss (U1, U4) ----------------------------------------------------------
+
+
+class LogsScaledLoss(NanoGPTLoop):
+    def close_window(self, loss: float) -> float | None:
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        logged = super().close_window(loss)
+        return None if logged is None else logged * scale  # BUG: the loss scale is logged
+
+
+class LogsMeanOfMicrobatchMeans(NanoGPTLoop):
+    def build(self, spec) -> None:  # noqa: ANN001
+        super().build(spec)
+        self.means: list[float] = []
+
+    def micro_loss(self, logits: torch.Tensor, y: torch.Tensor, n_tokens: int,
+                   n_micro: int) -> torch.Tensor:
+        loss = super().micro_loss(logits, y, n_tokens, n_micro)
+        if (y != IGNORE).any():
+            self.means.append(loss.item() * n_tokens / int((y != IGNORE).sum()))
+        return loss
+
+    def close_window(self, loss: float) -> float | None:
+        means, self.means = self.means, []
+        logged = super().close_window(loss)
+        # BUG: the logged loss is a mean of the microbatches' means (the update is right)
+        return None if logged is None else sum(means) / len(means)
+
+
+class LogsLastMicrostep(LogsMeanOfMicrobatchMeans):
+    def close_window(self, loss: float) -> float | None:
+        last, self.means = self.means[-1:], []
+        logged = NanoGPTLoop.close_window(self, loss)
+        # BUG: nanoGPT's print, lossf = loss.item() * gradient_accumulation_steps, is the
+        # last micro-step's mean, not the window's
+        return None if logged is None else last[0]
+
+
 # -- skipped and empty windows (L4, U4, U5) ---------------------------------------------
 
 
@@ -459,6 +509,37 @@ class LambdaLRStepsOnSkip(AnnotatedLoop):
         if not math.isfinite(loss):
             self.lr_scheduler.step()  # BUG: the schedule moves without an update
         return super().close(loss, ntokens)
+
+
+class SkipDecidedFromLossOnly(NanoGPTLoop):
+    def close_window(self, loss: float) -> float | None:
+        self.unscale_and_clip()
+        if not math.isfinite(loss):  # BUG: a finite loss with a non-finite gradient commits:
+            self.scaler.update()     # GradScaler.step skips the update, the schedule and
+            self.zero_grad()         # the log go on
+            return None
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_lr(self.iter_num)
+        self.step_optimizer()
+        self.zero_grad()
+        self.iter_num += 1
+        return loss
+
+
+class EmptyWindowAdvancesSchedule(AnnotatedLoop):
+    def close(self, loss: float, ntokens: int) -> float | None:
+        if ntokens == 0:
+            self.lr_scheduler.step()  # BUG: a window without targets moves the schedule
+        return super().close(loss, ntokens)
+
+
+class SGDWithMomentum(NanoGPTLoop):
+    def configure_optimizer(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizer()
+        if self.spec.optimizer == "sgd":
+            for group in optimizer.param_groups:
+                group["momentum"] = 0.9  # BUG: the declared update is plain SGD
+        return optimizer
 
 
 class UncappedWarmup(NanoGPTLoop):
@@ -544,6 +625,55 @@ class PerplexityOfMeanLoss(AnnotatedLoop):
         return mean, math.exp(mean)  # BUG: exp of a mean of batch means
 
 
+class EvalWithLabelSmoothing(NanoGPTLoop):
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        self.module.eval()
+        nll, count = 0.0, 0
+        for mb in microbatches:
+            x, pos, docs, y = self.get_batch(mb)
+            nll += self.loss_sum(self.module(x, pos, docs), y).item()  # BUG: smoothed
+            count += int((y != IGNORE).sum())
+        self.module.train()
+        return nll / count, math.exp(nll / count)
+
+
+class EvalScoresPrompt(NanoGPTLoop):
+    def get_eval_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        x, y = mb.tokens[:, :-1], mb.tokens[:, 1:]
+        keep = (mb.documents[:, 1:] == mb.documents[:, :-1]) & (mb.documents[:, 1:] > 0)
+        # BUG: evaluation scores every token of the document, the prompt's too
+        return x, mb.positions[:, :-1], mb.documents[:, :-1], y.masked_fill(~keep, IGNORE)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        self.module.eval()
+        nll, count = 0.0, 0
+        for mb in microbatches:
+            x, pos, docs, y = self.get_eval_batch(mb)
+            logits = self.module(x, pos, docs)
+            nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
+                                   ignore_index=IGNORE, reduction="sum").item()
+            count += int((y != IGNORE).sum())
+        self.module.train()
+        return nll / count, math.exp(nll / count)
+
+
+class EvalCountsPadding(NanoGPTLoop):
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
+        self.module.eval()
+        nll, count = 0.0, 0
+        for mb in microbatches:
+            x, pos, docs, y = self.get_batch(mb)
+            logits = self.module(x, pos, docs)
+            nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
+                                   ignore_index=IGNORE, reduction="sum").item()
+            count += y.numel()  # BUG: padded (and unowned) positions in the denominator
+        self.module.train()
+        return nll / count, math.exp(nll / count)
+
+
 # -- resume (S2) ------------------------------------------------------------------------
 
 
@@ -605,6 +735,13 @@ class ResumeWithoutDataCursor(NanoGPTLoop):
         self.scaler.load_state_dict(state["scaler"])
         self.iter_num = state["iter_num"]
         torch.set_rng_state(state["rng"])  # BUG: the data restarts at its first window
+
+
+class LoadRebuildsModel(NanoGPTLoop):
+    def load(self, path) -> None:  # noqa: ANN001
+        self.module = self.model_type(self.spec)  # BUG: the optimizer holds the old module's
+        self.model = self.module                  # parameters; the new one never moves
+        super().load(path)
 
 
 class ResumeReshufflesData(NanoGPTLoop):

@@ -26,7 +26,7 @@ def test_the_engine_passes_and_json_is_one_object(capsys) -> None:
     assert len(out.strip().splitlines()) == 1
     report = json.loads(out)
     assert report["ok"] is True and report["target"] == "exactstep"
-    assert report["counts"] == {"PASS": 26, "FAIL": 0, "N/A": 2, "ERROR": 0}
+    assert report["counts"] == {"PASS": 29, "FAIL": 0, "N/A": 2, "ERROR": 0}
     first = report["probes"][0]
     assert {"probe", "contract", "status", "expected", "observed", "fix"} <= set(first)
 
@@ -38,7 +38,8 @@ def test_a_wrong_loop_fails_with_a_fix_line_and_exit_1(capsys) -> None:
     assert row.split()[1] == "R1" and row.endswith("FAIL")
     assert "fix eos_target (R1): the EOS token must stay a target" in out
     assert out.strip().endswith("NOT CONFORMANT")
-    assert sum(line.startswith("fix ") for line in out.splitlines()) == 1
+    assert "fix eval_rows (L5): evaluate the gold NLL" in out  # its evaluation drops EOS too
+    assert sum(line.startswith("fix ") for line in out.splitlines()) == 2
 
 
 def test_the_html_report_is_self_contained_with_plots(tmp_path, capsys) -> None:

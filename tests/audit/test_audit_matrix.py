@@ -9,6 +9,7 @@ controls: every probe is failed by some wrong loop and passed by most.
 
 from __future__ import annotations
 
+import audit_correct_loops as correct
 import audit_wrong_loops as wrong
 import pytest
 import torch
@@ -23,14 +24,18 @@ from exactstep.audit.run import run_audit
 UPDATE = {"shift", "eos_target", "padding", "accumulation", "remainder", "schedule_clock",
           "schedule_after_warmup", "packed_documents", "chat_ownership", "label_smoothing",
           "clip_global_norm", "scaled_clip", "adamw_decoupled", "adamw_steps",
-          "nonfinite_skip", "ddp_token_mean"}
+          "ddp_token_mean"}
+# A wrong loss: the update and the loss the loop logs for it (the skip probes compare the
+# update after a skip with the loop's own first update, so they do not see it).
+LOSS = UPDATE | {"logged_loss"}
 # The Annotated-Transformer loop does not declare data-parallel training: N/A there.
 DATA_PARALLEL = {"ddp_token_mean"}
 # Probes that compare evaluate()'s numbers with the declared loss.
-EVAL_VALUES = {"eval_mode", "perplexity"}
+EVAL_VALUES = {"eval_mode", "perplexity", "eval_rows"}
 # A loop that never changes a parameter: every probe that needs an update.
 NEVER_STEPS = UPDATE | {"prompt_visible", "decay_groups", "resume", "train_mode",
-                        "resume_scaler", "resume_data"}
+                        "resume_scaler", "resume_data", "nonfinite_skip",
+                        "nonfinite_gradient", "zero_target_window"}
 # Every probe that calls train() or evaluate() of an Annotated-Transformer loop (the
 # attention probes read only logits(); the data-parallel probe is N/A there).
 TRAINS_OR_EVALUATES = ({p.name for p in PROBES} - DATA_PARALLEL
@@ -38,44 +43,49 @@ TRAINS_OR_EVALUATES = ({p.name for p in PROBES} - DATA_PARALLEL
 
 EXPECTED: dict[str, set[str]] = {
     # the shift (R1)
-    "NoShift": UPDATE | EVAL_VALUES,
-    "ReversedShift": UPDATE | EVAL_VALUES,
-    "DoubleShift": UPDATE,  # its evaluate() does not use the doubly shifted loss
-    "LabelsAsDecoderInput": UPDATE - DATA_PARALLEL | EVAL_VALUES | {"prompt_visible"},  # prompt
+    "NoShift": LOSS | EVAL_VALUES,
+    "ReversedShift": LOSS | EVAL_VALUES,
+    "DoubleShift": LOSS,  # its evaluate() does not use the doubly shifted loss
+    "LabelsAsDecoderInput": LOSS - DATA_PARALLEL | EVAL_VALUES | {"prompt_visible"},  # prompt
     # fed as PAD
-    "DropEos": {"eos_target"},
-    "ProbabilitiesIntoCrossEntropy": UPDATE,  # its evaluate() scores the logits themselves
+    "DropEos": {"eos_target", "eval_rows"},  # evaluation drops the EOS targets too
+    "ProbabilitiesIntoCrossEntropy": LOSS,  # its evaluate() scores the logits themselves
     # padding and the denominator (L3)
-    "PadInLoss": {"padding", "label_smoothing"},  # the smoothing probe has padded rows
+    # the smoothing probe has padded rows; evaluation uses the same labels
+    "PadInLoss": {"padding", "label_smoothing", "eval_rows"},
     "NormBT": {"padding", "packed_documents", "chat_ownership", "label_smoothing",
-               "zero_target_window"},  # B*T > 0 for a window without targets: it steps
+               "zero_target_window", "eval_rows"},  # B*T > 0 without targets: it steps
     "CountsTgt": {"padding", "packed_documents", "chat_ownership", "label_smoothing",
-                  "zero_target_window"},
+                  "zero_target_window", "eval_rows"},
     # the window (U1)
-    "MeanOfMicrobatchMeans": {"accumulation", "ddp_token_mean"},  # a rank is a microbatch
+    # a rank is a microbatch; the logged value is the mean the update used
+    "MeanOfMicrobatchMeans": {"accumulation", "ddp_token_mean", "logged_loss"},
     "RankLocalTokenMean": {"ddp_token_mean"},
-    "FirstMicrobatchSteps": {"accumulation", "remainder", "schedule_clock", "scaled_clip"},
-    # (the last two probes' windows have two microbatches too)
+    "FirstMicrobatchSteps": {"accumulation", "remainder", "schedule_clock", "scaled_clip",
+                             "logged_loss"},
+    # (the last three probes' windows have two microbatches too)
     "DropRemainder": {"remainder"},
     "NoRemainderClose": {"remainder"},
     # the NaN (and the overflowed) gradient stays; resumed windows start from zero grads
     "NoZeroGrad": {"remainder", "schedule_clock", "schedule_after_warmup", "adamw_steps",
-                   "resume", "nonfinite_skip", "resume_scaler", "resume_data"},
+                   "resume", "nonfinite_skip", "nonfinite_gradient", "resume_scaler",
+                   "resume_data"},
     "ZeroGradBeforeStep": NEVER_STEPS,
     "ZeroGradEveryMicrobatch": {"accumulation", "remainder", "schedule_clock", "scaled_clip"},
     # packed documents (R2, R3)
     "OneCausalMaskOverDocuments": {"cross_document_attention", "packed_documents"},
-    "PositionsNotReset": {"packed_documents"},
-    "PositionsResetWithoutSegments": {"packed_documents"},
-    "CrossDocumentTarget": {"packed_documents"},
+    # evaluation on packed rows shares the model and the targets
+    "PositionsNotReset": {"packed_documents", "eval_rows"},
+    "PositionsResetWithoutSegments": {"packed_documents", "eval_rows"},
+    "CrossDocumentTarget": {"packed_documents", "eval_rows"},
     "MaskIgnoresDocuments": {"cross_document_attention", "packed_documents"},
     "PaddingOnlyMask": {"causal_attention", "cross_document_attention", "packed_documents"},
     # hidden keys left in the softmax's denominator: the future and other documents move
     # every row's logits, slightly (about 1e-6 to 1e-5) but not zero
     "MaskAfterSoftmax": {"causal_attention", "cross_document_attention", "packed_documents"},
     # chat ownership (R2, R5)
-    "UnshiftedOwnership": UPDATE | EVAL_VALUES,  # text rows lose their first target too
-    "LossMaskAsAttentionMask": {"chat_ownership", "prompt_visible"},
+    "UnshiftedOwnership": LOSS | EVAL_VALUES,  # text rows lose their first target too
+    "LossMaskAsAttentionMask": {"chat_ownership", "prompt_visible", "eval_rows"},
     # label smoothing (L2)
     "PadGetsSmoothingMass": {"label_smoothing"},
     "SmoothingDenominatorVMinus1": {"label_smoothing"},
@@ -84,11 +94,14 @@ EXPECTED: dict[str, set[str]] = {
     "PerTensorClip": {"clip_global_norm", "scaled_clip"},
     "TiedCountedTwice": {"clip_global_norm", "scaled_clip"},
     "ClipBeforeUnscale": {"scaled_clip"},
-    "DoubleUnscale": {"scaled_clip", "resume_scaler"},  # GradScaler raises: an ERROR
+    # GradScaler raises: an ERROR wherever a loss scale is in play
+    "DoubleUnscale": {"scaled_clip", "resume_scaler", "logged_loss", "nonfinite_gradient"},
     # the optimizer (U6); decay_groups is N/A when the step is not AdamW's
     "L2InLossWithAdam": {"adamw_decoupled", "adamw_steps"},
     "DecayOnEverything": {"decay_groups"},
     "DecayOnNothing": {"decay_groups"},
+    # the embedding held as an nn.Parameter and read with F.embedding is still one (U6)
+    "FunctionalTableDecayed": {"decay_groups"},
     # past the first update (where the betas cancel): the betas, the bias correction, the
     # second moment and the step count (U6); the first update is still AdamW's, except
     # without bias correction
@@ -96,10 +109,19 @@ EXPECTED: dict[str, set[str]] = {
     "NoBiasCorrection": {"adamw_decoupled", "adamw_steps"},
     "Amsgrad": {"adamw_steps"},
     "FreshOptimizerEachWindow": {"adamw_steps"},
+    # momentum shows from the second SGD update on
+    "SGDWithMomentum": {"remainder", "schedule_clock", "schedule_after_warmup"},
+    # the logged loss (U1, U4): the update is right, the log is not
+    "LogsScaledLoss": {"logged_loss"},
+    "LogsMeanOfMicrobatchMeans": {"logged_loss"},
+    "LogsLastMicrostep": {"logged_loss"},
     # skipped and empty windows (L4, U4, U5)
     "SchedulerAdvancesOnSkip": {"nonfinite_skip"},
     "UncappedWarmup": {"schedule_after_warmup"},  # the other probes stay inside warm-up
-    "NoFiniteCheck": {"nonfinite_skip"},
+    # without a scaler it steps on NaN; with one, GradScaler skips but the loop logs
+    "NoFiniteCheck": {"nonfinite_skip", "nonfinite_gradient"},
+    "SkipDecidedFromLossOnly": {"nonfinite_gradient"},
+    "EmptyWindowAdvancesSchedule": {"zero_target_window"},
     "LambdaLRStepsOnSkip": {"nonfinite_skip"},
     "ZeroTargetWindowSteps": {"zero_target_window"},
     # modes and evaluation (E1, L5)
@@ -107,7 +129,10 @@ EXPECTED: dict[str, set[str]] = {
     "EvaluatesInTrainMode": {"eval_mode", "eval_isolation"},  # dropout draws from the RNG
     "EvalLeavesEvalMode": {"eval_isolation"},
     "EvalReseeds": {"eval_isolation"},
-    "EvalThroughTrainStep": {"eval_mode", "eval_isolation", "perplexity"},  # it steps
+    "EvalThroughTrainStep": {"eval_mode", "eval_isolation", "perplexity", "eval_rows"},
+    "EvalWithLabelSmoothing": {"eval_rows"},
+    "EvalScoresPrompt": {"eval_rows"},
+    "EvalCountsPadding": {"eval_rows"},
     "PerplexityPerBatch": {"perplexity"},
     "PerplexityOfMeanLoss": {"perplexity"},
     # resume (S2)
@@ -118,6 +143,9 @@ EXPECTED: dict[str, set[str]] = {
     "ResumeWithoutScaler": {"resume_scaler"},  # the probe's back-off is lost
     "ResumeWithoutDataCursor": {"resume_data"},
     "ResumeReshufflesData": {"resume_data"},
+    # the reloaded module is not the optimizer's: it never moves; GradScaler then finds
+    # no gradient to check and raises (an ERROR)
+    "LoadRebuildsModel": {"resume", "resume_scaler", "resume_data"},
     # -- the shape-correct failure list: what the entries above did not cover --
     # masks (R2): the future visible is read by causal_attention; a packed row drops its
     # last token from the inputs, which the earlier tokens of its last document now see;
@@ -126,27 +154,26 @@ EXPECTED: dict[str, set[str]] = {
     "WrongMaskLength": TRAINS_OR_EVALUATES,  # the target's RuntimeError (broadcast)
     "PadMaskWrongAxis": set(),  # not observable under right padding: see the loop
     # the generator and the criterion (L1, L2); evaluate() uses the same criterion
-    "OutAsLogits": UPDATE - DATA_PARALLEL | EVAL_VALUES,
-    "GeneratorTwice": UPDATE - DATA_PARALLEL | EVAL_VALUES,
+    "OutAsLogits": LOSS - DATA_PARALLEL | EVAL_VALUES,
+    "GeneratorTwice": LOSS - DATA_PARALLEL | EVAL_VALUES,
     "FlattenDestroysVocabulary": TRAINS_OR_EVALUATES,  # the target's IndexError
-    "ProbabilitiesIntoKLDiv": UPDATE - DATA_PARALLEL | EVAL_VALUES,
+    "ProbabilitiesIntoKLDiv": LOSS - DATA_PARALLEL | EVAL_VALUES,
     "LogProbsIntoCrossEntropy": set(),  # log_softmax is idempotent: the same objective
     # the confidence lands in the PAD column, which is then zeroed: without smoothing the
-    # loss is 0 (the loop never steps), or an index past the row count raises; a window
-    # without targets is skipped before either
-    "SmoothingScatterWrongDim": TRAINS_OR_EVALUATES - {"zero_target_window"},
+    # loss is 0 (the loop never steps), or an index past the row count raises
+    "SmoothingScatterWrongDim": TRAINS_OR_EVALUATES,
     # padding (L3): padded labels (the target's pad, 0) counted and scored, EOS (the
     # source's pad, 2) dropped; a packed row's document boundary is such a padded label
     "SourcePadForTargets": {"eos_target", "padding", "packed_documents", "chat_ownership",
-                            "label_smoothing", "zero_target_window"},
+                            "label_smoothing", "zero_target_window", "eval_rows"},
     # training through inference's last position: one target per row; the padding probe's
     # last column is all padding, so there it never steps (an ERROR)
-    "LastPositionOnly": UPDATE,
+    "LastPositionOnly": LOSS,
     # every sequence weighs the same: the probes whose rows hold unequal target counts
     "MeanOfSequenceMeans": {"padding", "accumulation", "ddp_token_mean", "chat_ownership",
-                            "label_smoothing"},
+                            "label_smoothing", "logged_loss"},
     # the window and the backward (U1, U2, U5)
-    "BackwardOfLoggedValue": NEVER_STEPS,  # PyTorch's RuntimeError, per probe
+    "BackwardOfLoggedValue": NEVER_STEPS | {"logged_loss"},  # PyTorch's RuntimeError
     "UnscaleEachMicrobatch": {"scaled_clip"},
     "ScheduleCountsMicrobatches": {"schedule_clock"},
     # data parallel (D1, D5): no reduction at all, ranks diverge; the benign variant
@@ -162,11 +189,12 @@ PASSING = {"PadMaskWrongAxis", "LogProbsIntoCrossEntropy", "BackwardInsideNoSync
            "CheckpointRecomputesDropout"}
 # Where the target's own exception (not a wrong value) is what the probe reports.
 ERRORS = {"ZeroGradBeforeStep": NEVER_STEPS,
-          "DoubleUnscale": {"scaled_clip", "resume_scaler"},
-          "NoZeroGrad": {"nonfinite_skip"}, "WrongMaskLength": TRAINS_OR_EVALUATES,
+          "DoubleUnscale": EXPECTED["DoubleUnscale"],
+          "WrongMaskLength": TRAINS_OR_EVALUATES, "LoadRebuildsModel": {"resume_scaler"},
           "FlattenDestroysVocabulary": TRAINS_OR_EVALUATES,
-          "SmoothingScatterWrongDim": EXPECTED["SmoothingScatterWrongDim"],
-          "BackwardOfLoggedValue": NEVER_STEPS, "LastPositionOnly": {"padding"}}
+          "SmoothingScatterWrongDim": EXPECTED["SmoothingScatterWrongDim"] - {"eval_rows"},
+          "BackwardOfLoggedValue": EXPECTED["BackwardOfLoggedValue"],
+          "LastPositionOnly": {"padding"}}
 # ... and what each of those ERRORs says: the target's own message, not an audit crash.
 ERROR_MESSAGES = {
     "WrongMaskLength": ("RuntimeError: The size of tensor a",),
@@ -205,6 +233,21 @@ def test_exactstep_passes_every_applicable_probe() -> None:
     statuses = {r.probe: r.status for r in report.results}
     assert {p for p, s in statuses.items() if s == NA} == {"train_mode", "eval_mode"}
     assert {p for p, s in statuses.items() if s not in (PASS, NA)} == set()
+    assert report.ok
+
+
+VARIANTS = ["FunctionalEmbedding", "FusedAdamW", "ManualLogSoftmaxGather",
+            "LambdaLRPerCommittedUpdate", "WholeWindowOneForward"]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_correct_loop_written_another_way_passes_every_probe(name: str) -> None:
+    """Correct loops by other routes (``audit_correct_loops``): a table read with
+    ``F.embedding`` and ``model.forward`` called directly, fused AdamW, a hand-written
+    ``log_softmax`` + ``gather`` loss, a ``LambdaLR`` per committed update, the whole
+    window in one forward. Nothing fails, nothing is N/A."""
+    report = run_audit(getattr(correct, name)())
+    assert {r.probe: r.observed for r in report.results if r.status != PASS} == {}
     assert report.ok
 
 
@@ -264,6 +307,44 @@ def test_a_target_that_breaks_gets_a_per_probe_error_not_a_crash(name: str,
 def test_a_failing_update_names_the_wrong_alignment_it_matches(name: str, label: str) -> None:
     (result,) = run_audit(getattr(wrong, name)(), probes=["shift"]).results
     assert result.status == "FAIL" and f"matches {label} (" in result.observed
+
+
+@pytest.mark.parametrize(("name", "probe", "says"), [
+    ("NormBT", "padding", "the update is 0.545x the reference: a denominator"),
+    ("CountsTgt", "chat_ownership", "the update is 0.5x the reference"),
+    ("SGDWithMomentum", "schedule_after_warmup", "matches SGD with momentum 0.9"),
+    ("NoBiasCorrection", "adamw_steps", "matches Adam without bias correction"),
+    ("Amsgrad", "adamw_steps", "matches AdamW with amsgrad=True"),
+    ("SwappedBetas", "adamw_steps", "matches AdamW with the betas swapped"),
+    ("FreshOptimizerEachWindow", "adamw_steps", "matches a new optimizer every window"),
+    ("ScheduleCountsMicrobatches", "schedule_clock", "matches a microbatch clock"),
+    ("SchedulerAdvancesOnSkip", "nonfinite_skip", "matches a schedule advanced by the skipped"),
+    ("EmptyWindowAdvancesSchedule", "zero_target_window", "advanced by the skipped window"),
+    ("NoZeroGrad", "nonfinite_gradient", "gradient was not cleared"),
+    ("LoadRebuildsModel", "resume", "the optimizer is not bound to the loaded module"),
+    ("LogsScaledLoss", "logged_loss", "matches the loss still multiplied by the loss scale"),
+    ("LogsMeanOfMicrobatchMeans", "logged_loss", "matches a mean of the microbatches' means"),
+    ("LogsLastMicrostep", "logged_loss", "matches the last micro-step's mean"),
+    ("EvalWithLabelSmoothing", "eval_rows", "matches label smoothing in evaluation"),
+    ("EvalScoresPrompt", "eval_rows", "wrong on chat (matches every token scored"),
+    ("EvalCountsPadding", "eval_rows", "matches padding counted in the denominator"),
+])
+def test_a_fail_names_the_known_mistake_it_matches(name: str, probe: str, says: str) -> None:
+    """Diagnoses: each is computed from the observed and expected values (a constant
+    factor, a known wrong optimizer, schedule, log or evaluation recomputed from the
+    same start), never from the loop's name."""
+    (result,) = run_audit(getattr(wrong, name)(), probes=[probe]).results
+    assert result.status == "FAIL" and says in result.observed, result.observed
+
+
+def test_a_diagnosis_is_not_given_where_none_matches() -> None:
+    """Negative controls: a per-tensor clip is no constant factor and no known AdamW; a
+    wrong alignment's log matches no known wrong log."""
+    (clip,) = run_audit(wrong.PerTensorClip(), probes=["clip_global_norm"]).results
+    assert clip.status == "FAIL" and "matches" not in clip.observed
+    assert "x the reference" not in clip.observed
+    (log,) = run_audit(wrong.NoShift(), probes=["logged_loss"]).results
+    assert log.status == "FAIL" and "matches" not in log.observed
 
 
 def test_an_unrelated_failure_names_no_alignment() -> None:

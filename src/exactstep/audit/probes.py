@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from exactstep.audit import data
 from exactstep.audit import reference as ref
@@ -147,8 +148,10 @@ def update_probe(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Mic
 
 def diagnosis(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Microbatch],
               before: dict, after: dict, rtol: float) -> str:
-    """``"; matches <a known wrong alignment>"`` when the observed update is one of
-    them (computed the same plain way, from the same start), else ``""``."""
+    """``"; matches <a known wrong update>"`` when the observed update is one of them
+    (a wrong alignment, an unclipped update, each computed the same plain way from the
+    same start), or ``"; the update is c x the reference ..."`` when it is the
+    reference's update scaled by one constant; else ``""``."""
     for label, align in ref.WRONG_ALIGNMENTS.items():
         try:
             wrong = ref.reference_sgd(step, microbatches, spec, start=before, align=align)
@@ -156,7 +159,30 @@ def diagnosis(step: TrainingStep, spec: ProbeSpec, microbatches: Sequence[Microb
             continue
         if deviation(before, wrong, after)[0] <= rtol:
             return f"; matches {label}"
+    if spec.clip > 0:
+        unclipped = ref.reference_sgd(step, microbatches, replace(spec, clip=0.0), start=before)
+        if deviation(before, unclipped, after)[0] <= rtol:
+            return "; matches an unclipped update (the clip was never applied)"
+    expected = ref.reference_sgd(step, microbatches, spec, start=before)
+    factor = scale_factor(before, expected, after)
+    if factor is not None:
+        return (f"; the update is {factor:.3g}x the reference: a denominator (or the rate) "
+                "is off by that factor")
     return ""
+
+
+def scale_factor(before: dict, expected: dict, observed: dict,
+                 tol: float = 1e-3) -> float | None:
+    """``c`` when the observed change is ``c`` times the expected one (within ``tol`` of
+    the largest change) and ``c`` is not 1; else ``None``."""
+    e = torch.cat([(expected[n] - before[n]).flatten() for n in before]).double()
+    o = torch.cat([(observed[n] - before[n]).flatten() for n in before]).double()
+    if float(e.abs().max()) == 0 or float(o.abs().max()) == 0:
+        return None
+    c = float(o @ e / (e @ e))
+    if abs(c - 1.0) <= 1e-2 or float((o - c * e).abs().max()) > tol * float((c * e).abs().max()):
+        return None
+    return c
 
 
 # -- data of the probes -----------------------------------------------------------------
@@ -197,6 +223,84 @@ def remainder(step: TrainingStep) -> Measure:
     return update_probe(step, replace(SPEC, accum=2), mbs)
 
 
+LOGGING = replace(SPEC, accum=2)
+LOG_RTOL = 1e-4  # a log rounded to 4 decimals (as Trainer's was) still passes
+
+
+def logging_windows() -> list[list[Microbatch]]:
+    """Two windows of two microbatches with unequal target counts (8 and 6, 10 and 2):
+    a mean of microbatch means or one micro-step's mean is not the window's token mean."""
+    return [[plain_rows(seed=96, n=1, length=9), plain_rows(seed=97, n=2, length=4)],
+            [plain_rows(seed=98, n=2, length=6), plain_rows(seed=99, n=1, length=3)]]
+
+
+def logged_loss(step: TrainingStep) -> Measure:
+    """The loss ``train`` logs for each committed window equals the window's declared
+    token mean (U1, U4's ledger loss) at the parameters the window was evaluated at,
+    within ``LOG_RTOL``; then the same under a loss scale of 1024 (logged unscaled),
+    unless the target cannot scale (that half N/A, said). Window 2's expectation is
+    taken at the target's own parameters after window 1 (a fresh build trained on
+    window 1), so a wrong update is not blamed on the log."""
+    m = logged_under(step, LOGGING)
+    if not m.passed:
+        return m
+    try:
+        scaled = logged_under(step, replace(LOGGING, loss_scale=1024.0))
+    except NotApplicable as exc:
+        m.observed += f"; under a loss scale: not applicable ({exc})"
+        return m
+    scaled.observed = f"{m.observed}; under a loss scale of 1024: {scaled.observed}"
+    scaled.expected = f"{m.expected}, unscaled under a loss scale"
+    return scaled
+
+
+def logged_under(step: TrainingStep, spec: ProbeSpec) -> Measure:
+    windows = logging_windows()
+    step.build(spec)
+    expected = [ref.window_loss(step, windows[0], spec)]
+    logs = train(step, [mb for window in windows for mb in window])
+    if all(v is None for v in logs):
+        raise NotApplicable("train() logs no loss (None for every window)")
+    step.build(spec)
+    check_logs(train(step, windows[0]))
+    expected.append(ref.window_loss(step, windows[1], spec))
+    want = [value for value, _ in expected]
+    declared = ("each window's token-mean loss " + ", ".join(f"{v:.6f}" for v in want)
+                + f" (within {LOG_RTOL:.0e} relative)")
+    if len(logs) != len(windows) or any(v is None for v in logs):
+        return Measure(False, declared, f"logged {list(logs)} for {len(windows)} committed "
+                       "windows", want, [])
+    check_logs(logs)
+    got = [float(v) for v in logs]
+    errs = [abs(o - e) / abs(e) for o, e in zip(got, want, strict=True)]
+    observed = "logged " + ", ".join(f"{v:.6f}" for v in got)
+    if max(errs) > LOG_RTOL:
+        observed += log_diagnosis(got, expected, spec)
+    return Measure(max(errs) <= LOG_RTOL, declared, observed, want, got)
+
+
+def log_diagnosis(got: Sequence[float], expected: Sequence[tuple[float, list]],
+                  spec: ProbeSpec) -> str:
+    """``"; matches <a known wrong log>"`` when every logged value is one of them."""
+    scale = spec.loss_scale or 1.0
+    wrong = {
+        "the last micro-step's mean (nanoGPT's loss.item() * accum)":
+            lambda v, parts: parts[-1][0] / parts[-1][1],
+        "a mean of the microbatches' means": lambda v, parts: sum(
+            s / n for s, n in parts) / len(parts),
+        f"the loss still multiplied by the loss scale ({scale:g})": lambda v, parts: v * scale,
+        "the window's loss sum, not its mean": lambda v, parts: sum(s for s, _ in parts),
+        f"the loss divided by the accumulation count ({spec.accum})":
+            lambda v, parts: v / spec.accum,
+        "the first micro-step's mean": lambda v, parts: parts[0][0] / parts[0][1],
+    }
+    for label, value in wrong.items():
+        if all(abs(o - value(v, parts)) <= LOG_RTOL * abs(value(v, parts))
+               for o, (v, parts) in zip(got, expected, strict=True)):
+            return f"; matches {label}"
+    return ""
+
+
 def schedule_clock(step: TrainingStep) -> Measure:
     """Two windows of two equal microbatches under a warmup of 4: the updates are taken
     at the declared ``lr_at(0)``, ``lr_at(1)`` (lr/4, lr/2): the schedule counts
@@ -215,8 +319,10 @@ def schedule_diagnosis(step: TrainingStep, spec: ProbeSpec,
     fresh build, or ``""``."""
     wrong = {
         "a microbatch clock (update k at lr(k * accum))": lambda k: spec.lr_at(k * spec.accum),
-        "a warmup counted from 0 (update k at lr * k / warmup: the first at lr 0)":
-            lambda k: spec.lr * min(1.0, k / spec.warmup),
+        "a warmup counted from 0 (update k at lr(k - 1) = lr * k / warmup: the first at "
+        "lr 0)": lambda k: spec.lr * min(1.0, k / spec.warmup),
+        "a schedule one update ahead (update k at lr(k + 1): the scheduler stepped before "
+        "the optimizer)": lambda k: spec.lr_at(k + 1),
     }
     step.build(spec)
     before = ref.snapshot(step.module)
@@ -483,9 +589,10 @@ def decay_groups(step: TrainingStep) -> Measure:
     _, closest, err = adamw_observation(step)
     if max(err.values()) > RTOL:
         raise NotApplicable("the update is not a decoupled AdamW step (see adamw_decoupled)")
-    declared = ref.decays(step.module)
+    declared = ref.decays(step, plain_rows(seed=12))
     wrong = sorted(n for n in declared if declared[n] != closest[n])
-    return Measure(not wrong, "decay on matrices only (no norms, biases, embeddings)",
+    return Measure(not wrong, "decay on matrices only (no norms, biases, tables the forward "
+                   "reads as embeddings)",
                    "as declared" if not wrong else "wrong decay on " + ", ".join(wrong))
 
 
@@ -518,7 +625,7 @@ def first_step_decay(step: TrainingStep, before: dict, first: dict,
     grads, _ = ref.window_gradient(step, [window], ADAMW_STEPS)
     forms = {flag: ref.adamw_first_step(before, grads, ADAMW_STEPS,
                                         dict.fromkeys(before, flag)) for flag in (True, False)}
-    declared = ref.decays(step.module)
+    declared = ref.decays(step, window)
     decay, unseen = {}, set()
     for n in before:
         e = {f: float((first[n] - forms[f][n]).abs().max()) for f in forms}
@@ -545,10 +652,27 @@ def adamw_steps(step: TrainingStep) -> Measure:
         e = [deviation(states[0], x, o)[0] for x, o in zip(expected, states[1:], strict=True)]
         if not errs or max(e) < max(errs):
             errs = e
+    observed = "deviation after each window: " + ", ".join(f"{e:.1e}" for e in errs)
+    if max(errs) > RTOL:
+        observed += adamw_diagnosis(step, windows, states, groupings[0])
     return Measure(max(errs) <= RTOL, f"each of {len(windows)} AdamW updates (betas "
                    f"{ADAMW_STEPS.betas}) within {RTOL:.0e} of torch.optim.AdamW",
-                   "deviation after each window: " + ", ".join(f"{e:.1e}" for e in errs),
-                   [0.0] * len(errs), errs)
+                   observed, [0.0] * len(errs), errs)
+
+
+def adamw_diagnosis(step: TrainingStep, windows: Sequence[Microbatch], states: list[dict],
+                    grouping: dict[str, bool]) -> str:
+    """``"; matches <a known wrong AdamW>"`` (``reference.ADAMW_VARIANTS``) or ``""``."""
+    ref.restore(step.module, states[0])
+    declared = ref.decays(step, windows[0])
+    for variant, label in ref.ADAMW_VARIANTS.items():
+        for decay in ([grouping, declared] if declared != grouping else [grouping]):
+            ref.restore(step.module, states[0])
+            expected = ref.reference_adamw(step, windows, ADAMW_STEPS, decay, variant=variant)
+            if all(deviation(states[0], x, o)[0] <= RTOL
+                   for x, o in zip(expected, states[1:], strict=True)):
+                return f"; matches {label}"
+    return ""
 
 
 AFTER_WARMUP = replace(SPEC, warmup=2)
@@ -562,7 +686,7 @@ def schedule_after_warmup(step: TrainingStep) -> Measure:
     spec = AFTER_WARMUP
     windows = [plain_rows(seed=80 + i, n=1, length=6) for i in range(4)]
     states = prefix_runs(step, spec, windows)
-    observed, errs = [], []
+    observed, errs, deltas, gradients = [], [], [], []
     for k, window in enumerate(windows):
         before, after = states[k], states[k + 1]
         if any(not torch.isfinite(v).all() for v in after.values()):
@@ -570,6 +694,8 @@ def schedule_after_warmup(step: TrainingStep) -> Measure:
         ref.restore(step.module, before)
         grads, _ = ref.window_gradient(step, [window], spec)
         delta = {n: after[n] - before[n] for n in grads}
+        deltas.append(delta)
+        gradients.append(grads)
         norm2 = sum(float((g * g).sum()) for g in grads.values())
         observed.append(-sum(float((delta[n] * grads[n]).sum()) for n in grads) / norm2)
         scale = spec.lr_at(k) * max(float(g.abs().max()) for g in grads.values())
@@ -579,15 +705,159 @@ def schedule_after_warmup(step: TrainingStep) -> Measure:
         raise TargetFault("train() changed no parameter: the loop never stepped")
     declared = [spec.lr_at(k) for k in range(len(windows))]
     late = range(spec.warmup, len(windows))
-    return Measure(all(errs[k] <= RTOL for k in late),
-                   f"updates {late.start}..{late.stop - 1} at lr {spec.lr:g} (declared "
+    passed = all(errs[k] <= RTOL for k in late)
+    text = ("rates " + ", ".join(f"{v + 0.0:.4g}" for v in observed) + "; deviation of "
+            f"updates {late.start}..{late.stop - 1}: " + ", ".join(f"{errs[k]:.1e}" for k in late))
+    if not passed and momentum_matches(spec, deltas, gradients):
+        text += f"; matches SGD with momentum {MOMENTUM:g} (declared: plain SGD)"
+    return Measure(passed, f"updates {late.start}..{late.stop - 1} at lr {spec.lr:g} (declared "
                    f"rates {', '.join(f'{v:g}' for v in declared)}), within {RTOL:.0e}",
-                   "rates " + ", ".join(f"{v + 0.0:.4g}" for v in observed) + "; deviation of "
-                   f"updates {late.start}..{late.stop - 1}: "
-                   + ", ".join(f"{errs[k]:.1e}" for k in late), declared, observed)
+                   text, declared, observed)
+
+
+MOMENTUM = 0.9  # torch.optim.SGD's momentum as users set it
+
+
+def momentum_matches(spec: ProbeSpec, deltas: list[dict], gradients: list[dict]) -> bool:
+    """Whether every update ``k`` is ``-lr(k) * b_k`` with ``b_k = 0.9 b_{k-1} + g_k``
+    (``torch.optim.SGD(momentum=0.9)``), ``g_k`` the gradient at the target's parameters."""
+    buffer: dict[str, torch.Tensor] = {}
+    for k, (delta, grads) in enumerate(zip(deltas, gradients, strict=True)):
+        buffer = {n: g if k == 0 else MOMENTUM * buffer[n] + g for n, g in grads.items()}
+        scale = spec.lr_at(k) * max(float(b.abs().max()) for b in buffer.values())
+        if max(float((delta[n] + spec.lr_at(k) * buffer[n]).abs().max())
+               for n in delta) > RTOL * scale:
+            return False
+    return True
+
+
+SKIP = replace(SPEC, warmup=4)
+MARK = 3  # the one content token of the marked window the injections recognise
+
+
+def marked_window(spec: ProbeSpec = SPEC) -> Microbatch:
+    """Two rows ``BOS MARK x 8``: a window recognisable by its token ids wherever the
+    loop looks them up (no other probe window has a row of one repeated token)."""
+    tokens = torch.full((2, 9), MARK, dtype=torch.int64)
+    tokens[:, 0] = spec.bos_id
+    owned = torch.ones_like(tokens, dtype=torch.bool)
+    owned[:, 0] = False
+    return Microbatch(tokens=tokens, documents=torch.ones_like(tokens),
+                      positions=torch.arange(9).repeat(2, 1), owned=owned)
+
+
+class Injector(TorchDispatchMode):
+    """Watches every lookup in a table of the vocabulary's size (``aten.embedding``,
+    integer indexing: ``nn.Embedding``, ``F.embedding``, ``W[ids]``): ``marked`` is
+    whether the last one read the marked window's ids. ``nan_forward``: that lookup's
+    output becomes NaN (a non-finite loss); otherwise the parameters' gradient hooks
+    (``poison_gradients``) return NaN while ``marked`` (a finite loss, a non-finite
+    gradient). ``fired`` counts the values made NaN."""
+
+    def __init__(self, vocab_size: int, nan_forward: bool) -> None:
+        super().__init__()
+        self.vocab_size, self.nan_forward = vocab_size, nan_forward
+        self.marked, self.fired = False, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        ids = ref.lookup_ids(func, args)
+        if ids is None or args[0].shape[0] != self.vocab_size:
+            return out
+        content = ids[ids > SPEC.eos_id]
+        self.marked = content.numel() >= 8 and bool((content == MARK).all())
+        if self.marked and self.nan_forward and out.is_floating_point():
+            self.fired += 1
+            return out * float("nan")
+        return out
+
+
+def poison_gradients(step: TrainingStep, injector: Injector) -> list:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not injector.marked:
+            return grad
+        injector.fired += 1
+        return torch.full_like(grad, float("nan"))
+
+    return [p.register_hook(hook) for _, p in ref.named_parameters(step.module)]
+
+
+def injected_train(step: TrainingStep, windows: Sequence[Microbatch],
+                   injection: str | None, vocab_size: int) -> tuple[list, int]:
+    """``train(windows)`` in one call with ``injection`` (``"forward"``, ``"gradient"``
+    or ``None``) active for the marked window; the logs and how often it fired."""
+    if injection is None:
+        return train(step, windows), 1
+    injector = Injector(vocab_size, nan_forward=injection == "forward")
+    handles = poison_gradients(step, injector) if injection == "gradient" else []
+    try:
+        with injector:
+            logs = train(step, windows)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logs, injector.fired
+
+
+def skipped_window(step: TrainingStep, spec: ProbeSpec, bad: Microbatch,
+                   injection: str | None, what: str) -> Measure:
+    """A window that must be skipped (``what``; U4, U5, L4), observed three ways from
+    fresh builds: the loop's own updates on good windows; the bad window alone must
+    change nothing and log no finite loss; the bad window then the good ones, in one
+    ``train`` call, must end where the loop's own good updates end (the skip advanced
+    no schedule, moment or counter). Comparing with the loop itself keeps a wrong update
+    rule the update probes' finding. The good run is one window, or two when the loop's
+    first update is at rate 0 (a warm-up counted from 0)."""
+    goods = [plain_rows(seed=15)]
+    step.build(spec)
+    before = ref.snapshot(step.module)
+    check_logs(train(step, goods))
+    own = ref.snapshot(step.module)
+    if not moved(before, own):
+        goods.append(plain_rows(seed=16))
+        step.build(spec)
+        check_logs(train(step, goods))
+        own = ref.snapshot(step.module)
+        if not moved(before, own):
+            raise TargetFault("train() changed no parameter: the loop never stepped")
+    step.build(spec)
+    if moved(before, ref.snapshot(step.module)):
+        raise TargetFault("two builds of one spec differ: build() must seed the model")
+    logs, fired = injected_train(step, [bad], injection, spec.vocab_size)
+    if not fired:
+        raise NotApplicable("the injected NaN never reached the loop: no table of the "
+                            "vocabulary's size was read with the marked window's ids")
+    changed = [n for n, v in ref.snapshot(step.module).items() if not torch.equal(before[n], v)]
+    if changed:
+        return Measure(False, f"the window with {what} changes nothing",
+                       f"{len(changed)} parameters changed")
+    logged = [float(v) for v in logs if v is not None and math.isfinite(float(v))]
+    if logged:
+        return Measure(False, f"the window with {what} logs no loss (or marks it skipped)",
+                       f"it logged {logged[0]:.6g} as a committed window's loss")
+    step.build(spec)
+    logs, _ = injected_train(step, [bad, *goods], injection, spec.vocab_size)
+    check_logs(logs[1:])
+    after = ref.snapshot(step.module)
+    if not moved(before, after):
+        return Measure(False, f"after the window with {what} the next good window updates",
+                       "the next good window changed nothing: the skipped window's gradient "
+                       "was not cleared (zero the gradients on a skip)")
+    err, e, o = deviation(before, own, after)
+    ratio = sum(o) / max(sum(e), 1e-30)
+    observed = f"then x{ratio:.3f} of the loop's own update, deviation {err:.2e}"
+    ahead = spec.lr_at(1) / spec.lr_at(0)
+    if err > RTOL and len(goods) == 1 and abs(ratio - ahead) <= 1e-3 * ahead:
+        observed += "; matches a schedule advanced by the skipped window (lr(1), not lr(0))"
+    return Measure(err <= RTOL, f"the window with {what} is skipped (nothing changed or "
+                   "logged) and the next update is the loop's own first one, at lr(0)",
+                   observed, e, o)
 
 
 def zero_target_window(step: TrainingStep) -> Measure:
+    """A window without a supervised target under AdamW with weight decay (a step with
+    zero gradients would still decay and move the moments): nothing changes, nothing is
+    logged; then, under a warm-up of 4, it must not advance the schedule (L4, U5)."""
     g = gen(13)
     tokens, _ = data.chat(g, 4, 0, SPEC)
     mb = data.single([(tokens, torch.zeros(len(tokens), dtype=torch.bool))] * 2, SPEC)
@@ -597,52 +867,32 @@ def zero_target_window(step: TrainingStep) -> Measure:
     after = ref.snapshot(step.module)
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     logged = [v for v in logs if v is not None]
-    ok = not changed and not logged
-    return Measure(ok, "no parameter changes, no loss logged",
-                   f"{len(changed)} parameters changed, logged {logged}")
-
-
-def poison(module: torch.nn.Module, args: object, output: object) -> object:
-    """Forward hook: the model's output becomes NaN (a non-finite window)."""
-    if isinstance(output, torch.Tensor):
-        return output * float("nan")
-    if hasattr(output, "logits"):
-        output.logits = output.logits * float("nan")
-        return output
-    if isinstance(output, tuple):
-        return (output[0] * float("nan"), *output[1:])
-    raise TargetFault(f"cannot make the model's output ({type(output).__name__}) non-finite")
-
-
-def poison_sites(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """Where a non-finite value enters: every ``nn.Embedding`` (always called as a
-    module, even by a loop that calls ``model.forward`` directly), else the model."""
-    embeddings = [m for m in module.modules() if isinstance(m, torch.nn.Embedding)]
-    return embeddings or [module]
+    if changed or logged:
+        return Measure(False, "no parameter changes, no loss logged",
+                       f"{len(changed)} parameters changed, logged {logged}")
+    return skipped_window(step, SKIP, mb, None, "no supervised target")
 
 
 def nonfinite_skip(step: TrainingStep) -> Measure:
-    spec = replace(SPEC, warmup=4)
-    bad, good = plain_rows(seed=14), plain_rows(seed=15)
-    step.build(spec)
-    before = ref.snapshot(step.module)
-    expected = ref.reference_sgd(step, [good], spec)  # lr of the first update, lr_at(0)
-    hooks = [m.register_forward_hook(poison) for m in poison_sites(step.module)]
+    """The marked window's forward made non-finite at its table lookup (U4)."""
+    return skipped_window(step, SKIP, marked_window(), "forward", "a non-finite loss")
+
+
+SKIP_SCALED = replace(SKIP, loss_scale=1024.0)
+
+
+def nonfinite_gradient(step: TrainingStep) -> Measure:
+    """The marked window with a finite loss and NaN gradients (a hook on every
+    parameter), under a loss scaler as an overflow gives (U4, U5): a skip decided from
+    the loss alone lets ``GradScaler.step`` skip the update while the loop still
+    advances its schedule and logs. A target without a loss scaler runs it unscaled."""
     try:
-        train(step, [bad])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    mid = ref.snapshot(step.module)
-    changed = [n for n in before if not torch.equal(before[n], mid[n])]
-    if changed:
-        return Measure(False, "the non-finite window changes nothing",
-                       f"{len(changed)} parameters changed")
-    check_logs(train(step, [good]))
-    err, e, o = deviation(before, expected, ref.snapshot(step.module))
-    ratio = sum(o) / max(sum(e), 1e-30)
-    return Measure(err <= RTOL, "skipped window changes nothing; next update at lr(0)",
-                   f"next update x{ratio:.3f} of lr(0)'s, deviation {err:.2e}", e, o)
+        step.build(SKIP_SCALED)
+        spec = SKIP_SCALED
+    except NotApplicable:
+        spec = SKIP
+    return skipped_window(step, spec, marked_window(), "gradient",
+                          "a finite loss and a non-finite gradient")
 
 
 DROPOUT = replace(SPEC, dropout=0.5)
@@ -724,6 +974,62 @@ def perplexity(step: TrainingStep) -> Measure:
                    f"{float(ppl):.5f}", [want], [float(ppl)])
 
 
+def eval_kinds(spec: ProbeSpec) -> dict[str, Microbatch]:
+    """Held-out microbatches of each kind a loop meets: padded rows (one ending in EOS),
+    packed rows (two documents in a row) and chat rows (only the answers are targets)."""
+    g = gen(100)
+    return {
+        "padded": data.single([data.text(g, 9, spec, eos=True), data.text(g, 4, spec),
+                               data.text(g, 6, spec)], spec, length=11),
+        "packed": data.microbatch([[data.text(g, 5, spec), data.text(g, 6, spec, eos=True)],
+                                   [data.text(g, 7, spec)]], spec),
+        "chat": chat_rows(101),
+    }
+
+
+def eval_rows(step: TrainingStep) -> Measure:
+    """``evaluate`` on padded, packed and chat rows, each alone, of a model trained with
+    label smoothing 0.2: the held-out loss is the gold (unsmoothed) NLL over the
+    supervised targets only, divided by their count (E1, L5), within 1e-5."""
+    spec = replace(SPEC, label_smoothing=0.2,
+                   smoothing_convention=getattr(step, "smoothing_convention", "harvard"))
+    step.build(spec)
+    want, got, wrong = [], [], []
+    for kind, mb in eval_kinds(spec).items():
+        total, count = ref.eval_reference(step, [mb], spec)
+        loss, _ = finite_eval(step, [mb])
+        want.append(total / count)
+        got.append(loss)
+        if abs(loss - total / count) > 1e-5 * (total / count):
+            wrong.append(kind + eval_diagnosis(step, mb, spec, loss, total, count))
+    observed = ", ".join(f"{k} {v:.6f}" for k, v in zip(eval_kinds(spec), got, strict=True))
+    if wrong:
+        observed += "; wrong on " + ", ".join(wrong)
+    return Measure(not wrong, "gold NLL per supervised target: " + ", ".join(
+        f"{k} {v:.6f}" for k, v in zip(eval_kinds(spec), want, strict=True)), observed,
+        want, got)
+
+
+def eval_diagnosis(step: TrainingStep, mb: Microbatch, spec: ProbeSpec, loss: float,
+                   total: float, count: int) -> str:
+    """`` (matches <a known wrong evaluation>)`` or ``""``."""
+    with ref.eval_mode(step.module), torch.no_grad():
+        smoothed = float(ref.nll_sum(step, mb, spec)[0]) / count
+        every = Microbatch(tokens=mb.tokens, documents=mb.documents, positions=mb.positions,
+                           owned=mb.documents > 0)
+        s_all, n_all = ref.nll_sum(step, every, spec, smoothed=False)
+    candidates = {
+        "label smoothing in evaluation": smoothed,
+        "every token scored, prompts too": float(s_all) / max(n_all, 1),
+        "padding counted in the denominator": total / (mb.tokens.shape[0]
+                                                       * (mb.tokens.shape[1] - 1)),
+    }
+    for label, value in candidates.items():
+        if abs(loss - value) <= 1e-5 * abs(value) and abs(value - total / count) > 1e-6:
+            return f" (matches {label})"
+    return ""
+
+
 def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(before[n], after[n]) for n in before)
 
@@ -763,10 +1069,16 @@ def resume_exact(step: TrainingStep) -> Measure:
         step.build(RESUME)
         train(step, mbs[:2])
         reload(step, RESUME, tmp)
+        loaded = ref.snapshot(step.module)
         train(step, mbs[2:])
     if not moved(start, straight):
         raise TargetFault("train() changed no parameter: the loop never stepped")
-    return bitwise(straight, ref.snapshot(step.module))
+    resumed = ref.snapshot(step.module)
+    m = bitwise(straight, resumed)
+    if not m.passed and not moved(loaded, resumed):
+        m.observed += ("; the module never moved after load: the optimizer is not bound to "
+                       "the loaded module's parameters")
+    return m
 
 
 # -- resume without the loss scaler (S2, U2) ----------------------------------------------
@@ -926,6 +1238,9 @@ PROBES: tuple[Probe, ...] = (
           "(i + 1) % accum == 0", accumulation),
     Probe("remainder", "U1", "close the last, shorter window too, normalized by its own "
           "tokens; zero the gradients after each step", remainder),
+    Probe("logged_loss", "U1", "log each committed window's token mean (the loss the "
+          "update used: sum of the window's target losses / its target count), unscaled; "
+          "log nothing for a skipped window", logged_loss),
     Probe("schedule_clock", "U5", "the update taken after k committed updates uses lr(k): "
           "advance the schedule once per optimizer step (not per microbatch) and take the "
           "first update at lr(0) = lr / warmup (a warmup from 0 wastes it)", schedule_clock),
@@ -963,6 +1278,9 @@ PROBES: tuple[Probe, ...] = (
           "advance or log a loss (skip when the target count is 0)", zero_target_window),
     Probe("nonfinite_skip", "U4", "on a non-finite loss or gradient skip the window: no "
           "optimizer step, no scheduler step", nonfinite_skip),
+    Probe("nonfinite_gradient", "U4", "decide the skip from the gradient too (the "
+          "unscaled gradient norm is finite), not from the loss alone: on a skip do not "
+          "step the scheduler and log nothing", nonfinite_gradient),
     Probe("train_mode", "E1", "call model.train() before training steps (dropout on)",
           train_mode),
     Probe("eval_mode", "E1", "evaluate under model.eval() and torch.no_grad()", eval_mode),
@@ -970,6 +1288,9 @@ PROBES: tuple[Probe, ...] = (
           "parameters or the global RNG (fork or save/restore it)", eval_isolation),
     Probe("perplexity", "L5", "perplexity = exp(total NLL / total tokens), not a mean of "
           "per-batch values", perplexity),
+    Probe("eval_rows", "L5", "evaluate the gold NLL (no label smoothing) over the "
+          "supervised targets only (ownership, no padding, no cross-document target), "
+          "divided by their count", eval_rows),
     Probe("resume", "S2", "save and restore model, optimizer, scheduler, scaler and RNG "
           "state", resume_exact),
     Probe("resume_scaler", "S2", "save scaler.state_dict() with the checkpoint and load it "

@@ -39,8 +39,9 @@ class ProbeSpec:
 
     The declared update (U1-U6): ``optimizer`` ``sgd`` (plain: no momentum) or
     ``adamw`` (PyTorch's decoupled weight decay ``weight_decay``, ``betas``, ``eps``);
-    the decay group is every matrix that is not an ``nn.Embedding`` weight, the rest
-    is not decayed; global L2 clipping at ``clip`` over unique parameters (0: none)
+    the decay group is every matrix the forward does not read as a lookup table (an
+    ``nn.Embedding`` weight, or an ``nn.Parameter`` read with ``F.embedding`` or
+    indexing), the rest is not decayed; global L2 clipping at ``clip`` over unique parameters (0: none)
     after unscaling; the learning rate of the update taken after ``k`` committed
     updates is ``lr * min(1, (k + 1) / warmup)`` (``warmup`` 0: constant); a window
     with a non-finite loss or gradient is skipped and advances nothing (U4).
@@ -114,7 +115,8 @@ class TrainingStep(Protocol):
       mode; tokens with equal ``document_ids`` see each other causally, 0 is padding.
     - ``train(microbatches)``: run the loop once, closing a window every
       ``spec.accum`` microbatches and on the remainder; returns the loss it logs for
-      each window (``None`` when it logs none).
+      each window: the window's declared token mean, unscaled (``None`` for a skipped
+      window, or for every window when the loop logs none).
     - ``evaluate(microbatches)``: held-out ``(loss, perplexity)``.
     - ``save(path)`` / ``load(path)``: everything the loop needs to continue exactly.
     - ``smoothing_convention``: ``uniform`` (``F.cross_entropy(label_smoothing=...)``),

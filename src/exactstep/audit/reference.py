@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from exactstep.audit.protocol import Microbatch, ProbeSpec, TrainingStep
 
@@ -254,10 +255,50 @@ def reference_sgd(step: TrainingStep, microbatches: Sequence[Microbatch], spec: 
         restore(step.module, before)
 
 
-def decays(module: nn.Module) -> dict[str, bool]:
-    """The declared decay group (U6): matrices that are not ``nn.Embedding`` weights."""
-    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-    return {n: p.ndim >= 2 and id(p) not in embeddings for n, p in named_parameters(module)}
+def lookup_ids(func, args) -> torch.Tensor | None:  # noqa: ANN001
+    """The integer ids of a table lookup (``args[0]`` is the table): ``aten.embedding``
+    (``nn.Embedding``, ``F.embedding``), integer indexing (``W[ids]``) and
+    ``index_select``; ``None`` for any other op."""
+    if func is torch.ops.aten.embedding.default:
+        return args[1]
+    if func is torch.ops.aten.index.Tensor:
+        ids = [i for i in args[1] if isinstance(i, torch.Tensor)
+               and not i.is_floating_point() and i.dtype != torch.bool]
+        return ids[0] if ids else None
+    if func is torch.ops.aten.index_select.default:
+        return args[2]
+    return None
+
+
+class LookupRecorder(TorchDispatchMode):
+    """Records the storages read as a lookup table (``lookup_ids``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if lookup_ids(func, args) is not None and isinstance(args[0], torch.Tensor):
+            self.tables.add(args[0].untyped_storage().data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+def lookup_tables(step: TrainingStep, mb: Microbatch) -> set[str]:
+    """The parameters the target's forward reads as lookup tables (embeddings), found by
+    behaviour, not by module type: a table held as an ``nn.Parameter`` and read with
+    ``F.embedding`` or indexing is one, as an ``nn.Embedding``'s weight is (U6)."""
+    recorder = LookupRecorder()
+    with eval_mode(step.module), torch.no_grad(), recorder:
+        step.logits(mb.tokens, mb.positions, mb.documents)
+    return {n for n, p in named_parameters(step.module)
+            if p.untyped_storage().data_ptr() in recorder.tables}
+
+
+def decays(step: TrainingStep, mb: Microbatch) -> dict[str, bool]:
+    """The declared decay group (U6): matrices that the forward does not read as a
+    lookup table (``lookup_tables``); norms, biases and embeddings are not decayed."""
+    tables = lookup_tables(step, mb)
+    return {n: p.ndim >= 2 and n not in tables for n, p in named_parameters(step.module)}
 
 
 def adamw_first_step(theta: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
@@ -273,19 +314,39 @@ def adamw_first_step(theta: dict[str, torch.Tensor], grads: dict[str, torch.Tens
     return out
 
 
+# Known wrong AdamW loops, for naming what a failing multi-step update matches.
+ADAMW_VARIANTS = {
+    "swapped_betas": "AdamW with the betas swapped ((beta2, beta1))",
+    "amsgrad": "AdamW with amsgrad=True (the running maximum of v)",
+    "fresh": "a new optimizer every window (moments and step count reset)",
+    "no_bias_correction": "Adam without bias correction (m / (sqrt(v) + eps))",
+}
+
+
 def reference_adamw(step: TrainingStep, microbatches: Sequence[Microbatch], spec: ProbeSpec,
-                    decay: dict[str, bool]) -> list[dict[str, torch.Tensor]]:
+                    decay: dict[str, bool], *, variant: str | None = None
+                    ) -> list[dict[str, torch.Tensor]]:
     """The parameters after each committed window of a correct AdamW loop (U1, U5, U6)
     from the current parameters: ``torch.optim.AdamW`` (one instance for the run, the
     declared ``betas``, ``eps``, ``weight_decay`` on the ``decay`` group, rate
     ``spec.lr_at(k)``) stepping detached copies with each window's reference gradient,
-    taken at the reference's own parameters. The live parameters are left as they were."""
+    taken at the reference's own parameters. ``variant`` (a key of ``ADAMW_VARIANTS``)
+    computes a known wrong loop instead, for a diagnosis. The live parameters are left
+    as they were."""
     before = snapshot(step.module)
     shadow = {n: nn.Parameter(t.clone()) for n, t in before.items()}
     groups = [{"params": [p for n, p in shadow.items() if decay[n] == flag],
                "weight_decay": spec.weight_decay if flag else 0.0} for flag in (True, False)]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.lr,
-                                  betas=spec.betas, eps=spec.eps, foreach=False)
+    groups = [g for g in groups if g["params"]]
+
+    def new_optimizer() -> torch.optim.Optimizer:
+        betas = spec.betas[::-1] if variant == "swapped_betas" else spec.betas
+        if variant == "no_bias_correction":
+            return AdamWithoutBiasCorrection(groups, lr=spec.lr, betas=betas, eps=spec.eps)
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=betas, eps=spec.eps,
+                                 amsgrad=variant == "amsgrad", foreach=False)
+
+    optimizer = new_optimizer()
     states: list[dict[str, torch.Tensor]] = []
     try:
         for window in windows_of(microbatches, spec.accum):
@@ -293,6 +354,8 @@ def reference_adamw(step: TrainingStep, microbatches: Sequence[Microbatch], spec
             if count == 0:
                 continue  # L4: no objective, nothing advances
             grads = clip_global(grads, spec.clip)
+            if variant == "fresh":
+                optimizer = new_optimizer()
             for name, param in shadow.items():
                 param.grad = grads[name].clone()
             for group in optimizer.param_groups:
@@ -305,6 +368,27 @@ def reference_adamw(step: TrainingStep, microbatches: Sequence[Microbatch], spec
         restore(step.module, before)
 
 
+class AdamWithoutBiasCorrection(torch.optim.Optimizer):
+    """AdamW's decoupled decay with ``m / (sqrt(v) + eps)`` (no ``1 - beta**t``)."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float],
+                 eps: float) -> None:
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.addcdiv_(state["m"], state["v"].sqrt().add_(group["eps"]), value=-lr)
+
+
 def eval_reference(step: TrainingStep, microbatches: Sequence[Microbatch],
                    spec: ProbeSpec) -> tuple[float, int]:
     """Gold NLL sum and target count over ``microbatches`` in eval mode (E1, L5)."""
@@ -315,3 +399,17 @@ def eval_reference(step: TrainingStep, microbatches: Sequence[Microbatch],
             total += float(s)
             count += n
     return total, count
+
+
+def window_loss(step: TrainingStep, window: Sequence[Microbatch], spec: ProbeSpec, *,
+                align: Alignment = shifted) -> tuple[float, list[tuple[float, int]]]:
+    """The declared loss of ``window`` at the current parameters, without dropout: the
+    token mean of the declared (smoothed) row losses over every supervised target of its
+    microbatches (U1, L2, L3), and each microbatch's ``(sum, count)`` for a diagnosis."""
+    parts = []
+    with eval_mode(step.module), torch.no_grad():
+        for mb in window:
+            s, n = nll_sum(step, mb, spec, align=align)
+            parts.append((float(s), n))
+    count = sum(n for _, n in parts)
+    return (sum(s for s, _ in parts) / count if count else float("nan")), parts
