@@ -381,13 +381,31 @@ def resume(
     manifest, re-partitions the data cursor and records a RESHARD line in the ledger.
     """
     started = time.perf_counter()
-    old = read_manifest(run_dir)
+    old = read_run_manifest(run_dir)
     cfg = apply_overrides(config_from_manifest(old), overrides)
     if warm_start_dir is not None:
         return warm_start(run_dir, old, cfg, warm_start_dir, from_checkpoint, progress)
     with hold_run_dir(run_dir, "run directory"):  # before a checkpoint is chosen (S8)
         return continue_run(run_dir, old, cfg, overrides, from_checkpoint, reshard, progress,
                             started)
+
+
+def read_run_manifest(run_dir: Path) -> Manifest:
+    """``read_manifest``; a rank other than 0 of a job that finds none is told that its
+    run directory is probably not rank 0's (node-local storage, D1) and what to do."""
+    try:
+        return read_manifest(run_dir)
+    except ResumeError as exc:
+        values = launcher_values(os.environ)
+        if values is None or values[0] == 0:
+            raise
+        import socket  # lazy: only to name this host in the message
+
+        raise DistributedError(
+            f"rank {values[0]} of {values[1]} on {socket.gethostname()}: {exc}; if rank 0 "
+            "found it, the run directory is not shared (a node-local directory): put it on "
+            "a filesystem every node mounts at the same path and give that path on every "
+            "node") from None
 
 
 def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequence[str],

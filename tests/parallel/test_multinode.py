@@ -361,3 +361,24 @@ def test_launch_flags_never_reach_the_workers() -> None:
             "--rdzv-id", "j", "--rdzv-backend=c10d", "--nproc", "2", "--out", "r"]
     assert strip_launch_flags(argv) == ["train", "--out", "r"]
     assert json.dumps(strip_launch_flags(["resume", "r"])) == '["resume", "r"]'
+
+
+def test_resume_on_a_node_that_sees_no_manifest_names_shared_storage(tmp_path,
+                                                                     monkeypatch) -> None:
+    """D1, X4: a rank other than 0 that finds no run manifest (its node's own disk) is
+    told the run directory is probably not shared; rank 0 (control) and a single
+    process keep the plain message."""
+    from exactstep.errors import DistributedError, ResumeError
+    from exactstep.runner import read_run_manifest
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ResumeError):
+        read_run_manifest(tmp_path / "run")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ResumeError):
+        read_run_manifest(tmp_path / "run")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(DistributedError, match="rank 1 of 2 on .*not shared"):
+        read_run_manifest(tmp_path / "run")
