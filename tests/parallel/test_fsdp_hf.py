@@ -13,12 +13,13 @@ Engine level, a tiny HF Llama built from a config, whole and with LoRA adapters:
   a one-process checkpoint holds; without LoRA, every tensor. A checkpoint without
   the tensors a model needs is refused before loading (X4).
 
-Through the command line, with LoRA (S5, S7): ``train --nproc 2`` straight and the
-same run with rank 1 SIGKILLed in window 3 then ``resume --nproc 2`` (adapter
-dropout 0.25: the masks come from every rank's restored RNG) end bitwise
-equal (DCP model and optimizer, common state, every rank's RNG and cursor, the
-ledger); ``resume --nproc 1 --reshard`` proceeds, records RESHARD, and its
-one-process checkpoint holds the tensors the multi-rank one holds.
+Through the command line, with LoRA (S7, X4, H4): ``train --nproc 2`` with rank 1
+SIGKILLed in window 3 stops with one ``error:`` line and its window-2 checkpoint
+published; ``resume --nproc 1 --reshard`` runs it on in one unsharded process,
+records RESHARD, and its one-process checkpoint holds the tensors the multi-rank one
+holds. (The bitwise kill-and-resume through the command line is
+``test_cli_distributed.py``'s, the same runner path; here the resume is checked
+bitwise at the engine level above, which costs one launch instead of three.)
 """
 
 from __future__ import annotations
@@ -45,17 +46,19 @@ from fsdp_hf_workers import (  # noqa: E402
     hf_engine,
     windows_from,
 )
-from run_support import multi_rank_state  # noqa: E402
 from text_corpus import write_corpus  # noqa: E402
 from workers import UPDATE, load_common, shards, spawn_ranks  # noqa: E402
 
 from exactstep.errors import CheckpointError, ModelError  # noqa: E402
 from exactstep.parallel.dcp_format import load_distributed_checkpoint  # noqa: E402
 from exactstep.parallel.process_group import single_process  # noqa: E402
+from exactstep.state import latest_checkpoint  # noqa: E402
 from exactstep.state.checkpointer import checkpoint_model_state  # noqa: E402
 from exactstep.state.compare import state_differences  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300),
+              # a one-process load of a multi-rank checkpoint (the reshard), as intended
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 # token counts [rank][window][microbatch], unequal, never empty on a whole rank
 COUNTS = [[[12, 3], [1, 0], [5, 16]], [[1, 0], [16, 9], [0, 2]]]
@@ -142,12 +145,8 @@ def test_fsdp2_hf_resume_is_bitwise_and_reshards_to_one_process(ranks, lora_r) -
 def test_fsdp2_checkpoint_holds_what_one_process_holds(ranks, lora_r) -> None:
     """H4, S2: the DCP model part (read from its metadata) names exactly the tensors
     the one-process path checkpoints (``checkpoint_model_state``)."""
-    import torch.distributed.checkpoint as dcp
-
     out, _ = ranks
-    reader = dcp.FileSystemReader(str(checkpoint_path(out, lora_r) / "dcp"))
-    held = {k.removeprefix("model.") for k in reader.read_metadata().state_dict_metadata
-            if k.startswith("model.")}
+    held = set(dcp_keys(checkpoint_path(out, lora_r)))
     engine = hf_engine(lora_r, UPDATE.lr)
     assert held == set(checkpoint_model_state(engine.model))
     if lora_r:
@@ -221,52 +220,31 @@ def cli(root: Path, *args: str, kill_at: str = "") -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    lora_r = 4
     root = tmp_path_factory.mktemp("fsdp_hf_lora")
     (root / "hook").mkdir()
     (root / "hook" / "sitecustomize.py").write_text(HOOK)
     corpus = root / "corpus.jsonl"
     write_corpus(corpus)
-    args = overrides(corpus, lora_r)
-    out: dict = {"timings": {}}
-
-    def timed(name: str, *command: str, **kw) -> tuple[int, str]:
-        start = time.monotonic()
-        rc, err = cli(root, *command, **kw)
-        out["timings"][name] = time.monotonic() - start
-        return rc, err
-
-    rc, err = timed("straight", "train", "--nproc", "2", "--out", "straight", *args)
-    assert rc == 0, err
-    rc, err = timed("killed", "train", "--nproc", "2", "--out", "killed", *args,
-                    kill_at=f"{KILL_RANK}:{KILL_WINDOW}")
-    assert rc != 0 and "SIGKILL" in err, err
+    out: dict = {"root": root, "killed": root / "killed", "reshard": root / "reshard"}
+    start = time.monotonic()
+    rc, err = cli(root, "train", "--nproc", "2", "--out", "killed", *overrides(corpus, 4),
+                  kill_at=f"{KILL_RANK}:{KILL_WINDOW}")
+    out["kill"] = {"rc": rc, "stderr": err, "seconds": time.monotonic() - start}
+    out["latest_after_kill"] = latest_checkpoint(root / "killed" / "checkpoints")
     shutil.copytree(root / "killed", root / "reshard")
-    rc, err = timed("resume", "resume", "killed", "--nproc", "2")
+    rc, err = cli(root, "resume", "reshard", "--nproc", "1", "--reshard")
     assert rc == 0, err
-    rc, err = timed("reshard", "resume", "reshard", "--nproc", "1", "--reshard")
-    assert rc == 0, err
-    out.update(root=root, straight=root / "straight", killed=root / "killed",
-               reshard=root / "reshard")
-    print(f"fsdp hf lora command seconds: {out['timings']}")
     return out
 
 
-def test_killed_and_resumed_fsdp_hf_lora_run_is_bitwise_the_straight_run(runs) -> None:
-    """S5 + S7 under FSDP2 with an HF model and LoRA: every part of the final
-    checkpoint and the ledger are bitwise the straight run's."""
-    a, b = multi_rank_state(runs["straight"]), multi_rank_state(runs["killed"])
-    assert a["name"] == b["name"] == f"window-{WINDOWS:08d}"
-    assert a["optim"]["state"], "the optimizer state must be in the checkpoint"
-    assert state_differences(a, b) == []
-    ledgers = [(runs[k] / "ledger.jsonl").read_text().splitlines() for k in ("straight", "killed")]
-    assert len(ledgers[0]) == WINDOWS and ledgers[0] == ledgers[1]
-    # negative control: the comparison sees one flipped bit of one model tensor
-    name = sorted(b["model"])[0]
-    flipped = b["model"][name].clone()
-    flipped.view(-1).view(torch.int32)[0] ^= 1
-    assert state_differences(a, {**b, "model": {**b["model"], name: flipped}}) == [
-        f"model.{name}"]
+def test_killed_fsdp_hf_lora_rank_stops_the_job_with_one_error_line(runs) -> None:
+    """D1, X4 under FSDP2: one line naming the dead rank; the last checkpoint stays."""
+    kill = runs["kill"]
+    assert kill["rc"] != 0 and kill["seconds"] < RUN_TIMEOUT_S
+    lines = [line for line in kill["stderr"].splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and f"rank {KILL_RANK} of 2 died" in lines[0], kill["stderr"]
+    assert "Traceback" not in kill["stderr"]
+    assert runs["latest_after_kill"].name == f"window-{KILL_WINDOW - KILL_WINDOW % EVERY:08d}"
 
 
 def test_reshard_two_ranks_to_one_proceeds_and_is_recorded(runs) -> None:
@@ -282,12 +260,21 @@ def test_reshard_two_ranks_to_one_proceeds_and_is_recorded(runs) -> None:
 def test_multi_rank_lora_checkpoint_holds_what_one_process_holds(runs) -> None:
     """H4, S2: the DCP model part of the 2-rank run holds exactly the tensors of the
     one-process checkpoint written after the reshard: the adapters only."""
-    from exactstep.state import latest_checkpoint, load_checkpoint
+    from exactstep.state import load_checkpoint
 
-    dcp_model = set(multi_rank_state(runs["straight"])["model"])
+    checkpoint = runs["latest_after_kill"]
+    dcp_model = set(dcp_keys(checkpoint))
     one_process = set(load_checkpoint(latest_checkpoint(runs["reshard"] / "checkpoints"))[0])
     assert dcp_model == one_process
     assert dcp_model and all(".lora_" in k for k in dcp_model)
-    manifest = json.loads((runs["straight"] / "checkpoints" / f"window-{WINDOWS:08d}"
-                           / "manifest.json").read_text())
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert "adapters+optimizer" in manifest["parts"]
+
+
+def dcp_keys(checkpoint: Path) -> list[str]:
+    """The model tensors a multi-rank checkpoint holds, from its DCP metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(checkpoint / "dcp")).read_metadata()
+    return [k.removeprefix("model.") for k in metadata.state_dict_metadata
+            if k.startswith("model.")]
