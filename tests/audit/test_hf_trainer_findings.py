@@ -146,6 +146,34 @@ def test_eval_loss_is_the_token_mean(tmp_path) -> None:
     assert math.isclose(eval_loss, nll / count, rel_tol=1e-5)
 
 
+@finding("with label_smoothing_factor set, evaluate() reports the smoothed loss (the "
+         "label smoother runs in prediction_step too), not the gold NLL (L5)")
+def test_eval_loss_is_gold_nll_when_training_smooths(tmp_path) -> None:
+    model = tiny_llama()
+    # the control's rows (equal batches, no weighting): that control passes unsmoothed
+    rows = [example([1, 5, 6, 7, 8]), example([1, 9, 10, 11, 12])]
+    t = trainer(model, tmp_path, label_smoothing_factor=0.2)
+    eval_loss = t.evaluate(eval_dataset=rows)["eval_loss"]
+    nll, count = token_nll(model, rows)
+    assert math.isclose(eval_loss, nll / count, rel_tol=1e-5)
+
+
+@finding("a finite loss with a non-finite gradient is stepped: no skip in fp32 (U4)")
+def test_a_nonfinite_gradient_is_skipped(tmp_path) -> None:
+    model = tiny_llama()
+    t = trainer(model, tmp_path, learning_rate=0.5, weight_decay=0.0, optim="sgd")
+    t.train_dataset = [example([1, 5, 6, 7, 8])] * 2
+    before = params(model)
+    hooks = [p.register_hook(lambda g: torch.full_like(g, float("nan")))
+             for p in model.parameters()]
+    try:
+        t.train()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert all(torch.equal(before[n], p) for n, p in params(model).items())
+
+
 @finding("a packed row passed with a padding attention mask (what the padding "
          "collators produce) lets a document attend to the one before it (R2, R3)")
 def test_a_packed_row_keeps_documents_apart_with_the_padding_mask() -> None:

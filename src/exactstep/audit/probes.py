@@ -808,21 +808,8 @@ def skipped_window(step: TrainingStep, spec: ProbeSpec, bad: Microbatch,
     no schedule, moment or counter). Comparing with the loop itself keeps a wrong update
     rule the update probes' finding. The good run is one window, or two when the loop's
     first update is at rate 0 (a warm-up counted from 0)."""
-    goods = [plain_rows(seed=15)]
     step.build(spec)
     before = ref.snapshot(step.module)
-    check_logs(train(step, goods))
-    own = ref.snapshot(step.module)
-    if not moved(before, own):
-        goods.append(plain_rows(seed=16))
-        step.build(spec)
-        check_logs(train(step, goods))
-        own = ref.snapshot(step.module)
-        if not moved(before, own):
-            raise TargetFault("train() changed no parameter: the loop never stepped")
-    step.build(spec)
-    if moved(before, ref.snapshot(step.module)):
-        raise TargetFault("two builds of one spec differ: build() must seed the model")
     logs, fired = injected_train(step, [bad], injection, spec.vocab_size)
     if not fired:
         raise NotApplicable("the injected NaN never reached the loop: no table of the "
@@ -835,6 +822,19 @@ def skipped_window(step: TrainingStep, spec: ProbeSpec, bad: Microbatch,
     if logged:
         return Measure(False, f"the window with {what} logs no loss (or marks it skipped)",
                        f"it logged {logged[0]:.6g} as a committed window's loss")
+    goods = [plain_rows(seed=15)]
+    step.build(spec)
+    if moved(before, ref.snapshot(step.module)):
+        raise TargetFault("two builds of one spec differ: build() must seed the model")
+    check_logs(train(step, goods))
+    own = ref.snapshot(step.module)
+    if not moved(before, own):
+        goods.append(plain_rows(seed=16))
+        step.build(spec)
+        check_logs(train(step, goods))
+        own = ref.snapshot(step.module)
+        if not moved(before, own):
+            raise TargetFault("train() changed no parameter: the loop never stepped")
     step.build(spec)
     logs, _ = injected_train(step, [bad, *goods], injection, spec.vocab_size)
     check_logs(logs[1:])
