@@ -398,37 +398,17 @@ class SwappedBetas(NanoGPTLoop):
         return optimizer
 
 
-class AdamNoBiasCorrection(torch.optim.Optimizer):
-    """A hand-written AdamW without bias correction (m and v start at 0 and stay low)."""
-
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float],
-                 eps: float) -> None:
-        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
-
-    @torch.no_grad()
-    def step(self, closure=None) -> None:  # noqa: ANN001
-        for group in self.param_groups:
-            (b1, b2), lr = group["betas"], group["lr"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
-                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                p.mul_(1 - lr * group["weight_decay"])
-                # BUG: m / (sqrt(v) + eps), not m_hat / (sqrt(v_hat) + eps)
-                p.addcdiv_(state["m"], state["v"].sqrt().add_(group["eps"]), value=-lr)
-
-
 class NoBiasCorrection(NanoGPTLoop):
     def configure_optimizer(self) -> torch.optim.Optimizer:
         optimizer = super().configure_optimizer()
-        if self.spec.optimizer == "sgd":
-            return optimizer
-        return AdamNoBiasCorrection(optimizer.param_groups, lr=self.spec.lr,
-                                    betas=self.spec.betas, eps=self.spec.eps)
+        if self.spec.optimizer == "adamw":
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    # BUG: a step count so large that 1 - beta**t is 1: m / (sqrt(v) + eps)
+                    optimizer.state[p] = {"step": torch.tensor(1e9),
+                                          "exp_avg": torch.zeros_like(p),
+                                          "exp_avg_sq": torch.zeros_like(p)}
+        return optimizer
 
 
 class Amsgrad(AnnotatedLoop):
@@ -626,16 +606,8 @@ class PerplexityOfMeanLoss(AnnotatedLoop):
 
 
 class EvalWithLabelSmoothing(NanoGPTLoop):
-    @torch.no_grad()
-    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
-        self.module.eval()
-        nll, count = 0.0, 0
-        for mb in microbatches:
-            x, pos, docs, y = self.get_batch(mb)
-            nll += self.loss_sum(self.module(x, pos, docs), y).item()  # BUG: smoothed
-            count += int((y != IGNORE).sum())
-        self.module.train()
-        return nll / count, math.exp(nll / count)
+    def eval_nll(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss_sum(logits, y)  # BUG: the training criterion, smoothing included
 
 
 class EvalScoresPrompt(NanoGPTLoop):
@@ -645,33 +617,10 @@ class EvalScoresPrompt(NanoGPTLoop):
         # BUG: evaluation scores every token of the document, the prompt's too
         return x, mb.positions[:, :-1], mb.documents[:, :-1], y.masked_fill(~keep, IGNORE)
 
-    @torch.no_grad()
-    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
-        self.module.eval()
-        nll, count = 0.0, 0
-        for mb in microbatches:
-            x, pos, docs, y = self.get_eval_batch(mb)
-            logits = self.module(x, pos, docs)
-            nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
-                                   ignore_index=IGNORE, reduction="sum").item()
-            count += int((y != IGNORE).sum())
-        self.module.train()
-        return nll / count, math.exp(nll / count)
-
 
 class EvalCountsPadding(NanoGPTLoop):
-    @torch.no_grad()
-    def evaluate(self, microbatches: Sequence[Microbatch]) -> tuple[float, float]:
-        self.module.eval()
-        nll, count = 0.0, 0
-        for mb in microbatches:
-            x, pos, docs, y = self.get_batch(mb)
-            logits = self.module(x, pos, docs)
-            nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
-                                   ignore_index=IGNORE, reduction="sum").item()
-            count += y.numel()  # BUG: padded (and unowned) positions in the denominator
-        self.module.train()
-        return nll / count, math.exp(nll / count)
+    def eval_count(self, y: torch.Tensor) -> int:
+        return y.numel()  # BUG: padded (and unowned) positions in the denominator
 
 
 # -- resume (S2) ------------------------------------------------------------------------

@@ -219,13 +219,22 @@ class NanoGPTLoop(WindowCursor):
         self.module.eval()
         nll, count = 0.0, 0
         for mb in microbatches:
-            x, pos, docs, y = self.get_batch(mb)
-            logits = self.module(x, pos, docs)
-            nll += F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
-                                   ignore_index=IGNORE, reduction="sum").item()
-            count += int((y != IGNORE).sum())
+            x, pos, docs, y = self.get_eval_batch(mb)
+            nll += self.eval_nll(self.module(x, pos, docs), y).item()
+            count += self.eval_count(y)
         self.module.train(was_training)
         return nll / count, math.exp(nll / count)
+
+    def get_eval_batch(self, mb: Microbatch) -> tuple[torch.Tensor, ...]:
+        return self.get_batch(mb)
+
+    def eval_nll(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Gold NLL summed over the supervised targets: no smoothing (L5)."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1),
+                               ignore_index=IGNORE, reduction="sum")
+
+    def eval_count(self, y: torch.Tensor) -> int:
+        return int((y != IGNORE).sum())
 
     def save(self, path: Path) -> None:
         torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
