@@ -474,14 +474,8 @@ class SchedulerAdvancesOnSkip(NanoGPTLoop):
 
 
 class NoFiniteCheck(NanoGPTLoop):
-    def close_window(self, loss: float) -> float | None:
-        self.unscale_and_clip()
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.get_lr(self.iter_num)
-        self.step_optimizer()  # BUG: steps on a non-finite gradient (no scaler to skip it)
-        self.zero_grad()
-        self.iter_num += 1
-        return loss
+    def finite(self, loss: float, norm: torch.Tensor) -> bool:
+        return True  # BUG: steps on a non-finite loss or gradient (a scaler alone may skip)
 
 
 class LambdaLRStepsOnSkip(AnnotatedLoop):
@@ -492,18 +486,10 @@ class LambdaLRStepsOnSkip(AnnotatedLoop):
 
 
 class SkipDecidedFromLossOnly(NanoGPTLoop):
-    def close_window(self, loss: float) -> float | None:
-        self.unscale_and_clip()
-        if not math.isfinite(loss):  # BUG: a finite loss with a non-finite gradient commits:
-            self.scaler.update()     # GradScaler.step skips the update, the schedule and
-            self.zero_grad()         # the log go on
-            return None
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.get_lr(self.iter_num)
-        self.step_optimizer()
-        self.zero_grad()
-        self.iter_num += 1
-        return loss
+    def finite(self, loss: float, norm: torch.Tensor) -> bool:
+        # BUG: a finite loss with a non-finite gradient commits: GradScaler.step skips the
+        # update, the schedule and the log go on
+        return math.isfinite(loss)
 
 
 class EmptyWindowAdvancesSchedule(AnnotatedLoop):

@@ -738,12 +738,7 @@ MARK = 3  # the one content token of the marked window the injections recognise
 def marked_window(spec: ProbeSpec = SPEC) -> Microbatch:
     """Two rows ``BOS MARK x 8``: a window recognisable by its token ids wherever the
     loop looks them up (no other probe window has a row of one repeated token)."""
-    tokens = torch.full((2, 9), MARK, dtype=torch.int64)
-    tokens[:, 0] = spec.bos_id
-    owned = torch.ones_like(tokens, dtype=torch.bool)
-    owned[:, 0] = False
-    return Microbatch(tokens=tokens, documents=torch.ones_like(tokens),
-                      positions=torch.arange(9).repeat(2, 1), owned=owned)
+    return repeated_rows(MARK, spec, length=9)
 
 
 class Injector(TorchDispatchMode):
@@ -1083,16 +1078,17 @@ def resume_exact(step: TrainingStep) -> Measure:
 
 # -- resume without the loss scaler (S2, U2) ----------------------------------------------
 
-def repeated_rows(token: int, spec: ProbeSpec = SPEC) -> Microbatch:
-    """Two rows ``BOS t t ... t`` (12 tokens): every target is ``t``, so the gradient of
-    ``t``'s embedding and head rows is a mean of aligned terms, the largest gradient a
-    token mean gives (O(1) at initialization): the window a fp32 scale can overflow."""
-    tokens = torch.full((2, 12), token, dtype=torch.int64)
+def repeated_rows(token: int, spec: ProbeSpec = SPEC, length: int = 12) -> Microbatch:
+    """Two rows ``BOS t t ... t`` (``length`` tokens): every target is ``t``, so the
+    gradient of ``t``'s embedding and head rows is a mean of aligned terms, the largest
+    gradient a token mean gives (O(1) at initialization): the window a fp32 scale can
+    overflow."""
+    tokens = torch.full((2, length), token, dtype=torch.int64)
     tokens[:, 0] = spec.bos_id
     owned = torch.ones_like(tokens, dtype=torch.bool)
     owned[:, 0] = False
     return Microbatch(tokens=tokens, documents=torch.ones_like(tokens),
-                      positions=torch.arange(12).repeat(2, 1), owned=owned)
+                      positions=torch.arange(length).repeat(2, 1), owned=owned)
 
 
 def overflow_window(step: TrainingStep) -> tuple[Microbatch, int | None]:

@@ -196,9 +196,14 @@ class NanoGPTLoop(WindowCursor):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def finite(self, loss: float, norm: torch.Tensor) -> bool:
+        """The window commits only when its loss and its unscaled gradient norm are both
+        finite (U4): a finite loss can carry a non-finite gradient."""
+        return math.isfinite(loss) and bool(torch.isfinite(norm))
+
     def close_window(self, loss: float) -> float | None:
         norm = self.unscale_and_clip()
-        if not (math.isfinite(loss) and torch.isfinite(norm)):
+        if not self.finite(loss, norm):
             self.scaler.update()  # backs off; no step, iter_num unchanged (U4)
             self.zero_grad()
             return None
