@@ -1,7 +1,8 @@
 """Every module opens with a short purpose paragraph (DESIGN): the why and the
-measurements live in ``docs/design/``. Held here as numbers: a docstring on every
-module, the median at most 8 lines, none over 25, and every ``docs/design/`` page a
-docstring points to exists (with the anchor it names)."""
+measurements live in ``docs/design/``, the pictures in ``docs/concepts/``. Held here as
+numbers: a docstring on every module, the median at most 8 lines, none over 25, and
+every ``docs/design/`` or ``docs/concepts/`` page a docstring points to exists (with
+the anchor it names)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "exactstep"
 ROOT = PACKAGE.parents[1]
-POINTER = re.compile(r"docs/design/([\w.-]+\.md)(?:#([\w-]+))?")
+POINTER = re.compile(r"docs/(design|concepts)/([\w.-]+\.md)(?:#([\w-]+))?")
 
 
 def docstring_lines(path: Path) -> int:
@@ -44,8 +45,8 @@ def anchors_of(page: Path) -> set[str]:
 def test_every_design_pointer_leads_to_a_page_and_an_anchor():
     missing = []
     for path in modules():
-        for page, anchor in POINTER.findall(path.read_text(encoding="utf-8")):
-            target = ROOT / "docs" / "design" / page
+        for folder, page, anchor in POINTER.findall(path.read_text(encoding="utf-8")):
+            target = ROOT / "docs" / folder / page
             if not target.is_file():
                 missing.append(f"{path.relative_to(PACKAGE)} -> {page}")
             elif anchor and anchor not in anchors_of(target):
@@ -63,3 +64,4 @@ def test_the_measures_can_fail(tmp_path):
     page.write_text("## rows/packing.py — the plan (R4)\n")
     assert "rowspackingpy--the-plan-r4" in anchors_of(page)
     assert "rowspackingpy" not in anchors_of(page)
+    assert POINTER.findall("Picture: docs/concepts/window.md.") == [("concepts", "window.md", "")]

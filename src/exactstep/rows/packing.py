@@ -5,6 +5,7 @@ bounded buffer, deterministic for a seed and sharded by rank (D3), and cuts
 over-long examples by the declared outcome, counting each (R4); a family's compiler
 turns its rows of ``Piece`` into a ``Batch``. Its state resumes bitwise (S2, S5).
 Design and derivations: docs/design/rows.md#rowspackingpy (R3, R4, R8, D3, S2, S5, P2).
+Picture of a packed row: docs/concepts/rows.md.
 """
 
 from __future__ import annotations

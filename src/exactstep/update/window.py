@@ -6,6 +6,7 @@ the order of U3 with one host read (U7): committed, skipped as non-finite with
 everything bitwise unchanged, or no objective. ``Reducer`` (D1, D2) and
 ``InputProgram`` (R8) are where ranks and model-dependent inputs plug in.
 Design and derivations: docs/design/update.md#updatewindowpy (U1-U4, U7, D1, D2, R8).
+Picture: docs/concepts/window.md.
 """
 
 from __future__ import annotations
