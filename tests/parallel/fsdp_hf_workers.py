@@ -12,7 +12,6 @@ control). The reference runs one process over every rank's microbatches.
 from __future__ import annotations
 
 import copy
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from workers import (
     common_state,
     full_params,
     load_common,
+    run_rank,
     stream_for,
 )
 
@@ -33,8 +33,6 @@ from exactstep.model.decoder import build_model
 from exactstep.parallel.agreement import distribute_engine
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.dcp_format import load_distributed_checkpoint, save_distributed_checkpoint
-from exactstep.parallel.launch import collective_guard
-from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
 from exactstep.parallel.wrap import shard_model
 from exactstep.state.rng import capture_rng
 from exactstep.update.config import NumericsConfig
@@ -83,46 +81,34 @@ def fsdp_hf_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     resumed from its weights alone (fresh optimizer: the negative control)."""
     from torch.distributed.fsdp import FSDPModule
 
-    torch.set_num_threads(1)
-    path = Path(out) / f"rank{rank}.pt"
     cfg = ParallelConfig(strategy="fsdp", timeout_s=60.0)
-    ctx = None
-    result: dict = {}
-    try:
-        ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
+
+    def body(ctx, result: dict) -> None:
         mine = job["windows"][rank]
-        with collective_guard(ctx):
-            for r in job["lora"]:
+        for r in job["lora"]:
+            engine = hf_engine(r, UPDATE.lr, ctx, cfg)
+            units = [name for name, m in engine.model.named_modules()
+                     if isinstance(m, FSDPModule)]
+            ledger = windows_from(engine, mine[:SAVED_AFTER], 0)
+            checkpoint, common = checkpoint_path(out, r), copy.deepcopy(common_state(engine))
+            save_distributed_checkpoint(
+                checkpoint.parent, checkpoint.name, model=engine.model,
+                optimizer=engine.optimizer, common=common,
+                rank_state={"rng": capture_rng(),
+                            "data": stream_for(rank, world).state_dict()},
+                ctx=ctx, keep=2)
+            saved = full_params(engine)
+            ledger += windows_from(engine, mine[SAVED_AFTER:], SAVED_AFTER)
+            result[r] = {"params": full_params(engine), "ledger": ledger,
+                         "units": units, "saved": saved}
+            for name, optimizer in (("resumed", True), ("weights_only", False)):
                 engine = hf_engine(r, UPDATE.lr, ctx, cfg)
-                units = [name for name, m in engine.model.named_modules()
-                         if isinstance(m, FSDPModule)]
-                ledger = windows_from(engine, mine[:SAVED_AFTER], 0)
-                checkpoint, common = checkpoint_path(out, r), copy.deepcopy(common_state(engine))
-                save_distributed_checkpoint(
-                    checkpoint.parent, checkpoint.name, model=engine.model,
-                    optimizer=engine.optimizer, common=common,
-                    rank_state={"rng": capture_rng(),
-                                "data": stream_for(rank, world).state_dict()},
-                    ctx=ctx, keep=2)
-                saved = full_params(engine)
-                ledger += windows_from(engine, mine[SAVED_AFTER:], SAVED_AFTER)
-                result[r] = {"params": full_params(engine), "ledger": ledger,
-                             "units": units, "saved": saved}
-                for name, optimizer in (("resumed", True), ("weights_only", False)):
-                    engine = hf_engine(r, UPDATE.lr, ctx, cfg)
-                    state = load_distributed_checkpoint(
-                        checkpoint, model=engine.model,
-                        optimizer=engine.optimizer if optimizer else None, ctx=ctx)
-                    load_common(engine, common if state is None else state.common)
-                    records = windows_from(engine, mine[SAVED_AFTER:], SAVED_AFTER)
-                    result[r][name] = {"params": full_params(engine),
-                                       "ledger": ledger[:SAVED_AFTER] + records}
-        torch.save(result, path)
-    except BaseException as exc:  # noqa: BLE001 - the test reads what failed
-        torch.save({**result, "error": str(exc), "traceback": traceback.format_exc()}, path)
-    finally:
-        if ctx is not None:
-            try:
-                shutdown(ctx)
-            except Exception:  # noqa: BLE001
-                pass
+                state = load_distributed_checkpoint(
+                    checkpoint, model=engine.model,
+                    optimizer=engine.optimizer if optimizer else None, ctx=ctx)
+                load_common(engine, common if state is None else state.common)
+                records = windows_from(engine, mine[SAVED_AFTER:], SAVED_AFTER)
+                result[r][name] = {"params": full_params(engine),
+                                   "ledger": ledger[:SAVED_AFTER] + records}
+
+    run_rank(rank, world, port, out, cfg, body)

@@ -18,7 +18,6 @@ worker processes at a time.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,8 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_support import KILL_HOOK, CliRoot, tiny_overrides
 from run_support import multi_rank_state as final_state
-from text_corpus import write_corpus
 
 from exactstep.state import latest_checkpoint
 from exactstep.state.compare import state_differences
@@ -39,51 +38,23 @@ EVERY = 2
 KILL_RANK, KILL_WINDOW = 1, 3
 RUN_TIMEOUT_S = 150  # every command is bounded; a hang fails the test instead
 
-HOOK = r"""
-import os
-_kill = os.environ.get("EXACTSTEP_TEST_KILL_AT")
-_defect = os.environ.get("EXACTSTEP_TEST_DEFECT")
-if _kill:
-    import signal
-    from exactstep.update.window import UpdateEngine
-    _rank, _window = (int(x) for x in _kill.split(":"))
-    _run_window = UpdateEngine.run_window
-    def _probed(self, batches, window, *args, **kwargs):
-        if window == _window and int(os.environ.get("RANK", "-1")) == _rank:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return _run_window(self, batches, window, *args, **kwargs)
-    UpdateEngine.run_window = _probed
-if _defect == "no_cursor":
+HOOK = KILL_HOOK + r"""
+if os.environ.get("EXACTSTEP_TEST_DEFECT") == "no_cursor":
     from exactstep.rows.stream import RowStream
     RowStream.load_state_dict = lambda self, state: None
 """
 
 
 def overrides(corpus: Path) -> list[str]:
-    pairs = {
-        "seed": 3, "data.source": str(corpus), "data.val_fraction": 0.2,
-        "batch.seq_len": 32, "batch.rows": 2, "model.d_model": 16, "model.n_layers": 1,
-        "model.n_heads": 2, "model.d_ff": 32, "update.accum": 2, "update.warmup": 2,
-        "train.steps": WINDOWS, "train.eval_tokens": 64, "train.threads": 1,
-        "train.device": "cpu",  # gloo on CPU: a GPU host has one device (or NCCL) otherwise
-        "checkpoint.every": EVERY, "checkpoint.keep": 3,
-    }
-    return [arg for k, v in pairs.items() for arg in ("--set", f"{k}={v}")]
+    return tiny_overrides(corpus, windows=WINDOWS, every=EVERY)
 
 
-class Cli:
+class Cli(CliRoot):
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.hook = root / "hook"
-        self.hook.mkdir()
-        (self.hook / "sitecustomize.py").write_text(HOOK)
-        self.corpus = root / "corpus.jsonl"
-        write_corpus(self.corpus)
+        super().__init__(root, HOOK)
 
     def __call__(self, *args: str, kill_at: str = "", defect: str = "") -> tuple[int, str, float]:
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env["PYTHONPATH"] = os.pathsep.join([str(self.hook), env.get("PYTHONPATH", "")])
+        env = self.env()
         if kill_at:
             env["EXACTSTEP_TEST_KILL_AT"] = kill_at
         if defect:

@@ -25,7 +25,6 @@ bitwise at the engine level above, which costs one launch instead of three.)
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +37,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import torch  # noqa: E402
+from cli_support import KILL_HOOK, tiny_overrides, worker_env, write_hook  # noqa: E402
 from fsdp_hf_workers import (  # noqa: E402
     LLAMA,
     SAVED_AFTER,
@@ -177,39 +177,16 @@ WINDOWS, EVERY = 4, 2
 KILL_RANK, KILL_WINDOW = 1, 3
 RUN_TIMEOUT_S = 150
 
-HOOK = r"""
-import os
-_kill = os.environ.get("EXACTSTEP_TEST_KILL_AT")
-if _kill:
-    import signal
-    from exactstep.update.window import UpdateEngine
-    _rank, _window = (int(x) for x in _kill.split(":"))
-    _run_window = UpdateEngine.run_window
-    def _probed(self, batches, window, *args, **kwargs):
-        if window == _window and int(os.environ.get("RANK", "-1")) == _rank:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return _run_window(self, batches, window, *args, **kwargs)
-    UpdateEngine.run_window = _probed
-"""
-
 
 def overrides(corpus: Path, lora_r: int) -> list[str]:
-    pairs = {
-        "seed": 3, "data.source": str(corpus), "data.val_fraction": 0.2,
-        "batch.seq_len": 32, "batch.rows": 2, "model.source": "hf",
-        "model.hf_config": json.dumps({**LLAMA, "vocab_size": 259}),
+    return tiny_overrides(corpus, windows=WINDOWS, every=EVERY, model={
+        "model.source": "hf", "model.hf_config": json.dumps({**LLAMA, "vocab_size": 259}),
         "model.lora.r": lora_r, "model.lora.dropout": 0.25, "parallel.strategy": "fsdp",
-        "update.accum": 2, "update.warmup": 2, "train.steps": WINDOWS,
-        "train.eval_tokens": 64, "train.threads": 1, "train.device": "cpu",
-        "checkpoint.every": EVERY, "checkpoint.keep": 3,
-    }
-    return [arg for k, v in pairs.items() for arg in ("--set", f"{k}={v}")]
+    })
 
 
 def cli(root: Path, *args: str, kill_at: str = "") -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "hook"), env.get("PYTHONPATH", "")])
+    env = worker_env(root / "hook")
     if kill_at:
         env["EXACTSTEP_TEST_KILL_AT"] = kill_at
     proc = subprocess.run([sys.executable, "-m", "exactstep", *args, "--no-progress"],
@@ -221,8 +198,7 @@ def cli(root: Path, *args: str, kill_at: str = "") -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("fsdp_hf_lora")
-    (root / "hook").mkdir()
-    (root / "hook" / "sitecustomize.py").write_text(HOOK)
+    write_hook(root, KILL_HOOK)
     corpus = root / "corpus.jsonl"
     write_corpus(corpus)
     out: dict = {"root": root, "killed": root / "killed", "reshard": root / "reshard"}

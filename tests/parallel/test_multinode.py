@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_support import CliRoot, tiny_overrides
 from run_support import multi_rank_state as final_state
-from text_corpus import write_corpus
 
 from exactstep.parallel.process_group import free_port
 from exactstep.state import latest_checkpoint
@@ -93,15 +93,8 @@ if _writes and os.environ.get("RANK"):
 
 
 def overrides(corpus: Path) -> list[str]:
-    pairs = {
-        "seed": 3, "data.source": str(corpus), "data.val_fraction": 0.2,
-        "batch.seq_len": 32, "batch.rows": 2, "model.d_model": 16, "model.n_layers": 1,
-        "model.n_heads": 2, "model.d_ff": 32, "update.accum": 2, "update.warmup": 2,
-        "train.steps": WINDOWS, "train.eval_tokens": 64, "train.threads": 1,
-        "train.device": "cpu", "checkpoint.every": EVERY, "checkpoint.keep": 3,
-        "parallel.timeout_s": TIMEOUT_S,
-    }
-    return [arg for k, v in pairs.items() for arg in ("--set", f"{k}={v}")]
+    return tiny_overrides(corpus, windows=WINDOWS, every=EVERY,
+                          extra={"parallel.timeout_s": TIMEOUT_S})
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -137,21 +130,11 @@ def kill_node(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
-class Nodes:
+class Nodes(CliRoot):
     """Starts ``exactstep`` commands as a one-node job or as two "nodes" on localhost."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        (root / "hook").mkdir()
-        (root / "hook" / "sitecustomize.py").write_text(HOOK)
-        self.corpus = root / "corpus.jsonl"
-        write_corpus(self.corpus)
-
-    def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env["PYTHONPATH"] = os.pathsep.join([str(self.root / "hook"), env.get("PYTHONPATH", "")])
-        return {**env, **extra}
+        super().__init__(root, HOOK)
 
     def start(self, args: list[str], *, cwd: Path | None = None, **env: str) -> subprocess.Popen:
         argv = args if args[:1] == ["-m"] else ["-m", "exactstep", *args]

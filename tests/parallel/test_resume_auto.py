@@ -17,7 +17,6 @@ fired), so the restarted workers and the rerun command carry the same environmen
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -25,8 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_support import CliRoot, tiny_overrides, worker_env
 from run_support import multi_rank_state, tree_digests
-from text_corpus import write_corpus
 
 from exactstep.state.compare import state_differences
 from exactstep.state.safetensors_format import load_checkpoint
@@ -55,40 +54,25 @@ if _kill:
     UpdateEngine.run_window = _probed
 """
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", "2", "--max-restarts", "1", "-m", "exactstep")
 
 
 def settings(corpus: Path, **changed: object) -> list[str]:
-    pairs = {
-        "seed": 3, "data.source": str(corpus), "data.val_fraction": 0.2,
-        "batch.seq_len": 32, "batch.rows": 2, "model.d_model": 16, "model.n_layers": 1,
-        "model.n_heads": 2, "model.d_ff": 32, "update.accum": 2, "update.warmup": 2,
-        "train.steps": WINDOWS, "train.eval_tokens": 64, "train.threads": 1,
-        "train.device": "cpu", "checkpoint.every": EVERY, "checkpoint.keep": 3,
-        **{k.replace("__", "."): v for k, v in changed.items()},
-    }
-    return [arg for k, v in pairs.items() for arg in ("--set", f"{k}={v}")]
+    return tiny_overrides(corpus, windows=WINDOWS, every=EVERY,
+                          extra={k.replace("__", "."): v for k, v in changed.items()})
 
 
-class Cli:
+class Cli(CliRoot):
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.hook = root / "hook"
-        self.hook.mkdir()
-        (self.hook / "sitecustomize.py").write_text(HOOK)
-        self.corpus = root / "corpus.jsonl"
-        write_corpus(self.corpus)
+        super().__init__(root, HOOK)
 
     def train(self, run_dir: Path, *extra: str, launcher: tuple[str, ...] | None = None,
               kill_once: str = "", auto: bool = True, **changed: object
               ) -> tuple[int, str]:
         """``train --out run_dir [--resume auto] ...`` (``python -m exactstep`` unless
         ``launcher``); ``kill_once`` is ``RANK:WINDOW``, fired once per ``run_dir``."""
-        env = {k: v for k, v in os.environ.items()
-               if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
-        env["PYTHONPATH"] = os.pathsep.join([str(self.hook), env.get("PYTHONPATH", "")])
+        env = worker_env(self.hook, drop_prefix="TORCHELASTIC_")
         if kill_once:
             env["EXACTSTEP_TEST_KILL_ONCE"] = f"{kill_once}:{run_dir}.killed"
         command = [*(launcher or (sys.executable, "-m", "exactstep")), "train",

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_support import LAUNCHER_VARS, CliRoot, tiny_overrides
 from run_support import multi_rank_state as final_state
-from text_corpus import write_corpus
 
 from exactstep.state import latest_checkpoint, verify_checkpoint
 from exactstep.state.compare import state_differences
@@ -60,30 +60,18 @@ if "RANK" in os.environ:  # a worker, not the launcher
 
 
 def overrides(corpus: Path) -> list[str]:
-    pairs = {
-        "seed": 5, "data.source": str(corpus), "data.val_fraction": 0.2,
-        "batch.seq_len": 32, "batch.rows": 2, "model.d_model": 16, "model.n_layers": 1,
-        "model.n_heads": 2, "model.d_ff": 32, "update.accum": 2, "update.warmup": 2,
-        "train.steps": WINDOWS, "train.eval_tokens": 64, "train.threads": 1,
-        "train.device": "cpu", "checkpoint.every": EVERY, "checkpoint.keep": 5,
+    return tiny_overrides(corpus, windows=WINDOWS, every=EVERY, seed=5, keep=5, extra={
         "parallel.timeout_s": 30,  # bounds the negative control's mismatched collectives
-    }
-    return [arg for k, v in pairs.items() for arg in ("--set", f"{k}={v}")]
+    })
 
 
-class Cli:
+class Cli(CliRoot):
     def __init__(self, root: Path) -> None:
-        self.root = root
-        (root / "hook").mkdir()
-        (root / "hook" / "sitecustomize.py").write_text(HOOK)
-        self.corpus = root / "corpus.jsonl"
-        write_corpus(self.corpus)
+        super().__init__(root, HOOK)
 
     def __call__(self, *args: str, signal_at: str = "", defect: str = ""
                  ) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env["PYTHONPATH"] = os.pathsep.join([str(self.root / "hook"), env.get("PYTHONPATH", "")])
+        env = self.env()
         if signal_at:
             env["EXACTSTEP_TEST_SIGNAL_AT"] = signal_at
         if defect:
@@ -179,8 +167,7 @@ def test_agreed_stop_gives_every_rank_the_signalled_ranks_flag(tmp_path: Path) -
     agreement prevents."""
     script = tmp_path / "agree.py"
     script.write_text(AGREE_WORKER)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "rdzv")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for rank in range(2)]

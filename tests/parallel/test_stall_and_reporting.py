@@ -16,7 +16,6 @@ NCCL rank) is named as such, with its rank and bound.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from cli_support import rank_window_hook, worker_env, write_hook
 from run_support import TINY, set_args, short_texts, write_texts
 from workers import rank_main, shards, spawn_ranks
 
@@ -80,33 +80,18 @@ def test_negative_control_a_host_group_without_the_timeout_waits_out_the_stall(t
 
 # ------------------------------------------------------------- the command line
 
-STALL_HOOK = r"""
-import os
-_stall = os.environ.get("EXACTSTEP_TEST_STALL_AT")
-if _stall:
-    import signal, time
-    from exactstep.update.window import UpdateEngine
-    _rank, _window = (int(x) for x in _stall.split(":"))
-    _run_window = UpdateEngine.run_window
-    def _stalled(self, batches, window, *args, **kwargs):
-        if window == _window and int(os.environ.get("RANK", "-1")) == _rank:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stuck: a stop request cannot help
-            time.sleep(120)
-        return _run_window(self, batches, window, *args, **kwargs)
-    UpdateEngine.run_window = _stalled
-"""
+STALL_HOOK = rank_window_hook(
+    "EXACTSTEP_TEST_STALL_AT",
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)  # stuck: a stop request cannot help",
+    "time.sleep(120)", imports="signal, time")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_cli_job_with_a_stalled_rank_stops_with_one_error_line(tmp_path) -> None:
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(STALL_HOOK)
+    hook = write_hook(tmp_path, STALL_HOOK)
     corpus = write_texts(tmp_path / "c.jsonl", short_texts())
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(hook), env.get("PYTHONPATH", "")])
+    env = worker_env(hook)
     env["EXACTSTEP_TEST_STALL_AT"] = "1:1"
     settings = {**TINY, "data.source": corpus, "train.steps": 3, "train.eval_tokens": 64,
                 "train.threads": 1, "update.warmup": 1, "checkpoint.every": 0,

@@ -375,28 +375,19 @@ def full_params(engine: UpdateEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def fsdp_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
-    """FSDP2 over gloo: run ``job['windows'][rank]`` with the right engine and with the
-    local-shard-norm engine; write gathered parameters and ledgers (or the error)."""
+def run_rank(rank: int, world: int, port: int, out: str, cfg: ParallelConfig,
+             body: Callable[[object, dict], None]) -> None:
+    """One spawned rank: join the gloo group under ``cfg``, run ``body(ctx, result)``
+    under the collective guard, and write ``result`` (or, with what was filled in
+    before, the error, its type and traceback) to ``out/rank{rank}.pt``."""
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pt"
-    cfg = ParallelConfig(strategy="fsdp", timeout_s=30.0)
     ctx = None
     result: dict = {}
     try:
         ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
-        update = replace(UPDATE, clip=job["clip"])
         with collective_guard(ctx):
-            runs = [("right", UpdateEngine, "fp32"), ("local_norm", LocalShardNormEngine, "fp32"),
-                    ("bf16", UpdateEngine, "bf16")]
-            for name, cls, precision in runs:
-                engine = build_rank_engine(ctx, cfg, update, cls, precision)
-                dtypes: set[str] = set()  # what a block's weight is while it runs
-                engine.model.layers[0].attn.qkv.register_forward_pre_hook(
-                    lambda module, args, seen=dtypes: seen.add(str(module.weight.dtype)))
-                ledger = run_windows(engine, job["windows"][rank])
-                result[name] = {"params": full_params(engine), "ledger": ledger,
-                                "forward_dtypes": sorted(dtypes)}
+            body(ctx, result)
         torch.save(result, path)
     except BaseException as exc:  # noqa: BLE001 - the test reads what failed
         torch.save({**result, "kind": type(exc).__name__, "error": str(exc),
@@ -407,6 +398,27 @@ def fsdp_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
                 shutdown(ctx)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def fsdp_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """FSDP2 over gloo: run ``job['windows'][rank]`` with the right engine and with the
+    local-shard-norm engine; write gathered parameters and ledgers (or the error)."""
+    cfg = ParallelConfig(strategy="fsdp", timeout_s=30.0)
+
+    def body(ctx, result: dict) -> None:
+        update = replace(UPDATE, clip=job["clip"])
+        runs = [("right", UpdateEngine, "fp32"), ("local_norm", LocalShardNormEngine, "fp32"),
+                ("bf16", UpdateEngine, "bf16")]
+        for name, cls, precision in runs:
+            engine = build_rank_engine(ctx, cfg, update, cls, precision)
+            dtypes: set[str] = set()  # what a block's weight is while it runs
+            engine.model.layers[0].attn.qkv.register_forward_pre_hook(
+                lambda module, args, seen=dtypes: seen.add(str(module.weight.dtype)))
+            ledger = run_windows(engine, job["windows"][rank])
+            result[name] = {"params": full_params(engine), "ledger": ledger,
+                            "forward_dtypes": sorted(dtypes)}
+
+    run_rank(rank, world, port, out, cfg, body)
 
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
@@ -499,41 +511,27 @@ class NormLoggingEngine(UpdateEngine):
 
 def sync_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     """Count device reads per window: DDP, FSDP2 and the norm-logging control."""
-    torch.set_num_threads(1)
-    path = Path(out) / f"rank{rank}.pt"
-    ctx = None
-    result: dict = {}
     counter = HostReadCounter()
-    try:
-        ctx = init_distributed(ParallelConfig(timeout_s=30.0), "cpu",
-                               env=launcher_env(rank, world, port))
-        with collective_guard(ctx):
-            for name, strategy, cls in (("ddp", "ddp", UpdateEngine),
-                                        ("fsdp", "fsdp", UpdateEngine),
-                                        ("control", "ddp", NormLoggingEngine)):
-                cfg = ParallelConfig(strategy=strategy, timeout_s=30.0)
-                engine = build_rank_engine(ctx, cfg, UPDATE, cls)
-                counts = []
-                counter.install()
-                try:
-                    for w, batches in enumerate(job["windows"][rank]):
-                        counter.watch(engine, batches)
-                        counter.count = 0
-                        engine.run_window(list(batches), w)
-                        counts.append(counter.count)
-                finally:
-                    counter.uninstall()
-                result[name] = counts
-        torch.save(result, path)
-    except BaseException as exc:  # noqa: BLE001 - the test reads what failed
-        torch.save({**result, "kind": type(exc).__name__, "error": str(exc),
-                    "traceback": traceback.format_exc()}, path)
-    finally:
-        if ctx is not None:
+
+    def body(ctx, result: dict) -> None:
+        for name, strategy, cls in (("ddp", "ddp", UpdateEngine),
+                                    ("fsdp", "fsdp", UpdateEngine),
+                                    ("control", "ddp", NormLoggingEngine)):
+            cfg = ParallelConfig(strategy=strategy, timeout_s=30.0)
+            engine = build_rank_engine(ctx, cfg, UPDATE, cls)
+            counts = []
+            counter.install()
             try:
-                shutdown(ctx)
-            except Exception:  # noqa: BLE001
-                pass
+                for w, batches in enumerate(job["windows"][rank]):
+                    counter.watch(engine, batches)
+                    counter.count = 0
+                    engine.run_window(list(batches), w)
+                    counts.append(counter.count)
+            finally:
+                counter.uninstall()
+            result[name] = counts
+
+    run_rank(rank, world, port, out, ParallelConfig(timeout_s=30.0), body)
 
 
 # ----------------------------------------------------------------- DDP communication cadence
