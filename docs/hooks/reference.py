@@ -7,7 +7,7 @@ gets that comment replaced at build time by a table produced from the live code:
 ``run-directory`` and the keys' meanings from ``docs/hooks/meanings.toml``, ``api``
 from the ``__all__`` of each package (rendered by mkdocstrings). Nothing is listed by
 hand here, so a new key, flag or exported name appears without editing this file;
-tests/docs/test_reference.py compares the output with the parsers and dataclasses.
+tests/docs/test_docs_reference.py compares the output with the parsers and dataclasses.
 """
 
 from __future__ import annotations
