@@ -14,8 +14,10 @@ MAX_TIMEOUT_S = 1e9
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """``strategy``: ``ddp`` (replicated) or ``fsdp`` (FSDP2, CUDA). World size comes
-    from the launcher (torchrun), not from the configuration.
+    """``strategy``: ``ddp`` (replicated) or ``fsdp`` (FSDP2 ``fully_shard`` per decoder
+    layer, built-in and HF models; gloo on CPU, NCCL on CUDA; one process runs
+    unsharded). World size comes from the launcher (torchrun), not from the
+    configuration.
 
     ``timeout_s`` bounds every collective: when a peer dies or stalls, the surviving
     ranks fail with a ``DistributedError`` within this many seconds instead of hanging.
