@@ -118,6 +118,15 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     keep_mmap_threshold()  # a window's freed activations leave the resident set (L1)
     seed_rng(cfg.seed)  # every stream starts from the seed; a resume restores them later
     ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
+    with collective_guard(ctx):  # a rank refused here (a damaged shard) is a peer's
+        return assemble_run(cfg, out_dir, ctx, parent)  # failure to the others (X4)
+
+
+def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict | None
+                 ) -> Run:
+    """``build_run``'s stages once the process has joined the job; the collectives
+    among them (DDP's parameter check, FSDP2's sharding) run under the caller's
+    ``collective_guard``."""
     # "auto" numerics become what this device runs, before the manifest records them (S1)
     cfg = replace(cfg, numerics=resolve_device_numerics(cfg.numerics, ctx.device))
     cfg = resolve_family(cfg)  # the objective family explicit before the manifest (R8)
