@@ -85,6 +85,8 @@ def test_train_refuses_an_existing_run(tmp_path, capsys) -> None:
     [
         (None, ["--set", "update.lrr=1"], "update.lrr"),
         (None, ["--set", "numerics.precision=fp8"], "numerics.precision"),
+        (None, ["--set", 'model.lora={"rank": 4}'], "unknown config key 'model.lora.rank'"),
+        (None, ["--set", 'model.lora={"r": 4'], "'model.lora' is a section"),
         ("missing", [], "does not exist"),
         ("malformed", [], "docs.jsonl:2: not valid JSON"),
         ("no_text", [], "text"),
@@ -235,6 +237,23 @@ def test_both_set_forms_reach_the_configuration() -> None:
                  ["--set", "update.lr=1e-3", "--set", "train.steps=7"]):
         cfg = load_config(None, build_parser().parse_args(["train", *form]).overrides)
         assert cfg.update.lr == 1e-3 and cfg.train.steps == 7, form
+
+
+def test_a_section_set_as_json_reaches_the_run(tmp_path, capsys) -> None:
+    """X2: ``--set 'model.lora={"r": 4, "alpha": 8}'`` trains with those keys, recorded in
+    the manifest as ``--set model.lora.r=4 model.lora.alpha=8`` would be."""
+    data = write_jsonl(tmp_path / "docs.jsonl")
+    runs = {}
+    for name, form in (("json", ['model.lora={"r": 4, "alpha": 8}']),
+                       ("keys", ["model.lora.r=4", "model.lora.alpha=8"])):
+        runs[name] = tmp_path / name
+        code, _, err = run_cli(["train", "--out", str(runs[name]), "--no-progress",
+                                "--set", f"data.source={data}", "--set", "train.steps=1", *TINY,
+                                "--set", *form], capsys)
+        assert code == 0, err
+    configs = [read_manifest(run).body["config"] for run in runs.values()]
+    assert configs[0] == configs[1]
+    assert configs[0]["model"]["lora"]["r"] == 4 and configs[0]["model"]["lora"]["alpha"] == 8.0
 
 
 @pytest.mark.parametrize(

@@ -268,3 +268,67 @@ def test_unreadable_config_files(tmp_path) -> None:
     latin1.write_bytes(b'[data]\nsource = "caf\xe9.jsonl"\n')
     with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe9 at offset 20\)"):
         load_config(latin1)
+
+
+# --------------------------------------------------------------------------- a section from --set
+
+
+def test_a_section_takes_a_json_object_from_set(tmp_path) -> None:
+    """X2: ``--set SECTION={json}`` sets each key as ``--set SECTION.key=value`` would;
+    keys it does not name keep their values (TOML's, then the defaults)."""
+    cfg = load_config(overrides=['model.lora={"r": 4, "alpha": 8}'])
+    assert cfg.model.lora == load_config(overrides=["model.lora.r=4", "model.lora.alpha=8"]).model.lora
+    assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.dropout) == (4, 8.0, 0.0)
+    assert type(cfg.model.lora.alpha) is float  # coerced to the field's type, as from TOML
+    path = tmp_path / "run.toml"
+    path.write_text("[update]\nlr = 0.01\naccum = 2\n")
+    cfg = load_config(path, ['update={"accum": 3, "clip": "0.5"}'])
+    assert (cfg.update.lr, cfg.update.accum, cfg.update.clip) == (0.01, 3, 0.5)
+    nested = load_config(overrides=['model={"n_layers": 3, "lora": {"r": 2}}'])
+    assert (nested.model.n_layers, nested.model.lora.r) == (3, 2)
+    assert load_config(overrides=["model.lora={}"]) == RunConfig()
+
+
+def test_a_section_from_set_applies_to_a_resumed_config() -> None:
+    """``apply_overrides`` (``resume --set``) reads a section's JSON object the same way."""
+    from exactstep.config import apply_overrides
+
+    base = load_config(overrides=["model.lora.dropout=0.1"])
+    cfg = apply_overrides(base, ['model.lora={"r": 4}'])
+    assert (cfg.model.lora.r, cfg.model.lora.dropout) == (4, 0.1)
+
+
+def test_a_table_valued_key_still_takes_its_json_whole() -> None:
+    """``model.hf_config`` is a key holding a free table, not a section: its JSON object
+    is the value itself, including keys no dataclass declares."""
+    cfg = load_config(overrides=['model.hf_config={"model_type": "llama", "rope_scaling": {"a": 1}}',
+                                 "model.source=hf"])
+    assert cfg.model.hf_config == {"model_type": "llama", "rope_scaling": {"a": 1}}
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ('model.lora={"rank": 4}', "unknown config key 'model.lora.rank'; known keys here: "
+                                   "model.lora.r, model.lora.alpha"),
+        ('model={"lora": {"rank": 4}}', "unknown config key 'model.lora.rank'"),
+        ('model={"n_layer": 4}', "unknown config key 'model.n_layer'"),
+        ('model.lora={"r": -1}', "model.lora.r must be >= 0"),
+        ('model.lora={"r": 1.5}', "model.lora.r must be an integer"),
+        ('model.lora={"alpha": NaN}', "model.lora.alpha must be a finite number"),
+        ('update={"lr": "fast"}', "update.lr must be a number"),
+        ('model.lora={"bias": "all"}', "model.lora.bias must be one of none"),
+        ('model={"lora": 4}', "'model.lora' is a section"),
+        ("model.lora=4", "'model.lora' is a section"),
+        ("model.lora=[4]", "'model.lora' is a section"),
+        ('model.lora={"r": 4', "'model.lora' is a section"),
+        ('model.lora={"r": 4, "r": 8}', "model.lora: its JSON object gives the key 'r' twice"),
+    ],
+)
+def test_a_section_from_set_names_the_full_key(override: str, needle: str) -> None:
+    """X4: every key inside the object is checked as TOML's would be, and a refusal is
+    one line naming the full dotted key."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)

@@ -129,9 +129,70 @@ def load_config(
     if path is not None:
         raw = read_toml(Path(path))
     for item in overrides:
-        key, value = split_override(item)
-        set_dotted(raw, key, in_table(key, value))
+        set_override(raw, item)
     return build(RunConfig, raw, prefix="")
+
+
+def set_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``--set`` item to the raw tables: ``key=value``, or ``section={json}``,
+    a JSON object whose keys are set one by one as ``section.key=value`` would be (the
+    section's other keys keep their values); ``build`` then checks each one."""
+    key, value = split_override(item)
+    hint = key_hint(key)
+    if dataclasses.is_dataclass(hint):
+        set_section(raw, key, hint, section_object(key, hint, value))
+    else:
+        set_dotted(raw, key, in_table(key, value))
+
+
+def key_hint(key: str) -> Any:
+    """The declared type of dotted ``key``: a section's dataclass, a field's type,
+    ``dict`` inside a free table, ``None`` where no such key exists."""
+    hint: Any = RunConfig
+    for part in key.split("."):
+        if hint is dict or typing.get_origin(hint) is dict:
+            return dict
+        if not dataclasses.is_dataclass(hint):
+            return None
+        hint = typing.get_type_hints(hint).get(part)
+    return hint
+
+
+def section_object(key: str, cls: type, value: Any) -> dict[str, Any]:
+    """The JSON object ``--set`` gave section ``key``; ``ConfigError`` naming the section
+    and its keys when it is not one, or names a key twice (TOML refuses that too)."""
+    detail = ""
+    if isinstance(value, str):
+        def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+            names = [name for name, _ in items]
+            twice = next((name for name in names if names.count(name) > 1), None)
+            if twice is not None:
+                raise ConfigError(f"--set {key}: its JSON object gives the key {twice!r} twice")
+            return dict(items)
+
+        try:
+            value = json.loads(value, object_pairs_hook=pairs)
+        except json.JSONDecodeError as exc:
+            detail = f" ({exc.msg} at character {exc.pos})"
+    if isinstance(value, dict):
+        return value
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    raise ConfigError(
+        f"config key {key!r} is a section; give --set a JSON object of its keys "
+        f"({', '.join(names)}), "
+        f"e.g. '{key}={{\"{names[0]}\": ...}}'; got {value!r}{detail}"
+    )
+
+
+def set_section(raw: dict[str, Any], key: str, cls: type, table: dict[str, Any]) -> None:
+    """Set each key of ``table`` under section ``key`` (nested sections likewise)."""
+    hints = typing.get_type_hints(cls)
+    for name, value in table.items():
+        inner = hints.get(name)
+        if dataclasses.is_dataclass(inner):
+            set_section(raw, f"{key}.{name}", inner, section_object(f"{key}.{name}", inner, value))
+        else:
+            set_dotted(raw, f"{key}.{name}", value)
 
 
 def in_table(key: str, value: str) -> Any:
@@ -159,8 +220,7 @@ def apply_overrides(cfg: RunConfig, overrides: typing.Sequence[str]) -> RunConfi
         return cfg
     raw = cfg.to_dict()
     for item in overrides:
-        key, value = split_override(item)
-        set_dotted(raw, key, in_table(key, value))
+        set_override(raw, item)
     return build(RunConfig, raw, prefix="")
 
 

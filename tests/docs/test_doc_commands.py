@@ -9,6 +9,7 @@ dangling link are each caught.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -41,6 +42,28 @@ def documented_commands() -> list[tuple[str, str]]:
 
 
 COMMANDS = documented_commands()
+SECTIONS = {key.rpartition(".")[0] for key in KEYS} - {""}
+
+
+def set_keys(item: str) -> list[str]:
+    """The keys one ``--set`` item names: ``key=value`` names ``key``; a section given a
+    JSON object (``model.lora={"r": 4}``) names each key inside it, in full."""
+    key, _, value = item.partition("=")
+    if key not in SECTIONS:
+        return [key]
+    try:
+        table = json.loads(value)
+    except json.JSONDecodeError:
+        return [key]
+    return [key] if not isinstance(table, dict) else leaf_keys(key, table)
+
+
+def leaf_keys(prefix: str, table: dict) -> list[str]:
+    out = []
+    for name, value in table.items():
+        key = f"{prefix}.{name}"
+        out += leaf_keys(key, value) if key in SECTIONS and isinstance(value, dict) else [key]
+    return out
 
 
 def problems(line: str) -> list[str]:
@@ -58,9 +81,9 @@ def problems(line: str) -> list[str]:
         return [f"does not parse: {exc}"]
     found = []
     for item in getattr(args, "overrides", None) or []:
-        key = item.partition("=")[0]
-        if key not in KEYS and not any(key.startswith(t + ".") for t in TABLES):
-            found.append(f"--set {key}: no such configuration key")
+        for key in set_keys(item):
+            if key not in KEYS and not any(key.startswith(t + ".") for t in TABLES):
+                found.append(f"--set {key}: no such configuration key")
     config = getattr(args, "config", None)
     if config and not (ROOT / config).is_file():
         found.append(f"--config {config}: no such file")
@@ -93,6 +116,9 @@ def test_a_wrong_command_is_caught() -> None:
         "--config configs/none.toml: no such file"]
     assert problems("make no-such-target") == ["no make target 'no-such-target'"]
     assert problems("exactstep train --set model.hf_config.num_hidden_layers=2") == []
+    assert problems("""exactstep train --set 'model={"lora": {"r": 4}, "n_layers": 2}'""") == []
+    assert problems("""exactstep train --set 'model={"lora": {"rank": 4}}'""") == [
+        "--set model.lora.rank: no such configuration key"]
     assert RunConfig is not None
 
 
