@@ -256,6 +256,21 @@ def test_a_section_set_as_json_reaches_the_run(tmp_path, capsys) -> None:
     assert configs[0]["model"]["lora"]["r"] == 4 and configs[0]["model"]["lora"]["alpha"] == 8.0
 
 
+def test_fsdp_in_one_process_prints_one_line_that_it_runs_unsharded(tmp_path, capsys) -> None:
+    """D4: one process asked for ``parallel.strategy=fsdp`` trains unsharded and says so
+    in exactly one stderr line; the default ``ddp`` run prints no such line."""
+    data = write_jsonl(tmp_path / "docs.jsonl")
+    lines = {}
+    for strategy in ("ddp", "fsdp"):
+        code, _, err = run_cli(["train", "--out", str(tmp_path / strategy), "--no-progress",
+                                "--set", f"data.source={data}", "--set", "train.steps=1", *TINY,
+                                "--set", f"parallel.strategy={strategy}"], capsys)
+        assert code == 0, err
+        lines[strategy] = [line for line in err.splitlines() if "unsharded" in line]
+    assert lines["ddp"] == []
+    assert len(lines["fsdp"]) == 1 and "parallel.strategy = fsdp" in lines["fsdp"][0]
+
+
 @pytest.mark.parametrize(
     ("argv", "bad"),
     [(["train", "--set", "update.lr"], "update.lr"),

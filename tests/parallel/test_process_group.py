@@ -73,6 +73,20 @@ def test_single_process_helpers_are_identities() -> None:
     assert shard_model(module, ctx, ParallelConfig(strategy="fsdp")) is module
 
 
+def test_fsdp_in_one_process_says_in_one_line_that_it_runs_unsharded(capsys) -> None:
+    """D4: ``parallel.strategy = fsdp`` without a launcher shards nothing, and says so in
+    one line on stderr; ``ddp`` in one process (unwrapped, as ever) prints nothing."""
+    ctx = init_distributed(ParallelConfig(), "cpu", env={})
+    module = torch.nn.Linear(2, 2)
+    assert shard_model(module, ctx, ParallelConfig(strategy="ddp")) is module
+    assert capsys.readouterr() == ("", "")  # the control: nothing for ddp
+    assert shard_model(module, ctx, ParallelConfig(strategy="fsdp")) is module
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("exactstep: ")
+    assert "parallel.strategy = fsdp" in err and "unsharded" in err
+
+
 def test_empty_microbatch_supervises_nothing_and_keeps_attention_finite() -> None:
     """Padding microbatches add 0 to D and a finite zero gradient (D1)."""
     from workers import MODEL, OBJECTIVE, PAD_ID, VOCAB

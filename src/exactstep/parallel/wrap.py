@@ -9,6 +9,8 @@ Design and derivations: docs/design/parallel.md#parallelwrappy (D1, D4, U2).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -86,8 +88,8 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
     ``precision`` is the run's resolved ``numerics.precision``
     (``fsdp_mixed_precision``). A single process (e.g. a 2 -> 1 ``--reshard``)
     holds every parameter itself: ``model`` is returned unsharded, as ``ddp`` runs
-    one process unwrapped. Raises ``DistributedError`` when the device/backend pair
-    cannot run FSDP2. The root keeps its parameters
+    one process unwrapped, and one line on stderr says so. Raises ``DistributedError``
+    when the device/backend pair cannot run FSDP2. The root keeps its parameters
     (embedding, tied head, final norm) gathered between forward and backward, so the
     objective can use the head weight after the model's forward.
 
@@ -95,7 +97,12 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
     ``DTensor``s. Its mesh is the default process group, so every collective keeps the
     ``parallel.timeout_s`` bound.
     """
-    if cfg.strategy != "fsdp" or not ctx.distributed:
+    if cfg.strategy != "fsdp":
+        return model
+    if not ctx.distributed:
+        print("exactstep: parallel.strategy = fsdp in one process: the model runs unsharded "
+              "(every parameter here); launch several processes (--nproc, torchrun) to shard",
+              file=sys.stderr)
         return model
     if ctx.device.type != "cuda" and ctx.backend != "gloo":
         raise DistributedError("FSDP2 on CPU needs the gloo backend; set parallel.backend = 'gloo'")
