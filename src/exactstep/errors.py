@@ -7,6 +7,10 @@ anything that is not an ``ExactstepError`` is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+# The second way to continue a stopped run, named by every "continue with" hint: the
+# command a launcher's restart or a requeued job runs again (S10).
+RESUME_AUTO_HINT = "or the same train command with --resume auto"
+
 
 class ExactstepError(Exception):
     """Base of every user-facing error. The message names what the user must change."""

@@ -219,8 +219,12 @@ def run_windows(run: Run, start: int, progress: bool,
 
 
 def resume_command(run: Run) -> str:
+    """The ways to continue ``run``: ``exactstep resume``, or ``train --resume auto`` (S10)."""
+    from exactstep.errors import RESUME_AUTO_HINT
+
     world = run.ctx.world_size
-    return f"exactstep resume {run.out_dir}" + (f" --nproc {world}" if world > 1 else "")
+    nproc = f" --nproc {world}" if world > 1 else ""
+    return f"exactstep resume {run.out_dir}{nproc}, {RESUME_AUTO_HINT}"
 
 
 def finish(run: Run, started: float) -> dict[str, Any]:

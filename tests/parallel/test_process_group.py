@@ -183,7 +183,8 @@ def test_after_a_signal_the_launcher_adds_a_line_only_when_rank_zero_did_not(
     err = capsys.readouterr().err
     assert err.splitlines() == [
         "error: stopped by SIGTERM before the workers reported; continue from the last "
-        "committed checkpoint, if any, with 'exactstep resume runs/x --nproc 2'"]
+        "committed checkpoint, if any, with 'exactstep resume runs/x --nproc 2', or the same "
+        "train command with --resume auto"]
     write_error_file_for(tmp_path, 1)  # rank 1's report alone is not rank 0's line
     assert not rank_reported(tmp_path, 0) and rank_reported(tmp_path, 1)
     write_error_file_for(tmp_path, 0)

@@ -57,7 +57,9 @@ def test_sigterm_publishes_and_resume_completes(tmp_path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and f"exactstep resume {stopped}" in lines[0], err
+    assert len(lines) == 1, err
+    assert lines[0].endswith(f"continue with: exactstep resume {stopped}, or the same train "
+                             "command with --resume auto"), err
     assert "Traceback" not in err
     done = len(ledger.read_text().splitlines())
     assert done < STEPS  # it really stopped early

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exactstep.errors import DistributedError, ExactstepError, Interrupted
+from exactstep.errors import RESUME_AUTO_HINT, DistributedError, ExactstepError, Interrupted
 from exactstep.parallel.process_group import (
     ERROR_FILE_VAR,
     PEER_FAILURE_TEXT,
@@ -321,12 +321,13 @@ def failure_line(rank: int, failure: Any, failures: Mapping[int, Any],
 
 
 def resume_hint(argv: Sequence[str], nproc: int, nodes: Nodes | None) -> str:
-    """The command that continues the run (on every node, for a multi-node job)."""
+    """The commands that continue the run (on every node, for a multi-node job):
+    ``exactstep resume``, or the same ``train`` command with ``--resume auto`` (S10)."""
     command = f"'exactstep resume {run_dir_of(argv)} --nproc {nproc}"
     if nodes is None or not nodes.many:
-        return command + "'"
+        return f"{command}', {RESUME_AUTO_HINT}"
     return (f"{command}{nodes.flags()}' on this node and the same, with its own "
-            "--node-rank, on every other node")
+            f"--node-rank, on every other node, {RESUME_AUTO_HINT} on every node")
 
 
 def other_node_line(rank: int, message: str, failures: Mapping[int, Any], nproc: int,

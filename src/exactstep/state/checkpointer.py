@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from exactstep.durable import Journal
-from exactstep.errors import CheckpointError, DistributedError, StorageError
+from exactstep.errors import RESUME_AUTO_HINT, CheckpointError, DistributedError, StorageError
 from exactstep.manifest import Manifest
 from exactstep.state.rng import capture_rng, restore_rng
 from exactstep.state.safetensors_format import (
@@ -146,7 +146,7 @@ class Checkpointer:
             return publish_checkpoint(self.root, name, model_state, parts, keep=self.keep)
         except StorageError as exc:
             raise StorageError(f"{exc}; free space and continue with: exactstep resume "
-                               f"{self.root.parent}") from None
+                               f"{self.root.parent}, {RESUME_AUTO_HINT}") from None
 
     @contextmanager
     def guard_writes(self) -> Iterator[None]:
@@ -162,7 +162,8 @@ class Checkpointer:
             kept = f"checkpoint {latest} is intact" if latest else "no checkpoint was published yet"
             raise StorageError(
                 f"writing {exc.filename or self.root.parent} failed ({exc.strerror or exc}); "
-                f"{kept}; free space and continue with: exactstep resume {self.root.parent}"
+                f"{kept}; free space and continue with: exactstep resume {self.root.parent}, "
+                f"{RESUME_AUTO_HINT}"
             ) from None
 
     # ------------------------------------------------------------------ restore
