@@ -6,8 +6,10 @@ gets that comment replaced at build time by a table produced from the live code:
 ``__post_init__`` checks (``exactstep.ranges``), ``cli`` from ``exactstep.cli.build_parser``,
 ``run-directory`` and the keys' meanings from ``docs/hooks/meanings.toml``, ``api``
 from the ``__all__`` of each package (rendered by mkdocstrings). Nothing is listed by
-hand here, so a new key, flag or exported name appears without editing this file;
-tests/docs/test_docs_reference.py compares the output with the parsers and dataclasses.
+hand here, so a new key, flag or exported name appears without editing this file; a
+new key's meaning is its own entry in meanings.toml (no fallback: without one the
+build fails naming the key). tests/docs/test_docs_reference.py compares the output
+with the parsers and dataclasses.
 """
 
 from __future__ import annotations
@@ -118,17 +120,24 @@ def valid_values(hint: Any, allowed: Any) -> str:
     return ""
 
 
-def docstring_meaning(cls: type, name: str) -> str:
-    """The sentences of ``cls``'s docstring that name ``name`` (fallback meaning)."""
-    doc = " ".join((inspect.getdoc(cls) or "").split())
-    sentences = re.split(r"(?<=[.;])\s+", doc)
-    return " ".join(s for s in sentences if f"``{name}``" in s).replace("``", "`")
+def keys_without_meaning(notes: dict[str, str]) -> list[str]:
+    """The configuration keys, in declaration order, that ``notes`` (the ``[config]``
+    table of meanings.toml) gives no meaning of their own: every key needs one."""
+    return [key for key, _, _ in config_sections() if not str(notes.get(key, "")).strip()]
 
 
-def config_rows() -> list[dict[str, str]]:
-    """One row per configuration key: key, type, default, valid values, meaning."""
+def config_rows(notes: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """One row per configuration key: key, type, default, valid values, meaning.
+
+    ``notes``: the meanings (meanings.toml's ``[config]``); a key without one is a
+    ``ValueError`` naming it, so the site is not built with a key left unexplained.
+    """
+    notes = meanings()["config"] if notes is None else notes
+    missing = keys_without_meaning(notes)
+    if missing:
+        raise ValueError(f"configuration keys without a meaning: {', '.join(missing)}; "
+                         "add each to [config] in docs/hooks/meanings.toml")
     ranges_ = checked_ranges()
-    notes = meanings()["config"]
     rows = []
     for key, cls, name in config_sections():
         hint = typing.get_type_hints(cls)[name]
@@ -138,7 +147,7 @@ def config_rows() -> list[dict[str, str]]:
             "type": type_name(hint),
             "default": "unset" if default is None else repr(default).replace("'", '"'),
             "valid": valid_values(hint, ranges_.get(key)),
-            "meaning": notes.get(key) or docstring_meaning(cls, name),
+            "meaning": notes[key],
         })
     return rows
 

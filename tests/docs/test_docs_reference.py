@@ -51,6 +51,25 @@ def test_every_config_key_is_in_the_reference_with_a_meaning() -> None:
                          else repr(getattr(node, name)).replace("'", '"')), r["key"]
 
 
+def test_every_config_key_has_a_meaning_of_its_own() -> None:
+    """X1: each key's meaning is its entry in docs/hooks/meanings.toml; the table has no
+    fallback (a docstring sentence) that would let a key added without one pass."""
+    assert REF.keys_without_meaning(REF.meanings()["config"]) == []
+    assert not hasattr(REF, "docstring_meaning")
+
+
+def test_a_key_without_a_meaning_is_caught() -> None:
+    """Negative control: the meanings with one entry removed, or emptied, report exactly
+    that key, and the table is not built without it (``make docs`` fails naming it)."""
+    notes = dict(REF.meanings()["config"])
+    del notes["update.lr"]
+    assert REF.keys_without_meaning(notes) == ["update.lr"]
+    assert REF.keys_without_meaning({**REF.meanings()["config"], "model.lora.r": " "}) == [
+        "model.lora.r"]
+    with pytest.raises(ValueError, match=r"update\.lr.*docs/hooks/meanings\.toml"):
+        REF.config_rows(notes)
+
+
 def test_meanings_name_no_key_that_is_gone() -> None:
     live = {key for key, _, _ in config_keys()}
     assert set(REF.meanings()["config"]) - live == set()
