@@ -57,7 +57,9 @@ audit: $(STAMP)
 
 # The documentation site (mkdocs-material, the docs extra): built strictly (a broken
 # link or a missing page fails) into site/, offline (no external font, script or
-# analytics); the reference pages are generated from the code at build time.
+# analytics); the reference pages are generated from the code at build time. Search
+# works with site/index.html opened as a file (the offline plugin ships the index as
+# search/search_index.js); docs-serve serves it over HTTP where a browser blocks that.
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
 

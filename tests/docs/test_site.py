@@ -36,6 +36,41 @@ def test_the_url_check_finds_external_resources() -> None:
                                    "http://example.com/a.png"]
 
 
+def offline_search_problems(site: Path) -> list[str]:
+    """What keeps search from working when ``site/`` is opened as files (``file://``,
+    where a browser refuses to fetch ``search_index.json``): mkdocs-material's offline
+    plugin writes the index as ``search/search_index.js`` (``var __index = ...``), which
+    the theme's bundle loads under ``file:``, and turns ``use_directory_urls`` off."""
+    problems = []
+    index = site / "search" / "search_index.js"
+    if not index.is_file():
+        problems.append("no search/search_index.js (the offline plugin is off)")
+    elif not index.read_text(encoding="utf-8").startswith("var __index = "):
+        problems.append("search/search_index.js does not define __index")
+    bundles = list((site / "assets" / "javascripts").glob("bundle.*.min.js"))
+    if not any('location.protocol==="file:"' in b.read_text(encoding="utf-8")
+               and "search/search_index.js" in b.read_text(encoding="utf-8") for b in bundles):
+        problems.append("the theme's bundle does not load search/search_index.js under file:")
+    if not (site / "quickstart.html").is_file():
+        problems.append("pages are not .html files (use_directory_urls is on)")
+    return problems
+
+
+def test_the_offline_search_check_finds_a_site_that_needs_a_server(tmp_path) -> None:
+    """Negative control: a site built without the offline plugin (the index as JSON
+    only, pages as directories) is reported on every count."""
+    (tmp_path / "search").mkdir()
+    (tmp_path / "search" / "search_index.json").write_text("{}")
+    (tmp_path / "assets" / "javascripts").mkdir(parents=True)
+    (tmp_path / "assets" / "javascripts" / "bundle.0.min.js").write_text(
+        'fetch(new URL("search/search_index.json"))')
+    (tmp_path / "quickstart").mkdir()
+    assert offline_search_problems(tmp_path) == [
+        "no search/search_index.js (the offline plugin is off)",
+        "the theme's bundle does not load search/search_index.js under file:",
+        "pages are not .html files (use_directory_urls is on)"]
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
@@ -59,6 +94,14 @@ def test_the_strict_build_has_every_page_and_no_external_url(site: Path) -> None
     leaks = {str(p.relative_to(site)): external_urls(p.read_text(encoding="utf-8"))
              for p in html}
     assert {page: urls for page, urls in leaks.items() if urls} == {}
+
+
+@pytest.mark.slow
+def test_search_works_when_the_site_is_opened_as_files(site: Path) -> None:
+    """X1: ``site/index.html`` opened from disk keeps its search (no server needed)."""
+    assert offline_search_problems(site) == []
+    assert '"location":"quickstart.html' in (site / "search" / "search_index.js").read_text(
+        encoding="utf-8")
 
 
 @pytest.mark.slow
