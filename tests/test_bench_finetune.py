@@ -39,7 +39,8 @@ VARIANT_FIGURES = ("peak_rss_ratio", "tokens_per_s_ratio", "same_targets", "trai
                    *(f"{side}_{f}" for side in ("exactstep", "trainer") for f in SIDE_FIGURES))
 EXPECTED_KEYS = {"bench", "quick", "threads", "repeats", "model", "lora", "seq_len", "rows",
                  "short", "long", "long_tokens",
-                 *(f"{v}_{f}" for v in ("full", "lora", "full_ac", "lora_ac")
+                 *(f"{v}_{f}" for v in ("full", "lora", "full_ac", "lora_ac", "full_2t",
+                                       "lora_2t")
                    for f in VARIANT_FIGURES)}
 
 

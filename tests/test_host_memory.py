@@ -1,10 +1,15 @@
-"""Freed host memory leaves the resident set (L1, ``exactstep.host_memory``).
+"""Host memory: big freed tensors leave the resident set, small ones are reused (L1).
 
-Each case runs in a fresh interpreter (mallopt changes the process): an 8 MiB tensor
-is freed (glibc then raises its mmap threshold), then 100 tensors of 4 MiB are made,
-each followed by a small tensor that stays alive, and freed. With the threshold
-raised they sit in the heap under the small ones and stay resident (the negative
-control); pinned, each was its own mapping and is returned.
+Each case runs in a fresh interpreter (mallopt changes the process).
+
+- Returned: a 30 MiB tensor is freed (glibc then raises its mmap threshold to 30 MiB),
+  then 20 tensors of 20 MiB are made, each followed by a 1 MiB tensor that stays
+  alive, and freed. Under glibc's own rule they sit in the heap under the small ones
+  and stay resident (the negative control); with the pin each was its own mapping.
+- Reused: an 8 MiB tensor is made, filled and freed 100 times. With the pin it comes
+  back from the heap and its pages are faulted once; under the old 128 KiB pin each
+  one is a fresh mapping faulted anew, page by page (the negative control: the fault
+  storm that halved the default run's speed).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc, /proc")
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, resource, sys
     from pathlib import Path
     import torch
 
@@ -29,11 +34,11 @@ SCRIPT = textwrap.dedent("""
             if line.startswith('VmRSS'):
                 return int(line.split()[1]) / 1024
 
-    mode, out = sys.argv[1], sys.argv[2]
+    mode, case, out = sys.argv[1], sys.argv[2], sys.argv[3]
     pinned = None
-    if mode == 'keep':
-        from exactstep.host_memory import keep_mmap_threshold
-        pinned = keep_mmap_threshold()
+    if mode == 'pin':
+        from exactstep.host_memory import pin_mmap_threshold
+        pinned = pin_mmap_threshold()
     elif mode == 'run':  # what every run does before building its model
         from exactstep import runner
         from exactstep.config import load_config
@@ -42,46 +47,75 @@ SCRIPT = textwrap.dedent("""
                                      'data.max_docs=40', 'data.val_fraction=0.25',
                                      'train.steps=1'])
         runner.build_run(cfg, Path(out))
-    base = rss()
-    big = torch.ones(8 << 18)
-    del big
-    ts, alive = [], []
-    for _ in range(100):
-        ts.append(torch.ones(1 << 20))
-        alive.append(torch.ones(64))
-    peak = rss()
-    del ts
-    print(json.dumps({'pinned': pinned, 'held': rss() - base, 'made': peak - base}))
+    if case == 'returned':
+        base = rss()
+        big = torch.ones(30 << 18)
+        del big
+        ts, alive = [], []
+        for _ in range(20):
+            ts.append(torch.ones(20 << 18))
+            alive.append(torch.ones(256 << 10))  # 1 MiB, from the heap's top
+        peak = rss()
+        del ts
+        print(json.dumps({'pinned': pinned, 'held': rss() - base, 'made': peak - base}))
+    else:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(100):
+            t = torch.empty(2 << 20)
+            t.fill_(1.0)
+            small = torch.empty(16)
+            del t
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        print(json.dumps({'pinned': pinned, 'faults': faults}))
 """)
+PAGES = 100 * (8 << 20) // 4096  # pages of the 100 tensors of the reuse case
 
 
-def freed(mode: str, tmp_path, **env: str) -> dict:
-    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(tmp_path / "run")],
+def child(mode: str, case: str, tmp_path, **env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, mode, case, str(tmp_path / "run")],
                           capture_output=True, text=True, check=True, timeout=300,
                           env={**environ, **env})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_freed_activations_stay_resident_without_the_pin(tmp_path):
-    result = freed("plain", tmp_path)
+def test_freed_activations_stay_resident_under_glibcs_own_rule(tmp_path):
+    result = child("plain", "returned", tmp_path)
     assert result["made"] > 350  # 400 MiB made
     assert result["held"] > 300  # and still resident after the free
 
 
-@pytest.mark.parametrize("mode", ["keep", "run"])
-def test_with_the_pin_they_are_returned(tmp_path, mode):
-    result = freed(mode, tmp_path)
+@pytest.mark.parametrize("mode", ["pin", "run"])
+def test_with_the_pin_big_tensors_are_returned(tmp_path, mode):
+    result = child(mode, "returned", tmp_path)
     assert result["made"] > 350
     assert result["held"] < 50
-    if mode == "keep":
+    if mode == "pin":
         assert result["pinned"] is True
 
 
-def test_the_users_own_setting_stands(tmp_path, monkeypatch):
-    """``MALLOC_MMAP_THRESHOLD_`` set: ``mallopt`` is never called (their choice stands);
-    unset: it is called once, with glibc's parameter number and default. The C library
-    is replaced by a recorder; the subprocess shows the same refusal in a real one."""
+@pytest.mark.parametrize("mode", ["pin", "run"])
+def test_with_the_pin_small_tensors_are_reused_not_refaulted(tmp_path, mode):
+    assert child(mode, "reused", tmp_path)["faults"] < PAGES // 5
+
+
+def test_the_old_128_kib_pin_refaults_every_small_tensor(tmp_path):
+    """The negative control of the reuse case: the old pin, set as glibc reads it at
+    start-up, on a fresh heap (a big free chunk left in the heap would serve the
+    tensors whatever the threshold)."""
+    result = child("plain", "reused", tmp_path, MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
+    assert result["faults"] > PAGES // 2
+
+
+@pytest.mark.parametrize("setting", [
+    {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}, {"MALLOC_TRIM_THRESHOLD_": "0"},
+    {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}])
+def test_the_users_own_setting_stands(tmp_path, monkeypatch, setting):
+    """A user's malloc setting in the environment: ``mallopt`` is never called (their
+    choice stands); none: it is called for the mmap threshold (16 MiB) and the trim
+    threshold (32 MiB) with glibc's parameter numbers. The C library is replaced by a
+    recorder; the subprocess shows the same refusal in a real one."""
     import ctypes
 
     from exactstep import host_memory
@@ -94,9 +128,13 @@ def test_the_users_own_setting_stands(tmp_path, monkeypatch):
             return 1
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
-    assert host_memory.keep_mmap_threshold() is False and calls == []
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    assert host_memory.keep_mmap_threshold() is True
-    assert calls == [(-3, 128 * 1024)]  # M_MMAP_THRESHOLD in glibc's <malloc.h>
-    assert freed("keep", tmp_path, MALLOC_MMAP_THRESHOLD_=str(32 << 20))["pinned"] is False
+    for name in (*host_memory.USER_SETTINGS, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    assert host_memory.pin_mmap_threshold() is False and calls == []
+    for name in setting:
+        monkeypatch.delenv(name)
+    assert host_memory.pin_mmap_threshold() is True
+    assert calls == [(-3, 16 << 20), (-1, 32 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert child("pin", "reused", tmp_path, **setting)["pinned"] is False

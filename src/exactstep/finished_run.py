@@ -17,7 +17,7 @@ from exactstep.config import RunConfig, config_from_manifest
 from exactstep.errors import ResumeError
 from exactstep.eval import EvalReport, Validator
 from exactstep.families import FamilyParts, open_family
-from exactstep.host_memory import keep_mmap_threshold
+from exactstep.host_memory import pin_mmap_threshold
 from exactstep.manifest import Manifest, read_manifest
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.process_group import resolve_rank_device, single_process
@@ -67,7 +67,7 @@ def open_finished_run(run_dir: Path, *, from_checkpoint: Path | None = None,
     device = torch.device(device) if device is not None else resolve_rank_device(
         cfg.train.device, 0)
     recorded = recorded_environment(point.path, manifest, DcpFormat)
-    keep_mmap_threshold()  # as the run did (L1)
+    pin_mmap_threshold()  # as the run did (L1)
     with environment.threads_restored():
         if recorded is not None:
             torch.set_num_threads(int(recorded["threads"]))

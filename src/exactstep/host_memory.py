@@ -1,11 +1,10 @@
-"""Freed host memory goes back to the system (L1).
+"""Host memory: big freed tensors go back to the system, small ones are reused (L1).
 
-glibc's malloc takes a block above its mmap threshold (128 KiB) from ``mmap`` and
-returns it on free, but each such free raises the threshold (up to 32 MiB), so later
-activation-sized tensors come from the heap and stay resident after they are freed.
-``keep_mmap_threshold`` pins the threshold at glibc's default, which turns the raising
-off; every run calls it before building its model.
-Design and derivations: docs/design/objective.md#host-memory-l1
+glibc raises its mmap threshold up to 32 MiB as mapped blocks are freed, and tensors
+of 16-32 MiB then fragment the heap (+600 MiB a window at Qwen2.5-0.5B's shape); a
+128 KiB pin page-faulted every tensor anew (the default run twice as slow).
+``pin_mmap_threshold`` pins it at 16 MiB: smaller tensors are reused from the heap,
+bigger ones return on free. Measurements: docs/design/performance.md#host-memory.
 """
 
 from __future__ import annotations
@@ -14,18 +13,32 @@ import ctypes
 import os
 import sys
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's <malloc.h>
-DEFAULT_THRESHOLD = 128 * 1024  # glibc's own initial value
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (<malloc.h>)
+MMAP_THRESHOLD = 16 << 20  # bytes; chosen by the figures in docs/design/performance.md
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # free bytes kept at the heap's top (glibc's rule)
+#: the environment variables through which a user tunes glibc's malloc themselves
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                 "MALLOC_MMAP_MAX_")
 
 
-def keep_mmap_threshold() -> bool:
-    """Pin glibc's mmap threshold at its default; True when it was set. Nothing is done
-    where the user set ``MALLOC_MMAP_THRESHOLD_`` (their choice stands) or the C library
-    is not glibc (no ``mallopt``)."""
-    if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+def users_own_setting() -> bool:
+    """Whether the user tuned glibc's malloc in the environment (their choice stands)."""
+    return (any(name in os.environ for name in USER_SETTINGS)
+            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""))
+
+
+def pin_mmap_threshold() -> bool:
+    """Pin glibc's mmap threshold at ``MMAP_THRESHOLD`` and its trim threshold at
+    ``TRIM_THRESHOLD`` (a pinned threshold stops glibc adjusting either); True when both
+    were set. Nothing
+    is done where the user tuned malloc (``users_own_setting``) or the C library is not
+    glibc (no ``mallopt``). Where tensors live changes no value, so resume stays
+    bitwise whatever this does (S5)."""
+    if sys.platform != "linux" or users_own_setting():
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, DEFAULT_THRESHOLD))
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -24,11 +24,17 @@ import torch
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.durable import Journal, ensure_writable_dir, locked_directory
-from exactstep.errors import CheckpointError, DistributedError, Interrupted, ResumeError
+from exactstep.errors import (
+    RESUME_AUTO_HINT,
+    CheckpointError,
+    DistributedError,
+    Interrupted,
+    ResumeError,
+)
 from exactstep.eval import Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
-from exactstep.host_memory import keep_mmap_threshold
+from exactstep.host_memory import pin_mmap_threshold
 from exactstep.manifest import (
     MANIFEST_FILE,
     Manifest,
@@ -115,7 +121,7 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    keep_mmap_threshold()  # a window's freed activations leave the resident set (L1)
+    pin_mmap_threshold()  # big freed tensors leave the resident set, small ones are reused (L1)
     seed_rng(cfg.seed)  # every stream starts from the seed; a resume restores them later
     ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
     with collective_guard(ctx):  # a rank refused here (a damaged shard) is a peer's
@@ -220,8 +226,6 @@ def run_windows(run: Run, start: int, progress: bool,
 
 def resume_command(run: Run) -> str:
     """The ways to continue ``run``: ``exactstep resume``, or ``train --resume auto`` (S10)."""
-    from exactstep.errors import RESUME_AUTO_HINT
-
     world = run.ctx.world_size
     nproc = f" --nproc {world}" if world > 1 else ""
     return f"exactstep resume {run.out_dir}{nproc}, {RESUME_AUTO_HINT}"

@@ -44,11 +44,14 @@ FULL = {"seq_len": 1024, "rows": 1, "short": 12, "long": 6, "long_tokens": (160,
 QUICK = {"seq_len": 256, "rows": 1, "short": 4, "long": 2, "long_tokens": (60, 200),
          "repeats": 1}
 LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
-#: intra-op threads of every side. One: on a shared machine a second thread that
-#: loses its core makes the other wait at every barrier (see ``bench hf``)
+#: intra-op threads of every side of the headline variants. One: on a shared machine a
+#: second thread that loses its core makes the other wait at every barrier (see
+#: ``bench hf``); the ``*_2t`` variants run both sides at two, PyTorch's default here
 THREADS = 1
-VARIANTS = {"full": (False, False), "lora": (True, False), "full_ac": (False, True),
-            "lora_ac": (True, True)}  # name: (LoRA, activation checkpointing)
+VARIANTS = {"full": (False, False, THREADS), "lora": (True, False, THREADS),
+            "full_ac": (False, True, THREADS), "lora_ac": (True, True, THREADS),
+            "full_2t": (False, False, 2), "lora_2t": (True, False, 2)}
+#  name: (LoRA, activation checkpointing, intra-op threads)
 CHILD_MODULE = "exactstep.bench.finetune"
 
 
@@ -65,10 +68,10 @@ def run(quick: bool) -> dict:
     }
     passes: dict[str, list[dict]] = {}
     for repeat in range(repeats):
-        for variant, (lora, ac) in VARIANTS.items():
+        for variant, (lora, ac, threads) in VARIANTS.items():
             sides = ("exactstep", "trainer") if repeat % 2 == 0 else ("trainer", "exactstep")
             for side in sides:
-                spec = {"side": side, "lora": lora, "ac": ac, "threads": THREADS,
+                spec = {"side": side, "lora": lora, "ac": ac, "threads": threads,
                         "model": QWEN2, "lora_config": LORA, "data": shape}
                 passes.setdefault(f"{variant}_{side}", []).append(child(spec))
     for variant in VARIANTS:
@@ -238,11 +241,11 @@ def measured(spec: dict, check: bool) -> dict:
 def build_exactstep(spec: dict, vocab_size: int) -> Any:
     """exactstep's model: ``build_hf_model`` from the config (probe included), LoRA and
     activation checkpointing through ``ModelConfig`` (H4, H5)."""
-    from exactstep.host_memory import keep_mmap_threshold
+    from exactstep.host_memory import pin_mmap_threshold
     from exactstep.model.config import LoRAConfig, ModelConfig
     from exactstep.model.hf import build_hf_model
 
-    keep_mmap_threshold()  # as every exactstep run does (runner.build_run, L1)
+    pin_mmap_threshold()  # as every exactstep run does (runner.build_run, L1)
     lora = LoRAConfig(**spec["lora_config"]) if spec["lora"] else LoRAConfig()
     cfg = ModelConfig(source="hf", hf_config=dict(spec["model"]), attn_implementation="sdpa",
                       activation_checkpointing=spec["ac"], lora=lora)
