@@ -32,7 +32,7 @@ FLOORS = {
     "eval": 11,
     "families": 12,
     "finished_run": 13, "prepare": 13, "runner": 13, "audit": 13,
-    "export": 14,
+    "continuation": 14, "export": 14,
     "bench": 15, "smoke": 16,
     "cli": 17,
     "__main__": 18,

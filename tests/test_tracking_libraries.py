@@ -55,7 +55,8 @@ def committed_curve(run_dir: Path, field: str) -> dict[int, float]:
 def tracked_run(tmp_path_factory):
     """A 6-window run tracked in W&B (offline) and MLflow, then resumed from its
     window-3 checkpoint (a second segment in each store)."""
-    from exactstep.runner import resume, train
+    from exactstep.continuation import resume
+    from exactstep.runner import train
 
     root = tmp_path_factory.mktemp("tracked")
     source = write_texts(root / "docs.jsonl", short_texts())

@@ -53,7 +53,7 @@ _EXPORTS = {
     "verify_checkpoint": "exactstep.state.store",
     "evaluate_run": "exactstep.finished_run",
     "train": "exactstep.runner",
-    "resume": "exactstep.runner",
+    "resume": "exactstep.continuation",
     "evaluate": "exactstep.eval",
 }
 

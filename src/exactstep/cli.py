@@ -316,14 +316,14 @@ def dispatch(args: argparse.Namespace) -> int:
 
         cfg = load_config(args.config, args.overrides)
         if args.resume == "auto":
-            from exactstep.runner import train_or_continue
+            from exactstep.continuation import train_or_continue
 
             train_or_continue(cfg, Path(args.out), progress=not args.no_progress)
             return 0
         train(cfg, Path(args.out), progress=not args.no_progress)
         return 0
     if args.command == "resume":
-        from exactstep.runner import resume
+        from exactstep.continuation import resume
 
         resume(
             Path(args.run_dir),

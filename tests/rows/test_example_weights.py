@@ -247,8 +247,9 @@ def test_weighted_run_resumes_exactly_and_refuses_changed_weights_s4_l3(tmp_path
     fingerprint, so resuming over it is refused rather than continued."""
     import shutil
 
+    from exactstep.continuation import resume
     from exactstep.errors import ResumeError
-    from exactstep.runner import resume, train
+    from exactstep.runner import train
     from exactstep.state import latest_checkpoint, load_checkpoint
 
     data = write_docs(tmp_path / "w.jsonl", True)

@@ -50,6 +50,7 @@ LAUNCHER = r"""
 import os, random, signal, sys
 import numpy as np
 import torch
+import exactstep.continuation as continuation
 import exactstep.runner as runner
 import exactstep.state.checkpointer as checkpointer
 import exactstep.state.store as store
@@ -81,14 +82,15 @@ UpdateEngine.run_window = probed_run_window
 
 if kill_at != "none" and not kill_at.startswith("window_"):
     name, nth = kill_at.split(":")
-    module = runner if name == "finish" else store
-    original, calls = getattr(module, name), [0]
+    modules = (runner, continuation) if name == "finish" else (store,)
+    original, calls = getattr(modules[0], name), [0]
     def counted(*args, **kwargs):
         calls[0] += 1
         if calls[0] == int(nth):
             die()
         return original(*args, **kwargs)
-    setattr(module, name, counted)
+    for module in modules:   # a new run finishes in runner, a resume in continuation
+        setattr(module, name, counted)
 
 if defect == "no_rng":
     checkpointer.restore_rng = lambda state: None

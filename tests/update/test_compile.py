@@ -28,9 +28,10 @@ from model.model_batches import fill_rows, packed_batch
 from text_corpus import write_corpus
 
 from exactstep.config import load_config
+from exactstep.continuation import resume
 from exactstep.errors import ConfigError
 from exactstep.model.compiled import compile_model
-from exactstep.runner import resume, train
+from exactstep.runner import train
 from exactstep.state.compare import state_differences
 from exactstep.state.safetensors_format import load_checkpoint
 from exactstep.state.store import latest_checkpoint

@@ -3,12 +3,15 @@
 At start, before any window, rank 0 writes a token into the run directory; every rank
 reads it back and writes a probe file of its own there. A rank on another node that
 sees no token (a node-local directory) or cannot write (a read-only mount) stops the
-job with one ``error:`` line naming the ranks, their hosts and the fix.
+job with one ``error:`` line naming the ranks, their hosts and the fix. The job's
+rank 0 alone holds the run directory's lock (``hold_run_dir``, S8).
 Design and derivations: docs/design/parallel.md#parallelstoragepy (D1, S3, S7).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import socket
 from pathlib import Path
@@ -16,10 +19,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from exactstep.durable import write_durably
+from exactstep.durable import ensure_writable_dir, locked_directory, write_durably
 from exactstep.errors import DistributedError
+from exactstep.manifest import MANIFEST_FILE
 from exactstep.parallel.launch import collective_guard
-from exactstep.parallel.process_group import DistContext, host_group
+from exactstep.parallel.process_group import DistContext, host_group, launcher_values
 
 TOKEN_FILE = ".exactstep-shared"  # rank 0's token, removed once every rank read it
 
@@ -92,4 +96,19 @@ def storage_problem(seen: list[dict[str, Any]], run_dir: Path) -> str | None:
     return None
 
 
-__all__ = ["check_shared_run_dir", "TOKEN_FILE"]
+def hold_run_dir(path: Path, what: str, *, new: bool = False
+                 ) -> contextlib.AbstractContextManager:
+    """The run directory's lock for the life of this command (S8, X4; durable's
+    ``locked_directory``): a second ``train``, ``resume`` or warm start into it is
+    refused, naming this process, before it changes anything. Held by the job's rank 0
+    (the only process, or rank 0 under torchrun; ``--nproc``'s launcher holds none),
+    so the ranks of one job never lock each other out. ``new``: a start refused before
+    the run's manifest was written leaves no new directory behind."""
+    values = launcher_values(os.environ)
+    if values is not None and values[0] != 0:
+        ensure_writable_dir(path, what)
+        return contextlib.nullcontext()
+    return locked_directory(path, what, committed=MANIFEST_FILE if new else None)
+
+
+__all__ = ["check_shared_run_dir", "hold_run_dir", "TOKEN_FILE"]

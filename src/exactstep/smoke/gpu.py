@@ -403,8 +403,9 @@ def final_state(run_dir: Path) -> tuple:
 
 
 def check_resume(env: Env, result: Check) -> None:
+    from exactstep.continuation import resume
     from exactstep.manifest import read_manifest
-    from exactstep.runner import resume, train
+    from exactstep.runner import train
     from exactstep.state import state_differences
     from exactstep.state.checkpointer import checkpoint_name
 
