@@ -1,5 +1,5 @@
-"""Two "nodes" on one machine: multi-node launch, shared storage, a stalled or dead node
-(D1, D3, S3, S5, S7, X4; issue 30 items 1, 3 and 6).
+"""Two "nodes" on one machine: multi-node launch, shared storage, a stalled or dead node,
+restarts (D1, D3, S3, S5, S7, S10, X4; issue 30 items 1, 3 and 6; issue 37 items 6, 7).
 
 Each node is its own launcher process, ``exactstep train --nnodes 2 --node-rank K
 --rdzv-endpoint 127.0.0.1:PORT`` (one process each, c10d rendezvous, gloo), and the
@@ -13,8 +13,13 @@ launcher naming the fix, before any window. A stalled node (node 1's worker stop
 itself with SIGSTOP) is named by node 0 within ``parallel.timeout_s``; node 1 is then
 SIGKILLed whole (launcher and worker), the last published checkpoint stays, and the
 two-node resume (the ``torchrun ... -m exactstep`` form) ends bitwise equal to the
-straight run. The line for a dead node (a
-closed connection instead of a timeout) is checked on torchrun's failure records.
+straight run. A dead node (node 1's worker SIGKILLs its launcher, then itself) is named
+"died or failed" by node 0 (a closed connection, not the timeout), and exactstep's own
+two-node ``resume`` ends bitwise equal to the straight run. Restarts: under
+``torchrun --nnodes 2 --max-restarts 1`` with rank 1 SIGKILLed once, the job with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` restarts and ends bitwise equal to the straight
+run (``train --resume auto``); without it (the agents' shared store) it is refused
+before window 0 in one line naming the variable.
 
 The faults and the hook reach the workers through a ``sitecustomize`` module on
 ``PYTHONPATH``. Runs are sequential: two worker processes at a time.
@@ -34,7 +39,7 @@ import pytest
 from cli_support import CliRoot, tiny_overrides
 from run_support import multi_rank_state as final_state
 
-from exactstep.parallel.process_group import free_port
+from exactstep.parallel.process_group import SHARE_STORE_VAR, free_port
 from exactstep.state import latest_checkpoint
 from exactstep.state.compare import state_differences
 
@@ -52,12 +57,21 @@ _fault = os.environ.get("EXACTSTEP_TEST_NODE_FAULT")
 _writes = os.environ.get("EXACTSTEP_TEST_WRITES")
 if _fault and os.environ.get("RANK"):
     from exactstep.update.window import UpdateEngine
-    _rank, _window = _fault.split(":")
+    _rank, _window, _how = (_fault.split(":", 2) + ["stall"])[:3]
     _run_window = UpdateEngine.run_window
     def _probed(self, batches, window, *args, **kwargs):
         if window == int(_window) and os.environ["RANK"] == _rank:
+            if _how.startswith("kill-once="):  # this worker, in the first attempt only
+                _marker = _how.split("=", 1)[1]
+                if not os.path.exists(_marker):
+                    open(_marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return _run_window(self, batches, window, *args, **kwargs)
             with open(os.environ["EXACTSTEP_TEST_FAULT_TIME"], "w") as fh:
                 fh.write(repr(time.time()))
+            if _how == "kill-node":  # the whole node: its launcher, then this worker
+                os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGSTOP)  # alive, silent: a stalled node
         return _run_window(self, batches, window, *args, **kwargs)
     UpdateEngine.run_window = _probed
@@ -136,6 +150,13 @@ class Nodes(CliRoot):
     def __init__(self, root: Path) -> None:
         super().__init__(root, HOOK)
 
+    def env(self, **extra: str) -> dict[str, str]:
+        """The workers' environment; torchrun's store variable only where a test sets it."""
+        env = super().env(**extra)
+        if SHARE_STORE_VAR not in extra:
+            env.pop(SHARE_STORE_VAR, None)
+        return env
+
     def start(self, args: list[str], *, cwd: Path | None = None, **env: str) -> subprocess.Popen:
         argv = args if args[:1] == ["-m"] else ["-m", "exactstep", *args]
         return subprocess.Popen([sys.executable, *argv], cwd=cwd or self.root,
@@ -149,10 +170,12 @@ class Nodes(CliRoot):
 
     def two(self, command: list[str], *, cwds: tuple[Path, Path] | None = None,
             env: dict[str, str] | None = None, node1_env: dict[str, str] | None = None,
-            stop_node1_after_node0: bool = False, torchrun: bool = False) -> list[dict]:
+            stop_node1_after_node0: bool = False, torchrun: bool = False,
+            max_restarts: int = 0) -> list[dict]:
         """``command`` on node 0 and node 1 (``env`` on both, ``node1_env`` on node 1);
         returns each node's exit code, stderr and end time. ``torchrun``: the
-        documented ``torchrun --nnodes 2 ... -m exactstep <command>`` form instead."""
+        documented ``torchrun --nnodes 2 ... -m exactstep <command>`` form instead,
+        with ``--max-restarts max_restarts``."""
         port = free_port()
         procs = []
         for node in (0, 1):
@@ -161,8 +184,8 @@ class Nodes(CliRoot):
             argv = [*command, *flags]
             if torchrun:
                 argv = ["-m", "torch.distributed.run", *flags, "--nproc-per-node", "1",
-                        "--rdzv-backend", "c10d", "--rdzv-id", "job", "-m", "exactstep",
-                        *command]
+                        "--rdzv-backend", "c10d", "--rdzv-id", "job",
+                        "--max-restarts", str(max_restarts), "-m", "exactstep", *command]
             procs.append(self.start(argv, cwd=cwds[node] if cwds else None,
                                     **(env or {}), **((node1_env or {}) if node else {})))
         out = []
@@ -179,14 +202,21 @@ class Nodes(CliRoot):
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> dict:
+def reference(tmp_path_factory) -> dict:
+    """The run root and the straight one-node run (``--nproc 2``) every job is compared
+    with."""
     root = tmp_path_factory.mktemp("multinode")
     nodes = Nodes(root)
     sets = overrides(nodes.corpus)
-    out: dict = {"nodes": nodes, "sets": sets}
     rc, err = nodes.one("train", "--no-progress", "--out", str(root / "one"), *sets)
     assert rc == 0, err
-    out["one"] = root / "one"
+    return {"root": root, "nodes": nodes, "sets": sets, "one": root / "one"}
+
+
+@pytest.fixture(scope="module")
+def jobs(reference) -> dict:
+    out = dict(reference)
+    root, nodes, sets = reference["root"], reference["nodes"], reference["sets"]
 
     two, writes = root / "two", root / "writes"
     writes.mkdir()
@@ -280,7 +310,8 @@ def test_dead_node_line_names_the_node_and_its_ranks() -> None:
     """X4: when every rank of this node failed only because a peer's connection closed
     (another node's launcher and workers SIGKILLed), the line names the other nodes and
     their ranks. torchrun's failure records are fabricated (its fields: exitcode,
-    message, timestamp), as in test_stall_and_reporting; the live run covers a stall."""
+    message, timestamp), as in test_stall_and_reporting, for 3 nodes x 2 processes; the
+    live runs cover a stall and a killed node (test_a_killed_node_is_named_dead_...)."""
     from types import SimpleNamespace
 
     from exactstep.parallel import launch
@@ -365,3 +396,111 @@ def test_resume_on_a_node_that_sees_no_manifest_names_shared_storage(tmp_path,
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(DistributedError, match="rank 1 of 2 on .*not shared"):
         read_run_manifest(tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def dead_node(reference) -> dict:
+    """Issue 37 item 7: at the start of window ``FAULT_WINDOW`` rank 1's worker SIGKILLs
+    its launcher (the node's agent), then itself: a node gone whole, as when its host
+    dies. Then exactstep's own two-node ``resume`` (the command the line names)."""
+    root, nodes, sets = reference["root"], reference["nodes"], reference["sets"]
+    killed = root / "killed"
+    fault = {"EXACTSTEP_TEST_NODE_FAULT": f"1:{FAULT_WINDOW}:kill-node",
+             "EXACTSTEP_TEST_FAULT_TIME": str(root / "killed-at")}
+    out: dict = {"dir": killed}
+    out["ends"] = nodes.two(["train", "--no-progress", "--out", str(killed), *sets], env=fault)
+    out["killed_at"] = float((root / "killed-at").read_text())
+    out["latest"] = latest_checkpoint(killed / "checkpoints")
+    out["resumed"] = nodes.two(["resume", str(killed), "--no-progress"])
+    return out
+
+
+def test_a_killed_node_is_named_dead_by_the_other_node(dead_node) -> None:
+    """D1, X4: node 1's launcher and worker SIGKILLed in window 3; the other launcher
+    ends with one line naming node 1 and its rank as gone (a closed connection: "died
+    or failed", not the timeout's "stopped answering") and the command that continues
+    on every node; the last published checkpoint stays intact. (The fabricated
+    records of test_dead_node_line_names_the_node_and_its_ranks cover 3 nodes x 2.)"""
+    ends = dead_node["ends"]
+    [survivor] = [e for e in ends if e["rc"] != -signal.SIGKILL]  # the other was killed
+    assert survivor["rc"] not in (0, None), survivor["stderr"]
+    assert survivor["ended"] - dead_node["killed_at"] < TIMEOUT_S + SLACK_S
+    lines = error_lines(survivor["stderr"])
+    assert len(lines) == 1, survivor["stderr"]
+    assert lines[0].startswith("error: node 1 (rank 1) died or failed: rank 0 on node 0 "
+                               "lost its connection in a collective"), lines
+    assert "stopped answering" not in lines[0] and "parallel.timeout_s" not in lines[0]
+    assert f"'exactstep resume {dead_node['dir']} --nproc 1 --nnodes 2 --node-rank" in lines[0]
+    assert "--resume auto on every node" in lines[0], lines
+    assert "Traceback" not in survivor["stderr"]
+    latest = dead_node["latest"]
+    assert latest is not None and latest.name == f"window-{FAULT_WINDOW - FAULT_WINDOW % EVERY:08d}"
+    from exactstep.state import verify_checkpoint
+
+    assert verify_checkpoint(latest).ok
+
+
+def test_two_nodes_resume_bitwise_after_a_killed_node(dead_node, reference) -> None:
+    """S5, S7: ``exactstep resume RUN --nnodes 2 ...`` on both nodes after the killed
+    node ends bitwise equal to the straight one-node run, with the same ledger."""
+    ends = dead_node["resumed"]
+    assert [e["rc"] for e in ends] == [0, 0], [e["stderr"] for e in ends]
+    a, b = final_state(reference["one"]), final_state(dead_node["dir"])
+    assert a["name"] == b["name"] == f"window-{WINDOWS:08d}"
+    assert state_differences(a, b) == []
+    assert ((dead_node["dir"] / "ledger.jsonl").read_text()
+            == (reference["one"] / "ledger.jsonl").read_text())
+
+
+@pytest.fixture(scope="module")
+def restarts(reference) -> dict:
+    """Issue 37 item 6: ``torchrun --nnodes 2 --nproc-per-node 1 --max-restarts 1 ...
+    train --resume auto`` with rank 1 SIGKILLed once at the start of window
+    ``FAULT_WINDOW``: with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (every restart a
+    fresh store), and without it (the agents' shared store: refused)."""
+    root, nodes, sets = reference["root"], reference["nodes"], reference["sets"]
+    train = ["train", "--no-progress", "--resume", "auto"]
+    out: dict = {}
+    for name, extra in (("restarted", {SHARE_STORE_VAR: "1"}), ("refused", {})):
+        marker = root / f"{name}.killed"
+        fault = {"EXACTSTEP_TEST_NODE_FAULT": f"1:{FAULT_WINDOW}:kill-once={marker}"}
+        out[name] = nodes.two([*train, "--out", str(root / name), *sets], torchrun=True,
+                              max_restarts=1, env={**fault, **extra})
+        out[f"{name}_dir"], out[f"{name}_marker"] = root / name, marker
+    return out
+
+
+def test_a_restarted_two_node_job_ends_bitwise_equal_to_a_straight_run(restarts,
+                                                                       reference) -> None:
+    """S10, S5, S7: rank 1 SIGKILLed in window 3 of a 2-node x 1-process torchrun job
+    with --max-restarts 1 and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; both agents
+    restart their workers, which resume from window-00000002 (said once, by rank 0)
+    and end with the straight run's model, optimizer, per-rank RNG and cursor, and
+    ledger."""
+    ends, run_dir = restarts["restarted"], restarts["restarted_dir"]
+    assert [e["rc"] for e in ends] == [0, 0], [e["stderr"][-3000:] for e in ends]
+    assert restarts["restarted_marker"].exists(), "the worker was never killed"
+    said = [line for e in ends for line in e["stderr"].splitlines()
+            if line.startswith("exactstep: resuming")]
+    assert said == [f"exactstep: resuming {run_dir} at window 2 from window-00000002"], said
+    assert not any(error_lines(e["stderr"]) for e in ends)
+    a, b = final_state(reference["one"]), final_state(run_dir)
+    assert a["name"] == b["name"] == f"window-{WINDOWS:08d}"
+    assert state_differences(a, b) == []
+    assert (run_dir / "ledger.jsonl").read_text() == (reference["one"] / "ledger.jsonl").read_text()
+
+
+def test_a_two_node_restart_over_the_shared_store_is_refused_in_one_line(restarts) -> None:
+    """S10, X4: the same job without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the agents'
+    store, whose attempt prefixes the nodes could pick apart) is refused before window
+    0 in one line naming the variable, however often torchrun restarts the refused
+    workers; nothing ran (no window, no ledger). Control: the same job with the
+    variable ran and restarted (the test above)."""
+    ends, run_dir = restarts["refused"], restarts["refused_dir"]
+    assert all(e["rc"] != 0 for e in ends), [e["stderr"][-3000:] for e in ends]
+    lines = [line for e in ends for line in error_lines(e["stderr"])]
+    assert len(lines) == 1, [e["stderr"][-3000:] for e in ends]
+    assert f"{SHARE_STORE_VAR}=1" in lines[0] and "--max-restarts 1 on 2 nodes" in lines[0]
+    assert not restarts["refused_marker"].exists()  # no worker reached window 3
+    assert not (run_dir / "ledger.jsonl").exists() and not (run_dir / "manifest.json").exists()
+    assert latest_checkpoint(run_dir / "checkpoints") is None

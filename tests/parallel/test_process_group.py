@@ -207,3 +207,83 @@ def test_launcher_log_lines_are_silenced_in_every_elastic_module() -> None:
     quiet_launcher_logs()
     assert not agent.isEnabledFor(logging.WARNING)
     assert not agent.isEnabledFor(logging.ERROR)
+
+
+def agent_env(**changed: str) -> dict[str, str]:
+    """What torchrun's agent sets for rank 1 of a 2-node x 1-process job with
+    ``--max-restarts 1`` over its shared store (``changed`` replaces variables)."""
+    env = {**launcher_env(1, 2, 1), "GROUP_WORLD_SIZE": "2",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1",
+           "TORCHELASTIC_RESTART_COUNT": "0"}
+    return {**env, **changed}
+
+
+def test_a_multi_node_restart_over_the_agents_store_is_refused_naming_the_variable() -> None:
+    """S10, X4: several nodes, --max-restarts > 0 and the agents' shared store: refused
+    before the process group (and any window) in one line naming
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. Controls: one node (the prefixed store,
+    test_resume_auto), no restarts, and the variable honoured (a store of the
+    workers' own) are not refused; the variable set but ignored (static) says so."""
+    from exactstep.parallel.process_group import SharedStoreRestarts, shared_store_restarts
+
+    with pytest.raises(SharedStoreRestarts) as refused:
+        init_distributed(ParallelConfig(timeout_s=2.0), "cpu", env=agent_env())
+    text = str(refused.value)
+    assert "\n" not in text and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+    assert "--max-restarts 1 on 2 nodes" in text and "nothing was run" in text
+    assert not refused.value.repeated  # rank 1 never prints: it asks no store
+    for control in (agent_env(GROUP_WORLD_SIZE="1"), agent_env(TORCHELASTIC_MAX_RESTARTS="0"),
+                    agent_env(TORCHELASTIC_USE_AGENT_STORE="False"), launcher_env(1, 2, 1)):
+        assert shared_store_restarts(control) is None, control
+    static = shared_store_restarts(agent_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    assert static is not None and "--rdzv-backend c10d" in static
+
+
+def test_a_refusal_an_earlier_attempt_printed_is_recorded_but_not_printed_again(
+        tmp_path, capsys) -> None:
+    """X4: torchrun restarts a refused worker group like a failed one; rank 0 of each
+    attempt counts the refusal in the agents' store, which outlives the attempts, and
+    only the first prints it. Every attempt still records it for the launcher."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from exactstep.parallel.launch import report_failure
+    from exactstep.parallel.process_group import SharedStoreRestarts, refused_before
+
+    agent = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5))
+    env = agent_env(RANK="0", LOCAL_RANK="0", MASTER_PORT=str(agent.port))
+    printed = []
+    for attempt in range(3):
+        path = tmp_path / f"error-{attempt}.json"
+        with pytest.raises(SharedStoreRestarts) as refused:
+            init_distributed(ParallelConfig(timeout_s=5.0), "cpu",
+                             env={**env, "TORCHELASTIC_RESTART_COUNT": str(attempt)})
+        report_failure(refused.value, None, env={**env, "TORCHELASTIC_ERROR_FILE": str(path)})
+        assert "TORCH_DISABLE_SHARE" in json.loads(path.read_text())["message"]["message"]
+        printed.append(capsys.readouterr().err.count("error: torchrun --max-restarts"))
+    assert printed == [1, 0, 0]
+    # control: a store nobody serves cannot tell, so the line is printed (never lost)
+    assert not refused_before("127.0.0.1", free_port(), timedelta(seconds=1))
+
+
+def test_several_nodes_launch_with_a_fresh_store_per_round(monkeypatch) -> None:
+    """S10: exactstep's own multi-node launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    for its agent while it runs (each rendezvous round then forms over a fresh store)
+    and removes it after; one node (control) and a value the user set are left alone."""
+    import os
+
+    from exactstep.parallel.launch import Nodes, fresh_store_per_round
+
+    var = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    monkeypatch.delenv(var, raising=False)
+    with fresh_store_per_round(Nodes(2, 0, "h:1")):
+        assert os.environ[var] == "1"
+    assert var not in os.environ
+    with fresh_store_per_round(Nodes()):
+        assert var not in os.environ
+    monkeypatch.setenv(var, "0")
+    with fresh_store_per_round(Nodes(2, 0, "h:1")):
+        assert os.environ[var] == "0"
+    assert os.environ[var] == "0"

@@ -28,6 +28,7 @@ from exactstep.parallel.process_group import (
     PEER_FAILURE_TEXT,
     PEER_TIMEOUT_TEXT,
     RANK_RECORD_FILE,
+    SHARE_STORE_VAR,
     DistContext,
     PeerFailure,
     peer_failure,
@@ -78,14 +79,16 @@ def report_failure(exc: ExactstepError, ctx: DistContext | None,
     """Print ``error: ...`` once (rank 0) and record it for the launcher (every rank).
 
     A ``PeerFailure`` under a launcher is recorded but not printed: it is the echo of
-    another rank's failure, and the launcher reports that root cause (one line, X4).
+    another rank's failure, and the launcher reports that root cause (one line, X4);
+    so is a refusal an earlier attempt of the same job printed already (``repeated``).
     """
     env = os.environ if env is None else env
     rank = ctx.rank if ctx is not None else int(env.get("RANK", "0"))
     path = env.get(ERROR_FILE_VAR)
     if path:
         write_error_file(path, rank, exc)
-    if rank == 0 and not (path and isinstance(exc, PeerFailure)):
+    echo = isinstance(exc, PeerFailure) or getattr(exc, "repeated", False)
+    if rank == 0 and not (path and echo):
         print(f"error: {one_line(str(exc))}", file=sys.stderr, flush=True)
 
 
@@ -212,7 +215,8 @@ def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0,
     elif nodes.many:  # node 0 hosts the rendezvous store: no race for the port
         rdzv["is_host"] = nodes.node_rank == 0
     # the workers' error files land here (read after a signal) and go away afterwards
-    with tempfile.TemporaryDirectory(prefix="exactstep-launch-") as log_dir:
+    with (tempfile.TemporaryDirectory(prefix="exactstep-launch-") as log_dir,
+          fresh_store_per_round(nodes)):
         config = LaunchConfig(
             min_nodes=nodes.nnodes,
             max_nodes=nodes.nnodes,
@@ -232,6 +236,23 @@ def relaunch(argv: Sequence[str], nproc: int, *, timeout_s: float = 300.0,
         except SignalException as exc:
             return report_signal(exc.sigval, Path(log_dir), argv, nproc, nodes)
     return 0
+
+
+@contextlib.contextmanager
+def fresh_store_per_round(nodes: Nodes) -> Iterator[None]:
+    """Several nodes: every rendezvous round forms over a fresh store hosted by its
+    rank 0 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the agent, read by torch's
+    c10d rendezvous), not over one store the agents keep for the whole job, whose
+    keys a later round would read under an attempt count the nodes need not share
+    (S10, ``process_group.shared_store_restarts``). A value the user set stands."""
+    if not nodes.many or SHARE_STORE_VAR in os.environ:
+        yield
+        return
+    os.environ[SHARE_STORE_VAR] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(SHARE_STORE_VAR, None)
 
 
 def quiet_launcher_logs() -> None:

@@ -136,6 +136,10 @@ def init_distributed(
     if port is None:
         raise DistributedError("MASTER_PORT is not set; launch with torchrun (it sets it)")
     timeout = timedelta(seconds=cfg.timeout_s)
+    refusal = shared_store_restarts(env)
+    if refusal is not None:  # before any store key is written or any window runs (S10)
+        raise SharedStoreRestarts(
+            refusal, repeated=rank == 0 and refused_before(addr, int(port), timeout))
     try:
         dist.init_process_group(
             backend=backend,
@@ -165,14 +169,75 @@ def attempt_store(addr: str, port: int, rank: int, world: int, timeout: timedelt
     ``--max-restarts`` restarts, where a restarted rank would read the dead attempt's
     addresses and fail to connect (pytorch/pytorch#135712), so there each attempt's
     keys live under their own prefix (S10). The agents of several nodes may count
-    restarts differently; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every
-    attempt a fresh store instead (docs/design/parallel.md#resume-auto)."""
+    restarts differently, so there ``init_distributed`` refuses a shared store under
+    restarts (``shared_store_restarts``); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    gives every attempt a fresh store instead (docs/design/parallel.md#resume-auto)."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout,
                              multi_tenant=True)
     store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"exactstep/attempt-{attempt}", store)
+
+
+SHARE_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # "1": a fresh store every round
+REFUSED_KEY = "exactstep/refused-shared-store-restarts"
+
+
+class SharedStoreRestarts(DistributedError):
+    """A multi-node job under ``--max-restarts`` whose workers would share the agents'
+    store across restarts (``shared_store_restarts``). ``repeated``: an earlier attempt
+    of the same job was refused already and printed the line (torchrun restarts a
+    refused worker group like a failed one), so this one only records it."""
+
+    def __init__(self, message: str, *, repeated: bool = False) -> None:
+        super().__init__(message)
+        self.repeated = repeated
+
+
+def shared_store_restarts(env: Mapping[str, str]) -> str | None:
+    """Why this worker must not start, or None (S10, D1).
+
+    torchrun's agents keep one store for every ``--max-restarts`` restart
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), and ``attempt_store`` keeps the attempts
+    apart by ``TORCHELASTIC_RESTART_COUNT``. On several nodes (``GROUP_WORLD_SIZE``
+    > 1) that count is each agent's own: an agent counts a restart only when its own
+    workers failed, and restarts uncounted when another node rejoins while its
+    workers still run, so the ranks of one attempt can pick different prefixes and
+    a restarted rank reads a dead attempt's addresses or waits for keys written under
+    another prefix. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every rendezvous
+    round a fresh store hosted by its rank 0 (c10d; the static rendezvous ignores
+    it), as ``exactstep train --nnodes`` sets it."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return None
+    if nodes < 2 or restarts < 1:
+        return None
+    if env.get(SHARE_STORE_VAR) == "1":  # set, yet shared: a rendezvous that ignores it
+        fix = f"keep {SHARE_STORE_VAR}=1 and use --rdzv-backend c10d (static ignores it)"
+    else:
+        fix = (f"export {SHARE_STORE_VAR}=1 on every node before torchrun (every restart "
+               "then forms over a fresh store)")
+    return (f"torchrun --max-restarts {restarts} on {nodes} nodes: the workers would form "
+            "over one store kept across restarts, and the nodes count restarts apart, so a "
+            "restarted rank could read a dead attempt's addresses and never join; "
+            f"{fix}, or use --max-restarts 0 and run the same train command with "
+            "--resume auto again; nothing was run")
+
+
+def refused_before(addr: str, port: int, timeout: timedelta) -> bool:
+    """Whether an earlier attempt of this job was refused already: a counter in the
+    agents' store (``addr:port``), which outlives the attempts. False when that store
+    cannot be reached (the line is then printed again rather than never)."""
+    try:
+        store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        return int(store.add(REFUSED_KEY, 1)) > 1
+    except (RuntimeError, ValueError, OSError):
+        return False
 
 
 def new_host_group(timeout: timedelta):
