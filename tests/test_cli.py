@@ -203,6 +203,25 @@ def test_help_and_bench_list_do_not_import_torch(args) -> None:
     assert "torch" not in imported_top_modules(proc.stderr)
 
 
+def test_every_command_body_is_found_from_its_name() -> None:
+    """``cli`` parses and dispatches: ``exactstep NAME`` runs ``exactstep.commands.NAME``'s
+    ``run``. Every command the parser offers has that module, and every module there is
+    a command but ``launch`` (which runs the others under torchrun). Read with ``ast``,
+    nothing imported."""
+    import argparse
+    import ast
+
+    from exactstep.cli import build_parser
+
+    folder = Path(__file__).resolve().parents[1] / "src" / "exactstep" / "commands"
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bodies = {p.stem for p in folder.glob("*.py")
+              if "run" in {f.name for f in ast.parse(p.read_text()).body
+                           if isinstance(f, ast.FunctionDef)}}
+    assert bodies == set(sub.choices)
+    assert {p.stem for p in folder.glob("*.py")} - bodies == {"__init__", "launch"}
+
+
 def test_the_import_detector_sees_torch() -> None:
     # negative control: the check above fails for a command path that does load torch
     proc = run_importtime(["-c", "import exactstep.runner"])
