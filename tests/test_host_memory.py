@@ -6,7 +6,7 @@ Each case runs in a fresh interpreter (mallopt changes the process).
   then 20 tensors of 20 MiB are made, each followed by a 1 MiB tensor that stays
   alive, and freed. Under glibc's own rule they sit in the heap under the small ones
   and stay resident (the negative control); with the pin each was its own mapping.
-- Reused: an 8 MiB tensor is made, filled and freed 100 times. With the pin it comes
+- Reused: a 4 MiB tensor is made, filled and freed 100 times. With the pin it comes
   back from the heap and its pages are faulted once; under the old 128 KiB pin each
   one is a fresh mapping faulted anew, page by page (the negative control: the fault
   storm that halved the default run's speed).
@@ -61,14 +61,14 @@ SCRIPT = textwrap.dedent("""
     else:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(100):
-            t = torch.empty(2 << 20)
+            t = torch.empty(1 << 20)
             t.fill_(1.0)
             small = torch.empty(16)
             del t
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         print(json.dumps({'pinned': pinned, 'faults': faults}))
 """)
-PAGES = 100 * (8 << 20) // 4096  # pages of the 100 tensors of the reuse case
+PAGES = 100 * (4 << 20) // 4096  # pages of the 100 tensors of the reuse case
 
 
 def child(mode: str, case: str, tmp_path, **env: str) -> dict:
@@ -113,8 +113,8 @@ def test_the_old_128_kib_pin_refaults_every_small_tensor(tmp_path):
     {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}])
 def test_the_users_own_setting_stands(tmp_path, monkeypatch, setting):
     """A user's malloc setting in the environment: ``mallopt`` is never called (their
-    choice stands); none: it is called for the mmap threshold (16 MiB) and the trim
-    threshold (32 MiB) with glibc's parameter numbers. The C library is replaced by a
+    choice stands); none: it is called for the mmap threshold (6 MiB) and the trim
+    threshold (12 MiB) with glibc's parameter numbers. The C library is replaced by a
     recorder; the subprocess shows the same refusal in a real one."""
     import ctypes
 
@@ -136,5 +136,5 @@ def test_the_users_own_setting_stands(tmp_path, monkeypatch, setting):
     for name in setting:
         monkeypatch.delenv(name)
     assert host_memory.pin_mmap_threshold() is True
-    assert calls == [(-3, 16 << 20), (-1, 32 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert calls == [(-3, 6 << 20), (-1, 12 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
     assert child("pin", "reused", tmp_path, **setting)["pinned"] is False

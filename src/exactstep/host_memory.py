@@ -1,10 +1,10 @@
 """Host memory: big freed tensors go back to the system, small ones are reused (L1).
 
-glibc raises its mmap threshold up to 32 MiB as mapped blocks are freed, and tensors
-of 16-32 MiB then fragment the heap (+600 MiB a window at Qwen2.5-0.5B's shape); a
-128 KiB pin page-faulted every tensor anew (the default run twice as slow).
-``pin_mmap_threshold`` pins it at 16 MiB: smaller tensors are reused from the heap,
-bigger ones return on free. Measurements: docs/design/performance.md#host-memory.
+glibc raises its mmap threshold up to 32 MiB as mapped blocks are freed, and the heap
+then fragments (Qwen2.5-0.5B's shape: 4.9 GB instead of 3.0); a 128 KiB pin page-
+faulted every tensor anew (the default run twice as slow). ``pin_mmap_threshold``
+pins it at 6 MiB: smaller tensors are reused from the heap, bigger ones return on
+free. Measurements and the choice: docs/design/performance.md#host-memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (<malloc.h>)
-MMAP_THRESHOLD = 16 << 20  # bytes; chosen by the figures in docs/design/performance.md
+MMAP_THRESHOLD = 6 << 20  # bytes; chosen by the figures in docs/design/performance.md
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # free bytes kept at the heap's top (glibc's rule)
 #: the environment variables through which a user tunes glibc's malloc themselves
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
