@@ -1,10 +1,13 @@
 """The house's import graph (DESIGN): no import loop between modules, and no import
 running back up the floors written down in ``FLOORS`` (the one place they are).
 
-A room is a top-level module or a sub-package of ``exactstep``; a room may import
-rooms on lower floors only (inside one room, modules import each other freely, but
-never in a loop). Function-local imports count like any other, except in the rooms
-that load lazily on purpose (``LAZY``: the command line, benchmarks, the audit).
+A room is a top-level module or a sub-package of ``exactstep``; a family's folder
+(``families/<name>/``) stands on two floors: its compiler, config section and
+reference in the room ``families/<name>``, below ``config`` (which reads the section),
+its glue (``family.py``) in ``families``. A room may import rooms on lower floors only
+(inside one room, modules import each other freely, but never in a loop).
+Function-local imports count like any other, except in the rooms that load lazily on
+purpose (``LAZY``: the command line, benchmarks, the audit).
 The graph is read from the source with ``ast``, never by importing it.
 """
 
@@ -25,7 +28,7 @@ FLOORS = {
     "data": 4, "state": 4,
     "rows": 5,
     "transfer": 6,
-    "objective": 7,
+    "objective": 7, "families/<name>": 7,
     "update": 8,
     "tracking": 9, "parallel": 9, "model": 9,
     "report": 10, "config": 10,
@@ -42,6 +45,10 @@ FLOORS = {
 FACE = "__init__"
 #: Rooms whose function-local imports are there to keep start-up light.
 LAZY = {"cli", "bench", "smoke", "audit"}
+#: A family folder's glue, on the ``families`` floor; the rest of the folder is the
+#: room ``families/<name>`` (rows-floor code only that family uses).
+GLUE = "family"
+FAMILY_FOLDERS = {p.parent.name for p in (PACKAGE / "families").glob("*/__init__.py")}
 
 
 def module_name(path: Path) -> str:
@@ -51,7 +58,11 @@ def module_name(path: Path) -> str:
 
 def room_of(module: str) -> str:
     parts = module.split(".")
-    return FACE if len(parts) == 1 else parts[1]
+    if len(parts) == 1:
+        return FACE
+    if parts[1:2] == ["families"] and len(parts) > 2 and parts[2] in FAMILY_FOLDERS:
+        return "families" if parts[3:] == [GLUE] else "families/<name>"
+    return parts[1]
 
 
 def imports_of(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
@@ -196,9 +207,11 @@ def test_the_checks_can_fail():
     planted = {m: set(t) for m, t in edges.items()}
     planted["exactstep.durable"].add("exactstep.manifest")  # manifest imports durable
     assert any({"exactstep.durable", "exactstep.manifest"} <= set(c) for c in loops(planted))
-    assert runs_up("exactstep.rows.mlm", "exactstep.families.registry")
+    assert runs_up("exactstep.families.mlm.compiler", "exactstep.families.registry")
     assert runs_up("exactstep.model.encdec", "exactstep.model.attention") is False
-    assert runs_up("exactstep.families.mlm", "exactstep.rows.mlm") is False
+    assert runs_up("exactstep.families.mlm.family", "exactstep.families.mlm.compiler") is False
+    assert runs_up("exactstep.families.span.config", "exactstep.config")
+    assert runs_up("exactstep.config", "exactstep.families.span.config") is False
     assert runs_up("exactstep.report", "exactstep.config")  # one floor: not below
 
 

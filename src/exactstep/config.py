@@ -21,17 +21,17 @@ from typing import Any, Literal
 from exactstep.data.arith import ArithSpec
 from exactstep.data.config import DataConfig
 from exactstep.errors import ConfigError
+from exactstep.families.encdec.config import EncDecConfig
+from exactstep.families.mlm.config import MLMConfig
+from exactstep.families.permutation.config import PermutationConfig
+from exactstep.families.scheduled_sampling.config import ScheduledSamplingConfig
+from exactstep.families.span.config import SpanConfig
 from exactstep.model.config import ModelConfig
 from exactstep.objective.config import ObjectiveConfig
-from exactstep.objective.scheduled_sampling_config import ScheduledSamplingConfig
 from exactstep.parallel.config import ParallelConfig
 from exactstep.ranges import INT64_MAX, at_least, between, check, check_finite, check_int
 from exactstep.rows.chat import ChatPolicy
 from exactstep.rows.config import BatchConfig
-from exactstep.rows.encdec_config import EncDecConfig
-from exactstep.rows.mlm_config import MLMConfig
-from exactstep.rows.permutation_config import PermutationConfig
-from exactstep.rows.span_config import SpanConfig
 from exactstep.state.config import CheckpointConfig
 from exactstep.tracking import LogConfig
 from exactstep.update.config import NumericsConfig, UpdateConfig
@@ -80,12 +80,13 @@ class RunConfig:
     """The whole run. ``seed`` seeds every stream (data order, init, dropout).
 
     ``chat`` (ownership policy, R5) and ``arith`` (the built-in SFT demo) only matter
-    when ``data.kind = "chat"``. ``permutation`` (the partial-prediction cutoff,
-    ``rows.permutation``) only matters when ``objective.family = "permutation"``;
-    ``encdec`` (model depths, encoder columns, the built-in ``numwords`` pairs) only
-    for the encoder-decoder families, ``span`` for ``"span"``, ``mlm`` (selection and
-    replacement rates, ``rows.mlm``) for ``"mlm"`` and ``scheduled_sampling`` for
-    ``"scheduled_sampling"`` (R8).
+    when ``data.kind = "chat"``. A family's own section lives in its folder
+    (``families/<name>/config.py``) and only matters for that family:
+    ``permutation`` (the partial-prediction cutoff) when ``objective.family =
+    "permutation"``; ``encdec`` (model depths, encoder columns, the built-in
+    ``numwords`` pairs) for the encoder-decoder families, ``span`` for ``"span"``,
+    ``mlm`` (selection and replacement rates) for ``"mlm"`` and ``scheduled_sampling``
+    for ``"scheduled_sampling"`` (R8).
     """
 
     seed: int = 0
@@ -104,7 +105,7 @@ class RunConfig:
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)
     permutation: PermutationConfig = field(default_factory=PermutationConfig)
     encdec: EncDecConfig = field(default_factory=EncDecConfig)
-    span: SpanConfig = field(default_factory=SpanConfig)  # family "span" (rows.span_config)
+    span: SpanConfig = field(default_factory=SpanConfig)  # family "span" (families.span.config)
     mlm: MLMConfig = field(default_factory=MLMConfig)
 
     def __post_init__(self) -> None:

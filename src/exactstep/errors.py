@@ -22,6 +22,16 @@ class ConfigError(ExactstepError):
     """A configuration key or value is unknown or invalid."""
 
 
+class MissingSectionError(ConfigError):
+    """The configuration handed to a stage lacks a section it reads; names the key. No
+    default stands in for a section the run did not bring."""
+
+    def __init__(self, key: str, kind: str) -> None:
+        super().__init__(f"the configuration has no [{key}] section ({kind}); pass the run's "
+                         f"RunConfig, which always carries one")
+        self.key = key
+
+
 class DataError(ExactstepError):
     """A data source is missing, malformed, or empty."""
 

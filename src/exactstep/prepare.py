@@ -57,12 +57,12 @@ from exactstep.durable import (
 )
 from exactstep.errors import ConfigError, DataError, ExactstepError
 from exactstep.families import family_tokenizer, run_data_kind
-from exactstep.rows.chat import ChatReport, chat_example
+from exactstep.rows.chat import ChatPolicy, ChatReport, chat_example
+from exactstep.rows.config import run_section
 from exactstep.rows.example import encode_documents
 from exactstep.rows.prepared import ORDER_RULE
 from exactstep.rows.sources import (
     ARITH_SOURCE,
-    chat_policy_of,
     chat_split_rule,
     conversations_digest,
     is_val,
@@ -348,7 +348,7 @@ def encode_chunk(pairs: Sequence[tuple[str, Any]]) -> Encoded:
     reports: dict[str, ChatReport] = {}
     docs = []
     for split, conversation in pairs:
-        example = chat_example(conversation, 0, tokenizer, chat_policy_of(cfg),
+        example = chat_example(conversation, 0, tokenizer, run_section(cfg, "chat", ChatPolicy),
                                max_len=cfg.batch.seq_len, template=_WORKER["template"],
                                report=reports.setdefault(split, ChatReport()))
         if example is not None:
@@ -500,7 +500,7 @@ def manifest(cfg: Any, tokenizer: Any, template: Any, splits: dict[str, dict[str
     meta.update(extra)
     if cfg.data.kind == "chat":
         meta["max_len"] = cfg.batch.seq_len
-        meta["chat_policy"] = asdict(chat_policy_of(cfg))
+        meta["chat_policy"] = asdict(run_section(cfg, "chat", ChatPolicy))
     meta = {k: v for k, v in meta.items() if v is not None}
     meta["fingerprint"] = fingerprint_of(meta)
     return meta

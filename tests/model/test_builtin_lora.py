@@ -257,7 +257,7 @@ def run_args(corpus: Path, lora: dict) -> dict:
 def trained_run(tmp_path: Path, lora: dict) -> tuple[dict, dict, dict, Path]:
     """The initial state, the state of the very model the run trained (caught as it is
     built: a LoRA checkpoint holds no base to compare), the manifest and the run."""
-    import exactstep.families.causal as causal
+    import exactstep.families.causal.family as causal
 
     corpus, run = tmp_path / "docs.jsonl", tmp_path / "run"
     write_corpus(corpus)

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from exactstep.config import RunConfig
+from exactstep.data.arith import ArithSpec
 from exactstep.data.chat import DEFAULT_TEMPLATE, load_chat_jsonl
 from exactstep.data.config import DataConfig
 from exactstep.data.tokenizer import ByteTokenizer
-from exactstep.errors import DataError
+from exactstep.errors import DataError, MissingSectionError
 from exactstep.rows.chat import ChatPolicy
-from exactstep.rows.config import BatchConfig
+from exactstep.rows.config import BatchConfig, run_section
 from exactstep.rows.sources import is_val, load_bundle
 
 TOK = ByteTokenizer()
@@ -81,3 +82,18 @@ def test_jsonl_errors_and_empty_policy_surface_as_data_errors(tmp_path):
                              "chat": ChatPolicy(empty="error")})
     with pytest.raises(DataError, match="no supervised token"):
         load_bundle(cfg, TOK)
+
+
+def test_a_missing_section_is_a_typed_error_naming_the_key():
+    """No default stands in for a section the configuration lacks: a chat run handed a
+    configuration without ``chat`` (or with something else there) is refused with a
+    ``MissingSectionError`` naming the key, before any data is read."""
+    whole = run_config("arith", max_docs=30)
+    assert run_section(whole, "chat", ChatPolicy) is whole.chat
+    partial = SimpleNamespace(data=whole.data, batch=whole.batch, objective=whole.objective,
+                              seed=0, arith=whole.arith)
+    with pytest.raises(MissingSectionError, match=r"no \[chat\] section") as info:
+        load_bundle(partial, TOK)
+    assert info.value.key == "chat"
+    with pytest.raises(MissingSectionError, match=r"no \[arith\] section"):
+        run_section(SimpleNamespace(arith=ChatPolicy()), "arith", ArithSpec)

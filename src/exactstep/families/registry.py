@@ -83,17 +83,18 @@ def family_tokenizer(cfg: RunConfig) -> Tokenizer:
     return build_tokenizer(cfg, family_of(cfg).specials(cfg))
 
 
-#: The built families: name -> ``"module:attribute"`` of its ``Family``.
-BUILT: dict[str, str] = {
-    "causal": "exactstep.families.causal:FAMILY",
-    "chat": "exactstep.families.chat:FAMILY",
-    "scheduled_sampling": "exactstep.families.scheduled_sampling:family",
-    "permutation": "exactstep.families.permutation:FAMILY",
-    "encdec": "exactstep.families.encdec:FAMILY",
-    "prefix": "exactstep.families.prefix:FAMILY",
-    "span": "exactstep.families.span:FAMILY",
-    "mlm": "exactstep.families.mlm:FAMILY",
-}
+#: The built families, each the folder ``families/<name>/`` whose ``family.py`` holds its
+#: ``FAMILY``: adding a family is its folder, one line here and ``tests/families/<name>/``.
+BUILT: tuple[str, ...] = (
+    "causal",
+    "chat",
+    "scheduled_sampling",
+    "permutation",
+    "encdec",
+    "prefix",
+    "span",
+    "mlm",
+)
 
 
 def family_name(cfg: RunConfig) -> str:
@@ -107,16 +108,15 @@ def family_name(cfg: RunConfig) -> str:
 
 def family_of(cfg: RunConfig) -> Family:
     """The run's family; ``ConfigError`` naming the built ones for one specified but
-    not built yet. A ``BUILT`` entry is a ``Family`` or a function of ``cfg`` returning
-    one (a family over a base, as scheduled sampling), imported only when chosen."""
+    not built yet. A family's ``FAMILY`` (in ``families/<name>/family.py``, imported only
+    when chosen) is a ``Family`` or a function of ``cfg`` returning one (a family over a
+    base, as scheduled sampling)."""
     name = family_name(cfg)
-    where = BUILT.get(name)
-    if where is None:
+    if name not in BUILT:
         raise ConfigError(
             f"objective.family = {name!r} is not built yet; choose one of {', '.join(BUILT)}"
         )
-    module, attribute = where.split(":")
-    family = getattr(importlib.import_module(module), attribute)
+    family = importlib.import_module(f"exactstep.families.{name}.family").FAMILY
     return family if isinstance(family, Family) else family(cfg)  # one built per run
 
 

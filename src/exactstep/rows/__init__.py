@@ -1,8 +1,9 @@
 """Objective compilers from examples to ``Batch`` rows (R1-R8).
 
-The rows stage: packing, the causal and chat compilers and the other families,
+The rows stage, what every family uses: packing, the causal and chat compilers,
 invariants (R7), the row stream, background loading (a worker thread or a loader
-process, P3) and ``inspect`` (R6); the public names are exported lazily.
+process, P3) and ``inspect`` (R6); a family's own compiler lives in its folder
+(``families/<name>/``). The public names are exported lazily.
 Design and derivations: docs/design/rows.md#rows__init__py (R1-R8, P2, P3).
 """
 

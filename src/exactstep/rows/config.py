@@ -2,15 +2,19 @@
 
 ``BatchConfig``: row length and count, the boundary and position policies (R3), the
 over-long outcome and the packer's buffer (R4), and whether batches are checked (R7).
+``run_section`` reads another section of the run's configuration, typed, without a default.
 Design and derivations: docs/design/rows.md#rowsconfigpy (R1-R4, R7).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
+from exactstep.errors import MissingSectionError
 from exactstep.ranges import at_least, check
+
+S = TypeVar("S")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,3 +40,13 @@ class BatchConfig:
         check("batch.seq_len", self.seq_len, at_least(2))
         check("batch.rows", self.rows, at_least(1))
         check("batch.buffer", self.buffer, at_least(1))
+
+
+def run_section(cfg: Any, key: str, kind: type[S]) -> S:
+    """``cfg.<key>``, checked to be a ``kind``: how a stage below ``config`` (which cannot
+    name ``RunConfig``) reads a section of the run's configuration. A configuration
+    without it is a ``MissingSectionError`` naming the key, never a default in its place."""
+    value = getattr(cfg, key, None)
+    if not isinstance(value, kind):
+        raise MissingSectionError(key, kind.__name__)
+    return value

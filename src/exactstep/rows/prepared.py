@@ -20,6 +20,7 @@ from exactstep.data.prepared import PreparedSplit, open_prepared
 from exactstep.errors import ConfigError, DataError
 from exactstep.rows import kernels
 from exactstep.rows.chat import ChatPolicy
+from exactstep.rows.config import run_section
 from exactstep.rows.example import WEIGHTED_REDUCTIONS, DataBundle, Example
 
 ORDER_RULE = "block-permutation"
@@ -302,7 +303,7 @@ def load_prepared_bundle(cfg: Any, tokenizer: Any, representation: dict[str, Any
         raise ConfigError(f"{source} truncated conversations to {meta.get('max_len')} tokens "
                           f"but batch.seq_len = {cfg.batch.seq_len}; set batch.seq_len = "
                           f"{meta.get('max_len')} or prepare again with this batch.seq_len")
-    policy = asdict(getattr(cfg, "chat", None) or ChatPolicy())  # as rows.sources reads it
+    policy = asdict(run_section(cfg, "chat", ChatPolicy))  # as rows.sources reads it
     if meta["kind"] == "chat" and meta.get("chat_policy") != policy:
         differing = sorted(k for k, v in policy.items() if meta.get("chat_policy", {}).get(k) != v)
         raise ConfigError(f"{source} was prepared under another chat policy (differing: "

@@ -22,20 +22,11 @@ from exactstep.data.corpus import check_split, load_corpus
 from exactstep.data.prepared import is_prepared
 from exactstep.data.tokenizer import Tokenizer
 from exactstep.rows.chat import ChatPolicy, chat_examples
+from exactstep.rows.config import run_section
 from exactstep.rows.example import DataBundle, encode_documents
 from exactstep.rows.prepared import load_prepared_bundle
 
 ARITH_SOURCE = "arith"
-
-
-def chat_policy_of(cfg: Any) -> ChatPolicy:
-    """The run's ``chat`` section, or the default policy when the config has none."""
-    return getattr(cfg, "chat", None) or ChatPolicy()
-
-
-def arith_spec_of(cfg: Any) -> ArithSpec:
-    """The run's ``arith`` section, or the default demo family when the config has none."""
-    return getattr(cfg, "arith", None) or ArithSpec()
 
 
 def conversations_digest(conversations: Sequence[Conversation]) -> str:
@@ -60,7 +51,7 @@ def split_conversations(
     """(train, val, split rule, held-out conversations to score or None)."""
     data = cfg.data
     if data.source == ARITH_SOURCE:
-        spec = arith_spec_of(cfg)
+        spec = run_section(cfg, "arith", ArithSpec)
         n_train = min(spec.n_train, data.max_docs) if data.max_docs else spec.n_train
         train = arith_conversations(cfg.seed, n_train, split="train", spec=spec)
         heldout = arith_conversations(cfg.seed, spec.n_heldout, split="heldout", spec=spec)
@@ -126,7 +117,7 @@ def load_chat_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
     Raises ``DataError`` for malformed chat JSONL (file and line named) or, under
     ``chat.empty = 'error'``, for a conversation with no supervised token.
     """
-    policy = chat_policy_of(cfg)
+    policy = run_section(cfg, "chat", ChatPolicy)
     template = template_for(tokenizer)
     train_conv, val_conv, rule, heldout = split_conversations(cfg)
     max_len = cfg.batch.seq_len
@@ -146,7 +137,7 @@ def load_chat_bundle(cfg: Any, tokenizer: Tokenizer) -> DataBundle:
         "chat_val": val_report.to_dict(),
     }
     if cfg.data.source == ARITH_SOURCE:
-        section["arith"] = asdict(arith_spec_of(cfg))
+        section["arith"] = asdict(run_section(cfg, "arith", ArithSpec))
     return DataBundle(train, val, section, representation_of(tokenizer, template), heldout)
 
 

@@ -24,7 +24,13 @@ from exactstep.data.pairs import (
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import DataError
 from exactstep.families import open_family, resolve
-from exactstep.families.encdec import greedy_exact_match
+from exactstep.families.encdec.compiler import (
+    EncDecCompiler,
+    PairPiece,
+    compile_pair_batch,
+    encode_pairs,
+)
+from exactstep.families.encdec.family import greedy_exact_match
 from exactstep.model.config import ModelConfig
 from exactstep.model.encdec import EncoderDecoder, greedy_decode
 from exactstep.objective.config import ObjectiveConfig
@@ -33,12 +39,6 @@ from exactstep.objective.smoothing import Smoothing, target_distribution
 from exactstep.parallel.agreement import empty_microbatch
 from exactstep.rows.batch import IGNORE_INDEX, Batch
 from exactstep.rows.config import BatchConfig
-from exactstep.rows.encdec import (
-    EncDecCompiler,
-    PairPiece,
-    compile_pair_batch,
-    encode_pairs,
-)
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.groups import build_optimizer
 from exactstep.update.precision import Precision
@@ -149,7 +149,7 @@ def test_greedy_decoding_equals_decoding_through_the_training_forward():
 
 def test_exact_match_counts_whole_answers(monkeypatch):
     """An answer counts only when it is exactly the target between BOS and EOS."""
-    import exactstep.families.encdec as encdec_family
+    import exactstep.families.encdec.family as encdec_family
 
     examples, _ = encode_pairs([Pair("1", "ab"), Pair("2", "c"), Pair("3", "de")], TOK,
                                seq_len=16, source_len=8, overlong="split")

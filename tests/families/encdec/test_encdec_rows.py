@@ -1,6 +1,6 @@
 """The encoder-decoder compiler (R1, R2, R6-R8) against a plain-Python oracle.
 
-The oracle (``rows.encdec_reference``) and the literal rows below are written from
+The oracle (``families.encdec.reference``) and the literal rows below are written from
 the Annotated Transformer's definition: decoder input ``tgt[:-1]``, scored
 ``tgt[1:]``, ``ntokens`` the non-pad targets, the source padded with its own pad id.
 Each check is also run on a deliberately wrong compiler, which it must catch.
@@ -19,12 +19,17 @@ from hypothesis import strategies as st
 from exactstep.data.pairs import Pair
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import BatchInvariantError, DataError
+from exactstep.families.encdec.compiler import (
+    EncDecCompiler,
+    PairPiece,
+    compile_pair_batch,
+    encode_pairs,
+)
+from exactstep.families.encdec.reference import expected_pair_rows
 from exactstep.model.config import ModelConfig
 from exactstep.model.encdec import EncoderDecoder
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide
 from exactstep.rows.config import BatchConfig
-from exactstep.rows.encdec import EncDecCompiler, PairPiece, compile_pair_batch, encode_pairs
-from exactstep.rows.encdec_reference import expected_pair_rows
 from exactstep.rows.packing import PackPlanner, Piece
 from exactstep.rows.stream import RowStream
 

@@ -1,11 +1,11 @@
-"""An independent, plain-Python statement of the masked-LM rule (R8, ``rows.mlm``).
+"""An independent, plain-Python statement of the masked-LM rule (R8, ``families.mlm.compiler``).
 
 Only the random numbers are NumPy's: the oracle addresses the generator itself,
 from the rule as documented (``[0x6D6C6D, seed, epoch, example id, piece]``, draws
 ``u`` then ``v`` then ``r``), turns the draws into Python lists, and does everything
 else -- eligibility, the count, the ranking, the 80/10/10 decision, the layout of
 rows -- with Python's own arithmetic and lists. No torch, and nothing from
-``exactstep.rows.mlm``.
+``exactstep.families.mlm.compiler``.
 """
 
 from __future__ import annotations

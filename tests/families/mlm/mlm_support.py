@@ -10,11 +10,11 @@ import torch
 from mlm_reference import BOS, EOS, IGNORE_INDEX, MASK, PAD, SPECIAL
 
 from exactstep.data.tokenizer import ByteTokenizer
+from exactstep.families.mlm.compiler import MLMCompiler, Vocabulary
+from exactstep.families.mlm.config import MLMConfig
 from exactstep.rows.batch import Batch
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
-from exactstep.rows.mlm import MLMCompiler, Vocabulary
-from exactstep.rows.mlm_config import MLMConfig
 from exactstep.rows.packing import PackPlanner, Piece
 
 TOKENIZER = ByteTokenizer(("mask",))
@@ -82,7 +82,7 @@ class SharedStream(MLMCompiler):
         self.rng = np.random.default_rng(self.seed)
 
     def corrupt(self, tokens, example_id, piece):
-        from exactstep.rows.mlm import corrupt_piece
+        from exactstep.families.mlm.compiler import corrupt_piece
 
         return corrupt_piece(tokens, self.rng, self.settings, self.vocab)
 

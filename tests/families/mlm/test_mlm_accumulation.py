@@ -13,7 +13,7 @@ from mlm_support import compile_rows, compiler, plan, random_examples
 from update.test_real_stack import real_engine
 
 from exactstep.config import load_config
-from exactstep.families.mlm import build_encoder
+from exactstep.families.mlm.family import build_encoder
 from exactstep.objective import plan_window
 from exactstep.update.disposition import Outcome
 

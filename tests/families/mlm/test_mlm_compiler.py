@@ -1,4 +1,4 @@
-"""The masked-LM compiler (R8, ``rows.mlm``): the oracle, the rule's invariants, the
+"""The masked-LM compiler (R8, ``families.mlm.compiler``): the oracle, the rule's invariants, the
 80/10/10 split, addressed draws, the R7 checks and the rows view.
 
 Every check that could pass vacuously is also run on a deliberately wrong compiler
@@ -36,10 +36,10 @@ from mlm_support import (
 
 from exactstep.config import load_config
 from exactstep.errors import BatchInvariantError, ConfigError
-from exactstep.families.mlm import mlm_compiler
+from exactstep.families.mlm.compiler import MLMCompiler, selection_count
+from exactstep.families.mlm.family import mlm_compiler
 from exactstep.rows.batch import Batch
 from exactstep.rows.config import BatchConfig
-from exactstep.rows.mlm import MLMCompiler, selection_count
 from exactstep.rows.packing import Piece
 from exactstep.rows.stream import RowStream
 
@@ -475,7 +475,7 @@ def test_weighted_examples_weigh_every_column_of_their_pieces_l3():
 def test_the_shipped_demo_is_a_masked_lm_run_at_berts_rates():
     from importlib import resources
 
-    from exactstep.rows.mlm_config import MLMConfig
+    from exactstep.families.mlm.config import MLMConfig
 
     cfg = load_config(str(resources.files("exactstep") / "configs" / "mlm_stdlib.toml"))
     assert cfg.objective.family == "mlm" and cfg.mlm == MLMConfig()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from equivalence import equivalence_error
 from mlm_support import alone, compile_rows, compiler, plan, random_examples
 
-from exactstep.families.mlm import build_encoder
+from exactstep.families.mlm.family import build_encoder
 from exactstep.model.attention import Visibility, prepare_visibility
 from exactstep.rows.batch import IGNORE_INDEX
 

@@ -1,4 +1,4 @@
-"""The masked-LM family's held-out figures (``rows.mlm.mlm_score``, E1).
+"""The masked-LM family's held-out figures (``families.mlm.family.mlm_score``, E1).
 
 A copying model (its prediction at a column is the token the column shows) has a
 known accuracy by action: 0 at masked columns (it answers the mask id), 1 at kept
@@ -18,7 +18,7 @@ from torch import nn
 
 from exactstep.config import load_config
 from exactstep.families import open_family, resolve
-from exactstep.families.mlm import mlm_score
+from exactstep.families.mlm.family import mlm_score
 from exactstep.report import format_summary
 from exactstep.rows.stream import eval_batches
 

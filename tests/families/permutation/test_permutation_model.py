@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from equivalence import equivalence_error
 
 from exactstep.errors import ModelError
+from exactstep.families.permutation.compiler import PermutationCompiler
+from exactstep.families.permutation.reference import query_depends_on
+from exactstep.families.permutation.reference import stream_masks as ref_masks
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.model.permutation import (
@@ -39,9 +42,6 @@ from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.packing import Piece
-from exactstep.rows.permutation import PermutationCompiler
-from exactstep.rows.permutation_reference import query_depends_on
-from exactstep.rows.permutation_reference import stream_masks as ref_masks
 
 VOCAB, PAD, BOS, EOS = 40, 0, 38, 39
 TOL = 1e-5

@@ -1,6 +1,6 @@
 """The permutation-LM compiler (R8, R6, R7, S5): rows against the pure-Python oracle.
 
-The oracle (``rows.permutation_reference``) states what is built from a draw; these
+The oracle (``families.permutation.reference``) states what is built from a draw; these
 tests state which draw: NumPy's PCG64 at the documented address ``(seed, 0x7065726d,
 epoch, example id, piece)``, spelled out here rather than taken from the compiler.
 Wrong compilers (tokens physically shuffled, the cutoff at the wrong end, labels
@@ -22,14 +22,14 @@ from exactstep.config import load_config
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import BatchInvariantError, ConfigError
 from exactstep.families import family_of, open_family, resolve
+from exactstep.families.permutation import compiler as perm
+from exactstep.families.permutation.compiler import PermutationCompiler
+from exactstep.families.permutation.reference import RefSegment, compile_row, stream_masks
 from exactstep.model.permutation import visibility
-from exactstep.rows import permutation as perm
 from exactstep.rows.batch import IGNORE_INDEX
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.packing import Piece
-from exactstep.rows.permutation import PermutationCompiler
-from exactstep.rows.permutation_reference import RefSegment, compile_row, stream_masks
 from exactstep.rows.stream import RowStream
 
 BOS, EOS, PAD, VOCAB = 256, 257, 258, 259

@@ -19,7 +19,7 @@ import pytest
 from run_support import TINY, set_args
 
 from exactstep.cli import main
-from exactstep.rows import permutation as perm
+from exactstep.families.permutation import compiler as perm
 from exactstep.state import latest_checkpoint, load_checkpoint
 from exactstep.state.compare import state_differences
 

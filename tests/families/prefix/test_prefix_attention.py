@@ -1,7 +1,7 @@
 """Prefix LM visibility in every attention path, and in the decoder (R2, R3, R8).
 
 The dense mask is checked against a hand-written one and, cell by cell, against the
-pure-Python rule (``rows.prefix_reference.visible``); the per-document path equals
+pure-Python rule (``families.prefix.reference.visible``); the per-document path equals
 dense to 1e-5 forward and backward (fp32); FlexAttention equals dense forward on the
 CPU (no FlexAttention backward there; the CUDA test does both). Through the decoder:
 packed prefix rows equal each document alone (1e-5), and no supervised row's logits
@@ -26,6 +26,8 @@ from model.model_batches import fill_rows, packed_batch
 from exactstep.data.arith import arith_conversations
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ModelError
+from exactstep.families.prefix import reference as oracle
+from exactstep.families.prefix.compiler import compile_prefix_batch
 from exactstep.model import attention as attn
 from exactstep.model.attention import (
     Visibility,
@@ -37,11 +39,9 @@ from exactstep.model.attention import (
 )
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
-from exactstep.rows import prefix_reference as oracle
 from exactstep.rows.batch import IGNORE_INDEX
 from exactstep.rows.chat import ChatPolicy, chat_examples
 from exactstep.rows.packing import Piece
-from exactstep.rows.prefix import compile_prefix_batch
 
 CPU = torch.device("cpu")
 TOL = 1e-5

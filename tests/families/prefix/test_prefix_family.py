@@ -22,13 +22,13 @@ from exactstep.cli import main
 from exactstep.config import load_config
 from exactstep.data.chat import DEFAULT_TEMPLATE
 from exactstep.families import open_family, resolve
-from exactstep.families.chat import chat_score
-from exactstep.families.prefix import prefix_score
+from exactstep.families.chat.family import chat_score
+from exactstep.families.prefix import compiler as prefix_module
+from exactstep.families.prefix.family import prefix_score
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.objective import plan_window
 from exactstep.objective.config import ObjectiveConfig
-from exactstep.rows import prefix as prefix_module
 from exactstep.rows.batch import Batch
 from exactstep.rows.stream import RowStream
 from exactstep.state.compare import state_differences

@@ -1,7 +1,7 @@
 """The prefix LM compiler (R8) against the pure-Python oracle, by hand and by property.
 
 Hand-compiled rows are written out literally; random packings from the real planner
-are compiled by ``rows.prefix`` and by ``rows.prefix_reference`` and must agree
+are compiled by ``families.prefix.compiler`` and by ``families.prefix.reference`` and must agree
 exactly, with no supervised row able to see its target through any number of
 layers. Wrong compilers (targets on prefix rows, a prefix one token too long, a
 prefix one token too short) are caught by the compiler's check or the oracle.
@@ -23,7 +23,8 @@ from exactstep.data.chat import DEFAULT_TEMPLATE
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import BatchInvariantError, ConfigError
 from exactstep.families import family_of, open_family, resolve
-from exactstep.rows import prefix_reference as oracle
+from exactstep.families.prefix import reference as oracle
+from exactstep.families.prefix.compiler import PREFIX, check_prefix_batch, compile_prefix_batch
 from exactstep.rows.batch import IGNORE_INDEX
 from exactstep.rows.causal import compile_causal_batch
 from exactstep.rows.chat import ChatPolicy, chat_examples
@@ -31,7 +32,6 @@ from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.inspect import render_rows
 from exactstep.rows.packing import PackPlanner, Piece
-from exactstep.rows.prefix import PREFIX, check_prefix_batch, compile_prefix_batch
 
 PAD = 0
 N = IGNORE_INDEX

@@ -13,15 +13,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactstep.model.config import ModelConfig
-from exactstep.model.decoder import build_model
-from exactstep.objective.config import ObjectiveConfig
-from exactstep.objective.scheduled_sampling import (
+from exactstep.families.scheduled_sampling.config import ScheduledSamplingConfig
+from exactstep.families.scheduled_sampling.inputs import (
     ScheduledSampling,
     construct_inputs,
     model_input_mask,
 )
-from exactstep.objective.scheduled_sampling_config import ScheduledSamplingConfig
+from exactstep.model.config import ModelConfig
+from exactstep.model.decoder import build_model
+from exactstep.objective.config import ObjectiveConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.causal import compile_causal_batch
 from exactstep.rows.example import Example

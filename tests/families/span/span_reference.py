@@ -2,7 +2,7 @@
 
 Written from T5's definitions (``random_spans_noise_mask``, ``_random_segmentation``,
 ``noise_span_to_unique_sentinel``, ``nonnoise_span_to_unique_sentinel``,
-``random_spans_helper``), not from ``exactstep.rows.span``. No NumPy and no torch in
+``random_spans_helper``), not from ``exactstep.families.span.compiler``. No NumPy and no torch in
 the logic: the only thing taken from outside is the stream of random draws, which
 the caller hands in as ``draw(n) -> list[int]`` (a permutation of ``range(n)``), so
 the oracle can consume the very draws the compiler's generator makes.

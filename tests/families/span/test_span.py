@@ -23,12 +23,12 @@ from span_reference import (
 )
 
 from exactstep.errors import BatchInvariantError, ConfigError
+from exactstep.families.span.compiler import SpanCompiler, noise_mask, piece_generator
+from exactstep.families.span.config import SpanConfig
 from exactstep.rows.batch import IGNORE_INDEX
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.packing import PackPlanner, Piece
-from exactstep.rows.span import SpanCompiler, noise_mask, piece_generator
-from exactstep.rows.span_config import SpanConfig
 from exactstep.rows.stream import RowStream, eval_batches
 
 BOS, EOS, PAD = 256, 257, 258
@@ -120,7 +120,7 @@ def test_a_hand_written_mask_gives_t5s_two_sides():
     s0, s1 = sentinel(0), sentinel(1)
     assert inputs == [*b"The ", s0, *b" sa", s1, EOS]
     assert targets == [s0, *b"cat", s1, *b"t", EOS]
-    from exactstep.rows.span import corrupt as compiled_corrupt
+    from exactstep.families.span.compiler import corrupt as compiled_corrupt
 
     got = compiled_corrupt(np.array(raw), np.array(mask), np.array([s0, s1]), EOS)
     assert [g.tolist() for g in got] == [inputs, targets]

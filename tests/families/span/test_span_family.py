@@ -16,7 +16,7 @@ from exactstep.config import load_config
 from exactstep.errors import ConfigError
 from exactstep.eval import target_counts, unigram_bits_on
 from exactstep.families import open_family, resolve
-from exactstep.families.span import span_objective
+from exactstep.families.span.family import span_objective
 from exactstep.rows.stream import eval_batches
 
 SMALL = ["objective.family=span", "data.val_fraction=0.3", "batch.seq_len=64", "batch.rows=2",

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 SHARED_STREAM = '''
 if defect == "shared_span_stream":  # every piece's corruption from one process-wide stream
-    import exactstep.rows.span as span_rows
+    import exactstep.families.span.compiler as span_rows
     shared = np.random.default_rng(0)
     span_rows.piece_generator = lambda *address: shared
 '''

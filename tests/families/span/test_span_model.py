@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 import exactstep.model.encdec as encdec
 from exactstep.config import load_config
+from exactstep.families.span.compiler import SpanCompiler
+from exactstep.families.span.config import SpanConfig
 from exactstep.model.encdec import build_encoder_decoder
 from exactstep.objective import plan_window
 from exactstep.objective.config import ObjectiveConfig
@@ -30,8 +32,6 @@ from exactstep.rows.batch import IGNORE_INDEX, Batch, SourceSide
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.packing import Piece
-from exactstep.rows.span import SpanCompiler
-from exactstep.rows.span_config import SpanConfig
 from exactstep.rows.stream import RowStream
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.disposition import Outcome

@@ -3,7 +3,7 @@
 For each requested row: its segment pairs, the corrupted encoder text, the decoder
 table, and the piece put back together from both sides, so that a reader sees that
 nothing was lost or doubled.
-Design and derivations: docs/design/rows.md#rowsspan_renderpy (R6, R8).
+Design and derivations: docs/design/families.md#familiesspanrenderpy (R6, R8).
 """
 
 from __future__ import annotations

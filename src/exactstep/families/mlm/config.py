@@ -1,8 +1,8 @@
 """Settings of the masked-LM family (R8): the ``[mlm]`` section of a run.
 
-Kept apart from the compiler (``rows.mlm``) so that reading a configuration does
+Kept apart from the compiler (``compiler.py``) so that reading a configuration does
 not import torch.
-Design and derivations: docs/design/rows.md#rowsmlm_configpy (R8).
+Design and derivations: docs/design/families.md#familiesmlmconfigpy (R8).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class MLMConfig:
     position shows the mask token / a uniformly drawn non-special token; it keeps
     its own token with the rest, ``keep = 1 - replace_mask - replace_random``. The
     defaults are BERT's: 15% selected, 80/10/10. Only used when
-    ``objective.family = "mlm"``. The rule in full: docs/design/rows.md#rowsmlmpy.
+    ``objective.family = "mlm"``. The rule in full: docs/design/families.md#familiesmlmcompilerpy.
     """
 
     mask_rate: float = 0.15

@@ -4,7 +4,7 @@ Tokens stay in place: a row's inputs, positions and segments are the causal
 compiler's, and ``Batch.order`` carries each column's rank in its segment's sampled
 factorisation order (drawn per piece, S5); the last ``min(ceil(F / K), L - 1)``
 columns of the order are predicted, each labelled with its own token (no shift).
-Design and derivations: docs/design/rows.md#rowspermutationpy (R8, L3, R7, S5).
+Design and derivations: docs/design/families.md#familiespermutationcompilerpy (R8, L3, R7, S5).
 """
 
 from __future__ import annotations
@@ -24,16 +24,10 @@ from exactstep.rows.example import Example
 from exactstep.rows.inspect import token_label
 from exactstep.rows.invariants import check_batch, fail_at, where
 from exactstep.rows.packing import Piece
-from exactstep.rows.permutation_config import PermutationConfig
 
 #: The second word of every order draw's address: ``b"perm"`` as an integer, so these
 #: draws never coincide with another family's draws at the same (seed, epoch, example).
 ORDER_TAG = 0x7065726D
-
-
-def settings_of(cfg: Any) -> PermutationConfig:
-    """The run's ``permutation`` section, or the defaults when the config has none."""
-    return getattr(cfg, "permutation", None) or PermutationConfig()
 
 
 def draw_order(n: int, *, seed: int, epoch: int, example_id: int, piece: int) -> np.ndarray:
@@ -76,7 +70,7 @@ class PermutationCompiler:
     factorisation order (context first, then the free tokens drawn), the last
     ``min(ceil(F / predict_one_in), L - 1)`` of the order labelled with their own
     token. ``batch.boundary = "keep"`` is refused (``ConfigError``). Design:
-    docs/design/rows.md#rowspermutationpy."""
+    docs/design/families.md#familiespermutationcompilerpy."""
 
     name = "permutation"
 

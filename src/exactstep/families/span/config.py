@@ -2,8 +2,8 @@
 
 The ``[span]`` section (``SpanConfig``) and the deterministic part of T5's
 definition, which depends only on a sequence's length: noise counts, corrupted
-lengths and ``random_spans_helper``; ``rows.span`` does the random part.
-Design and derivations: docs/design/rows.md#rowsspan_configpy (R8).
+lengths and ``random_spans_helper``; ``compiler.py`` does the random part.
+Design and derivations: docs/design/families.md#familiesspanconfigpy (R8).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ``[permutation]`` section (R8): the permutation LM's partial-prediction cutoff.
 
-Light (no torch at import); the compiler is ``rows.permutation``.
-Design and derivations: docs/design/rows.md#rowspermutation_configpy (R8).
+Light (no torch at import); the compiler is ``compiler.py``.
+Design and derivations: docs/design/families.md#familiespermutationconfigpy (R8).
 """
 
 from __future__ import annotations

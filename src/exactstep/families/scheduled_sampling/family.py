@@ -1,5 +1,5 @@
 """Scheduled sampling over a base family (R8): the base's data, compiler, model and
-score, with the input program (``objective.scheduled_sampling``) and a manifest that says
+score, with the input program (``inputs.py``) and a manifest that says
 the estimator is no longer teacher-forced maximum likelihood.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from exactstep.config import RunConfig
 from exactstep.families.registry import Family, family_of
-from exactstep.objective.scheduled_sampling import ScheduledSampling
+from exactstep.families.scheduled_sampling.inputs import ScheduledSampling
 
 
 def scheduled_inputs(cfg: RunConfig) -> Any:
@@ -32,3 +32,6 @@ def family(cfg: RunConfig) -> Family:
 
     return replace(base, name="scheduled_sampling", objective=objective,
                    inputs=scheduled_inputs)
+
+
+FAMILY = family  # a function of the run's configuration: the family over its base

@@ -1,4 +1,4 @@
-"""The span-corruption family (R8, T5-style): text, the span compiler (``rows.span``), its
+"""The span-corruption family (R8, T5-style): text, the span compiler (``compiler.py``), its
 sentinel specials and the built-in encoder-decoder.
 """
 
@@ -9,9 +9,9 @@ from typing import Any
 from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.families.registry import Family
+from exactstep.families.span.compiler import SENTINEL_PREFIX, SPAN_STREAM, SpanCompiler
+from exactstep.families.span.config import row_shape
 from exactstep.model.encdec import build_encoder_decoder
-from exactstep.rows.span import SENTINEL_PREFIX, SPAN_STREAM, SpanCompiler
-from exactstep.rows.span_config import row_shape
 
 
 def span_specials(cfg: RunConfig) -> tuple[str, ...]:

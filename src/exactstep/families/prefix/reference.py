@@ -1,9 +1,9 @@
 """A pure-Python oracle for the prefix LM family (R8), with no torch and no NumPy.
 
-Written from the definitions, independently of ``rows.prefix`` and of the attention
+Written from the definitions, independently of ``compiler.py`` and of the attention
 code: the rows, the visibility rule, what each row depends on after some layers,
 and the supervised rows that would see their target (which must be none).
-Design and derivations: docs/design/rows.md#rowsprefix_referencepy (R8, R1).
+Design and derivations: docs/design/families.md#familiesprefixreferencepy (R8, R1).
 """
 
 from __future__ import annotations

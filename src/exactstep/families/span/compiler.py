@@ -5,7 +5,7 @@ Each planned piece becomes one segment on each side of a row, as T5's
 input, the target those spans after their sentinels, the decoder fed the target
 shifted right (R1). Draws are addressed by the piece alone (S5), and pieces are
 charged so that every row fits both sides (``piece_cost``).
-Design and derivations: docs/design/rows.md#rowsspanpy (R1, R3, R6-R8, S5).
+Design and derivations: docs/design/families.md#familiesspancompilerpy (R1, R3, R6-R8, S5).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import numpy as np
 import torch
 
 from exactstep.errors import BatchInvariantError, ConfigError, DataError
+from exactstep.families.span.config import SpanConfig, row_shape
+from exactstep.families.span.render import render_span_rows
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide
 from exactstep.rows.causal import example_weight
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.invariants import check_batch, fail_at
 from exactstep.rows.packing import Piece
-from exactstep.rows.span_config import SpanConfig, row_shape
-from exactstep.rows.span_render import render_span_rows
 
 SPAN_STREAM = 0x5350414E  # "SPAN": this family's tag in every corruption generator's seed
 SENTINEL_PREFIX = "extra_id_"
@@ -116,7 +116,7 @@ class CompiledPiece:
 
 
 class SpanCompiler:
-    """T5 span corruption (docs/design/rows.md#rowsspanpy). ``sentinel_ids[k]``
+    """T5 span corruption (docs/design/families.md#familiesspancompilerpy). ``sentinel_ids[k]``
     is ``extra_id_k``; ``ConfigError`` unless there are ``span.sentinels`` of them."""
 
     name = "span"

@@ -5,7 +5,7 @@ microbatch's forward, eligible inputs become the model's argmax tokens with
 probability ``1 - eps(committed clock)``, built column by column without gradients.
 The targets stay gold; coins are addressed by example, so packing and resuming never
 change them (S5); the manifest and the ledger record the estimator.
-Design and derivations: docs/design/objective.md#objectivescheduled_samplingpy (R8, S5).
+Design and derivations: docs/design/families.md#familiesscheduled_samplinginputspy (R8, S5).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exactstep.objective.scheduled_sampling_config import ScheduledSamplingConfig
+from exactstep.families.scheduled_sampling.config import ScheduledSamplingConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.transfer import host_to_device
 

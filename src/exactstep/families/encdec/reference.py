@@ -3,8 +3,8 @@
 No NumPy, no torch: ``expected_pair_rows`` lays pairs out by hand, from the
 Annotated Transformer's definition (decoder input ``tgt[:-1]``, scored ``tgt[1:]``,
 ``ntokens`` the non-pad targets, the source padded with its own pad id and seen by
-no one), so that the compiler (``rows.encdec``) can be compared with it exactly.
-Design and derivations: docs/design/rows.md#rowsencdec_referencepy (R1, R2, R6, R8).
+no one), so that the compiler (``compiler.py``) can be compared with it exactly.
+Design and derivations: docs/design/families.md#familiesencdecreferencepy (R1, R2, R6, R8).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The decoder is fed ``tgt[:-1]`` and scored on ``tgt[1:]`` (the shift, once, R1);
 encoder side rides in ``Batch.source``, its segment ``s`` paired with decoder segment
 ``s`` (R6). A pair is planned by one length that fits both sides and never split
 (R4), and checked by its own R7 rules. The module also loads the pair data (S1).
-Design and derivations: docs/design/rows.md#rowsencdecpy (R8, R1, R4, R6, R7).
+Design and derivations: docs/design/families.md#familiesencdeccompilerpy (R8, R1, R4, R6, R7).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from exactstep.data.pairs import (
     pairs_fingerprint,
 )
 from exactstep.errors import BatchInvariantError, DataError
+from exactstep.families.encdec.config import EncDecConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide
 from exactstep.rows.causal import example_weight
 from exactstep.rows.config import BatchConfig
-from exactstep.rows.encdec_config import EncDecConfig
 from exactstep.rows.example import DataBundle, Example
 from exactstep.rows.inspect import render_rows, token_label
 from exactstep.rows.invariants import check_batch, fail_at
@@ -36,17 +36,14 @@ from exactstep.rows.packing import Piece
 from exactstep.rows.sources import representation_of
 
 
-def encdec_of(cfg: Any) -> EncDecConfig:
-    """The run's ``encdec`` section, or the defaults when the config has none."""
-    return getattr(cfg, "encdec", None) or EncDecConfig()
+def source_len_of(spec: EncDecConfig, seq_len: int) -> int:
+    """Encoder columns per row: ``encdec.source_len``, or ``batch.seq_len`` when 0."""
+    return spec.source_len or seq_len
 
 
-def source_len_of(cfg: Any) -> int:
-    return encdec_of(cfg).source_len or cfg.batch.seq_len
-
-
-def source_pad_of(cfg: Any, tokenizer: Any) -> int:
-    pad = encdec_of(cfg).source_pad_id
+def source_pad_of(spec: EncDecConfig, tokenizer: Any) -> int:
+    """The encoder side's pad id: ``encdec.source_pad_id``, or the tokenizer's when < 0."""
+    pad = spec.source_pad_id
     return tokenizer.pad_id if pad < 0 else pad
 
 
@@ -152,7 +149,7 @@ def compile_pair_batch(
     encoder columns. Each pair's decoder columns hold ``target[:-1]`` labelled
     ``target[1:]`` (R1); its source is encoder segment ``s`` for decoder segment
     ``s``; padding is ``pad_id`` / ``source_pad_id``, ``IGNORE_INDEX``, position 0,
-    segment 0 (docs/design/rows.md#rowsencdecpy). Raises ``DataError`` when
+    segment 0 (docs/design/families.md#familiesencdeccompilerpy). Raises ``DataError`` when
     a row's pairs overflow a side (a planner that ignored the units)."""
     B = len(rows)
     ids = np.full((B, seq_len), pad_id, dtype=np.int64)
@@ -195,7 +192,8 @@ def compile_pair_batch(
 
 
 class EncDecCompiler:
-    """The encoder-decoder teacher-forcing compiler (docs/design/rows.md#rowsencdecpy)."""
+    """The encoder-decoder teacher-forcing compiler
+    (docs/design/families.md#familiesencdeccompilerpy)."""
 
     name = "encdec"
 
@@ -310,10 +308,10 @@ def render_pairs(batch: Batch, tokenizer: Any, rows: range) -> str:
 # --------------------------------------------------------------------------- data
 
 
-def split_pairs(cfg: Any) -> tuple[list[Pair], list[Pair], str]:
+def split_pairs(cfg: Any, spec: EncDecConfig) -> tuple[list[Pair], list[Pair], str]:
     """(train, val, split rule) of the run's pairs: the built-in numwords task or a
     pairs JSONL (``data.pairs``)."""
-    data, spec = cfg.data, encdec_of(cfg)
+    data = cfg.data
     if data.source == NUMWORDS_SOURCE:
         n_train = min(spec.n_train, data.max_docs) if data.max_docs else spec.n_train
         train = numwords_pairs(cfg.seed, n_train, split="train", max_value=spec.max_value)
@@ -333,14 +331,15 @@ def split_pairs(cfg: Any) -> tuple[list[Pair], list[Pair], str]:
     return train, val, f"sha256([source, target]) / 2^64 < {data.val_fraction} is val"
 
 
-def load_pair_bundle(cfg: Any, tokenizer: Any, *, share: tuple[int, int] = (0, 1)
-                     ) -> DataBundle:
+def load_pair_bundle(cfg: Any, spec: EncDecConfig, tokenizer: Any, *,
+                     share: tuple[int, int] = (0, 1)) -> DataBundle:
     """Both splits as ``PairExample``s, with the manifest's data and representation
-    sections (S1). Raises ``DataError`` for bad pairs (file and line named) or a pair
-    that does not fit a row (see ``encode_pairs``). ``share`` is unused: pairs are
-    never prepared shards."""
-    train_pairs, val_pairs, rule = split_pairs(cfg)
-    seq_len, source_len = cfg.batch.seq_len, source_len_of(cfg)
+    sections (S1); ``spec`` is the run's ``encdec`` section. Raises ``DataError`` for
+    bad pairs (file and line named) or a pair that does not fit a row (see
+    ``encode_pairs``). ``share`` is unused: pairs are never prepared shards."""
+    train_pairs, val_pairs, rule = split_pairs(cfg, spec)
+    seq_len = cfg.batch.seq_len
+    source_len = source_len_of(spec, seq_len)
     train, train_report = encode_pairs(train_pairs, tokenizer, seq_len=seq_len,
                                        source_len=source_len, overlong=cfg.batch.overlong)
     val, val_report = encode_pairs(val_pairs, tokenizer, seq_len=seq_len,
@@ -358,7 +357,7 @@ def load_pair_bundle(cfg: Any, tokenizer: Any, *, share: tuple[int, int] = (0, 1
         "pairs_train": train_report.to_dict(),
         "pairs_val": val_report.to_dict(),
         "source_len": source_len,
-        "encdec": asdict(encdec_of(cfg)),
+        "encdec": asdict(spec),
     }
     bundle = DataBundle(train, val, section, representation_of(tokenizer))
     bundle.require_weights(cfg.objective.reduction)

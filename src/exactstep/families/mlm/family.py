@@ -1,4 +1,4 @@
-"""The masked-LM family (R8): text, the MLM compiler (``rows.mlm``: 15% selected,
+"""The masked-LM family (R8): text, the MLM compiler (``compiler.py``: 15% selected,
 80/10/10), the built-in stack run bidirectionally, its ``<mask>`` special, and masked-token
 accuracy on held-out rows, evaluated under the one E1 isolation (``eval.eval_mode``).
 """
@@ -14,12 +14,20 @@ import torch
 from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.eval import isolated
-from exactstep.families.causal import build_decoder
+from exactstep.families.causal.family import build_decoder
+from exactstep.families.mlm.compiler import (
+    ACTION_NAMES,
+    KEEP,
+    MASK,
+    MLM_STREAM,
+    RANDOM,
+    MLMCompiler,
+    Vocabulary,
+)
+from exactstep.families.mlm.config import MLMConfig
 from exactstep.families.registry import DEFAULT_SOURCE, Family
 from exactstep.rows.batch import IGNORE_INDEX, Batch
 from exactstep.rows.example import Example
-from exactstep.rows.mlm import ACTION_NAMES, KEEP, MASK, MLM_STREAM, RANDOM, MLMCompiler, Vocabulary
-from exactstep.rows.mlm_config import MLMConfig
 from exactstep.rows.stream import eval_batches
 
 

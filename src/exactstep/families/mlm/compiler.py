@@ -4,7 +4,7 @@ Each packed piece is corrupted on its own (BERT's fixed count and 80/10/10, over
 non-special tokens) from a generator addressed by the piece alone, so packing,
 sharding and resume never change it (S5); the targets are the original tokens at the
 selected columns, with no shift, and a column sees only its own segment (R2, R3).
-Design and derivations: docs/design/rows.md#rowsmlmpy (R8, R2, R3, R7, S5).
+Design and derivations: docs/design/families.md#familiesmlmcompilerpy (R8, R2, R3, R7, S5).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import numpy as np
 import torch
 
 from exactstep.errors import BatchInvariantError, ConfigError
+from exactstep.families.mlm.config import MLMConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.rows.causal import example_weight
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.inspect import NO_TARGET, TokenizerLike, token_label, visible_span
 from exactstep.rows.invariants import check_batch, fail_at
-from exactstep.rows.mlm_config import MLMConfig
 from exactstep.rows.packing import Piece
 
 #: The first word of every masked-LM generator address ("mlm" in ASCII), so its
@@ -38,7 +38,8 @@ ACTION_NAMES = {NONE: "", MASK: "mask", RANDOM: "random", KEEP: "keep"}
 
 def selection_count(eligible: int, rate: float) -> int:
     """How many of ``eligible`` positions one piece selects: 0 when none, else
-    ``max(1, floor(rate * eligible + 0.5))`` (step 2 of docs/design/rows.md#rowsmlmpy)."""
+    ``max(1, floor(rate * eligible + 0.5))`` (step 2 of
+    docs/design/families.md#familiesmlmcompilerpy)."""
     if eligible == 0:
         return 0
     return max(1, math.floor(rate * eligible + 0.5))
@@ -75,7 +76,7 @@ def corrupt_piece(
     tokens: np.ndarray, rng: np.random.Generator, settings: MLMConfig, vocab: Vocabulary
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(inputs [n], action [n] int8)`` of one piece under the corruption rule
-    (steps 1-5 of docs/design/rows.md#rowsmlmpy)."""
+    (steps 1-5 of docs/design/families.md#familiesmlmcompilerpy)."""
     eligible = np.flatnonzero(~np.isin(tokens, vocab.special))  # [m] columns
     k = selection_count(eligible.size, settings.mask_rate)
     u = rng.random(eligible.size)  # [m]
@@ -106,7 +107,7 @@ class MLMCompiler:
     """The masked-LM ``RowCompiler``: each piece corrupted from its own generator,
     labels the original tokens at the selected columns, batches not causal; the
     corruption record is ``batch.meta["mlm"]`` (``MaskRecord``). The rule:
-    docs/design/rows.md#rowsmlmpy."""
+    docs/design/families.md#familiesmlmcompilerpy."""
 
     name = "mlm"
 

@@ -2,7 +2,7 @@
 
 ``EncDecConfig``: the model's layers, the encoder side of a row (``source_len``,
 ``source_pad_id``) and the built-in ``numwords`` task with its end-of-run score.
-Design and derivations: docs/design/rows.md#rowsencdec_configpy (R8).
+Design and derivations: docs/design/families.md#familiesencdecconfigpy (R8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The permutation-LM family (R8): text, the permutation compiler (``rows.permutation``)
+"""The permutation-LM family (R8): text, the permutation compiler (``compiler.py``)
 and the two-stream model (``model.permutation``), with its manifest section.
 """
 
@@ -7,26 +7,25 @@ from __future__ import annotations
 from typing import Any
 
 from exactstep.config import RunConfig
-from exactstep.families.registry import DEFAULT_SOURCE, Family
-from exactstep.model.permutation import build_two_stream
-from exactstep.rows.permutation import (
+from exactstep.families.permutation.compiler import (
     ORDER_TAG,
     PermutationCompiler,
     require_ignore_boundary,
-    settings_of,
 )
+from exactstep.families.registry import DEFAULT_SOURCE, Family
+from exactstep.model.permutation import build_two_stream
 
 
 def permutation_compiler(cfg: RunConfig, tokenizer: Any) -> PermutationCompiler:
     """The run's compiler; refuses settings the family cannot honour (``ConfigError``)."""
     require_ignore_boundary(cfg.batch)
-    return PermutationCompiler(seed=cfg.seed, predict_one_in=settings_of(cfg).predict_one_in)
+    return PermutationCompiler(seed=cfg.seed, predict_one_in=cfg.permutation.predict_one_in)
 
 
 def permutation_objective(cfg: RunConfig) -> dict[str, Any]:
     """The manifest's ``objective`` section (S1): what identifies the objective (the
     factorisation program, its cutoff and RNG address, the streams, no memory)."""
-    k = settings_of(cfg).predict_one_in
+    k = cfg.permutation.predict_one_in
     return {
         "family": "permutation_lm",
         "shift_owner": "collator",

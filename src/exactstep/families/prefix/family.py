@@ -1,4 +1,4 @@
-"""The prefix-LM family (R8): chat data, the prefix compiler (``rows.prefix``), the built-in
+"""The prefix-LM family (R8): chat data, the prefix compiler (``compiler.py``), the built-in
 decoder with a bidirectional prompt, and greedy exact match decoded with the prefix the
 training rows had.
 """
@@ -12,11 +12,10 @@ from exactstep.config import RunConfig
 from exactstep.data.chat import template_for
 from exactstep.errors import ConfigError
 from exactstep.eval import greedy_answer_accuracy
-from exactstep.families.causal import build_decoder
+from exactstep.families.causal.family import build_decoder
+from exactstep.families.prefix.compiler import PREFIX, PrefixCompiler, prompt_length
 from exactstep.families.registry import Family, FamilyParts
 from exactstep.rows.chat import chat_example
-from exactstep.rows.prefix import PREFIX, PrefixCompiler, prompt_length
-from exactstep.rows.sources import arith_spec_of, chat_policy_of
 
 
 def prefix_compiler(cfg: RunConfig, tokenizer: Any) -> PrefixCompiler:
@@ -51,7 +50,7 @@ def prefix_score(model: Any, parts: FamilyParts, cfg: RunConfig, device: Any) ->
     if conversations is None:
         return {}
     template = template_for(parts.tokenizer)
-    policy = chat_policy_of(cfg)
+    policy = cfg.chat
 
     def prefix_of(conversation: Any, prompt: Sequence[int]) -> int:
         example = chat_example(conversation, 0, parts.tokenizer, policy,
@@ -60,7 +59,7 @@ def prefix_score(model: Any, parts: FamilyParts, cfg: RunConfig, device: Any) ->
 
     accuracy = greedy_answer_accuracy(
         model, parts.tokenizer, conversations, device=device,
-        max_new_tokens=arith_spec_of(cfg).max_new_tokens, template=template,
+        max_new_tokens=cfg.arith.max_new_tokens, template=template,
         prefix_of=prefix_of)
     return {"exact_match": accuracy, "exact_match_n": len(conversations),
             "exact_match_of": "held-out conversations"}

@@ -10,9 +10,8 @@ from typing import Any
 from exactstep.config import RunConfig
 from exactstep.data.chat import template_for
 from exactstep.eval import greedy_answer_accuracy
-from exactstep.families.causal import build_decoder, causal_compiler
+from exactstep.families.causal.family import build_decoder, causal_compiler
 from exactstep.families.registry import Family, FamilyParts
-from exactstep.rows.sources import arith_spec_of
 
 
 def chat_objective(cfg: RunConfig) -> dict[str, Any]:
@@ -28,7 +27,7 @@ def chat_score(model: Any, parts: FamilyParts, cfg: RunConfig, device: Any) -> d
         return {}
     accuracy = greedy_answer_accuracy(
         model, parts.tokenizer, conversations, device=device,
-        max_new_tokens=arith_spec_of(cfg).max_new_tokens, template=template_for(parts.tokenizer))
+        max_new_tokens=cfg.arith.max_new_tokens, template=template_for(parts.tokenizer))
     return {"exact_match": accuracy, "exact_match_n": len(conversations),
             "exact_match_of": "held-out conversations"}
 

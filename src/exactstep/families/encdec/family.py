@@ -1,5 +1,5 @@
 """The encoder-decoder family (R8): pairs (the built-in numwords by default), the pair
-compiler (``rows.encdec``), the built-in encoder-decoder, and greedy exact match on
+compiler (``compiler.py``), the built-in encoder-decoder, and greedy exact match on
 held-out pairs, isolated as evaluation is (E1).
 """
 
@@ -14,37 +14,43 @@ from exactstep.data.pairs import (
 )
 from exactstep.errors import ConfigError
 from exactstep.eval import isolated
-from exactstep.families.registry import Family
-from exactstep.model.encdec import build_encoder_decoder, greedy_decode
-from exactstep.rows.encdec import (
+from exactstep.families.encdec.compiler import (
     EncDecCompiler,
     PairExample,
-    encdec_of,
     load_pair_bundle,
     source_len_of,
     source_pad_of,
 )
+from exactstep.families.registry import Family
+from exactstep.model.encdec import build_encoder_decoder, greedy_decode
+from exactstep.rows.example import DataBundle
 
 
 def encdec_compiler(cfg: RunConfig, tokenizer: Any) -> EncDecCompiler:
     """The run's compiler; ``ConfigError`` for a source pad id outside the vocabulary
     or ``batch.boundary = "keep"`` (a target never crosses into the next pair)."""
-    source_pad = source_pad_of(cfg, tokenizer)
+    source_pad = source_pad_of(cfg.encdec, tokenizer)
     if not 0 <= source_pad < tokenizer.vocab_size:
         raise ConfigError(f"encdec.source_pad_id = {source_pad} is outside the vocabulary "
                           f"[0, {tokenizer.vocab_size}); use -1 for the tokenizer's pad id")
     if cfg.batch.boundary != "ignore":
         raise ConfigError("batch.boundary = 'keep' has no meaning for objective.family = "
                           "'encdec' (each pair's targets are its own); use 'ignore'")
-    return EncDecCompiler(source_len=source_len_of(cfg), pad_id=tokenizer.pad_id,
-                          source_pad_id=source_pad)
+    return EncDecCompiler(source_len=source_len_of(cfg.encdec, cfg.batch.seq_len),
+                          pad_id=tokenizer.pad_id, source_pad_id=source_pad)
 
 
 def encdec_objective(cfg: RunConfig) -> dict[str, Any]:
     return {"family": "encoder_decoder", "shift_owner": "collator",
             "ownership": "target_tokens", "estimator": "teacher_forced_mle",
             "decoder_input": "tgt[:-1]", "targets": "tgt[1:]",
-            "source_len": source_len_of(cfg)}
+            "source_len": source_len_of(cfg.encdec, cfg.batch.seq_len)}
+
+
+def load_pairs(cfg: RunConfig, tokenizer: Any, *, share: tuple[int, int] = (0, 1)
+               ) -> DataBundle:
+    """Both splits of the run's pairs, read with its ``encdec`` section."""
+    return load_pair_bundle(cfg, cfg.encdec, tokenizer, share=share)
 
 
 def build_encdec_model(cfg: RunConfig, vocab_size: int) -> Any:
@@ -67,11 +73,11 @@ def greedy_exact_match(model: Any, examples: Sequence[PairExample], tokenizer: A
 
 def encdec_score(model: Any, parts: Any, cfg: RunConfig, device: Any) -> dict[str, Any]:
     """End-of-run greedy exact match on at most ``encdec.n_heldout`` validation pairs."""
-    spec = encdec_of(cfg)
+    spec = cfg.encdec
     examples = [e for e in parts.data.val if isinstance(e, PairExample)][: spec.n_heldout]
     accuracy = greedy_exact_match(model, examples, parts.tokenizer, device=device,
                                   max_new_tokens=spec.max_new_tokens,
-                                  source_pad_id=source_pad_of(cfg, parts.tokenizer))
+                                  source_pad_id=source_pad_of(spec, parts.tokenizer))
     return {"exact_match": accuracy, "exact_match_n": len(examples),
             "exact_match_of": "held-out pairs"}
 
@@ -79,4 +85,4 @@ def encdec_score(model: Any, parts: Any, cfg: RunConfig, device: Any) -> dict[st
 FAMILY = Family(name="encdec", model="encdec", data_kind="pairs",
                 default_source=NUMWORDS_SOURCE, compiler=encdec_compiler,
                 objective=encdec_objective, build_model=build_encdec_model,
-                load=load_pair_bundle, score=encdec_score)
+                load=load_pairs, score=encdec_score)

@@ -1,7 +1,7 @@
 """The ``[scheduled_sampling]`` section (R8): the declared schedule of the gold-input
 probability and the family it samples over. Light (no torch at import), so the run
 configuration can be read without loading the training stack; the estimator itself
-is ``objective.scheduled_sampling``.
+is ``inputs.py``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A pure-Python oracle for the permutation LM (R8): rows, labels and both streams' masks.
 
-No torch, no NumPy: written from the definitions of ``rows.permutation`` and
+No torch, no NumPy: written from the definitions of ``compiler.py`` and
 ``model.permutation`` so that tests can compare the two. The random part (each
 segment's order of its free tokens) is an input here: ``RefSegment.free_order``.
-Design and derivations: docs/design/rows.md#rowspermutation_referencepy (R8).
+Design and derivations: docs/design/families.md#familiespermutationreferencepy (R8).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ An example's prompt is every token before its first supervised target; the compi
 emits the causal family's rows (the shift once, R1) plus ``Batch.prefix_len``, the
 prompt columns of each segment, which attention sees bidirectionally. No supervised
 row's target lies inside its prefix (R7), so no row sees what it predicts.
-Design and derivations: docs/design/rows.md#rowsprefixpy (R8, R1, R2, R5, R7).
+Design and derivations: docs/design/families.md#familiesprefixcompilerpy (R8, R1, R2, R5, R7).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def check_prefix_batch(batch: Batch) -> None:
 class PrefixCompiler:
     """The prefix LM compiler: causal rows, prompt prefixes (``prefix_len``), and the
     R7 checks plus ``check_prefix_batch``. Why the prefix ends where it does:
-    docs/design/rows.md#rowsprefixpy."""
+    docs/design/families.md#familiesprefixcompilerpy."""
 
     name = "prefix"
 
