@@ -228,6 +228,49 @@ def test_report_child_failure_prints_the_nccl_line_once(tmp_path, capsys) -> Non
     assert len(err) == 1 and "NCCL watchdog" in err[0]
 
 
+def torchrun_failure(tmp_path, rank: int, exitcode: int, exc=None):
+    """torchrun's own ``ProcessFailure`` for worker ``rank`` that ended with ``exitcode``,
+    after writing its error file for ``exc`` (``launch.write_error_file``) when given."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error-{rank}.json"
+    if exc is not None:
+        launch.write_error_file(str(path), rank, exc)
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode,
+                          error_file=str(path))
+
+
+@pytest.mark.parametrize("stopped_rank", [0, 1])
+def test_a_clean_stop_ends_130_when_the_launcher_also_signalled_a_reporting_rank(
+        tmp_path, capsys, stopped_rank) -> None:
+    """Both ranks report the agreed stop (Interrupted, 130); the first to exit makes the
+    agent SIGTERM the other while it tears down, so that one ends by -15 (D2, X4). The
+    job still ends 130 with rank 0's one line (it printed it itself): seen once in 30
+    runs of the whole suite as exit 1 (rank 0 stopped). Control: the same
+    failures without the exit code in the error file end 1 when rank 0 was the one
+    stopped, so the recorded code is what gives 130."""
+    from exactstep.errors import Interrupted
+
+    stop = Interrupted("stopped by SIGTERM after window 3; a checkpoint was published")
+    failures = {rank: torchrun_failure(tmp_path, rank, -15 if rank == stopped_rank else 130,
+                                       stop) for rank in (0, 1)}
+    assert launch.report_child_failure(SimpleNamespace(failures=failures), ARGV, 2) == 130
+    assert capsys.readouterr().err == ""  # rank 0, the root cause, printed its own line
+    for failure in failures.values():  # control: an error file without the code
+        del failure.message["extraInfo"][launch.EXIT_CODE_KEY]
+    expected = 1 if stopped_rank == 0 else 130  # rank 1 signalled: rank 0 exited 130
+    assert launch.report_child_failure(SimpleNamespace(failures=failures), ARGV, 2) == expected
+
+
+def test_a_worker_that_exited_with_its_own_code_keeps_it(tmp_path) -> None:
+    from exactstep.errors import ConfigError
+
+    failures = {0: torchrun_failure(tmp_path, 0, 2, ConfigError("bad")),
+                1: torchrun_failure(tmp_path, 1, -9)}
+    assert launch.exit_code_of(failures[0]) == 2
+    assert launch.exit_code_of(failures[1]) == 1  # killed, no report: unknown
+
+
 def test_checkpoint_barriers_and_dcp_run_on_the_host_group(monkeypatch) -> None:
     import torch
 

@@ -98,10 +98,18 @@ def one_line(message: str) -> str:
     return " | ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
+#: The exit code a worker's error file records beside its message: the launcher's own
+#: stop signal may still reach a worker that reported and was on its way out.
+EXIT_CODE_KEY = "exactstepExitCode"
+
+
 def write_error_file(path: str, rank: int, exc: BaseException) -> None:
-    """torchrun's per-worker error file format: the launcher reads ``message``."""
+    """torchrun's per-worker error file format: the launcher reads ``message``, and
+    ``exit_code_of`` the exit code the worker was returning (``EXIT_CODE_KEY``)."""
+    code = getattr(exc, "exit_code", 1)
     record = {"message": {"message": f"rank {rank}: {exc}",
-                          "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))}}}
+                          "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time())),
+                                        EXIT_CODE_KEY: code}}}
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(record, fh)
 
@@ -299,7 +307,20 @@ def report_child_failure(exc: Any, argv: Sequence[str], nproc: int,
     line = failure_line(rank, failure, failures, record, argv, nproc, nodes)
     if line is not None:
         print(line, file=sys.stderr, flush=True)
-    return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+    return exit_code_of(failure)
+
+
+def exit_code_of(failure: Any) -> int:
+    """The exit code the job ends with for its root-cause ``failure``: the worker's own
+    when it exited with one; else the one its error file records, when it reported and
+    was then ended by a signal (the launcher stops every worker once one has exited,
+    and a worker that reported a clean stop, 130, may still be tearing down); else 1."""
+    if failure.exitcode is not None and failure.exitcode > 0:
+        return int(failure.exitcode)
+    message = failure.message
+    info = message.get("extraInfo") if isinstance(message, dict) else None
+    recorded = info.get(EXIT_CODE_KEY) if isinstance(info, dict) else None
+    return recorded if isinstance(recorded, int) and recorded > 0 else 1
 
 
 def failure_line(rank: int, failure: Any, failures: Mapping[int, Any],
