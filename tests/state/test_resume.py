@@ -98,14 +98,24 @@ def test_stop_request_turns_signal_into_flag(sig) -> None:
     assert signal.getsignal(sig) is before
 
 
-def test_second_sigint_interrupts_at_once() -> None:
+@pytest.fixture
+def python_sigint():
+    """SIGINT as Python installs it in an interactive process (``KeyboardInterrupt``),
+    whatever this process inherited: a shell starts a background job with SIGINT
+    ignored, and the handler is restored afterwards."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_second_sigint_interrupts_at_once(python_sigint) -> None:
     with pytest.raises(KeyboardInterrupt), StopRequest():
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_without_stop_request_sigint_interrupts() -> None:
+def test_without_stop_request_sigint_interrupts(python_sigint) -> None:
     """Negative control: the flag check above is meaningful only with the handler."""
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
