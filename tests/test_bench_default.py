@@ -1,12 +1,14 @@
 """The speed guard: the default run spends its time in user code, not in the kernel (L1, X1).
 
-``exactstep bench default --quick`` runs the whole default command twice in fresh
-processes: as shipped, and under the old 128 KiB mmap pin that page-faulted every
+``exactstep bench default --quick`` runs the whole default command (10 windows) twice
+in fresh processes: as shipped, and under the old 128 KiB mmap pin that page-faulted every
 activation anew (the regression this guards against: system time about 60% of user
 time, the run half as fast). The check is the ratio of system to user CPU seconds,
 which the kernel counts per process, not a wall time: shared machines make wall
 times noise. The old pin is the negative control: the same check must trip on it.
 Both sides must end with the same loss (where a tensor lives changes no value).
+At 10 windows on a quiet 2-core machine the ratio was 0.078 as shipped and 0.60 under
+the old pin (start-up included), the same separation as at 100 windows (0.04, 0.67).
 """
 
 from __future__ import annotations
