@@ -7,6 +7,8 @@
   1e-5); Llama (GQA), Gemma, Qwen 3 (q/k norms), GPT-2 (learned positions), Gemma 3
   (``query_pre_attn_scalar``: a scaling other than ``1/sqrt(Dh)``). Negative
   controls: attention over the whole row leaks; Gemma 3's scaling dropped differs;
+  HF's default ``head_dim ** -0.5``, one ulp off ``1/sqrt(Dh)`` in float64, costs no
+  multiplication (it is 1 in float32);
 * no ``[.., T, T]`` tensor is built in a training step (every operator's output
   recorded under a ``TorchDispatchMode``); negative control: under ``sdpa`` the
   recorder finds the dense mask; HF's search of ``position_ids`` for documents (a
@@ -110,6 +112,26 @@ def test_a_scaling_other_than_the_default_is_applied(monkeypatch):
     undo = math.sqrt(8) * layer.scaling  # attend's 1/sqrt(Dh) of the queries, unscaled
     monkeypatch.setattr(hf_attention, "attend", lambda q, k, v, vis: attend(q / undo, k, v, vis))
     assert logits_error(run_packed(ours, rows, SEQ_LEN)[0], separate[0]) > LEAK
+
+
+def test_the_default_scaling_spends_no_multiplication(monkeypatch):
+    """HF's ``head_dim ** -0.5`` times ``sqrt(head_dim)`` is ``1 + 2**-52`` for a head
+    dimension of 8 (and 32, 128): 1 in float32, so the queries reach ``attend``
+    unmultiplied (the very tensor) and the output is bitwise that of no scaling.
+    Negative control: Gemma 3's scaling multiplies them."""
+    model = hf_model("llama", VOCAB, attn="exactstep")
+    layer = model.hf.model.layers[0].self_attn
+    assert layer.scaling == 8 ** -0.5 and layer.scaling * math.sqrt(8) != 1.0
+    vis = prepare_visibility(packed_batch(documents(), SEQ_LEN), "segments", torch.device("cpu"))
+    q, kv = torch.randn(3, 4, SEQ_LEN, 8), torch.randn(3, 4, SEQ_LEN, 8)
+    seen = []
+    monkeypatch.setattr(hf_attention, "attend",
+                        lambda q, k, v, vis: seen.append(q) or attend(q, k, v, vis))
+    outs = [hf_attention.attention(layer, q, kv, kv, None, scaling=scaling,
+                                   exactstep_visibility=vis)[0]
+            for scaling in (layer.scaling, None, 256 ** -0.5)]
+    assert seen[0] is q and seen[1] is q and torch.equal(outs[0], outs[1])
+    assert seen[2] is not q and not torch.equal(outs[2], outs[1])
 
 
 # ----------------------------------------------------------------- no [B, 1, T, T] mask

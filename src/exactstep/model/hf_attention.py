@@ -113,11 +113,22 @@ def attention(
     if groups > 1:  # [B, nKV, T, Dh] -> [B, nH, T, Dh], each kv head once per query group
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    head_dim = query.shape[-1]
-    if scaling is not None and scaling != 1 / math.sqrt(head_dim):
-        query = query * (scaling * math.sqrt(head_dim))  # attend scales by 1/sqrt(Dh)
+    factor = 1.0 if scaling is None else scaling * math.sqrt(query.shape[-1])
+    if not changes_nothing(factor, query.dtype):  # attend scales by 1/sqrt(Dh)
+        query = query * factor
     out = attend(query, key, value, vis)  # [B, nH, T, Dh]
     return out.transpose(1, 2).contiguous(), None
+
+
+def changes_nothing(factor: float, dtype: torch.dtype) -> bool:
+    """Whether multiplying a ``dtype`` tensor by the Python float ``factor`` leaves every
+    value as it is: ``factor`` is exactly 1 in the precision PyTorch multiplies in
+    (float32 for float32, bfloat16 and float16; float64 for float64). HF's
+    ``head_dim ** -0.5`` times ``sqrt(head_dim)`` is ``1 + 2**-52`` for head
+    dimensions 8, 32 and 128 (Llama's): 1 in float32, so no multiplication is
+    spent on it, forward and backward."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.tensor(factor, dtype=compute).item() == 1.0
 
 
 def check_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
