@@ -497,8 +497,9 @@ CASES: list[Case] = [
     Case("hf-moe-router-logits",
          hf({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 1,
              "output_router_logits": True}), "model.hf_config.output_router_logits = true"),
-    Case("hf-model-without-sdpa",
-         hf({"model_type": "gemma2", "head_dim": 8, "final_logit_softcapping": None}),
+    Case("hf-model-without-sdpa",  # sdpa asked for: the default auto would run eager
+         hf({"model_type": "gemma2", "head_dim": 8, "final_logit_softcapping": None},
+            "--set", "model.attn_implementation=sdpa"),
          "set model.attn_implementation = 'eager'"),
     Case("hf-rows-reach-llama4-floor-scale",
          hf({"model_type": "llama4_text", "head_dim": 8, "intermediate_size_mlp": 64,

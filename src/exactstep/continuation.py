@@ -22,6 +22,7 @@ from exactstep.config import RunConfig, apply_overrides, config_from_manifest
 from exactstep.durable import Journal
 from exactstep.errors import CheckpointError, DistributedError, ResumeError
 from exactstep.manifest import MANIFEST_FILE, Manifest, diff_manifests, read_manifest
+from exactstep.model.decoder import model_note
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.process_group import launcher_values, shutdown
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
@@ -162,7 +163,7 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
                 next_window, events, marks = (restored.next_window, restored.events,
                                               restored.journals)
             notes = [point.note, f"resuming {run_dir} at window {next_window}"
-                     + (f" from {point.path.name}" if point.path else "")]
+                     + (f" from {point.path.name}" if point.path else ""), model_note(run.model)]
             changed = environment.differences(recorded, run.environment)
             if changed:
                 notes.append(f"declared non-bitwise continuation at window {next_window}: "

@@ -29,7 +29,7 @@ from exactstep.families import resolve as resolve_family
 from exactstep.host_memory import pin_mmap_threshold
 from exactstep.manifest import Manifest, build_manifest, run_sections, write_manifest
 from exactstep.model.compiled import compile_model
-from exactstep.model.decoder import model_section
+from exactstep.model.decoder import model_note, model_section
 from exactstep.parallel.agreement import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.launch import collective_guard
@@ -265,7 +265,8 @@ def train_new(run: Run, started: float, progress: bool) -> dict[str, Any]:
     """Manifest, empty journals, every window from 0, finish."""
     notes = [f"{run.model.num_parameters():,} parameters on {run.ctx.device} x "
              f"{run.ctx.world_size}, {len(run.data.train)} train / {len(run.data.val)} val "
-             f"documents, manifest {run.manifest.digest[:12]}, run dir {run.out_dir}"]
+             f"documents, manifest {run.manifest.digest[:12]}, run dir {run.out_dir}",
+             model_note(run.model)]
     run_windows(run, 0, progress, lambda: start_journals(run, notes))
     return finish(run, started)
 

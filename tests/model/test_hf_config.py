@@ -37,7 +37,7 @@ rope_theta = 10000.0
 def test_defaults_are_the_builtin_decoder():
     cfg = ModelConfig()
     assert (cfg.source, cfg.path, cfg.hf_config, cfg.attn_implementation) == (
-        "builtin", None, {}, "sdpa")
+        "builtin", None, {}, "auto")
 
 
 def test_a_toml_table_is_read_with_its_types(tmp_path):

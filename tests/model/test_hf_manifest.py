@@ -37,8 +37,12 @@ def saved_llama(directory: Path) -> None:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 
+def manifest_of(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())["manifest"]
+
+
 def model_section(run: Path) -> dict:
-    return json.loads((run / "manifest.json").read_text())["manifest"]["model"]
+    return manifest_of(run)["model"]
 
 
 @pytest.fixture
@@ -67,7 +71,9 @@ def test_the_manifest_pins_the_directory_and_a_changed_one_refuses_resume(finish
     model_dir, run = finished_run
     section = model_section(run)
     assert section["source"] == "hf" and section["model_type"] == "llama"
-    assert section["attn_implementation"] == "sdpa"
+    # the default "auto" recorded as given, what it resolved to (a Llama: per document)
+    assert manifest_of(run)["config"]["model"]["attn_implementation"] == "auto"
+    assert section["attn_implementation"] == "exactstep"
     assert section["transformers"] == transformers.__version__
     assert len(section["config_sha256"]) == len(section["initial_weights_sha256"]) == 64
 

@@ -3,7 +3,9 @@
 All sides realise the same visibility (R2, R3); ``exactstep bench attention``
 reports the speed-ups at PyTorch's default thread count, and on one thread, on
 cross-document rows and at the default training shape (packed and whole rows), and
-the decoder's ``tokens_per_s`` with ``auto`` attention. ``python -m
+the decoder's ``tokens_per_s`` with ``auto`` attention; and, for an HF Llama at that
+training shape, ``attn_implementation = "exactstep"`` (``model.attention = "auto"``)
+against ``sdpa``'s dense block mask at 1 and 2 threads (``hf_figures``). ``python -m
 exactstep.bench.attention --calibrate`` measures the cost model behind ``auto``.
 Design and derivations: docs/design/bench.md#benchattentionpy,
 docs/design/model.md#auto-on-cpu (R2, R3).
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from exactstep.bench.common import interleaved_times, median
+from exactstep.errors import ModelError
 from exactstep.model.attention import (
     attend_fused,
     auto_costs,
@@ -143,6 +146,7 @@ def run(quick: bool) -> dict:
     figures.update(decoder_figures(packed_rows([[256]] * 16, 256), 1 if quick else 5))
     if not quick:
         figures["packed_model_speedup"] = decoder_figures(packed, 5)["model_speedup"]
+    figures.update(hf_figures(2 if quick else 7))
     # The same comparisons on one thread: no operator waits for a second core.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -150,6 +154,77 @@ def run(quick: bool) -> dict:
         attention_figures("_one_thread", cases[:1] if quick else cases)
     finally:
         torch.set_num_threads(threads)
+    return figures
+
+
+#: the HF Llama of the side-by-side figures (hidden 128, 4 layers, 4 heads)
+HF_LLAMA = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 344,
+            "max_position_embeddings": 256}
+HF_THREADS = (1, 2)  # the thread counts measured, besides PyTorch's default
+
+
+def hf_lengths(rows: int = 16, seq_len: int = 256, seed: int = 0) -> list[list[int]]:
+    """Documents of 16..128 tokens per row while they fit, the tail padding (16 rows
+    of 256: 54 documents)."""
+    g, lengths = torch.Generator().manual_seed(seed), []
+    for _ in range(rows):
+        row: list[int] = []
+        while sum(row) + (n := int(torch.randint(16, 129, (1,), generator=g))) <= seq_len:
+            row.append(n)
+        lengths.append(row)
+    return lengths
+
+
+def hf_figures(repeats: int) -> dict:
+    """An HF Llama (``HF_LLAMA``), forward + backward of its decoder on 16 x 256 tokens
+    of ``hf_lengths``: ``attn_implementation = "auto"`` (which resolves to
+    ``exactstep`` for it) under ``model.attention = "auto"`` against ``sdpa`` with the
+    dense block mask, the same weights, interleaved, median of ``repeats``. Per thread
+    count (1, 2, and PyTorch's default as ``default_threads``): both medians in ms,
+    the ratio ``exactstep / sdpa`` (below 1: exactstep is faster) and the path
+    ``auto`` chose. Without the HF extra, one figure says so."""
+    from exactstep.model.hf import build_hf_model, import_transformers
+
+    try:
+        import_transformers()
+    except ModelError as exc:
+        return {"hf": f"not measured: {exc}"}
+    lengths = hf_lengths()
+    batch = packed_rows(lengths, 256, vocab=512)
+    models = {attn: build_hf_model(ModelConfig(source="hf", hf_config=HF_LLAMA,
+                                               attn_implementation=attn), 512, seed=0)
+              for attn in ("auto", "sdpa")}
+
+    def step(attn: str):
+        model = models[attn]
+
+        def call() -> None:
+            model.zero_grad(set_to_none=True)
+            model(batch).square().mean().backward()
+
+        return call
+
+    default = torch.get_num_threads()
+    figures: dict = {"hf_documents": sum(map(len, lengths)),
+                     "hf_cross_document_fraction": cross_document_fraction(lengths, 256),
+                     "hf_auto_backend": models["auto"].attn_implementation}
+    measured: dict[int, tuple[float, float, str]] = {}
+    try:
+        for t in dict.fromkeys((*HF_THREADS, default)):
+            torch.set_num_threads(t)
+            ours, dense = interleaved_times(step("auto"), step("sdpa"), repeats=repeats)
+            measured[t] = (median(ours), median(dense),
+                           resolve_impl("auto", CPU, batch=batch, threads=t))
+    finally:
+        torch.set_num_threads(default)
+    labels = [(f"{t}_thread" if t == 1 else f"{t}_threads", t) for t in HF_THREADS]
+    for label, t in [*labels, ("default_threads", default)]:
+        ours, dense, choice = measured[t]
+        figures[f"hf_exactstep_ms_{label}"] = round(1e3 * ours, 1)
+        figures[f"hf_sdpa_ms_{label}"] = round(1e3 * dense, 1)
+        figures[f"hf_exactstep_over_sdpa_{label}"] = ours / dense
+        figures[f"hf_auto_choice_{label}"] = choice
     return figures
 
 

@@ -286,7 +286,9 @@ def build_models() -> tuple[HFCausalLM, Any, dict]:
     """exactstep's adapter (checked by ``build_hf_model``'s probe) and an identical
     HF model for Trainer; the initial weights both reset to."""
     tokenizer = ByteTokenizer()
-    adapter = build_hf_model(ModelConfig(source="hf", hf_config=dict(LLAMA)),
+    # sdpa on both sides: the twin Trainer runs is a copy of this very model
+    adapter = build_hf_model(ModelConfig(source="hf", hf_config=dict(LLAMA),
+                                         attn_implementation="sdpa"),
                              tokenizer.vocab_size, seed=0)
     twin = copy.deepcopy(adapter.hf)
     twin.config.pad_token_id = tokenizer.pad_id

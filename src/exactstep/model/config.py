@@ -58,8 +58,10 @@ class ModelConfig:
     exactly one of ``path`` (a directory with ``config.json`` and safetensors weights)
     or ``hf_config`` (an HF config as a table with a ``model_type``, random init from
     the run's seed). ``attn_implementation`` is the HF attention backend (``sdpa``,
-    ``eager``, or ``exactstep``: per-document attention without a dense mask); which
-    backends can isolate packed documents is decided when the model is built (R3).
+    ``eager``, or ``exactstep``: per-document attention without a dense mask); ``auto``
+    (the default) is ``exactstep`` where the model allows it, else ``sdpa`` (``eager``
+    without it), resolved from the model's config when it is built, with one line saying
+    why; which backends can isolate packed documents is decided then too (R3).
     The built-in keys are then unused (but still recorded and validated).
     ``dtype`` is the parameters' dtype: ``float32`` (a bf16 or fp16 checkpoint is
     upcast exactly); ``bfloat16`` is refused (fp32 master weights, U2). ``lora``:
@@ -83,7 +85,7 @@ class ModelConfig:
     source: Literal["builtin", "hf"] = "builtin"
     path: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict)
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "auto"
     activation_checkpointing: bool = False
     dtype: Literal["float32", "bfloat16"] = "float32"
     lora: LoRAConfig = field(default_factory=LoRAConfig)

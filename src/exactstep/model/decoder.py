@@ -228,16 +228,19 @@ class Decoder(nn.Module):
             load_adapter_state(self, state)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> nn.Module:
+def build_model(cfg: ModelConfig, vocab_size: int, *, seed: int,
+                seq_len: int | None = None) -> nn.Module:
     """The model ``cfg`` declares, whose weights depend only on ``(cfg, vocab_size, seed)``.
 
     ``model.source = "builtin"``: the built-in ``Decoder``, initialised from a private
     ``torch.Generator``. ``"hf"``: a Hugging Face causal LM behind the same interface
     (``exactstep.model.hf.build_hf_model``: loaded from ``model.path`` or random-init
-    from ``model.hf_config``). Either way the global RNG state is left untouched (S5).
+    from ``model.hf_config``; ``seq_len``, the run's ``batch.seq_len``, is what
+    ``attn_implementation = "auto"`` weighs windows against). Either way the global
+    RNG state is left untouched (S5).
     """
     if cfg.source == "hf":
-        return build_hf_model(cfg, vocab_size, seed=seed)
+        return build_hf_model(cfg, vocab_size, seed=seed, seq_len=seq_len)
     generator = torch.Generator().manual_seed(seed)
     decoder = Decoder(cfg, vocab_size, generator=generator)
     if cfg.lora.enabled:
@@ -286,6 +289,12 @@ def refuse_lora(cfg: ModelConfig, model: str) -> None:
             f"model.lora.r = {cfg.lora.r} (LoRA adapters) is not available for {model}; set "
             "model.lora.r = 0"
         )
+
+
+def model_note(model: nn.Module) -> str | None:
+    """What the run's rank 0 says once about how ``model`` was built (a Hugging Face
+    model's ``attn_implementation = "auto"`` fallback), or None."""
+    return getattr(model, "backend_note", None)
 
 
 def model_section(model: nn.Module) -> dict | None:

@@ -49,6 +49,11 @@ from exactstep.state.rng import isolated_rng
 #: attention backends whose isolation of packed documents exactstep realises (R3):
 #: HF's own two with a 4D block mask, and exactstep's per-document attention
 ISOLATING_BACKENDS = ("sdpa", "eager", hf_attention.NAME)
+#: ``model.attn_implementation = "auto"``: exactstep's per-document attention where the
+#: model allows it, else HF's ``sdpa`` (``eager`` for a model without it), decided when
+#: the model is built from its config alone (``resolve_backend``)
+AUTO_BACKEND = "auto"
+PER_DOCUMENT = f"{hf_attention.NAME!r} (per-document attention)"
 
 #: config attributes that make the head more than ``hidden @ W.T``, with their names;
 #: a value in the tuple is neutral (the feature is off)
@@ -132,6 +137,9 @@ class HFCausalLM(nn.Module):
         self.refusals: tuple[Window, ...] = used_windows(self.windows)
         self.row_limits: tuple[RowLimit, ...] = row_limits_of(model.config)
         self.initial_weights_sha256: str | None = None
+        #: under ``attn_implementation = "auto"`` resolved to HF's backend: why (one
+        #: line, printed once by the run's rank 0); else None
+        self.backend_note: str | None = None
         #: under ``attn_implementation = "exactstep"``: ``model.attention``, how the batch's
         #: visibility is realised (``auto``: the cheaper of per-document and dense at the
         #: thread count, R3, S9; ``segments``: always per document)
@@ -308,16 +316,20 @@ class HFCausalLM(nn.Module):
         return lora_section(self, self.initial_weights_sha256)
 
 
-def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalLM:
+def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int,
+                   seq_len: int | None = None) -> HFCausalLM:
     """The HF causal LM ``cfg`` declares, checked to keep every contract (H1).
 
     From ``cfg.path`` (weights loaded and held in float32, ``model.dtype``) or
     ``cfg.hf_config`` (random init, deterministic in ``seed``, global RNG streams
-    untouched: S5). Raises ``ModelError`` for missing files, a backend or architecture
-    that cannot isolate packed documents (R3), a decoder stack that cannot be found, a
-    head that is not a plain linear map, router logits whose loss would be dropped
-    (L3), or a model vocabulary smaller than ``vocab_size``; ``ConfigError`` for an
-    unknown ``hf_config`` key.
+    untouched: S5). ``attn_implementation = "auto"`` becomes a backend here
+    (``resolve_backend``, weighing windows against rows of ``seq_len`` tokens,
+    ``batch.seq_len``); the adapter records the resolved one and, on a fallback, why
+    (``backend_note``). Raises ``ModelError`` for missing files, a
+    backend or architecture that cannot isolate packed documents (R3), a decoder stack
+    that cannot be found, a head that is not a plain linear map, router logits whose
+    loss would be dropped (L3), or a model vocabulary smaller than ``vocab_size``;
+    ``ConfigError`` for an unknown ``hf_config`` key.
     """
     transformers = import_transformers()
     with quiet(transformers):
@@ -327,18 +339,23 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
         refuse_head_features(text)
         refuse_batch_dependent_rope(text)
         refuse_router_logits(text, cfg, nested=text is not config)
-        check_backend(transformers, config, cfg.attn_implementation)
-        model = instantiate(transformers, cfg, config, seed)
+        backend, why = resolve_backend(transformers, config, cfg.attn_implementation, seq_len)
+        check_backend(transformers, config, backend)
+        model = instantiate(transformers, dataclasses.replace(cfg, attn_implementation=backend),
+                            config, seed)
+        if cfg.attn_implementation == AUTO_BACKEND and backend == hf_attention.NAME:
+            backend, why = resolve_after_building(transformers, model, text)
         actual = getattr(model.config, "_attn_implementation", None)
-        if actual != cfg.attn_implementation:
+        if actual != backend:
             raise ModelError(
                 f"model type {model_type} runs attention with {actual!r}, not the requested "
-                f"attn_implementation {cfg.attn_implementation!r}; exactstep isolates packed "
+                f"attn_implementation {backend!r}; exactstep isolates packed "
                 "documents (R3) only where it knows the backend"
             )
         model.config.use_cache = False
-        adapter = HFCausalLM(model, attn_implementation=cfg.attn_implementation)
+        adapter = HFCausalLM(model, attn_implementation=backend)
         adapter.attention = cfg.attention
+        adapter.backend_note = why
         adapter.initial_weights_sha256 = weights_digest(model)
         if cfg.path is not None:
             adapter.stored_dtype = stored_dtype(Path(cfg.path))
@@ -351,6 +368,68 @@ def build_hf_model(cfg: ModelConfig, vocab_size: int, *, seed: int) -> HFCausalL
     if cfg.lora.enabled:
         with_lora(adapter, cfg.lora, seed=seed)
     return adapter
+
+
+def resolve_backend(transformers: Any, config: Any, requested: str,
+                    seq_len: int | None) -> tuple[str, str | None]:
+    """The backend ``requested`` runs as, and why ``auto`` fell back (else None).
+
+    ``auto`` is ``exactstep`` unless the config shows something exactstep's
+    per-document attention refuses: a model outside transformers' attention interface,
+    attention logit soft-capping or attention dropout (``hf_attention.config_refusal``),
+    or an attention window shorter than rows of ``seq_len`` tokens (it realises no
+    window; ``seq_len`` None: shorter than ``max_position_embeddings``, or any window
+    where the config has none). Then it is ``sdpa`` (``eager`` for a model without
+    it). Attention sinks show only in the built model (``resolve_after_building``).
+    A pure function of the config and ``seq_len``, so a resume resolves the same.
+    """
+    if requested != AUTO_BACKEND:
+        return requested, None
+    model_class = model_class_of(transformers, config)
+    if getattr(model_class, "_supports_attention_backend", True) is False:
+        found = (f"runs its own attention ({model_class.__name__}), outside transformers' "
+                 f"attention interface, where {PER_DOCUMENT} cannot reach it")
+    else:
+        feature = hf_attention.config_refusal(text_config_of(config))
+        found = None if feature is None else f"applies {feature}, which {PER_DOCUMENT} does not"
+    if found is None:  # rows longer than the model's positions are refused anyway
+        longest = seq_len if seq_len is not None else getattr(config, "max_position_embeddings",
+                                                               None)
+        shorter = [w for w in used_windows(windows_of(config))
+                   if not isinstance(longest, int) or w.size < longest]
+        if shorter:
+            w = shorter[0]
+            rows = (f"batch.seq_len = {seq_len}" if seq_len is not None else
+                    f"max_position_embeddings = {longest}" if isinstance(longest, int) else
+                    "rows")
+            found = (f"applies {w.field} = {w.size} ({w.kind} attention), shorter than {rows}, "
+                     f"which {PER_DOCUMENT} does not realise")
+    if found is None:
+        return hf_attention.NAME, None
+    fallback = "sdpa" if getattr(model_class, "_supports_sdpa", True) is not False else "eager"
+    return fallback, fallback_note(config.model_type, found, fallback)
+
+
+def resolve_after_building(transformers: Any, model: nn.Module, text: Any
+                           ) -> tuple[str, str | None]:
+    """``auto`` resolved to ``exactstep`` from the config: still ``exactstep``, unless
+    the built model has what the config does not show (attention sinks), where the
+    model is switched to ``sdpa`` (``eager`` for a model without it) in place: the
+    backend holds no parameter, so the weights are the same."""
+    found = hf_attention.refusal(text, model)
+    if found is None:
+        return hf_attention.NAME, None
+    fallback = "sdpa" if getattr(model, "_supports_sdpa", True) is not False else "eager"
+    check_backend(transformers, model.config, fallback)
+    model.set_attn_implementation(fallback)
+    return fallback, fallback_note(model.config.model_type,
+                                   f"applies {found}, which {PER_DOCUMENT} does not", fallback)
+
+
+def fallback_note(model_type: str, found: str, fallback: str) -> str:
+    """The one line saying that ``auto`` runs ``fallback``, and what of the model
+    (``found``) ``exactstep`` refuses."""
+    return f"model.attn_implementation = 'auto' runs {fallback!r}: the {model_type} model {found}"
 
 
 def with_lora(adapter: HFCausalLM, lora: LoRAConfig, *, seed: int) -> None:

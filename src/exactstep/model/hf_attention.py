@@ -65,13 +65,22 @@ def mask(**kwargs: Any) -> torch.Tensor | None:
     return sdpa_mask(**kwargs)
 
 
-def refusal(config: Any, model: torch.nn.Module) -> str | None:
-    """Why ``NAME`` cannot run this model exactly, or None: attention logit
-    soft-capping, attention dropout or attention sinks (a parameter named ``sinks``)."""
+def config_refusal(config: Any) -> str | None:
+    """What of ``UNSUPPORTED`` the config turns on (attention logit soft-capping,
+    attention dropout), or None."""
     for attribute, feature, neutral in UNSUPPORTED:
         value = getattr(config, attribute, None)
         if value not in neutral:
             return f"{feature} ({attribute} = {value})"
+    return None
+
+
+def refusal(config: Any, model: torch.nn.Module) -> str | None:
+    """Why ``NAME`` cannot run this model exactly, or None: attention logit
+    soft-capping, attention dropout or attention sinks (a parameter named ``sinks``)."""
+    found = config_refusal(config)
+    if found is not None:
+        return found
     if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
         return "attention sinks (a parameter named sinks)"
     return None

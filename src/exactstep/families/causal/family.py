@@ -22,7 +22,7 @@ def causal_compiler(cfg: RunConfig, tokenizer: Any) -> RowCompiler:
 
 
 def build_decoder(cfg: RunConfig, vocab_size: int) -> Any:
-    return build_model(cfg.model, vocab_size, seed=cfg.seed)
+    return build_model(cfg.model, vocab_size, seed=cfg.seed, seq_len=cfg.batch.seq_len)
 
 
 FAMILY = Family(name="causal", model="decoder", data_kind="text",
