@@ -2,13 +2,22 @@
 import from any test directory, and keeps the tracking libraries' own caches (W&B's
 service logs, its settings) in a temporary directory instead of the user's home.
 ``one_thread``: one intra-op thread for a test (tiny shapes whose tolerances were
-measured so), the caller's count given back after."""
+measured so), the caller's count given back after.
+
+Idle OpenMP threads wait passively here (``OMP_WAIT_POLICY=PASSIVE`` unless the caller
+set it; read once, when torch loads its OpenMP runtime, so it is set before the import
+and inherited by every run a test starts). Two test workers each running a two-thread
+run on two cores leave threads spinning for cores the other process needs: two such
+10-window runs side by side took 23-26 s each spinning, 14 s passive. How a thread
+waits changes no value, only who gets the core."""
 
 import os
 import tempfile
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 _TRACKING_HOME = tempfile.mkdtemp(prefix="exactstep-tests-tracking-")
 for _name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):

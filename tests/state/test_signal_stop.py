@@ -39,6 +39,7 @@ def exactstep(*argv: str, **kw) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+@pytest.mark.thread_default  # its run sets no train.threads
 @pytest.mark.timeout(300)
 def test_sigterm_publishes_and_resume_completes(tmp_path) -> None:
     data = write_data(tmp_path / "docs.jsonl")
