@@ -136,16 +136,17 @@ def test_bench_list_is_exactly_the_shipped_benchmarks(capsys) -> None:
     # the helper module is not a benchmark; names written out, not taken from the code
     code, out, _ = run_cli(["bench", "list"], capsys)
     assert code == 0
-    assert out.split() == ["attention", "checkpoint", "ddp", "default", "families", "finetune",
-                           "hf", "loader", "loss", "packing", "prepare", "step"]
+    assert out.split() == ["attention", "checkpoint", "ddp", "default", "denormals",
+                           "families", "finetune", "hf", "loader", "loss", "packing",
+                           "prepare", "step"]
 
 
 def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
     code, _, err = run_cli(["bench", "nosuch"], capsys)
     assert code == 2
     assert err.strip() == ("error: unknown benchmark 'nosuch'; available: "
-                           "attention, checkpoint, ddp, default, families, finetune, hf, "
-                           "loader, loss, packing, prepare, step")
+                           "attention, checkpoint, ddp, default, denormals, families, "
+                           "finetune, hf, loader, loss, packing, prepare, step")
 
 
 # ---------------------------------------------------------------- start-up cost (X4)

@@ -63,7 +63,8 @@ def resume(
 
     Every check (manifest, checkpoint choice and verification, journals) runs before
     anything on disk changes (S8). The numerics environment the checkpoint recorded
-    is restored (its thread count and ``train.compile``, unless overridden); what
+    is restored (its thread count, ``train.compile`` and ``numerics.flush_denormal``,
+    unless overridden); what
     cannot be restored makes the resume a declared, non-bitwise continuation: one
     line, and a CONTINUATION line in the ledger (S9). A different world size is a
     declared migration (S7): refused unless ``reshard``, which keeps the run's
@@ -148,7 +149,10 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
         cfg = replace(cfg, train=replace(cfg.train, threads=int(recorded["threads"])))
     if recorded is not None and not overridden(overrides, "train.compile"):
         cfg = replace(cfg, train=replace(cfg.train, compile=bool(recorded.get("compile"))))
-    with environment.threads_restored():
+    if recorded is not None and not overridden(overrides, "numerics.flush_denormal"):
+        flush = bool(environment.recorded_value(recorded, "flush_denormal"))
+        cfg = replace(cfg, numerics=replace(cfg.numerics, flush_denormal=flush))
+    with environment.numerics_restored():
         run = build_run(cfg, run_dir)
         try:
             check_shared_run_dir(run.ctx, run_dir)  # every node sees it (D1)
@@ -269,7 +273,7 @@ def warm_start(run_dir: Path, old: Manifest, cfg: RunConfig, new_dir: Path,
     parent = {"run_dir": str(run_dir), "checkpoint": point.path.name,
               "manifest_digest": old.digest}
     started = time.perf_counter()
-    with hold_run_dir(new_dir, "--warm-start", new=True), environment.threads_restored():
+    with hold_run_dir(new_dir, "--warm-start", new=True), environment.numerics_restored():
         run = build_run(cfg, new_dir, parent=parent)
         try:
             load_weights(point.path, run.model, DcpFormat(run.ctx))

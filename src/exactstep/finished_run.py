@@ -21,7 +21,7 @@ from exactstep.host_memory import pin_mmap_threshold
 from exactstep.manifest import Manifest, read_manifest
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.process_group import resolve_rank_device, single_process
-from exactstep.state import environment
+from exactstep.state import denormals, environment
 from exactstep.state.checkpointer import load_weights, recorded_environment
 from exactstep.state.resume import choose_resume_point
 
@@ -68,9 +68,10 @@ def open_finished_run(run_dir: Path, *, from_checkpoint: Path | None = None,
         cfg.train.device, 0)
     recorded = recorded_environment(point.path, manifest, DcpFormat)
     pin_mmap_threshold()  # as the run did (L1)
-    with environment.threads_restored():
+    with environment.numerics_restored():
         if recorded is not None:
             torch.set_num_threads(int(recorded["threads"]))
+            denormals.set_flush_denormal(environment.recorded_value(recorded, "flush_denormal"))
         now = environment.capture(device)
         changed = environment.differences(recorded, now)
         said = environment.describe(now) + (

@@ -198,7 +198,7 @@ PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.prefetch", "tra
 # Keys that ask for a numerics environment: what the run actually got is recorded in
 # the ``environment`` section (S9), so a resume that changes them is a declared,
 # non-bitwise continuation rather than another run.
-ENVIRONMENT_KEYS = ("train.threads", "train.compile")
+ENVIRONMENT_KEYS = ("train.threads", "train.compile", "numerics.flush_denormal")
 
 
 def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,

@@ -42,7 +42,7 @@ from exactstep.rows.background import BackgroundStream
 from exactstep.rows.example import DataBundle
 from exactstep.rows.loader_process import LoaderProcess
 from exactstep.rows.stream import RowStream
-from exactstep.state import environment
+from exactstep.state import denormals, environment
 from exactstep.state.checkpointer import Checkpointer
 from exactstep.state.resume import StopRequest
 from exactstep.state.rng import seed_rng
@@ -83,13 +83,16 @@ def build_run(cfg: RunConfig, out_dir: Path, *, parent: dict | None = None,
     Under torchrun (D1-D4) the process joins the job: the stream is sharded by rank
     (D3), the model is sharded when ``parallel.strategy = "fsdp"``, and the engine's
     reducer agrees D, the finite decision and the no-objective decision (D2).
-    ``train.threads`` (0: PyTorch's count) is set for the process here and the
-    numerics environment recorded after it (S9); ``train.compile`` compiles the
-    model's forward in place, its parameter names unchanged (``model.compiled``).
+    ``train.threads`` (0: PyTorch's count) and ``numerics.flush_denormal`` are set
+    for the process here and the numerics environment recorded after them (S9);
+    ``train.compile`` compiles the model's forward in place, its parameter names
+    unchanged (``model.compiled``). The host allocator's threshold is pinned from the
+    model's shapes once it is built (``host_memory.threshold_for``, L1).
     """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    pin_mmap_threshold()  # big freed tensors leave the resident set, small ones are reused (L1)
+    denormals.set_flush_denormal(cfg.numerics.flush_denormal)  # every thread (S9)
+    pin_mmap_threshold()  # 6 MiB until the model's shapes are known (L1)
     seed_rng(cfg.seed)  # every stream starts from the seed; a resume restores them later
     ctx = ctx or init_distributed(cfg.parallel, cfg.train.device)
     with collective_guard(ctx):  # a rank refused here (a damaged shard) is a peer's
@@ -252,7 +255,7 @@ def train(cfg: RunConfig, out_dir: Path, *, progress: bool = True) -> dict[str, 
     ``summary.json``, ``checkpoints/`` with ``LATEST`` (S3, S8) and, while a command
     works in it, ``.exactstep.lock``."""
     started = time.perf_counter()
-    with hold_run_dir(out_dir, "--out", new=True), environment.threads_restored():
+    with hold_run_dir(out_dir, "--out", new=True), environment.numerics_restored():
         run = build_run(cfg, out_dir)
         try:
             check_shared_run_dir(run.ctx, out_dir)  # every node sees it, before window 0

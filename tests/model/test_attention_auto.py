@@ -128,7 +128,7 @@ def test_the_choice_is_a_pure_function_of_layout_and_threads():
                                     threads=threads) for s in range(3)}
             assert len(choices) == 1
             batch = batch_for(rows, T)
-            with environment.threads_restored():
+            with environment.numerics_restored():
                 torch.set_num_threads(threads)
                 in_force = prepare_visibility(batch, "auto", CPU).impl
             assert in_force == prepare_visibility(batch, "auto", CPU, threads=threads).impl
@@ -149,7 +149,7 @@ def test_a_resume_under_the_recorded_thread_count_chooses_the_same():
     control: resuming under another count changes a choice."""
     layouts = [FLIPS, STAYS, *random_layouts(8, seed=1)]
     batches = [batch_for(rows, T) for rows, T in layouts]
-    with environment.threads_restored():
+    with environment.numerics_restored():
         torch.set_num_threads(2)
         record = environment.capture(CPU)
         before = [prepare_visibility(b, "auto", CPU).impl for b in batches]
@@ -269,7 +269,7 @@ def test_the_decoder_follows_the_thread_count_in_force(monkeypatch):
     monkeypatch.setattr(decoder_module, "prepare_visibility", spy)
     model = build_model(ModelConfig(d_model=16, n_heads=2, n_layers=1, d_ff=16), 50, seed=0)
     batch = batch_for(*FLIPS)
-    with environment.threads_restored(), torch.no_grad():
+    with environment.numerics_restored(), torch.no_grad():
         for threads in (1, 2):
             torch.set_num_threads(threads)
             model(batch)

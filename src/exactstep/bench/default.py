@@ -17,7 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from exactstep.bench.common import median
 
@@ -60,13 +62,15 @@ def summarise(side: list[dict]) -> dict:
     return out
 
 
-def one_pass(steps: int, env: dict[str, str]) -> dict:
-    """One whole ``exactstep train`` in a fresh process; the kernel's figures for it."""
+def one_pass(steps: int, env: dict[str, str], sets: tuple[str, ...] = (),
+             read: Callable[[Path, float, Any], dict] | None = None) -> dict:
+    """One whole ``exactstep train --set train.steps=STEPS SETS...`` in a fresh process;
+    ``read(run_dir, wall_s, rusage)`` (``pass_figures`` by default) gives its figures."""
     environ = {k: v for k, v in os.environ.items() if k not in OLD_PIN}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         command = [sys.executable, "-m", "exactstep", "train", "--no-progress", "--out",
-                   str(out), "--set", f"train.steps={steps}"]
+                   str(out), "--set", f"train.steps={steps}", *sets]
         started = time.perf_counter()
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  env={**environ, **env})
@@ -75,8 +79,8 @@ def one_pass(steps: int, env: dict[str, str]) -> dict:
         wall = time.perf_counter() - started
         child.returncode = os.waitstatus_to_exitcode(status)
         if child.returncode != 0:
-            raise RuntimeError(f"bench default: the run failed:\n{stderr.decode()[-3000:]}")
-        return pass_figures(out, wall, usage)
+            raise RuntimeError(f"bench: the run failed:\n{stderr.decode()[-3000:]}")
+        return (read or pass_figures)(out, wall, usage)
 
 
 def pass_figures(out: Path, wall: float, usage) -> dict:

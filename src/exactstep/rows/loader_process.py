@@ -30,6 +30,7 @@ from exactstep.errors import DataError, ExactstepError
 from exactstep.rows import kernels
 from exactstep.rows.batch import Batch, Segment, SourceSide
 from exactstep.rows.stream import BatchSource, RowStream
+from exactstep.state import denormals
 
 POLL_S = 0.05  # how often a waiting side looks whether the other one is still there
 JOIN_S = 5.0  # how long close() waits for the child to stop by itself
@@ -67,7 +68,7 @@ class LoaderProcess(BatchSource):
         ctx = mp.get_context("spawn")
         channel = Channel(ctx, self.depth, slot_bytes(self.stream))
         self.process = ctx.Process(target=serve, name="exactstep-loader", daemon=True,
-                                   args=(self.stream, channel))
+                                   args=(self.stream, channel, denormals.flushed_here()))
         self.process.start()
         LIVE.add(self)
         channel.writer.close()  # the child's end: its death is then an end of file here
@@ -349,15 +350,17 @@ def slab_view(region: np.ndarray, slab: Slab) -> np.ndarray:
 # --------------------------------------------------------------------------- the child
 
 
-def serve(stream: RowStream, channel: Channel) -> None:
+def serve(stream: RowStream, channel: Channel, flush_denormal: bool) -> None:
     """The child: send ``("batch", (slot, wire), state)`` per batch (``slot`` ``None``
     when it crossed pickled; ``state`` pickled, decoded only if the parent asks, and
     in the slot as a ``Slab`` where it fits), then
     ``("end", None, None)`` or ``("error", exception, None)``, until ``stop`` is set,
-    the parent stops reading or the parent dies."""
+    the parent stops reading or the parent dies. It computes under the parent's
+    denormal setting (``flush_denormal``, S9)."""
     for number in (signal.SIGINT, signal.SIGTERM):  # the parent's to handle (StopRequest)
         signal.signal(number, signal.SIG_IGN)
     torch.set_num_threads(1)  # compiling builds small tensors; leave the cores to training
+    denormals.set_flush_denormal(flush_denormal)
     yield_on_wakeup()
     watch_parent()
     channel.reader.close()  # the parent's end

@@ -104,6 +104,13 @@ class NumericsConfig:
     always computes fp32 matmuls in fp32). ``init_scale`` is the fp16 loss scale at
     the start (GradScaler's default 65536).
 
+    ``flush_denormal``: flush denormal floats to zero (x86's flush-to-zero and
+    denormals-are-zero) on every thread that computes on the CPU. Arithmetic on
+    denormals is many times slower, and AdamW's moments of rarely used parameters
+    decay into them. It asks for a numerics environment, like ``train.threads``: what
+    the run got is recorded (S9), a resume restores it, and a resume given another
+    value is a declared, non-bitwise continuation.
+
     ``auto`` is a default, not a mode: a run resolves it for its device before the
     manifest is written (``resolve_numerics``), so the manifest records what ran and a
     resume keeps it whatever device it resumes on (S1, S4).
@@ -112,6 +119,7 @@ class NumericsConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     fp32_matmul: Literal["auto", "ieee", "tf32"] = "auto"
     init_scale: float = 65536.0
+    flush_denormal: bool = True
 
     def __post_init__(self) -> None:
         check("numerics.init_scale", self.init_scale, POSITIVE_FLOAT32)  # a float32 scale
