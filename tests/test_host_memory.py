@@ -138,3 +138,35 @@ def test_the_users_own_setting_stands(tmp_path, monkeypatch, setting):
     assert host_memory.pin_mmap_threshold() is True
     assert calls == [(-3, 6 << 20), (-1, 12 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
     assert child("pin", "reused", tmp_path, **setting)["pinned"] is False
+
+
+def test_the_threshold_follows_the_runs_own_shapes():
+    """``threshold_for``: above the widest per-layer activation (whole MiB, between
+    6 and 32 MiB), and no more than the layer input activation checkpointing keeps.
+    ``activation_bytes`` read from the models themselves, against the shapes written
+    out: the default decoder (16 x 256 tokens, gate_up 2 x 344 wide, d_model 128) and
+    a Qwen2.5-0.5B-shaped layer (4 x 512 tokens, intermediate 4864, hidden 896)."""
+    from exactstep import host_memory
+    from exactstep.config import load_config
+    from exactstep.model.decoder import activation_bytes, build_model
+
+    mib = 1 << 20
+    assert host_memory.threshold_for(10) == 6 * mib  # tiny shapes: the floor
+    assert host_memory.threshold_for(int(10.75 * mib)) == 11 * mib
+    assert host_memory.threshold_for(11 * mib) == 12 * mib  # strictly above
+    assert host_memory.threshold_for(38 * mib) == 32 * mib  # glibc's largest
+    assert host_memory.threshold_for(38 * mib, 7 * mib) == 7 * mib  # the kept input mapped
+    assert host_memory.threshold_for(11 * mib, 2 * mib) == 2 * mib
+    assert host_memory.threshold_for(11 * mib, 1000) == 1 * mib  # the floor for kept ones
+
+    cfg = load_config()
+    tokens = cfg.batch.rows * cfg.batch.seq_len
+    model = build_model(cfg.model, 259, seed=0)
+    assert activation_bytes(model, tokens, 259) == (4 * 16 * 256 * 2 * 344, 4 * 16 * 256 * 128)
+    hf = load_config(overrides=[
+        'model.source=hf', 'model.hf_config={"model_type": "qwen2", "hidden_size": 896, '
+        '"intermediate_size": 4864, "num_hidden_layers": 1, "num_attention_heads": 14, '
+        '"num_key_value_heads": 2, "vocab_size": 1000}', "model.lora.r=4"]).model
+    pytest.importorskip("peft")
+    qwen = build_model(hf, 1000, seed=0)  # its head (1000 wide) is not an activation
+    assert activation_bytes(qwen, 2048, 1000) == (4 * 2048 * 4864, 4 * 2048 * 896)

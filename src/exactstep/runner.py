@@ -26,10 +26,10 @@ from exactstep.errors import RESUME_AUTO_HINT, Interrupted, ResumeError
 from exactstep.eval import Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
-from exactstep.host_memory import pin_mmap_threshold
+from exactstep.host_memory import pin_mmap_threshold, threshold_for
 from exactstep.manifest import Manifest, build_manifest, run_sections, write_manifest
 from exactstep.model.compiled import compile_model
-from exactstep.model.decoder import model_note, model_section
+from exactstep.model.decoder import activation_bytes, model_note, model_section
 from exactstep.parallel.agreement import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.launch import collective_guard
@@ -118,6 +118,10 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
         stream = ahead(stream, cfg.train.prefetch)
     model = parts.family.build_model(cfg, tokenizer.vocab_size)
     model.check_rows(cfg.batch.seq_len)  # refused before anything is written
+    widest, kept = activation_bytes(model, cfg.batch.rows * cfg.batch.seq_len,
+                                    tokenizer.vocab_size)
+    pin_mmap_threshold(threshold_for(  # from the run's own shapes (L1)
+        widest, kept if cfg.model.activation_checkpointing else None))
     if cfg.train.compile:
         compile_model(model, family=cfg.objective.family)
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,

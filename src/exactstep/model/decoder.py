@@ -297,6 +297,19 @@ def model_note(model: nn.Module) -> str | None:
     return getattr(model, "backend_note", None)
 
 
+def activation_bytes(model: nn.Module, tokens: int, vocab_size: int) -> tuple[int, int]:
+    """``(widest, kept)``: the fp32 bytes of ``model``'s largest per-layer activation for
+    a micro-batch of ``tokens`` tokens (its widest linear projection, the vocabulary
+    head aside: the loss chunks its logits, L1) and of one ``[tokens, d_model]`` tensor
+    (a layer's input: what activation checkpointing keeps per layer). For the host
+    allocator's threshold (``host_memory.threshold_for``)."""
+    widths = [max(m.in_features, m.out_features) for m in model.modules()
+              if isinstance(m, nn.Linear) and vocab_size not in (m.in_features, m.out_features)]
+    hidden = [m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding)]
+    widest = max(widths, default=0)
+    return 4 * tokens * widest, 4 * tokens * (hidden[0] if hidden else widest)
+
+
 def model_section(model: nn.Module) -> dict | None:
     """The manifest's ``model`` section (S1) for ``model``: its ``describe()`` (a Hugging
     Face model's resolved architecture, initial weights and library version), or
