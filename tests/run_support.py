@@ -113,9 +113,11 @@ def alone(tokens: Sequence[int]) -> Batch:
 
 
 def document_nll(model, tokens: Sequence[int]) -> torch.Tensor:
-    """Per-target gold NLL ``[n - 1]`` (fp32 logits, plain ``F.cross_entropy``)."""
+    """Per-target gold NLL ``[n - 1]`` (fp32 logits, or float64 for a float64 model;
+    plain ``F.cross_entropy``)."""
     hidden = model(alone(tokens))[0]  # [n, H]
-    logits = hidden[:-1].float() @ model.head_weight.float().t()  # [n - 1, V]
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    logits = hidden[:-1].to(dtype) @ model.head_weight.to(dtype).t()  # [n - 1, V]
     return F.cross_entropy(logits, torch.tensor(list(tokens[1:])), reduction="none")
 
 
@@ -125,9 +127,13 @@ def val_documents(source: Path, val_fraction: float) -> list[list[int]]:
     return [tokens_of(doc.text) for doc in corpus.val]
 
 
-def heldout_per_document(model_state, docs: Sequence[Sequence[int]]) -> list[tuple[float, int]]:
-    """(NLL sum in float64, target count) of every document, each run alone."""
+def heldout_per_document(model_state, docs: Sequence[Sequence[int]], *, exact: bool = False
+                         ) -> list[tuple[float, int]]:
+    """(NLL sum in float64, target count) of every document, each run alone; with
+    ``exact`` the model runs in float64 (the yardstick for fp32's own rounding)."""
     model = model_from(model_state)
+    if exact:
+        model = model.double()
     with torch.no_grad():
         return [(float(document_nll(model, d).double().sum()), len(d) - 1) for d in docs]
 
@@ -219,7 +225,7 @@ def check_mid_run_evaluation_changes_nothing(tmp_path: Path, train_run: Any,
     isolation disabled the mid-run evaluations move the streams and the runs part."""
     import contextlib
 
-    import exactstep.eval as eval_module
+    import exactstep.state.rng as rng_module
     from exactstep.state.compare import state_differences
 
     plain = train_run(tmp_path, "plain", 0)
@@ -231,7 +237,7 @@ def check_mid_run_evaluation_changes_nothing(tmp_path: Path, train_run: Any,
         "progress.manifest_digest", "progress.journals.metrics.jsonl.lines"]
     assert plain[2] == evaluated[2]
 
-    monkeypatch.setattr(eval_module, "isolated_rng", contextlib.nullcontext)
+    monkeypatch.setattr(rng_module, "isolated_rng", contextlib.nullcontext)  # state.rng.isolated's
     leaky = train_run(tmp_path, "leaky", 2)
     assert state_differences(plain[0], leaky[0]) != []
     assert plain[2] != leaky[2]

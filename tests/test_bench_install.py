@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 # every benchmark the package ships, written out (independent of the discovery code)
-EXPECTED_BENCHMARKS = ["attention", "checkpoint", "ddp", "default", "families", "finetune", "hf",
-                       "loader", "loss", "packing", "prepare", "step"]
+EXPECTED_BENCHMARKS = ["attention", "checkpoint", "ddp", "default", "denormals", "families",
+                       "finetune", "hf", "loader", "loss", "packing", "prepare", "rollout",
+                       "step"]
 # the quickest benchmark (about 2 s with --quick) and every figure it reports
 QUICK_BENCH = "packing"
 PACKING_FIGURES = {

@@ -149,6 +149,20 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("mlm.mask_rate", (1e-9, 0.15, 1), (0, -0.1, 1.5), "in (0, 1]", ()),
     ("mlm.replace_mask", (0, 1), (-0.1, 1.5), "in [0, 1]", ("mlm.replace_random=0",)),
     ("mlm.replace_random", (0, 1), (-0.1, 1.5), "in [0, 1]", ("mlm.replace_mask=0",)),
+    ("policy.ngram", (1, 16), (0, 17), "in [1, 16]", ()),
+    ("policy.decay", (0, 1), (-0.1, 1.5), "in [0, 1]", ()),
+    ("policy.std_eps", (0, 1e-3), (-1e-9,), ">= 0", ()),
+    ("policy.constant", (1e-9, 1e6), (0, -1), "> 0", ()),
+    ("policy.beta", (0, 0.1), (-0.1,), ">= 0", ()),
+    ("policy.delta_start", (0, 5), (-1,), ">= 0", ()),
+    ("policy.delta_step", (0, 2), (-1,), ">= 0", ()),
+    ("policy.delta_every", (1, 100), (0,), ">= 1", ()),
+    ("policy.delta_max", (0, 9), (-1,), ">= 0", ()),
+    ("generation.temperature", (0, 0.7, 2.0), (-0.1,), ">= 0", ()),
+    ("generation.top_k", (0, 50), (-1,), ">= 0", ()),
+    ("generation.top_p", (1e-9, 0.9, 1), (0, -0.1, 1.1), "in (0, 1]", ()),
+    ("generation.max_new_tokens", (1, 64), (0,), "in [1, 1048576]", ()),
+    ("generation.samples", (1, 8), (0,), "in [1, 65536]", ()),
 ]
 
 

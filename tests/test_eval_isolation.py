@@ -35,6 +35,7 @@ from torch import nn
 from update.update_support import HIDDEN, PAD, TinyLM, random_batch
 
 import exactstep.eval as eval_module
+import exactstep.state.rng as rng_module
 from exactstep.config import load_config
 from exactstep.data.arith import ArithSpec, arith_conversations
 from exactstep.data.tokenizer import ByteTokenizer
@@ -140,8 +141,8 @@ def test_evaluate_leaves_everything_untouched_e1() -> None:
 def test_evaluation_does_consume_every_stream_so_the_check_can_see_it() -> None:
     """Without isolation the same evaluation moves Python's, NumPy's and torch's streams."""
     engine = trained_engine()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(eval_module, "isolated_rng", contextlib.nullcontext)
+    with pytest.MonkeyPatch.context() as mp:  # the one E1 isolation lives in state.rng
+        mp.setattr(rng_module, "isolated_rng", contextlib.nullcontext)
         found = changes(engine, run_evaluate)
     assert {"python_rng", "numpy_rng", "torch_rng"} <= {p.split(".")[0] for p in found}
 
@@ -149,7 +150,7 @@ def test_evaluation_does_consume_every_stream_so_the_check_can_see_it() -> None:
 def torch_only_isolation(engine: UpdateEngine) -> None:
     """The previous behaviour: only torch's stream was forked."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(eval_module, "isolated_rng", torch.random.fork_rng)
+        mp.setattr(rng_module, "isolated_rng", torch.random.fork_rng)
         run_evaluate(engine)
 
 

@@ -30,7 +30,7 @@ FLOORS = {
     "transfer": 6,
     "objective": 7, "families/<name>": 7,
     "update": 8,
-    "tracking": 9, "parallel": 9, "model": 9,
+    "tracking": 9, "parallel": 9, "model": 9, "generation": 9,
     "report": 10, "config": 10,
     "eval": 11,
     "families": 12,

@@ -93,6 +93,33 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--adapter", action="store_true",
                         help="a LoRA run: write the PEFT adapter directory, not the merged model")
 
+    generate = sub.add_parser(
+        "generate", help="sample continuations from a run or an export (streaming)",
+        usage="exactstep generate RUN_OR_EXPORT --prompt TEXT [--prompt TEXT ...] "
+              "[--samples K] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] "
+              "[--seed S] [--chat | --text] [--from CHECKPOINT]")
+    generate.add_argument("source", metavar="RUN_OR_EXPORT",
+                          help="a run directory (its LATEST checkpoint) or an export directory")
+    generate.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                          help="a prompt (repeat for several)")
+    generate.add_argument("--samples", type=int, metavar="K",
+                          help="continuations per prompt (default: the run's generation.samples "
+                               "for a run, 1 for an export)")
+    generate.add_argument("--max-new-tokens", type=int, metavar="N")
+    generate.add_argument("--temperature", type=float, metavar="T", help="0: greedy")
+    generate.add_argument("--top-k", type=int, metavar="K", help="0: all tokens")
+    generate.add_argument("--top-p", type=float, metavar="P", help="1: all tokens")
+    generate.add_argument("--seed", type=int, default=0,
+                          help="the draws' seed: continuation k of prompt i uses the stream "
+                               "(seed, 0, i, k) (default 0)")
+    form = generate.add_mutually_exclusive_group()
+    form.add_argument("--chat", action="store_true",
+                      help="render each prompt as a user turn and the assistant's header "
+                           "(default for a chat run)")
+    form.add_argument("--text", action="store_true",
+                      help="continue each prompt as plain text (default for a text run)")
+    generate.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")
+
     inspect = sub.add_parser("inspect", help="print rows: input -> target, segment, position, masks")
     add_config_args(inspect)
     inspect.add_argument("--rows", default="0:1", help="row range A:B of the first microbatch")

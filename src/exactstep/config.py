@@ -24,8 +24,10 @@ from exactstep.errors import ConfigError
 from exactstep.families.encdec.config import EncDecConfig
 from exactstep.families.mlm.config import MLMConfig
 from exactstep.families.permutation.config import PermutationConfig
+from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.scheduled_sampling.config import ScheduledSamplingConfig
 from exactstep.families.span.config import SpanConfig
+from exactstep.generation.config import GenerationConfig
 from exactstep.model.config import ModelConfig
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.parallel.config import ParallelConfig
@@ -85,8 +87,10 @@ class RunConfig:
     ``permutation`` (the partial-prediction cutoff) when ``objective.family =
     "permutation"``; ``encdec`` (model depths, encoder columns, the built-in
     ``numwords`` pairs) for the encoder-decoder families, ``span`` for ``"span"``,
-    ``mlm`` (selection and replacement rates) for ``"mlm"`` and ``scheduled_sampling``
-    for ``"scheduled_sampling"`` (R8).
+    ``mlm`` (selection and replacement rates) for ``"mlm"``, ``scheduled_sampling``
+    for ``"scheduled_sampling"`` and ``policy`` for ``"policy"`` (R8, Q1-Q4).
+    ``generation`` is the declared sampling policy (Q1) of a policy run's rollouts and
+    of ``exactstep generate``.
     """
 
     seed: int = 0
@@ -107,6 +111,8 @@ class RunConfig:
     encdec: EncDecConfig = field(default_factory=EncDecConfig)
     span: SpanConfig = field(default_factory=SpanConfig)  # family "span" (families.span.config)
     mlm: MLMConfig = field(default_factory=MLMConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
 
     def __post_init__(self) -> None:
         # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits

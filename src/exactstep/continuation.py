@@ -26,7 +26,7 @@ from exactstep.model.decoder import model_note
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.process_group import launcher_values, shutdown
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
-from exactstep.report import LEDGER_FILE, METRICS_FILE
+from exactstep.report import LEDGER_FILE, METRICS_FILE, ROLLOUTS_FILE
 from exactstep.runner import (
     Run,
     announce,
@@ -253,8 +253,10 @@ def reopen_journals(run: Run, marks: dict[str, dict], events: list[dict],
     else:
         ledger = Ledger.open_at(run.out_dir / LEDGER_FILE, marks[LEDGER_FILE])
         metrics = Journal.open_at(run.out_dir / METRICS_FILE, marks[METRICS_FILE])
+        rollouts = (Journal.open_at(run.out_dir / ROLLOUTS_FILE, marks[ROLLOUTS_FILE])
+                    if ROLLOUTS_FILE in marks else None)
         announce(notes)
-        attach(run, ledger, metrics)
+        attach(run, ledger, metrics, rollouts)
     assert ledger is not None
     for event in events:
         ledger.append(event)

@@ -44,6 +44,11 @@ class ObjectiveError(ExactstepError):
     """An objective setting is invalid (e.g. smoothing convention needing V >= 3)."""
 
 
+class RewardError(ObjectiveError):
+    """A declared reward function raised, or returned something other than one finite
+    number (Q2); the message names the window, example and sample."""
+
+
 class ModelError(ExactstepError):
     """A model setting cannot be realised (e.g. FlexAttention backward on CPU)."""
 

@@ -9,9 +9,8 @@ Design and derivations: docs/design/run.md#evalpy (E1, L5).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,7 +30,7 @@ from exactstep.rows.compiler import CAUSAL, RowCompiler
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.stream import RowStream, eval_batches
-from exactstep.state.rng import isolated_rng
+from exactstep.state.rng import eval_mode, isolated, isolated_rng  # noqa: F401 (E1, re-exported)
 
 LN2 = math.log(2.0)
 
@@ -120,27 +119,6 @@ def evaluate(
                 target_bytes += int(lengths[batch.labels[batch.labels != IGNORE_INDEX]].sum())
     return EvalResult(gold_nll_sum=float(nll_sum), tokens=tokens,
                       target_bytes=target_bytes if lengths is not None else None)
-
-
-@contextlib.contextmanager
-def isolated(model: torch.nn.Module) -> Iterator[None]:
-    """The E1 isolation every held-out figure runs under: eval mode (each module's
-    prior mode restored after), no gradients, every RNG stream restored after."""
-    with eval_mode(model), isolated_rng(), torch.no_grad():
-        yield
-
-
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Every module in eval mode inside; each module's own prior mode restored after
-    (E1: a submodule frozen in eval mode inside a training model stays so)."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 #: Training targets a compiled unigram fit reads at most (families other than causal).

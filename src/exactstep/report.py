@@ -23,6 +23,7 @@ from exactstep.update.disposition import Disposition, Outcome
 
 METRICS_FILE = "metrics.jsonl"
 LEDGER_FILE = "ledger.jsonl"
+ROLLOUTS_FILE = "rollouts.jsonl"  # one line per sampled response (policy family, Q2)
 
 
 @dataclass

@@ -37,7 +37,14 @@ from exactstep.parallel.process_group import DistContext, init_distributed, shut
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
 from exactstep.parallel.wrap import shard_model
-from exactstep.report import LEDGER_FILE, METRICS_FILE, Reporter, outcome_counts, write_outputs
+from exactstep.report import (
+    LEDGER_FILE,
+    METRICS_FILE,
+    ROLLOUTS_FILE,
+    Reporter,
+    outcome_counts,
+    write_outputs,
+)
 from exactstep.rows.background import BackgroundStream
 from exactstep.rows.example import DataBundle
 from exactstep.rows.loader_process import LoaderProcess
@@ -131,7 +138,8 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     precision = Precision(cfg.numerics, ctx.device)
     engine = UpdateEngine(model, optimizer, schedule, precision, cfg.update, cfg.objective,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),
-                          inputs=parts.family.inputs(cfg))
+                          inputs=parts.family.inputs(cfg), plan=parts.family.plan(cfg, ctx.rank),
+                          program=parts.family.program(cfg, parts, model, ctx.device))
     distribute_engine(engine, ctx, cfg.parallel)
     env = environment.capture(ctx.device, compiled=cfg.train.compile)
     manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent,
@@ -181,6 +189,9 @@ def run_windows(run: Run, start: int, progress: bool,
             window += 1
             if ledger is not None:
                 ledger.append(disp)
+                rollouts = run.checkpointer.journals.get(ROLLOUTS_FILE)
+                for record in run.engine.program.records if rollouts is not None else ():
+                    rollouts.append(record)
             reporter.window(disp, sum(b.input_ids.numel() for b in batches),
                             run.engine.schedule.lr())
             if cfg.train.eval_every and window % cfg.train.eval_every == 0 and window < steps:
@@ -290,8 +301,10 @@ def start_journals(run: Run, notes: Sequence[str | None] = (), *, fresh_manifest
     write_manifest(run.out_dir, run.manifest)
     ledger = Ledger.create(ledger_path)
     metrics = Journal.create(run.out_dir / METRICS_FILE, exact=False)
+    rollouts = (Journal.create(run.out_dir / ROLLOUTS_FILE)
+                if run.engine.program is not None else None)
     announce(notes)
-    return attach(run, ledger, metrics)
+    return attach(run, ledger, metrics, rollouts)
 
 
 def announce(notes: Sequence[str | None]) -> None:
@@ -299,8 +312,13 @@ def announce(notes: Sequence[str | None]) -> None:
         print(f"exactstep: {line}", file=sys.stderr)
 
 
-def attach(run: Run, ledger: Ledger, metrics: Journal) -> tuple[Ledger, Journal]:
+def attach(run: Run, ledger: Ledger, metrics: Journal, rollouts: Journal | None = None
+           ) -> tuple[Ledger, Journal]:
+    """The journals a checkpoint marks (S8): the ledger, the metrics and, for a family
+    with rollouts, one line per sample (``rollouts.jsonl``, Q2)."""
     run.checkpointer.journals = {LEDGER_FILE: ledger, METRICS_FILE: metrics}
+    if rollouts is not None:
+        run.checkpointer.journals[ROLLOUTS_FILE] = rollouts
     return ledger, metrics
 
 

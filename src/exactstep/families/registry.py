@@ -23,7 +23,7 @@ from exactstep.rows.sources import load_bundle
 
 #: Every family the specification names (R8), built or not.
 SPECIFIED = ("causal", "chat", "prefix", "encdec", "mlm", "span", "permutation",
-             "scheduled_sampling")
+             "scheduled_sampling", "policy")
 DEFAULT_SOURCE = "stdlib"
 
 
@@ -37,7 +37,11 @@ class Family:
     reads. ``specials``: extra byte-tokenizer specials. ``compiler``: its
     ``RowCompiler``. ``objective``: the manifest's ``objective`` section (S1).
     ``score``: end-of-run held-out figures merged into ``summary.json``. ``inputs``: an
-    input program when the model's outputs feed its inputs, else ``None``.
+    input program when the model's outputs feed its inputs, else ``None``. ``program``
+    (``(cfg, parts, model, device)``): a window program that turns a window's batches
+    into the ones it trains on (rollouts, Q1), else ``None``; ``plan`` (``(cfg, rank)``):
+    the window's plan function when the family's objective is not an L3 reduction of
+    cross entropy (the policy objective, Q4), else ``None``.
     """
 
     name: str
@@ -51,6 +55,8 @@ class Family:
     load: Callable[..., DataBundle] = load_bundle  # (cfg, tokenizer, *, share)
     score: Callable[[Any, Any, Any, Any], dict[str, Any]] | None = None
     inputs: Callable[[Any], Any] = lambda cfg: None
+    program: Callable[..., Any] = lambda cfg, parts, model, device: None
+    plan: Callable[[Any, int], Any] = lambda cfg, rank: None
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ BUILT: tuple[str, ...] = (
     "prefix",
     "span",
     "mlm",
+    "policy",
 )
 
 

@@ -15,6 +15,7 @@ class NoObjectiveCause(enum.StrEnum):
 
     EMPTY_ELIGIBLE_SET = "EMPTY_ELIGIBLE_SET"  # no supervised row at all
     NONEMPTY_ZERO_WEIGHT_MASS = "NONEMPTY_ZERO_WEIGHT_MASS"  # rows exist, weights sum to 0
+    ZERO_ADVANTAGE = "ZERO_ADVANTAGE"  # D > 0 but every coefficient is 0 (policy, Q4)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from exactstep.state.store import checkpoint_format, read_latest_name
 
 # Checkpoint part names (what ``checkpoint verify`` reports) for the engine's state keys.
 ENGINE_PARTS = {"optimizer": "optimizer", "schedule": "scheduler", "precision": "scaler",
-                "counters": "counters"}
+                "counters": "counters", "program": "program"}  # program: a window program's
 
 
 class Context(Protocol):
@@ -184,7 +184,8 @@ class Checkpointer:
             )
         model_state, parts = load_checkpoint(path)
         load_model_state(self.model, model_state)
-        self.engine.load_state_dict({k: parts[name] for k, name in ENGINE_PARTS.items()})
+        self.engine.load_state_dict({k: parts[name] for k, name in ENGINE_PARTS.items()
+                                     if name in parts})
         restore_rng(parts["rng"])
         events = []
         if self.ctx.world_size == 1:
@@ -203,7 +204,8 @@ class Checkpointer:
         state = multi_rank.load(path, model=self.model, optimizer=self.engine.optimizer,
                                 reshard=reshard)
         common = state.common
-        engine_state = {k: common[name] for k, name in ENGINE_PARTS.items() if name != "optimizer"}
+        engine_state = {k: common[name] for k, name in ENGINE_PARTS.items()
+                        if name != "optimizer" and name in common}
         engine_state["optimizer"] = self.engine.optimizer.state_dict()  # loaded by DCP above
         self.engine.load_state_dict(engine_state)
         events = []

@@ -2,7 +2,8 @@
 
 Python, NumPy's global generator, torch CPU and this process's CUDA device are
 captured as weights-only-loadable data for checkpoints (S2, S7), restored for a
-bitwise resume (S5), and isolated around evaluation (``isolated_rng``, E1).
+bitwise resume (S5), and isolated around evaluation and sampling (``isolated_rng``;
+``isolated`` adds eval mode and no gradients: the one E1 isolation).
 Design and derivations: docs/design/state.md#staterngpy (S2, S5, S7, E1).
 """
 
@@ -151,3 +152,25 @@ def isolated_rng() -> Iterator[None]:
         yield
     finally:
         restore_rng(saved)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Every module in eval mode inside; each module's own prior mode restored after
+    (E1: a submodule frozen in eval mode inside a training model stays so)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+@contextlib.contextmanager
+def isolated(model: torch.nn.Module) -> Iterator[None]:
+    """The E1 isolation every held-out figure and every rollout runs under: eval mode
+    (each module's prior mode restored after), no gradients, every RNG stream restored
+    after."""
+    with eval_mode(model), isolated_rng(), torch.no_grad():
+        yield

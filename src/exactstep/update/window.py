@@ -1,10 +1,12 @@
 """The window transaction: K microbatches -> exactly one disposition (U1-U4, U7).
 
-``UpdateEngine.run_window`` plans the window on the host, backpropagates each
+``UpdateEngine.run_window`` (after a ``WindowProgram``'s rollouts, where a family has
+one) plans the window on the host, backpropagates each
 microbatch's numerator pre-scaled by ``1 / D_W`` at the same parameters, and closes in
 the order of U3 with one host read (U7): committed, skipped as non-finite with
 everything bitwise unchanged, or no objective. ``Reducer`` (D1, D2) and
-``InputProgram`` (R8) are where ranks and model-dependent inputs plug in.
+``InputProgram`` and ``WindowProgram`` (R8, Q1) are where ranks and model-dependent
+inputs plug in.
 Design and derivations: docs/design/update.md#updatewindowpy (U1-U4, U7, D1, D2, R8).
 Picture: docs/concepts/window.md.
 """
@@ -51,6 +53,27 @@ class InputProgram(Protocol):
     def construct(self, model: nn.Module, host: Batch, device_batch: Batch, *, clock: int,
                   window: int, autocast: Callable[[], AbstractContextManager]
                   ) -> tuple[Batch, dict]: ...
+
+
+class WindowProgram(Protocol):
+    """Turns a window's batches into the batches it trains on, from the model at the
+    window's parameters, before the window is planned (R8, Q1): rollouts.
+
+    ``prepare(model, batches, clock=, window=, device=, reducer=)`` returns the batches
+    to plan and train on and a dict for the ledger; it must not create gradients and must
+    depend only on its arguments and its own state (resume, S5). ``close(disposition)``
+    is told how the window ended (its state moves on commit only, U4);
+    ``state_dict`` / ``load_state_dict`` are checkpointed with the engine (S2).
+    """
+
+    def prepare(self, model: nn.Module, batches: Sequence[Batch], *, clock: int, window: int,
+                device: torch.device, reducer: Reducer) -> tuple[list[Batch], dict]: ...
+
+    def close(self, disposition: Disposition) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 @runtime_checkable
@@ -143,9 +166,11 @@ class UpdateEngine:
         plan: PlanFn | None = None,
         terms: TermsFn | None = None,
         inputs: InputProgram | None = None,
+        program: WindowProgram | None = None,
     ) -> None:
         self.model = model
         self.inputs = inputs
+        self.program = program
         self.optimizer = optimizer
         self.schedule = schedule
         self.precision = precision
@@ -177,22 +202,34 @@ class UpdateEngine:
         if not batches:
             raise ValueError("run_window needs at least one microbatch")
         self.microbatches += len(batches)
+        program_info = None
+        if self.program is not None:  # rollouts at the window's parameters (Q1)
+            batches, program_info = self.program.prepare(
+                self.model, batches, clock=self.committed, window=window, device=self.device,
+                reducer=self.reducer)
+            disposition = self._run_planned(batches, window, program_info)
+            self.program.close(disposition)
+            return disposition
+        return self._run_planned(batches, window, None)
 
+    def _run_planned(self, batches: Sequence[Batch], window: int,
+                     program_info: dict | None) -> Disposition:
         # 1. plan: D_W known before the forward; agreed over ranks (U1, L4, D1)
         plan = self._plan(batches)
-        denominator, tokens = self._global_totals(*_plan_totals(plan))
-        if denominator == 0.0:
+        denominator, tokens, signal = self._global_totals(*_plan_totals(plan))
+        if denominator == 0.0 or signal == 0.0:
             self.no_objective += 1
             return Disposition(
                 window=window,
                 outcome=Outcome.NO_OBJECTIVE,
-                cause=_no_objective_cause(plan, tokens),
+                cause=_no_objective_cause(plan, tokens, signal, denominator),
                 lr=None,
                 denominator=0.0,
                 loss=None,
                 grad_norm=None,
                 tokens=0,
                 microbatches=len(batches),
+                inputs=program_info,
             )
         coefficients, row_indices = _microbatch_inputs(plan, batches)
 
@@ -263,7 +300,7 @@ class UpdateEngine:
             tokens=tokens,
             gold_nll_sum=gold_total,
             microbatches=len(batches),
-            inputs=inputs_info,
+            inputs=inputs_info if program_info is None else program_info,
         )
 
     # -- steps of the transaction ---------------------------------------------------
@@ -275,15 +312,18 @@ class UpdateEngine:
         return self.inputs.construct(self.model, batch, device_batch, clock=self.committed,
                                      window=window, autocast=self.precision.autocast)
 
-    def _global_totals(self, denominator: float, tokens: int) -> tuple[float, int]:
-        """Window denominator and supervised tokens summed over ranks (host values)."""
+    def _global_totals(self, denominator: float, tokens: int, signal: float
+                       ) -> tuple[float, int, float]:
+        """Window denominator, supervised tokens and signal (``sum |a_r|``, where a plan
+        reports one) summed over ranks (host values)."""
         if self.reducer.world_size == 1:
-            return denominator, tokens
+            return denominator, tokens, signal
         # Host values, known before the forward: summed as a host tensor over a host-
         # capable group (a collective, not a device sync; U7). The read is of host memory.
-        summed = self.reducer.sum(torch.tensor([denominator, float(tokens)], dtype=torch.float64))
-        total_denominator, total_tokens = summed.tolist()
-        return total_denominator, int(total_tokens)
+        summed = self.reducer.sum(torch.tensor([denominator, float(tokens), signal],
+                                               dtype=torch.float64))
+        total_denominator, total_tokens, total_signal = summed.tolist()
+        return total_denominator, int(total_tokens), total_signal
 
     def _loss_scale(self, denominator: float) -> float:
         """Pre-scale of every numerator: ``R / D_global``. DDP averages the gradient
@@ -354,12 +394,15 @@ class UpdateEngine:
         }
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(),
             "precision": self.precision.state_dict(),
             "counters": self.counters(),
         }
+        if self.program is not None:
+            state["program"] = self.program.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -367,6 +410,8 @@ class UpdateEngine:
         self.precision.load_state_dict(state["precision"])
         for name, value in state["counters"].items():
             setattr(self, name, int(value))
+        if self.program is not None:
+            self.program.load_state_dict(state["program"])
 
 
 def _merge_inputs_info(total: dict | None, info: dict) -> dict:
@@ -378,18 +423,25 @@ def _merge_inputs_info(total: dict | None, info: dict) -> dict:
             for key, value in info.items()}
 
 
-def _plan_totals(plan: Any) -> tuple[float, int]:
+def _plan_totals(plan: Any) -> tuple[float, int, float]:
+    """``(D, tokens, signal)``; a plan without a ``signal`` (every L3 reduction, whose
+    coefficients are zero exactly where D gets nothing) reports D for it."""
     if isinstance(plan, NoObjective):
-        return 0.0, 0
-    return float(plan.denominator), int(plan.tokens)
+        return 0.0, 0, 0.0
+    signal = getattr(plan, "signal", None)
+    return (float(plan.denominator), int(plan.tokens),
+            float(plan.denominator if signal is None else signal))
 
 
-def _no_objective_cause(plan: Any, global_tokens: int) -> str:
+def _no_objective_cause(plan: Any, global_tokens: int, signal: float = 0.0,
+                        denominator: float = 0.0) -> str:
     if isinstance(plan, NoObjective):
         return plan.cause.value
     # a plan with D == 0 (several ranks): the cause follows the global token count
     if global_tokens == 0:
         return NoObjectiveCause.EMPTY_ELIGIBLE_SET.value
+    if denominator != 0.0 and signal == 0.0:  # every coefficient zero (Q4, L4)
+        return NoObjectiveCause.ZERO_ADVANTAGE.value
     return NoObjectiveCause.NONEMPTY_ZERO_WEIGHT_MASS.value
 
 

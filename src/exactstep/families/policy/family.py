@@ -1,0 +1,109 @@
+"""Sequence-level policy training over a base family (R8, Q1-Q4): the base's data,
+compiler, model and score; the rollout program (``rollouts.py``) and the policy plan
+(``objective.py``) in the update stage; a manifest naming the estimator, the reward's
+identity, the sampling policy and the frozen reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exactstep.config import RunConfig
+from exactstep.errors import ConfigError
+from exactstep.families.policy.config import BIASED
+from exactstep.families.policy.rewards import load_reward
+from exactstep.families.registry import Family, family_of
+from exactstep.generation.rollouts import PolicyRollouts
+from exactstep.objective.policy import policy_plan
+from exactstep.state.checkpointer import load_weights
+
+
+def check(cfg: RunConfig) -> None:
+    """The refusals a policy run meets before anything is written (X4)."""
+    policy, gen = cfg.policy, cfg.generation
+    if not gen.untruncated:
+        raise ConfigError(
+            "policy training samples from the model's own distribution (REINFORCE's "
+            "gradient is of log pi): set generation.temperature = 1, generation.top_k = 0 "
+            f"and generation.top_p = 1 (got {gen.temperature}, {gen.top_k}, {gen.top_p})")
+    if gen.samples < 2 and policy.baseline in ("leave_one_out", *BIASED):
+        raise ConfigError(
+            f"policy.baseline = {policy.baseline!r} needs generation.samples >= 2 (a group "
+            f"of samples per prompt); got {gen.samples}")
+    if cfg.objective.reduction != "token_mean":
+        raise ConfigError(
+            "objective.family = 'policy' normalizes by policy.normalizer; leave "
+            f"objective.reduction at token_mean (got {cfg.objective.reduction!r})")
+    if cfg.objective.label_smoothing:
+        raise ConfigError("objective.family = 'policy' trains -log pi of each scored token: "
+                          "set objective.label_smoothing = 0")
+    if cfg.parallel.strategy == "fsdp":
+        raise ConfigError("objective.family = 'policy' samples with each rank's whole model: "
+                          "use parallel.strategy = 'ddp' (FSDP's gathered forwards would "
+                          "need every rank to sample in lockstep)")
+    if policy.kl != "none" and not policy.reference:
+        raise ConfigError(f"policy.kl = {policy.kl!r} needs policy.reference: the checkpoint "
+                          "directory of the frozen reference policy")
+
+
+def reference_identity(path: str) -> dict[str, Any]:
+    """The reference checkpoint's identity: its path and the SHA-256 of its manifest
+    (which holds every file's digest, S3)."""
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():
+        raise ConfigError(f"policy.reference {path!r} is not a checkpoint directory (no "
+                          "manifest.json); give one of a run's checkpoints/ entries")
+    return {"checkpoint": str(path),
+            "manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest()}
+
+
+def family(cfg: RunConfig) -> Family:
+    base = family_of(replace(cfg, objective=replace(cfg.objective, family=cfg.policy.over)))
+
+    def objective(cfg: RunConfig) -> dict[str, Any]:
+        check(cfg)
+        out = {**base.objective(cfg), "family": f"policy_{base.objective(cfg)['family']}",
+               "ownership": "sampled_and_teacher_forced_response_tokens",
+               "estimator": "REINFORCE with a baseline (sequence-level policy training; "
+                            "not teacher-forced maximum likelihood)",
+               "policy": cfg.policy.describe(),
+               "reward": load_reward(cfg.policy.reward, cfg.policy.ngram).identity,
+               "generation": asdict(cfg.generation)}
+        if cfg.policy.kl != "none":
+            out["reference"] = reference_identity(cfg.policy.reference)
+        return out
+
+    def program(cfg: RunConfig, parts: Any, model: Any, device: Any) -> PolicyRollouts:
+        check(cfg)
+        reference = None
+        if cfg.policy.kl != "none":
+            reference = load_reference(cfg, parts, device)
+        tokenizer = parts.tokenizer
+        return PolicyRollouts(cfg.policy, cfg.generation, seed=cfg.seed,
+                              seq_len=cfg.batch.seq_len, examples=parts.data.train,
+                              reward=load_reward(cfg.policy.reward, cfg.policy.ngram),
+                              stop_ids=(tokenizer.eos_id,), decode=tokenizer.decode,
+                              reference=reference)
+
+    def load_reference(cfg: RunConfig, parts: Any, device: Any) -> torch.nn.Module:
+        """The frozen reference policy: the base model with the checkpoint's weights, in
+        eval mode, no parameter requiring gradients (never trainable state)."""
+        reference_identity(cfg.policy.reference)
+        model = base.build_model(cfg, parts.tokenizer.vocab_size)
+        load_weights(Path(cfg.policy.reference), model)
+        model = model.to(device).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    return replace(base, name="policy", objective=objective, program=program,
+                   plan=lambda cfg, rank: policy_plan(cfg.policy.normalizer,
+                                                      cfg.policy.constant, rank=rank))
+
+
+FAMILY = family  # a function of the run's configuration: the family over its base

@@ -1,0 +1,76 @@
+"""A pure-Python reference of one policy window's objective (L6, Q3, Q4).
+
+Written from the definitions with ``math`` alone: advantages per baseline, each scored
+token's coefficient, the normalizer ``D`` and the objective ``S / D`` for given token
+losses. The engine's rollouts and plan (``generation.rollouts``,
+``objective.policy``) must agree with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trajectory of a prompt's group: its reward, how many reference tokens were
+    teacher-forced before it, and how many tokens were sampled."""
+
+    reward: float
+    forced: int
+    sampled: int
+
+
+def advantages(rewards: Sequence[float], baseline: str, state: float | None = None,
+               std_eps: float = 1e-6) -> list[float]:
+    """The advantages of one prompt's group of rewards."""
+    k = len(rewards)
+    mean = math.fsum(rewards) / k
+    if baseline == "none":
+        return [float(r) for r in rewards]
+    if baseline == "moving_average":
+        b = 0.0 if state is None else state
+        return [r - b for r in rewards]
+    if baseline == "leave_one_out":
+        total = math.fsum(rewards)
+        return [r - (total - r) / (k - 1) for r in rewards]
+    if baseline == "group_mean_with_self":
+        return [r - mean for r in rewards]
+    if baseline == "group_normalized":
+        std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / k)
+        return [(r - mean) / (std + std_eps) for r in rewards]
+    raise ValueError(f"unknown baseline {baseline!r}")
+
+
+def window_coefficients(groups: Sequence[Sequence[Sample]], *, baseline: str,
+                        normalizer: str, constant: float = 1.0,
+                        state: float | None = None, std_eps: float = 1e-6
+                        ) -> tuple[list[list[float]], float]:
+    """``(coefficients, D)``: for every trajectory (groups in order, samples in order)
+    its scored tokens' coefficients ``a`` (teacher-forced tokens first, then sampled),
+    and the window's normalizer ``D``."""
+    out: list[list[float]] = []
+    for group in groups:
+        adv = advantages([s.reward for s in group], baseline, state, std_eps)
+        for s, a in zip(group, adv, strict=True):
+            c = [1.0] * s.forced + [a] * s.sampled
+            n = s.forced + s.sampled
+            if normalizer == "sequence_mean" and n:
+                c = [x / n for x in c]
+            out.append(c)
+    if normalizer == "token_mean":
+        d = float(sum(len(c) for c in out))
+    elif normalizer == "sequence_mean":
+        d = float(sum(1 for c in out if c))
+    else:
+        d = float(constant)
+    return out, d
+
+
+def objective(coefficients: Sequence[Sequence[float]], losses: Sequence[Sequence[float]],
+              d: float) -> float:
+    """``S / D``: each scored token's coefficient times its loss, summed, over ``D``."""
+    return math.fsum(a * loss for cs, ls in zip(coefficients, losses, strict=True)
+                     for a, loss in zip(cs, ls, strict=True)) / d

@@ -1,0 +1,139 @@
+"""Rewards as declared functions (Q2): built in, or a user's ``module:function``.
+
+A reward scores one sampled response against the example's reference response. The
+built-in ones read token ids: ``exact_match`` (the response, stop token included,
+equals the reference), ``token_f1`` (bag-of-tokens F1 of the contents) and
+``ngram_overlap`` (the mean over ``n = 1..N`` of clipped ``n``-gram F1). A user's
+function is called with the decoded ``prompt``, ``completion`` and ``reference`` as
+keywords and must return a finite number; its identity (name, SHA-256 of its source)
+goes into the manifest, and a failure is one ``error:`` line naming the sample.
+Design: docs/design/families.md#familiespolicyrewardspy (Q2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import math
+import numbers
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from exactstep.errors import ConfigError, RewardError
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What a reward sees of one sample: the token ids of the prompt, the response
+    (its stop token included when it drew one), the reference response (with its stop
+    token), the stop token ids, and a decoder of ids to text."""
+
+    prompt: Sequence[int]
+    response: Sequence[int]
+    reference: Sequence[int]
+    stop_ids: frozenset[int]
+    decode: Callable[[Sequence[int]], str]
+
+    def content(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` up to their first stop token (excluded)."""
+        out = []
+        for i in ids:
+            if i in self.stop_ids:
+                break
+            out.append(int(i))
+        return out
+
+
+def exact_match(s: Scored) -> float:
+    """1 when the response is the reference, its stop token included, else 0."""
+    return float([int(i) for i in s.response] == [int(i) for i in s.reference])
+
+
+def token_f1(s: Scored) -> float:
+    """Bag-of-tokens F1 of the two contents (1 when both are empty)."""
+    return _f1(Counter(s.content(s.response)), Counter(s.content(s.reference)))
+
+
+def ngram_overlap(s: Scored, n: int) -> float:
+    """The mean over ``m = 1..n`` of the clipped ``m``-gram F1 of the two contents,
+    over the orders either content is long enough to have (1 when both are empty)."""
+    got, want = s.content(s.response), s.content(s.reference)
+    scores = [_f1(_ngrams(got, m), _ngrams(want, m)) for m in range(1, n + 1)
+              if len(got) >= m or len(want) >= m]
+    return sum(scores) / len(scores) if scores else 1.0
+
+
+def _ngrams(ids: list[int], m: int) -> Counter:
+    return Counter(tuple(ids[i:i + m]) for i in range(len(ids) - m + 1))
+
+
+def _f1(got: Counter, want: Counter) -> float:
+    if not got and not want:
+        return 1.0
+    overlap = sum((got & want).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / sum(got.values()), overlap / sum(want.values())
+    return 2 * precision * recall / (precision + recall)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A declared reward: ``score(scored, where)`` and its manifest ``identity``."""
+
+    name: str
+    fn: Callable[[Scored], Any]
+    identity: dict
+    user: bool
+
+    def score(self, s: Scored, where: str) -> float:
+        """The reward of one sample, a finite float; ``RewardError`` (naming ``where``:
+        the window, example and sample) when the function raises or returns anything
+        else."""
+        try:
+            value = (self.fn(prompt=s.decode(s.prompt), completion=s.decode(s.response),
+                             reference=s.decode(s.reference)) if self.user else self.fn(s))
+        except Exception as exc:  # a user's function: any failure is theirs to see
+            raise RewardError(f"policy.reward {self.name!r} raised {type(exc).__name__}: "
+                              f"{exc} on {where}; fix the function (nothing was committed "
+                              "for this window)") from None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardError(f"policy.reward {self.name!r} returned {type(value).__name__} "
+                              f"{value!r:.60} on {where}; a reward is one finite number per "
+                              "sample")
+        if not math.isfinite(float(value)):
+            raise RewardError(f"policy.reward {self.name!r} returned {value} on {where}; a "
+                              "reward must be finite")
+        return float(value)
+
+
+def load_reward(name: str, ngram: int) -> Reward:
+    """The reward ``name`` declares: a built-in, or ``module:function`` imported now
+    (a ``ConfigError`` naming what is missing before anything is written)."""
+    if name == "exact_match":
+        return Reward(name, exact_match, {"name": name, "kind": "built_in"}, False)
+    if name == "token_f1":
+        return Reward(name, token_f1, {"name": name, "kind": "built_in"}, False)
+    if name == "ngram_overlap":
+        return Reward(name, lambda s: ngram_overlap(s, ngram),
+                      {"name": name, "kind": "built_in", "ngram": ngram}, False)
+    module_name, _, function_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"policy.reward {name!r}: cannot import {module_name!r} ({exc}); "
+                          "put the module on the Python path") from None
+    fn = getattr(module, function_name, None)
+    if not callable(fn):
+        raise ConfigError(f"policy.reward {name!r}: {module_name!r} has no function "
+                          f"{function_name!r}")
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        raise ConfigError(f"policy.reward {name!r}: its source cannot be read, so its "
+                          "identity cannot be recorded; define it in a .py file") from None
+    digest = hashlib.sha256(source.encode("utf-8")).hexdigest()
+    return Reward(name, fn, {"name": name, "kind": "user", "source_sha256": digest}, True)

@@ -1,0 +1,307 @@
+"""The rollout program (Q1-Q4): a window of prompts becomes a window of trajectories.
+
+Before the window is planned (``UpdateEngine(program=)``), each example of each
+micro-batch is split into its prompt and reference response; ``K`` responses are
+sampled at the window's parameters (``generation.sample_group``: addressed draws, eval
+mode, no gradients), scored by the declared reward, and given advantages by the
+declared baseline over the whole window. Each trajectory becomes one row: the prompt
+as context, its scored tokens as targets, each with its coefficient (1 teacher-forced,
+the advantage when sampled, plus k3's term); ``objective.policy_plan`` turns those into
+the window's S / D. The baseline's state moves only when the window commits (U4).
+Design and derivations: docs/design/generation.md#generationrolloutspy (Q1-Q4, U4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from exactstep.errors import ConfigError, DataError
+from exactstep.families.policy.config import PolicyConfig
+from exactstep.families.policy.rewards import Reward, Scored
+from exactstep.generation.config import GenerationConfig
+from exactstep.generation.sampler import Continuation, log_softmax64, sample_group
+from exactstep.objective.policy import PolicyRows
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, single_segment_batch
+from exactstep.rows.example import Example
+from exactstep.state.rng import isolated
+from exactstep.update.disposition import Disposition, Outcome
+
+
+@dataclass(frozen=True)
+class Request:
+    """One example's rollout: the prompt, the reference response (its stop token
+    included), and the reference tokens teacher-forced before sampling (MIXER)."""
+
+    example_id: int
+    prompt: tuple[int, ...]
+    reference: tuple[int, ...]
+    forced: tuple[int, ...]
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        return self.prompt + self.forced
+
+
+def split_example(example: Example, over: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(prompt, reference)``: for chats the last assistant turn (the example's last
+    run of owned tokens) is the reference and every token before it the prompt; for
+    text the first token (BOS) is the prompt and the rest the reference."""
+    tokens = [int(t) for t in example.tokens]
+    if over == "causal" or example.owned is None:
+        return tuple(tokens[:1]), tuple(tokens[1:])
+    owned = np.asarray(example.owned, dtype=bool)
+    if not owned.any():
+        raise DataError(f"example {example.example_id} has no assistant turn to sample")
+    end = int(np.flatnonzero(owned)[-1]) + 1
+    start = end
+    while start > 0 and owned[start - 1]:
+        start -= 1
+    return tuple(tokens[:start]), tuple(tokens[start:end])
+
+
+def advantages(rewards: np.ndarray, baseline: str, state_value: float | None, std_eps: float
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``(baselines, advantages)`` ``[P, K]`` for rewards ``[P, K]`` (float64).
+
+    ``none``: 0. ``moving_average``: ``state_value`` (the state before this window; 0
+    before the first commit). ``leave_one_out``: the mean of the other ``K - 1``
+    rewards of the same prompt. ``group_mean_with_self``: the mean of all ``K``,
+    the scored one included; ``group_normalized``: that, and the advantage divided by
+    the group's standard deviation (population) plus ``std_eps``."""
+    P, K = rewards.shape
+    if baseline == "none":
+        base = np.zeros_like(rewards)
+    elif baseline == "moving_average":
+        base = np.full_like(rewards, 0.0 if state_value is None else state_value)
+    elif baseline == "leave_one_out":
+        base = (rewards.sum(axis=1, keepdims=True) - rewards) / (K - 1)
+    else:
+        base = np.repeat(rewards.mean(axis=1, keepdims=True), K, axis=1)
+    adv = rewards - base
+    if baseline == "group_normalized":
+        adv = adv / (rewards.std(axis=1, keepdims=True) + std_eps)
+    return base, adv
+
+
+class PolicyRollouts:
+    """The family's ``WindowProgram``: rollouts, rewards, baselines, trajectories.
+
+    ``examples``: the training split (the window's segments name their examples by
+    id). ``reference``: the frozen reference policy for ``policy.kl`` (or None).
+    """
+
+    def __init__(self, policy: PolicyConfig, generation: GenerationConfig, *, seed: int,
+                 seq_len: int, examples: Sequence[Example], reward: Reward,
+                 stop_ids: Sequence[int], decode: Any, reference: torch.nn.Module | None = None
+                 ) -> None:
+        self.policy, self.generation, self.seed, self.seq_len = policy, generation, seed, seq_len
+        self.examples = {e.example_id: e for e in examples}
+        self.reward = reward
+        self.stop_ids = tuple(int(s) for s in stop_ids)
+        self.decode = decode
+        self.reference = reference
+        self.moving_average: float | None = None  # the baseline's state (S2), committed only
+        self._window_mean: float | None = None
+        self.records: list[dict] = []  # the last window's samples, for the journal
+
+    # -- WindowProgram ------------------------------------------------------------------
+
+    def prepare(self, model: torch.nn.Module, batches: Sequence[Batch], *, clock: int,
+                window: int, device: torch.device, reducer: Any = None
+                ) -> tuple[list[Batch], dict]:
+        delta = self.policy.delta(clock) if self.policy.mixer else None
+        groups = [[self.request(eid, delta) for eid in example_ids(b, m)]
+                  for m, b in enumerate(batches)]
+        flat = [r for group in groups for r in group]
+        sampled = delta is None or delta > 0
+        K = self.generation.samples if sampled else 1
+        conts = [self.rollout(model, r, window, device, K) if sampled else
+                 [Continuation((), (), True)] for r in flat]
+        rewards = np.array([[self.score(r, c, window, k) for k, c in enumerate(cs)]
+                            for r, cs in zip(flat, conts, strict=True)],
+                           dtype=np.float64).reshape(len(flat), K)
+        ref_logps = [[self.reference_logprobs(r, c, device) for c in cs]
+                     for r, cs in zip(flat, conts, strict=True)]
+        shaped = rewards.copy()
+        if self.policy.kl == "k1":  # -beta * sum_t (log pi - log pi_ref), in the reward
+            for i, cs in enumerate(conts):
+                for k, c in enumerate(cs):
+                    shaped[i, k] -= self.policy.beta * math.fsum(
+                        a - b for a, b in zip(c.logprobs, ref_logps[i][k], strict=True))
+        base, adv = advantages(shaped, self.policy.baseline, self.moving_average,
+                               self.policy.std_eps)
+        if not sampled:
+            adv[:] = 0.0
+        self._window_mean = self.global_mean(shaped, reducer) if sampled and flat else None
+        out, cursor = [], 0
+        self.records = []
+        for m, group in enumerate(groups):
+            trajectories = []
+            for r in group:
+                for k, c in enumerate(conts[cursor]):
+                    coeffs = [1.0] * len(r.forced) + self.sampled_coefficients(
+                        adv[cursor, k], c, ref_logps[cursor][k])
+                    trajectories.append((r, k, c, coeffs))
+                    self.records.append(self.record(window, r, k, c, rewards[cursor, k],
+                                                    base[cursor, k], adv[cursor, k]))
+                cursor += 1
+            out.append(self.trajectory_batch(trajectories, m))
+        info = {"estimator": "policy", "prompts": len(flat), "samples": len(flat) * K,
+                "sampled_tokens": int(sum(len(c.tokens) for cs in conts for c in cs)),
+                "reward_mean": float(rewards.mean()) if rewards.size else None,
+                "advantage_abs_mean": float(np.abs(adv).mean()) if adv.size else None}
+        if delta is not None:
+            info["delta"] = delta
+        if self.policy.baseline == "moving_average":
+            info["baseline_state"] = self.moving_average
+        return out, info
+
+    def close(self, disposition: Disposition) -> None:
+        """The moving average takes the window's mean reward only if it committed (U4)."""
+        if disposition.outcome is not Outcome.COMMITTED or self._window_mean is None:
+            return
+        if self.policy.baseline == "moving_average":
+            d = self.policy.decay
+            self.moving_average = (self._window_mean if self.moving_average is None
+                                   else d * self.moving_average + (1 - d) * self._window_mean)
+
+    def state_dict(self) -> dict:
+        return {"moving_average": self.moving_average}
+
+    def load_state_dict(self, state: dict) -> None:
+        value = state.get("moving_average")
+        self.moving_average = None if value is None else float(value)
+
+    # -- steps --------------------------------------------------------------------------
+
+    def request(self, example_id: int, delta: int | None) -> Request:
+        example = self.examples.get(example_id)
+        if example is None:
+            raise DataError(f"policy: the window names example {example_id}, which is not in "
+                            "the training split")
+        prompt, reference = split_example(example, self.policy.over)
+        keep = len(reference) if delta is not None and delta <= 0 else (
+            0 if delta is None else max(0, len(reference) - delta))
+        forced = reference[:keep]
+        longest = len(prompt) + len(forced) + (self.generation.max_new_tokens
+                                               if keep < len(reference) or delta is None else 0)
+        if longest - 1 > self.seq_len:
+            raise ConfigError(
+                f"policy: example {example_id}'s rollout can reach {longest} tokens (prompt "
+                f"{len(prompt)}, teacher-forced {len(forced)}, generation.max_new_tokens "
+                f"{self.generation.max_new_tokens}), longer than a row of batch.seq_len = "
+                f"{self.seq_len} (+1); raise batch.seq_len or lower generation.max_new_tokens")
+        return Request(example_id, prompt, reference, forced)
+
+    def rollout(self, model: torch.nn.Module, r: Request, window: int, device: torch.device,
+                samples: int) -> list[Continuation]:
+        return sample_group(model, r.context, self.generation, seed=self.seed, window=window,
+                            example_id=r.example_id, stop_ids=self.stop_ids, device=device,
+                            samples=samples)
+
+    def score(self, r: Request, c: Continuation, window: int, k: int) -> float:
+        scored = Scored(r.prompt, r.forced + c.tokens, r.reference, frozenset(self.stop_ids),
+                        self.decode)
+        return self.reward.score(scored, f"window {window}, example {r.example_id}, "
+                                         f"sample {k}")
+
+    @torch.no_grad()
+    def reference_logprobs(self, r: Request, c: Continuation, device: torch.device
+                           ) -> list[float]:
+        """``log pi_ref`` of each sampled token (float64), from the frozen reference on
+        the trajectory's own row (eval mode, no gradients); empty without ``kl``."""
+        if self.reference is None or not c.tokens:
+            return []
+        tokens = torch.tensor([list(r.context + c.tokens)], dtype=torch.int64, device=device)
+        with isolated(self.reference):
+            hidden = self.reference(single_segment_batch(tokens[:, :-1]))  # [1, L-1, H]
+            start = len(r.context) - 1
+            logits = self.reference.logits(hidden[:, start:, :])[0].float().cpu().numpy()
+        return [float(log_softmax64(logits[i])[t]) for i, t in enumerate(c.tokens)]
+
+    def sampled_coefficients(self, advantage: float, c: Continuation, ref: list[float]
+                             ) -> list[float]:
+        """Each sampled token's coefficient on its cross entropy: minus the REINFORCE
+        term's ``A`` becomes ``A`` on ``-log pi``; k3's gradient adds ``-beta (1 - r)``
+        with ``r = pi_ref / pi`` at the window's parameters (its derivative in ``log pi``
+        is ``1 - r``)."""
+        coeffs = [float(advantage)] * len(c.tokens)
+        if self.policy.kl == "k3":
+            coeffs = [a - self.policy.beta * (1.0 - math.exp(lr - lp))
+                      for a, lp, lr in zip(coeffs, c.logprobs, ref, strict=True)]
+        return coeffs
+
+    def global_mean(self, rewards: np.ndarray, reducer: Any) -> float:
+        """The window's mean reward over every rank (the moving average's input)."""
+        total = torch.tensor([math.fsum(rewards.ravel().tolist()), float(rewards.size)],
+                             dtype=torch.float64)
+        if reducer is not None and getattr(reducer, "world_size", 1) > 1:
+            total = reducer.sum(total)
+        s, n = total.tolist()
+        return s / n
+
+    def record(self, window: int, r: Request, k: int, c: Continuation, reward: float,
+               baseline: float, advantage: float) -> dict:
+        return {"window": window, "example": r.example_id, "sample": k,
+                "tokens": len(c.tokens), "stopped": c.stopped, "reward": reward,
+                "baseline": baseline, "advantage": advantage}
+
+    def trajectory_batch(self, trajectories: list[tuple[Request, int, Continuation,
+                                                        list[float]]], microbatch: int
+                         ) -> Batch:
+        """One row per trajectory (prompt, teacher-forced and sampled tokens), padded to
+        the longest; targets are the scored tokens, row-aligned (R1); ``meta["policy"]``
+        holds each row's coefficient and trajectory index."""
+        if not trajectories:
+            empty = torch.zeros((0, 1), dtype=torch.int64)
+            return Batch(input_ids=empty, labels=empty.clone(), position_ids=empty.clone(),
+                         segment_ids=torch.zeros((0, 1), dtype=torch.int32), segments=(),
+                         meta={"policy": PolicyRows.empty((0, 1))})
+        seqs = [list(r.context + c.tokens) for r, _, c, _ in trajectories]
+        T = max(len(s) - 1 for s in seqs)
+        B = len(seqs)
+        ids = torch.zeros((B, T), dtype=torch.int64)
+        labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
+        positions = torch.zeros((B, T), dtype=torch.int64)
+        segment_ids = torch.zeros((B, T), dtype=torch.int32)
+        coefficient = torch.zeros((B, T), dtype=torch.float64)
+        sampled = torch.zeros((B, T), dtype=torch.bool)
+        trajectory = torch.full((B, T), -1, dtype=torch.int64)
+        segments = []
+        for b, ((r, k, c, coeffs), seq) in enumerate(zip(trajectories, seqs, strict=True)):
+            n = len(seq) - 1
+            ids[b, :n] = torch.tensor(seq[:-1])
+            positions[b, :n] = torch.arange(n)
+            segment_ids[b, :n] = 1
+            first = len(r.prompt) - 1  # the column whose target is the first scored token
+            scored = len(r.forced) + len(c.tokens)
+            labels[b, first:first + scored] = torch.tensor(seq[len(r.prompt):])
+            coefficient[b, first:first + scored] = torch.tensor(coeffs, dtype=torch.float64)
+            sampled[b, first + len(r.forced):first + scored] = True
+            trajectory[b, first:first + scored] = b
+            segments.append((Segment(example_id=r.example_id, piece=k, offset=0, start=0,
+                                     length=n),))
+        return Batch(input_ids=ids, labels=labels, position_ids=positions,
+                     segment_ids=segment_ids, segments=tuple(segments),
+                     meta={"policy": PolicyRows(coefficient, trajectory, sampled)})
+
+
+def example_ids(batch: Batch, microbatch: int) -> list[int]:
+    """The examples of a micro-batch of prompts, in row order; every one whole (a piece
+    of a split example cannot be a prompt)."""
+    out = []
+    for row in batch.segments:
+        for seg in row:
+            if seg.piece != 0 or seg.offset != 0:
+                raise DataError(
+                    f"policy: micro-batch {microbatch} holds example {seg.example_id} split "
+                    f"across rows (piece {seg.piece}); every example must fit one row: raise "
+                    "batch.seq_len or drop longer examples")
+            out.append(seg.example_id)
+    return out

@@ -1,0 +1,147 @@
+"""Q1, E1: the sampler draws addressed tokens from the declared policy, in isolation.
+
+Independent expectations, written out with ``math``: the softmax of the logits over
+the temperature, its truncation to the top-k and top-p sets, and the inverse CDF in
+token-id order. Over a grid of uniforms ``u = (i + 1/2) / N`` the inverse CDF gives
+token ``t`` for a share of the grid within ``1/N`` of its probability, exactly (no
+statistics). Addressing: a continuation depends on ``(seed, window, example,
+sample)`` and nothing else the process did; the controls are other addresses.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from run_support import TINY_MODEL
+
+from exactstep.generation.config import GenerationConfig
+from exactstep.generation.sampler import draw, policy_probs, sample_group, uniforms
+from exactstep.model.decoder import build_model
+
+LOGITS = np.array([1.0, 3.0, 2.0, 3.0, -1.0, 0.5], dtype=np.float32)  # a tie at ids 1, 3
+
+
+def softmax(z, temperature=1.0):
+    m = max(z)
+    e = [math.exp((x - m) / temperature) for x in z]
+    s = math.fsum(e)
+    return [x / s for x in e]
+
+
+def expected_policy(z, *, temperature=1.0, top_k=0, top_p=1.0):
+    """The declared distribution, from the definitions: likeliest first (lower id on
+    ties), the top ``k``, then the smallest prefix reaching ``p``, renormalised."""
+    p = softmax(list(map(float, z)), temperature)
+    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
+    kept = order[:top_k] if top_k else order
+    mass = math.fsum(p[i] for i in kept)
+    if top_p < 1.0:
+        acc, cut = 0.0, []
+        for i in kept:
+            cut.append(i)
+            acc += p[i] / mass
+            if acc >= top_p:
+                break
+        kept = cut
+    total = math.fsum(p[i] for i in kept)
+    return [p[i] / total if i in kept else 0.0 for i in range(len(p))]
+
+
+@pytest.mark.parametrize("settings", [
+    {}, {"temperature": 0.5}, {"temperature": 2.0}, {"top_k": 2}, {"top_k": 3},
+    {"top_p": 0.6}, {"top_p": 0.95, "top_k": 4, "temperature": 1.5}])
+def test_the_inverse_cdf_draws_each_token_with_its_declared_probability(settings):
+    cfg = GenerationConfig(**settings)
+    want = expected_policy(LOGITS, **settings)
+    assert policy_probs(LOGITS, cfg).tolist() == pytest.approx(want, abs=1e-12)
+    n = 20000
+    counts = [0] * LOGITS.size
+    for i in range(n):
+        counts[draw(LOGITS, (i + 0.5) / n, cfg)[0]] += 1
+    for token, p in enumerate(want):
+        assert abs(counts[token] / n - p) <= 1.0 / n + 1e-12, (token, counts[token], p)
+    # the inverse CDF runs in id order: the smallest uniforms draw the lowest kept id
+    first = min(t for t, p in enumerate(want) if p > 0)
+    assert draw(LOGITS, 0.0, cfg)[0] == first
+
+
+def test_greedy_is_the_argmax_and_breaks_ties_by_the_lower_id():
+    cfg = GenerationConfig(temperature=0.0)
+    assert all(draw(LOGITS, u, cfg)[0] == 1 for u in (0.0, 0.5, 0.999))
+
+
+def test_the_recorded_log_probability_is_the_models_own():
+    """log p of the drawn token under the untempered, untruncated softmax (what the
+    KL estimators compare), whatever the sampling policy."""
+    p = softmax(list(map(float, LOGITS)))
+    for cfg in (GenerationConfig(), GenerationConfig(temperature=0.5, top_k=2)):
+        token, logp = draw(LOGITS, 0.3, cfg)
+        assert logp == pytest.approx(math.log(p[token]), abs=1e-12)
+
+
+def model_and_prompt():
+    model = build_model(TINY_MODEL, 259, seed=4)
+    return model, [256, 72, 101, 108, 108, 111]
+
+
+def test_a_continuation_depends_on_its_address_alone():
+    model, prompt = model_and_prompt()
+    cfg = GenerationConfig(samples=3, max_new_tokens=12)
+
+    def group(example, window=0, seed=7):
+        return [c.tokens for c in sample_group(model, prompt, cfg, seed=seed, window=window,
+                                               example_id=example, stop_ids=(257,))]
+
+    first = group(5)
+    torch.manual_seed(123)  # the process's own streams move: no effect
+    np.random.seed(9)
+    random.seed(1)
+    group(6)  # another prompt sampled in between: no effect
+    assert group(5) == first
+    # one sample alone is the same as that sample within its group
+    alone = sample_group(model, prompt, cfg, seed=7, window=0, example_id=5, stop_ids=(257,),
+                         samples=1)
+    assert alone[0].tokens == first[0]
+    # controls: every other part of the address draws other tokens
+    assert len(set(first)) == 3
+    assert group(5, window=1) != first and group(6) != first and group(5, seed=8) != first
+    assert np.array_equal(uniforms(7, 0, 5, 1, 4), uniforms(7, 0, 5, 1, 4))
+
+
+def test_sampling_is_isolated_e1():
+    """Eval mode inside (dropout off), every module's mode and every RNG stream back
+    after, no gradient recorded."""
+    model, prompt = model_and_prompt()
+    model.train()
+    model.layers[0].eval()  # a submodule's own mode survives too
+    seen = []
+    handle = model.register_forward_pre_hook(lambda m, args: seen.append(
+        (m.training, torch.is_grad_enabled())))
+    states = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    sample_group(model, prompt, GenerationConfig(samples=2, max_new_tokens=3), seed=0,
+                 window=0, example_id=0, stop_ids=(257,))
+    handle.remove()
+    assert seen and all(mode == (False, False) for mode in seen)
+    assert model.training and not model.layers[0].training
+    assert torch.equal(torch.get_rng_state(), states[0])
+    assert np.array_equal(np.random.get_state()[1], states[1]) and random.getstate() == states[2]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_continuation_stops_at_its_stop_token():
+    model, prompt = model_and_prompt()
+    cfg = GenerationConfig(samples=4, max_new_tokens=40)
+    full = sample_group(model, prompt, cfg, seed=3, window=0, example_id=0, stop_ids=(999,))
+    stop = full[0].tokens[5]  # a token the first continuation draws: a stop it meets
+    conts = sample_group(model, prompt, cfg, seed=3, window=0, example_id=0, stop_ids=(stop,))
+    assert conts[0].stopped
+    for c, f in zip(conts, full, strict=True):
+        if stop in f.tokens:  # the same draws, cut at the first stop token
+            cut = f.tokens.index(stop) + 1
+            assert c.tokens == f.tokens[:cut] and c.stopped
+        else:
+            assert c.tokens == f.tokens and not c.stopped and len(c.tokens) == 40
