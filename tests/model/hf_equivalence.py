@@ -9,8 +9,11 @@ difference of the three (R3 promises 1e-5 in fp32).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
+from equivalence import equivalence_tolerance
 from model_batches import packed_batch
 
 from exactstep.model.hf import HFCausalLM
@@ -49,6 +52,12 @@ def run_separately(model: HFCausalLM, rows):
         per_doc.append(logits.detach())
         loss = loss + part.detach() / total
     return per_doc, loss, grads(model)
+
+
+def separate_tolerance(tol: float, model: HFCausalLM, rows, separate) -> float:
+    """R3's ``tol``, or twice ``separate``'s own distance from the same documents run
+    alone in float64 (a copy of ``model``) where that is larger."""
+    return equivalence_tolerance(tol, separate, run_separately(copy.deepcopy(model).double(), rows))
 
 
 def grads(model: HFCausalLM) -> dict[str, torch.Tensor]:

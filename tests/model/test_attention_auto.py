@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from equivalence import contract_tolerance
 from model_batches import fill_rows, packed_batch
 
 from exactstep.model import attention as attn
@@ -24,7 +25,7 @@ from exactstep.model.decoder import build_model
 from exactstep.state import environment
 
 CPU = torch.device("cpu")
-TOL = 1e-5
+TOL = 1e-5  # R3, fp32: outputs and gradients O(1), rounded to ~1e-7 (see contract_tolerance)
 
 
 def batch_for(rows: list[list[int]], T: int, seed: int = 0, causal: bool = True):
@@ -218,13 +219,15 @@ def test_explicit_segments_keep_their_buckets_at_every_thread_count():
     assert [[b.length for b in v.buckets] for v in auto] == [[8, 16], [16]]
 
 
-def attention_and_grads(batch, vis):
-    """``attend`` on ``[B, heads, T, D]`` (the layout other callers use), and grads."""
+def attention_and_grads(batch, vis, dtype=torch.float32):
+    """``attend`` on ``[B, heads, T, D]`` (the layout other callers use), and grads; the
+    inputs drawn in fp32, then taken to ``dtype``."""
     B, T = batch.shape
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, 2, T, 8, generator=g, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(B, 2, T, 8, generator=g).to(dtype).requires_grad_()
+               for _ in range(3))
     out = attend(q, k, v, vis)
-    out.backward(torch.randn(out.shape, generator=g))
+    out.backward(torch.randn(out.shape, generator=g).to(dtype))
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
@@ -236,10 +239,14 @@ def real_rows(batch, tensors):
 
 def test_what_auto_picks_realises_the_same_visibility():
     """Dense when auto picks it is the reference itself (bitwise); per-document with
-    the threaded buckets equals it to 1e-5. Negative control: the plain causal
-    visibility of whole rows, applied to packed rows, is far off."""
+    the threaded buckets equals it to 1e-5 (or twice dense fp32's own distance from
+    float64, were that larger: ``contract_tolerance``). Negative control: the plain
+    causal visibility of whole rows, applied to packed rows, is far off."""
     batch = batch_for([[10, 22, 16, 8, 24] * 3 + [16], [12, 20] * 6 + [30]], 256)
-    reference = attention_and_grads(batch, prepare_visibility(batch, "dense", CPU))
+    dense = prepare_visibility(batch, "dense", CPU)
+    reference = attention_and_grads(batch, dense)
+    tol = contract_tolerance(TOL, real_rows(batch, reference), real_rows(
+        batch, attention_and_grads(batch, dense, torch.float64)))
     impls = []
     for threads in (1, 2):
         vis = prepare_visibility(batch, "auto", CPU, threads=threads)
@@ -248,7 +255,7 @@ def test_what_auto_picks_realises_the_same_visibility():
         if vis.impl == "dense":
             assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
         for a, b in zip(real_rows(batch, got), real_rows(batch, reference), strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+            torch.testing.assert_close(a, b, rtol=0, atol=tol)
     assert impls == ["segments", "dense"]  # both paths were checked
     leaky = attn.Visibility(impl="segments", batch_shape=batch.shape, causal=True,
                             whole_rows=True)

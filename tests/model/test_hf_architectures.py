@@ -38,7 +38,10 @@ from exactstep.model.config import ModelConfig  # noqa: E402
 from exactstep.model.decoder import build_model  # noqa: E402
 
 VOCAB = 64
-TOL = 1e-5  # R3
+#: R3 (fp32). No float64 yardstick here: the MoE experts' grouped matmul runs in fp32,
+#: bf16 or fp16 only; O(1) logits and gradients of this 2-layer d=32 model round to
+#: ~1e-7, two orders below
+TOL = 1e-5
 SEQ_LEN = 12
 
 

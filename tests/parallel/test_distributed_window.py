@@ -78,6 +78,8 @@ def test_unequal_shards_give_the_one_process_update(job) -> None:
     """D5: R = 2 with very unequal token counts (and empty windows) == one process."""
     reference, ledger = one_process(UNEQUAL)
     for rank in job[0]["ranks"]:
+        # D5's fp32 1e-5: ranks reduce the same gradient terms in another order (~1e-7 on these
+        # O(1) tiny-model parameters after a few windows), two orders below
         assert max_diff(rank["params"], reference) <= 1e-5
         assert [r["D"] for r in rank["ledger"]] == [r["D"] for r in ledger]
         assert [r["disposition"] for r in rank["ledger"]] == [r["disposition"] for r in ledger]
@@ -89,7 +91,7 @@ def test_negative_control_mean_of_rank_local_means_fails_d5(job) -> None:
     reference, _ = one_process(UNEQUAL_NONEMPTY)
     right = job[1]["ranks"][0]["params"]
     wrong = job[2]["ranks"][0]["params"]
-    assert max_diff(right, reference) <= 1e-5
+    assert max_diff(right, reference) <= 1e-5  # D5, as above
     assert max_diff(wrong, reference) > 1e-5
 
 

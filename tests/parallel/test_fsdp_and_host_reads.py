@@ -59,6 +59,8 @@ def test_fsdp2_clipping_counts_each_parameter_once(tmp_path) -> None:
     reference, ledger = one_process()
     assert all(r["grad_norm"] > 4 * CLIP for r in ledger)  # clipping is active
     for rank in results:
+        # D5's fp32 1e-5: ranks reduce the same gradient terms in another order (~1e-7 on these
+        # O(1) tiny-model parameters after a few windows), two orders below; the norms likewise
         assert max_diff(rank["right"]["params"], reference) <= 1e-5
         norms = [r["grad_norm"] for r in rank["right"]["ledger"]]
         assert norms == pytest.approx([r["grad_norm"] for r in ledger], rel=1e-5)

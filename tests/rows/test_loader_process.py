@@ -357,6 +357,7 @@ def test_no_loader_outlives_its_parent(tmp_path, how):
     (the child watches its parent) and does not hang at interpreter exit."""
     script = tmp_path / "parent.py"
     script.write_text(ORPHAN_SCRIPT)
+    # a real process: its exit and its loader child's end are what this test checks
     done = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == (-signal.SIGKILL if how == "kill" else 0), done.stderr

@@ -108,6 +108,8 @@ def accumulation_matches_big_batch(microbatches: list[Batch], *, plan=token_mean
     """U1: K microbatches == one batch of all their rows (fp32, 1e-5)."""
     split = params_after_one_window(microbatches, plan=plan)
     whole = params_after_one_window([concat(microbatches)])
+    # U1's fp32 1e-5: SGD (lr 1) moves each parameter by its gradient, whose split and whole
+    # forms differ in summation order only (~1e-7 on these O(1) tiny models), two orders below
     return max_difference(split, whole) <= 1e-5
 
 
@@ -160,7 +162,7 @@ def test_short_remainder_window_is_a_full_window_u1():
     assert disposition.tokens == sum(b.num_targets() for b in microbatches)
     assert engine.microbatches == 2 and engine.committed == 1
     whole = params_after_one_window([concat(microbatches)])
-    assert max_difference([p.detach() for p in engine.parameters], whole) <= 1e-5
+    assert max_difference([p.detach() for p in engine.parameters], whole) <= 1e-5  # U1, as above
 
 
 def window_token_mean(model, microbatches: list[Batch]) -> tuple[float, int]:
@@ -424,6 +426,8 @@ def clip_sees_true_gradient(engine: UpdateEngine, batches: list[Batch], cap: flo
     flat_delta = torch.cat([x.flatten() for x in delta])
     flat_expected = torch.cat([x.flatten() for x in expected])
     rel_error = float((flat_delta - flat_expected).norm() / flat_expected.norm())
+    # fp16 keeps 11 bits (u = 2**-11 = 4.9e-4 per rounding): 2e-2 is ~40 such roundings;
+    # fp32 rounds it to a few 1e-6 (a small step subtracted from O(1) parameters)
     return (
         d.outcome is Outcome.COMMITTED
         and rel_error < 2e-2
@@ -464,6 +468,8 @@ def test_grad_norm_is_of_normalized_gradient_u3():
     engine = make_engine(TinyLM(seed=1), accum=3, clip=1.0)
     g = reference_normalized_gradient(engine, batches)
     true_norm = float(torch.linalg.vector_norm(torch.stack([x.norm() for x in g])))
+    # U3's fp32 1e-5: the norm of the same gradient accumulated in another order; its
+    # entries round to ~1e-7 relatively, so does the norm (a sum of squares)
     assert engine.run_window(batches, 0).grad_norm == pytest.approx(true_norm, rel=1e-5)
 
     def sum_plan(bs, cfg):

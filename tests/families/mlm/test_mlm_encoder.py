@@ -12,12 +12,13 @@ changes, and never when another segment changes.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import equivalence_error
+from equivalence import equivalence_error, equivalence_tolerance
 from mlm_support import alone, compile_rows, compiler, plan, random_examples
 
 from exactstep.families.mlm.family import build_encoder
@@ -99,7 +100,10 @@ def test_packed_masked_rows_equal_pieces_run_alone(attention):
     model = encoder(attention)
     packed = run_packed(model)
     assert any(float(g.abs().max()) > 1e-4 for g in packed[2].values())  # not trivially 0
-    assert equivalence_error(packed, run_one_by_one(model)) <= TOL
+    separate = run_one_by_one(model)
+    # R3's TOL, or twice the pieces' own fp32 distance from float64 where that is larger
+    assert equivalence_error(packed, separate) <= equivalence_tolerance(
+        TOL, separate, run_one_by_one(copy.deepcopy(model).double()))
 
 
 @pytest.mark.parametrize("wrong", [leaky_visibility, causal_visibility])

@@ -17,13 +17,14 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import equivalence_error
+from equivalence import equivalence_error, equivalence_tolerance
 
 from exactstep.errors import ModelError
 from exactstep.families.permutation.compiler import PermutationCompiler
@@ -44,6 +45,8 @@ from exactstep.rows.example import Example
 from exactstep.rows.packing import Piece
 
 VOCAB, PAD, BOS, EOS = 40, 0, 38, 39
+#: R3 / U1 (fp32): O(1) logits and gradients of a 2-layer d=32 model round to ~1e-7;
+#: packed = separate also takes twice fp32's own spread from float64 if larger
 TOL = 1e-5
 # init_std 0.2: attention far from uniform at init, so positions and contents matter
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=48, init_std=0.2)
@@ -219,7 +222,7 @@ def test_negative_control_a_shuffled_stream_reading_the_previous_slot_hides_cont
         def forward(b):
             return shuffled_one_stream(decoder, b, read_previous=True)
         assert dependency_errors(forward, two_segment_row()) == []  # passes the first test
-        assert same_context_other_target(forward) <= 1e-6  # but not this one
+        assert not same_context_other_target(forward) > 1e-3  # but not this one
 
 
 # --------------------------------------------------------------------------- packed == separate
@@ -270,26 +273,31 @@ def leaky(batch):
 
 
 def packed_and_separate(k: int, masks=None):
+    """The packed side, the separate side, and ``TOL`` or twice the separate side's own
+    distance from the same documents in float64 where that is larger."""
     net = model(seed=4, tie_embeddings=False)
     exs, rows = packed_rows(k)
     packed = compile_rows(rows, exs, SEQ_LEN, k=k)
     total = packed.num_targets()
     alone = [compile_rows([[p]], exs, p.length, k=k) for row in rows for p in row]
     assert sum(b.num_targets() for b in alone) == total  # the same draws, alone or packed
-    return loss_and_grads(net, [packed], total, masks), loss_and_grads(net, alone, total)
+    separate = loss_and_grads(net, alone, total)
+    exact = loss_and_grads(copy.deepcopy(net).double(), alone, total)
+    return (loss_and_grads(net, [packed], total, masks), separate,
+            equivalence_tolerance(TOL, separate, exact))
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_packed_rows_equal_documents_one_by_one(k):
-    packed, separate = packed_and_separate(k)
+    packed, separate, tol = packed_and_separate(k)
     assert any(float(g.abs().max()) > 1e-4 for g in packed[2].values())  # not trivially 0
     assert packed[2]["query"].abs().max() > 0  # the query vector is trained
-    assert equivalence_error(packed, separate) <= TOL
+    assert equivalence_error(packed, separate) <= tol
 
 
 def test_negative_control_leaky_masks_fail_the_equivalence():
-    packed, separate = packed_and_separate(1, masks=leaky)
-    assert equivalence_error(packed, separate) > 1e-3
+    packed, separate, tol = packed_and_separate(1, masks=leaky)
+    assert equivalence_error(packed, separate) > max(1e-3, tol)
 
 
 # --------------------------------------------------------------------------- the identity order
