@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import process_server
+
 HOLD_S = 240  # a held process gives up waiting after this (a test that hangs still ends)
 START_S = 240  # how long a test waits for the process to reach its moment
 
@@ -76,8 +78,8 @@ class Held:
         launcher = root / "hold_launcher.py"
         if not launcher.exists():
             launcher.write_text(LAUNCHER)
-        proc = subprocess.Popen([sys.executable, str(launcher), moment, str(gate), *argv],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = process_server.Popen([sys.executable, str(launcher), moment, str(gate), *argv],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return cls(proc, gate)
 
     @property

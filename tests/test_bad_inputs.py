@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import process_server
 import pytest
 from text_corpus import write_corpus
 
@@ -763,7 +764,7 @@ def test_sigterm_to_the_nproc_launcher_is_one_line_and_exit_130(tmp_path: Path) 
     write_corpus(corpus)
     out = tmp_path / "run"
     argv = [a.replace("train.steps=2", "train.steps=400") for a in TINY]
-    proc = subprocess.Popen(
+    proc = process_server.Popen(
         [sys.executable, "-m", "exactstep", "train", "--nproc", "2", "--no-progress",
          "--out", str(out), "--set", f"data.source={corpus}", "--set", "checkpoint.every=0",
          *argv],
@@ -791,8 +792,8 @@ def test_negative_control_the_checker_fails_on_a_traceback() -> None:
     fails the checker: wrong status, several lines, a traceback."""
     crash = ("import sys\nfrom exactstep import cli\n"
              "cli.dispatch = lambda args: {}['no such key']\nsys.exit(cli.main(['config']))\n")
-    proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True,
-                          timeout=120, env=clean_env())
+    proc = process_server.run([sys.executable, "-c", crash], capture_output=True, text=True,
+                              timeout=120, env=clean_env())
     assert "KeyError" in proc.stderr  # it really crashed
     problems = refusal_problems(proc.returncode, proc.stdout, proc.stderr)
     assert "a traceback in the output" in problems

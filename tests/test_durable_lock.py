@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import process_server
 import pytest
 
 import exactstep.durable as durable
@@ -47,7 +48,7 @@ def hold(tmp_path: Path, lock: Path) -> tuple[subprocess.Popen, Path]:
     ready, release = tmp_path / "ready", tmp_path / "release"
     for flag in (ready, release):
         flag.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), str(ready), str(release)])
+    proc = process_server.Popen([sys.executable, "-c", HOLDER, str(lock), str(ready), str(release)])
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the holder never held"

@@ -10,10 +10,10 @@ template, a chat JSONL) is run as written on a tiny Qwen2 saved to disk.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import process_server
 import pytest
 
 pytest.importorskip("transformers")
@@ -67,7 +67,7 @@ def test_the_readme_command_for_a_downloaded_checkpoint_runs(tmp_path):
                "--set", "data.val_fraction=0.2", "--set", "batch.seq_len=64",
                "--set", "batch.rows=2", "--set", "train.steps=2", "--set",
                "train.eval_tokens=64"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    done = process_server.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["manifest"]["model"]["lora"]["base_weights_sha256"]

@@ -194,7 +194,7 @@ def test_log_wandb_takes_off_offline_online_only(tmp_path):
 def test_a_tracker_that_cannot_start_leaves_no_run_behind(tmp_path):
     """The CLI prints one line and exits 2; the run directory holds no manifest or
     journal, so the same ``--out`` can be used again once the setting is fixed."""
-    import subprocess
+    import process_server
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -204,7 +204,7 @@ def test_a_tracker_that_cannot_start_leaves_no_run_behind(tmp_path):
             f"data.source={source}", "train.steps=2", "train.progress=false",
             f"log.mlflow={blocker / 'store'}"]:
         args += ["--set", pair]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    done = process_server.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "log.mlflow: cannot create" in errors[0]
@@ -216,14 +216,14 @@ def test_a_tracker_that_cannot_start_leaves_no_run_behind(tmp_path):
 def refused_start(out: Path, source: Path, blocker: Path) -> list[str]:
     """``train --out OUT`` with TensorBoard and W&B (offline) starting, then MLflow
     refusing; returns its stderr lines (after checking the one-line refusal)."""
-    import subprocess
+    import process_server
 
     args = [sys.executable, "-m", "exactstep", "train", "--out", str(out)]
     for pair in [f"{k}={v}" for k, v in TINY.items()] + [
             f"data.source={source}", "train.steps=2", "train.progress=false",
             "log.tensorboard=true", "log.wandb=offline", f"log.mlflow={blocker / 'store'}"]:
         args += ["--set", pair]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    done = process_server.run(args, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "log.mlflow: cannot create" in errors[0], done.stderr

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import process_server
 import pytest
 from run_support import TINY, short_texts, write_texts
 
@@ -55,8 +56,8 @@ def clean_env() -> dict[str, str]:
 
 def run_cli(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "exactstep", *args], capture_output=True,
-                          text=True, timeout=120, env=clean_env(), cwd=cwd)
+    done = process_server.run([sys.executable, "-m", "exactstep", *args], capture_output=True,
+                              text=True, timeout=120, env=clean_env(), cwd=cwd)
     return done, time.monotonic() - started
 
 

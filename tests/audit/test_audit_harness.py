@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import process_server
 import pytest
 
 from exactstep.cli import main
@@ -72,9 +73,9 @@ def environment() -> dict[str, str]:
 
 
 def audit(cwd: Path, target: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "exactstep", "audit", "--target",
+    return process_server.run([sys.executable, "-m", "exactstep", "audit", "--target",
                            f"python:loops:{target}", *args], cwd=cwd, env=environment(),
-                          capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300)
 
 
 def rows(out: str) -> dict[str, str]:
@@ -135,8 +136,8 @@ def test_negative_control_without_the_redirect_stdout_is_not_json(loops) -> None
     check above would see it."""
     code = ("from exactstep.audit.run import audit; from exactstep.audit.render import "
             "format_json; print(format_json(audit('python:loops:Prints', ['shift'])))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=loops, env=environment(),
-                          capture_output=True, text=True, timeout=300)
+    done = process_server.run([sys.executable, "-c", code], cwd=loops, env=environment(),
+                              capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "fd write in build" in done.stdout
     with pytest.raises(json.JSONDecodeError):
@@ -144,10 +145,10 @@ def test_negative_control_without_the_redirect_stdout_is_not_json(loops) -> None
 
 
 def test_the_users_ctrl_c_stops_the_audit_with_130_and_one_line(loops) -> None:
-    process = subprocess.Popen([sys.executable, "-m", "exactstep", "audit", "--target",
+    process = process_server.Popen([sys.executable, "-m", "exactstep", "audit", "--target",
                                 "python:loops:Sleeps", "--probe", "shift", "--probe",
                                 "causal_attention"], cwd=loops, env=environment(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (loops / "started").exists():

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import process_server
 import pytest
 from hold_support import Held, descendants, error_lines, still_running
 from run_support import short_texts, write_texts
@@ -146,7 +146,7 @@ if __name__ == "__main__":
 def test_negative_control_a_plain_pool_outlives_its_killed_parent(tmp_path):
     script, ready = tmp_path / "orphaning.py", tmp_path / "ready"
     script.write_text(ORPHANING)
-    proc = subprocess.Popen([sys.executable, str(script), str(ready)])
+    proc = process_server.Popen([sys.executable, str(script), str(ready)])
     pool: list[int] = []
     try:
         deadline = time.monotonic() + 120

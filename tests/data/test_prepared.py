@@ -185,8 +185,9 @@ sys.exit(main(argv))
 def test_sigkill_during_prepare_publishes_nothing_and_a_rerun_is_exact(tmp_path: Path) -> None:
     """P1, S3 with a real SIGKILL: nothing appears at --out, and preparing again
     gives the bytes of an uninterrupted preparation."""
-    import subprocess
     import sys
+
+    import process_server
 
     source = write_texts(tmp_path / "corpus.jsonl", texts())
     argv = ["prepare", str(source), "--no-progress", "--shard-tokens", "900",
@@ -195,8 +196,8 @@ def test_sigkill_during_prepare_publishes_nothing_and_a_rerun_is_exact(tmp_path:
     script.write_text(KILLER)
 
     def launch(nth: int, out: str) -> int:
-        return subprocess.run([sys.executable, str(script), str(nth), *argv, "--out", out],
-                              cwd=tmp_path, capture_output=True, timeout=120).returncode
+        return process_server.run([sys.executable, str(script), str(nth), *argv, "--out", out],
+                                  cwd=tmp_path, capture_output=True, timeout=120).returncode
 
     assert launch(0, "straight") == 0
     assert launch(4, "killed") == -9
@@ -691,8 +692,9 @@ def test_a_two_rank_run_refuses_a_damaged_shard_in_one_line(prepared: Path,
     that hashes it stops the job, and the user reads one line naming the file."""
     import os
     import shutil
-    import subprocess
     import sys
+
+    import process_server
 
     copy = tmp_path / "copy"
     shutil.copytree(prepared, copy)
@@ -708,8 +710,8 @@ def test_a_two_rank_run_refuses_a_damaged_shard_in_one_line(prepared: Path,
                  "model.n_layers=1", "model.n_heads=2", "model.d_ff=32", "train.steps=2",
                  "train.threads=1", "train.device=cpu"):
         args += ["--set", pair]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env,
-                          cwd=tmp_path)
+    done = process_server.run(args, capture_output=True, text=True, timeout=300, env=env,
+                              cwd=tmp_path)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(errors) == 1 and "train-00001.tokens" in errors[0], done.stderr[-2000:]

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import process_server
 import pytest
 from docs_support import ROOT, command_lines, exactstep_argv, hook, runnable_blocks
 
@@ -41,16 +42,16 @@ def make_train_argv() -> list[str]:
 
 
 def run(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "exactstep", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return process_server.run([sys.executable, "-m", "exactstep", *argv], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=300)
 
 
 def interrupted_train(argv: list[str], cwd: Path, env: dict) -> tuple[int, str, Path]:
     """Start the training run, SIGINT it once its ledger holds 3 windows."""
     run_dir = cwd / argv[argv.index("--out") + 1]
-    proc = subprocess.Popen([sys.executable, "-m", "exactstep", *argv, *TINY], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = process_server.Popen([sys.executable, "-m", "exactstep", *argv, *TINY], cwd=cwd,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
     ledger = run_dir / "ledger.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:

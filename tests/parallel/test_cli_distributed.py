@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import process_server
 import pytest
 from cli_support import KILL_HOOK, CliRoot, tiny_overrides
 from run_support import multi_rank_state as final_state
@@ -60,8 +60,8 @@ class Cli(CliRoot):
         if defect:
             env["EXACTSTEP_TEST_DEFECT"] = defect
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "exactstep", *args], cwd=self.root,
-                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        proc = process_server.run([sys.executable, "-m", "exactstep", *args], cwd=self.root,
+                                  env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         return proc.returncode, proc.stderr, time.monotonic() - start
 
     def train(self, run_dir: Path, **kw) -> tuple[int, str, float]:

@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import process_server
 import pytest
 from cli_support import CliRoot, tiny_overrides
 from run_support import multi_rank_state as final_state
@@ -159,9 +160,9 @@ class Nodes(CliRoot):
 
     def start(self, args: list[str], *, cwd: Path | None = None, **env: str) -> subprocess.Popen:
         argv = args if args[:1] == ["-m"] else ["-m", "exactstep", *args]
-        return subprocess.Popen([sys.executable, *argv], cwd=cwd or self.root,
-                                env=self.env(**env), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        return process_server.Popen([sys.executable, *argv], cwd=cwd or self.root,
+                                    env=self.env(**env), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
 
     def one(self, *args: str) -> tuple[int, str]:
         proc = self.start([*args, "--nproc", "2"])
@@ -359,9 +360,9 @@ def test_node_flags_are_checked_before_anything_runs(tmp_path) -> None:
                           "--node-rank"),
                          (["--nnodes", "2", "--rdzv-endpoint", "nohostport"], "HOST:PORT"),
                          (["--nnodes", "0"], "--nnodes")):
-        proc = subprocess.run([sys.executable, "-m", "exactstep", "train", "--out",
+        proc = process_server.run([sys.executable, "-m", "exactstep", "train", "--out",
                                str(tmp_path / "r"), *flags], capture_output=True, text=True,
-                              timeout=60)
+                                  timeout=60)
         assert proc.returncode == 2, proc.stderr
         lines = error_lines(proc.stderr)
         assert len(lines) == 1 and words in lines[0], proc.stderr

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
+import process_server
 import pytest
 from cli_support import CliRoot, tiny_overrides, worker_env
 from run_support import multi_rank_state, tree_digests
@@ -78,8 +78,8 @@ class Cli(CliRoot):
         command = [*(launcher or (sys.executable, "-m", "exactstep")), "train",
                    "--no-progress", "--out", str(run_dir), *(("--resume", "auto") * auto),
                    *extra, *settings(self.corpus, **changed)]
-        proc = subprocess.run(command, cwd=self.root, env=env, capture_output=True,
-                              text=True, timeout=RUN_TIMEOUT_S)
+        proc = process_server.run(command, cwd=self.root, env=env, capture_output=True,
+                                  text=True, timeout=RUN_TIMEOUT_S)
         return proc.returncode, proc.stderr
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import process_server
 import pytest
 from cli_support import LAUNCHER_VARS, CliRoot, tiny_overrides
 from run_support import multi_rank_state as final_state
@@ -76,8 +77,8 @@ class Cli(CliRoot):
             env["EXACTSTEP_TEST_SIGNAL_AT"] = signal_at
         if defect:
             env["EXACTSTEP_TEST_DEFECT"] = defect
-        return subprocess.run([sys.executable, "-m", "exactstep", *args], cwd=self.root,
-                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        return process_server.run([sys.executable, "-m", "exactstep", *args], cwd=self.root,
+                                  env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
     def train(self, run_dir: Path, **kw) -> subprocess.CompletedProcess:
         return self("train", "--nproc", "2", "--no-progress", "--out", str(run_dir),
@@ -168,8 +169,8 @@ def test_agreed_stop_gives_every_rank_the_signalled_ranks_flag(tmp_path: Path) -
     script = tmp_path / "agree.py"
     script.write_text(AGREE_WORKER)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "rdzv")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    procs = [process_server.Popen([sys.executable, str(script), str(rank), str(tmp_path / "rdzv")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for rank in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]

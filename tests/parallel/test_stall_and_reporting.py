@@ -16,12 +16,12 @@ NCCL rank) is named as such, with its rank and bound.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import process_server
 import pytest
 from cli_support import rank_window_hook, worker_env, write_hook
 from run_support import TINY, set_args, short_texts, write_texts
@@ -97,10 +97,10 @@ def test_cli_job_with_a_stalled_rank_stops_with_one_error_line(tmp_path) -> None
                 "train.threads": 1, "update.warmup": 1, "checkpoint.every": 0,
                 "parallel.timeout_s": TIMEOUT_S}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "exactstep", "train", "--nproc", "2",
+    proc = process_server.run([sys.executable, "-m", "exactstep", "train", "--nproc", "2",
                            "--no-progress", "--out", str(tmp_path / "run"),
                            *set_args(settings)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     seconds = time.monotonic() - start
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0

@@ -27,6 +27,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import process_server
 import pytest
 import torch
 from run_support import TINY, bitwise_differences, kill_when_ledger_has, ledger, set_args
@@ -74,7 +75,7 @@ def runs(tmp_path_factory) -> dict:
     corpus = root / "corpus.jsonl"
     write_corpus(corpus)
     straight, killed, dropped = root / "straight", root / "killed", root / "dropped"
-    proc = subprocess.Popen(
+    proc = process_server.Popen(
         [sys.executable, "-m", "exactstep", "train", "--no-progress", "--out", str(killed),
          *settings(corpus)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with ThreadPoolExecutor(max_workers=1) as pool:

@@ -33,6 +33,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import process_server
 import pytest
 from run_support import kill_once_ledger_has
 from text_corpus import write_corpus, write_whole
@@ -169,7 +170,7 @@ class Harness:
         args = [sys.executable, str(self.launcher), kill_at, defect, *command]
         with Harness._lock:
             setting = next(Harness._settings) if omp is False else omp
-        proc = subprocess.Popen(
+        proc = process_server.Popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=self.root,
             env=omp_env(setting),
         )

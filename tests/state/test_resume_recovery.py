@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import process_server
 import pytest
 from run_support import kill_when_ledger_has
 from text_corpus import write_corpus
@@ -78,8 +79,8 @@ class Cli:
         self.launcher.write_text(LAUNCHER)
 
     def popen(self, args: list[str], kind: str = "none", nth: int = 0) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(self.launcher), kind, str(nth), *args],
-                                cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return process_server.Popen([sys.executable, str(self.launcher), kind, str(nth), *args],
+                                    cwd=self.root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def run(self, args: list[str], kind: str = "none", nth: int = 0) -> tuple[int, str]:
         proc = self.popen(args, kind, nth)

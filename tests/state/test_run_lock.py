@@ -17,6 +17,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import process_server
 import pytest
 from hold_support import Held, error_lines
 from run_support import ledger, tree_digests
@@ -92,7 +93,6 @@ def test_two_resumes_of_a_killed_run_at_once_leave_one_ledger(tmp_path):
     """The reported race as it happened: two ``exactstep resume RUN`` started together
     on a run killed mid-way. Whichever order they run in, the ledger ends with one
     line per window and a later resume is accepted."""
-    import subprocess
 
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus)
@@ -103,8 +103,8 @@ def test_two_resumes_of_a_killed_run_at_once_leave_one_ledger(tmp_path):
     first.kill()
     command = [sys.executable, "-m", "exactstep", "resume", "--no-progress", str(run)]
 
-    def resume_once(_: int) -> subprocess.CompletedProcess:
-        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    def resume_once(_: int):
+        return process_server.run(command, capture_output=True, text=True, timeout=300)
 
     with ThreadPoolExecutor(2) as pool:
         done = list(pool.map(resume_once, range(2)))
@@ -114,7 +114,7 @@ def test_two_resumes_of_a_killed_run_at_once_leave_one_ledger(tmp_path):
         if d.returncode:
             assert len(error_lines(d.stderr)) == 1 and "in use by process" in d.stderr
     assert [r["window"] for r in ledger(run)] == list(range(WINDOWS))
-    later = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    later = process_server.run(command, capture_output=True, text=True, timeout=300)
     assert later.returncode == 0, later.stderr
 
 
@@ -122,7 +122,6 @@ def test_a_multi_process_job_is_refused_as_one_and_its_own_ranks_share_the_run(t
     """Under ``--nproc 2`` rank 0 holds the run directory (the launcher holds nothing):
     a job started on a run in use ends with the one line rank 0 printed. Negative
     control: a job on a free run directory trains, its two ranks inside one lock."""
-    import subprocess
 
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus)
@@ -132,8 +131,8 @@ def test_a_multi_process_job_is_refused_as_one_and_its_own_ranks_share_the_run(t
     command = [sys.executable, "-m", "exactstep"]
     try:
         first.wait_reached()
-        job = subprocess.run([*command, "resume", "--no-progress", str(run), "--nproc", "2"],
-                             capture_output=True, text=True, timeout=300)
+        job = process_server.run([*command, "resume", "--no-progress", str(run), "--nproc", "2"],
+                                 capture_output=True, text=True, timeout=300)
         refused_naming(job.returncode, job.stderr, first)
         code, _, err = first.release()
     finally:
@@ -141,9 +140,9 @@ def test_a_multi_process_job_is_refused_as_one_and_its_own_ranks_share_the_run(t
     assert code == 0, err
 
     other = tmp_path / "other"
-    job = subprocess.run([*command, "train", "--no-progress", "--out", str(other),
+    job = process_server.run([*command, "train", "--no-progress", "--out", str(other),
                           "--nproc", "2", *settings(corpus)],
-                         capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr
     assert [r["window"] for r in ledger(other)] == list(range(WINDOWS))
     assert not (other / LOCK_FILE).exists()

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import process_server
 import pytest
 
 from exactstep.state import latest_checkpoint, verify_checkpoint
@@ -34,8 +35,8 @@ def write_data(path: Path) -> Path:
 
 
 def exactstep(*argv: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "exactstep", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return process_server.Popen([sys.executable, "-m", "exactstep", *argv],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 @pytest.mark.slow
