@@ -3,7 +3,7 @@ import from any test directory, and keeps the tracking libraries' own caches (W&
 service logs, its settings) in a temporary directory instead of the user's home.
 ``one_thread``: one intra-op thread for a test (tiny shapes whose tolerances were
 measured so), the caller's count given back after; every test gets the process's
-thread count and denormal setting back (``numerics_given_back``).
+thread count and denormal setting back (``numerics_as_the_process_started``).
 
 Idle OpenMP threads wait passively here (``OMP_WAIT_POLICY=PASSIVE`` unless the caller
 set it; read once, when torch loads its OpenMP runtime, so it is set before the import
@@ -30,15 +30,26 @@ for _name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
     os.environ.setdefault(_name, os.path.join(_TRACKING_HOME, _name.lower()))
 
 
-@pytest.fixture(autouse=True)
-def numerics_given_back():
-    """Each test gets the process's thread count and denormal setting back: a test that
-    builds a run in this process sets both (S9), and flushed denormals reach Python's
-    and NumPy's floats too (hypothesis refuses to draw subnormal floats under them)."""
-    from exactstep.state.environment import numerics_restored
+_BASELINE_THREADS = torch.get_num_threads()
 
-    with numerics_restored():
-        yield
+
+@pytest.fixture(autouse=True)
+def numerics_as_the_process_started():
+    """Each test starts and ends with the thread count and denormal setting this process
+    started with: a run built in this process sets both (S9), a module-scoped fixture
+    that builds one leaves them so, and flushed denormals reach Python's and NumPy's
+    floats too (hypothesis refuses to draw subnormal floats under them)."""
+    from exactstep.state import denormals
+
+    def baseline() -> None:
+        if torch.get_num_threads() != _BASELINE_THREADS:
+            torch.set_num_threads(_BASELINE_THREADS)
+        if denormals.flushed_here() or denormals.flushed():
+            denormals.set_flush_denormal(False)
+
+    baseline()
+    yield
+    baseline()
 
 
 def pytest_configure(config):
