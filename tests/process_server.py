@@ -9,12 +9,14 @@ its own argv, working directory, environment, standard streams, session, signal
 dispositions, fresh RNG seeds (Python, NumPy, torch) and intra-op thread count from
 ``OMP_NUM_THREADS``; it exits as the interpreter does (non-daemon threads joined,
 ``atexit`` run, streams flushed; an uncaught ``KeyboardInterrupt`` ends it by SIGINT).
+The workers a ``torchrun`` agent in such a child starts are forks of the same server.
 
 What a fork cannot be, a real process is (``plain_reason`` says why): another
 interpreter or interpreter flags, options the server does not carry (``preexec_fn``,
 ``pass_fds``, a shell), or an environment that differs from the server's in a
 variable read when a process starts (the C library's allocator, PyTorch's OpenMP and
-MKL settings other than ``OMP_NUM_THREADS``, Python's own). Where the server cannot
+MKL settings other than ``OMP_NUM_THREADS``, Python's own but for directories put
+before ``PYTHONPATH``, whose ``sitecustomize`` the child imports). Where the server cannot
 start, every command runs as a real process. ``EXACTSTEP_TEST_PLAIN_PROCESSES=1``
 turns the server off for a run of the suite.
 """
@@ -44,19 +46,35 @@ PLAIN_SWITCH = "EXACTSTEP_TEST_PLAIN_PROCESSES"
 
 #: Imported once by the server: what the suite's processes import (the command line's
 #: bodies, the optimizer's dynamo import, matplotlib for plots, the HF stack).
-PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed", "safetensors.torch",
+PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed",
+           "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
+           "torch.distributed.launcher.api", "safetensors.torch",
            "tqdm", "matplotlib", "matplotlib.pyplot", "exactstep", "exactstep.cli",
            "exactstep.runner", "exactstep.continuation", "exactstep.finished_run",
            "exactstep.export", "exactstep.prepare", "exactstep.families.registry",
            "transformers", "peft")
-#: Variables read when a process starts (by the C library, OpenMP, MKL, PyTorch or
-#: Python): a command whose value differs from the server's runs as a real process.
-#: ``OMP_NUM_THREADS`` is the exception: the child sets its thread count from it.
+#: Variables read when a process starts (by the C library, OpenMP, MKL, PyTorch's
+#: import or Python): a command whose value differs from the server's runs as a real
+#: process. ``OMP_NUM_THREADS`` is the exception: the child sets its thread count from
+#: it. Those torch reads at run time (``TORCHELASTIC_*``, ``TORCH_NCCL_*``, the
+#: launcher's ``RANK`` and the like) may differ.
 STARTUP_PREFIXES = ("MALLOC_", "GLIBC_", "LD_", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_",
-                    "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "MPL", "HF_",
-                    "TRANSFORMERS_", "TOKENIZERS_", "TMPDIR", "HOME", "LANG", "LC_",
+                    "OPENBLAS_", "PYTORCH", "TORCH_LOGS", "TORCHDYNAMO", "TORCHINDUCTOR",
+                    "TORCH_COMPILE", "TORCH_SHOW_CPP", "TORCH_CPP", "TORCH_USE",
+                    "TORCH_CUDA", "TORCH_DEVICE", "TORCH_FORCE", "CUDA", "NVIDIA", "MPL",
+                    "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TMPDIR", "HOME", "LANG", "LC_",
                     PLAIN_SWITCH)
 EMULATED = ("OMP_NUM_THREADS",)
+
+
+def prepended_paths(child: str, server: str) -> list[str] | None:
+    """The directories ``child``'s ``PYTHONPATH`` puts before ``server``'s, or None
+    when it is not the server's with directories put before it."""
+    ours = [p for p in server.split(os.pathsep) if p]
+    theirs = [p for p in child.split(os.pathsep) if p]
+    if ours and theirs[len(theirs) - len(ours):] != ours:
+        return None
+    return theirs[: len(theirs) - len(ours)]
 KNOWN_OPTIONS = {"stdin", "stdout", "stderr", "cwd", "env", "text", "universal_newlines",
                  "encoding", "errors", "start_new_session", "bufsize", "close_fds"}
 
@@ -146,6 +164,9 @@ def plain_reason(args: Any, options: dict[str, Any]) -> str | None:
             if key in EMULATED:
                 if key in env and not env[key].isdigit():
                     return f"{key}={env[key]!r}"
+            elif key == "PYTHONPATH":
+                if prepended_paths(env.get(key, ""), server.get(key, "")) is None:
+                    return "PYTHONPATH other than the server's with directories before it"
             elif key.startswith(STARTUP_PREFIXES):
                 return f"{key} differs from the server's"
     elif os.environ.get(PLAIN_SWITCH) == "1":
@@ -357,6 +378,8 @@ def serve(path: str, client_pid: int) -> None:
     """Preload, then fork one child per request until the client process is gone."""
     import importlib
 
+    _Server.path, _Server.env, _Server.process = path, dict(os.environ), "the parent"
+
     failed = []
     for name in PRELOAD:
         try:
@@ -469,6 +492,7 @@ def become(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         fresh_process_state(request["env"])
+        fork_torchrun_workers()
         code = run_target(request["target"])
     except BaseException:  # the set-up itself failed: say so as Python would
         import traceback
@@ -493,6 +517,17 @@ def fresh_process_state(env: dict[str, str]) -> None:
     torch.set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
 
 
+def fork_torchrun_workers() -> None:
+    """The workers a ``torchrun`` agent in this child starts (``exactstep train
+    --nproc``) are forks of the same server too: the agent's ``Popen`` is this
+    module's (the agent polls, signals its session and reads each exit code through
+    it; a command the server cannot be is still a real process)."""
+    module = sys.modules.get(
+        "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler")
+    if module is not None:
+        module.Popen = Popen
+
+
 def run_target(target: tuple[str, str, list[str]]) -> int:
     """Run ``python -m``/``-c``/a script as ``__main__``; the exit code Python gives."""
     import runpy
@@ -505,6 +540,7 @@ def run_target(target: tuple[str, str, list[str]]) -> int:
         sys.path[0] = ""
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(what))
+    start_up_paths()
     try:
         if kind == "module":
             runpy.run_module(what, run_name="__main__", alter_sys=True)
@@ -529,6 +565,18 @@ def run_target(target: tuple[str, str, list[str]]) -> int:
         traceback.print_exc()
         return 1
     return 0
+
+
+def start_up_paths() -> None:
+    """What a fresh interpreter does with ``PYTHONPATH`` directories the server did not
+    have: put them after the script's directory, and import a ``sitecustomize`` found
+    in them (``site`` runs it at start-up, before ``__main__``)."""
+    extra = prepended_paths(os.environ.get("PYTHONPATH", ""),
+                            _Server.env.get("PYTHONPATH", "")) or []
+    sys.path[1:1] = extra
+    if any(os.path.isfile(os.path.join(d, "sitecustomize.py")) for d in extra):
+        sys.modules.pop("sitecustomize", None)
+        import sitecustomize  # noqa: F401  (its effects are the point)
 
 
 def exit_code(exc: SystemExit) -> int:

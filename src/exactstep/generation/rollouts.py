@@ -152,10 +152,16 @@ class PolicyRollouts:
                                                     base[cursor, k], adv[cursor, k]))
                 cursor += 1
             out.append(self.trajectory_batch(trajectories, m))
-        info = {"estimator": "policy", "prompts": len(flat), "samples": len(flat) * K,
-                "sampled_tokens": int(sum(len(c.tokens) for cs in conts for c in cs)),
-                "reward_mean": float(rewards.mean()) if rewards.size else None,
-                "advantage_abs_mean": float(np.abs(adv).mean()) if adv.size else None}
+        gather = getattr(reducer, "gather", None) if reducer is not None else None
+        if gather is not None and getattr(reducer, "world_size", 1) > 1:
+            self.records = [r for part in gather(self.records) for r in part]  # every rank's
+        records = self.records  # the whole window's, every rank's (the ledger's figures)
+        n = len(records)
+        info = {"estimator": "policy", "prompts": n // K, "samples": n,
+                "sampled_tokens": sum(r["tokens"] for r in records),
+                "reward_mean": math.fsum(r["reward"] for r in records) / n if n else None,
+                "advantage_abs_mean": (math.fsum(abs(r["advantage"]) for r in records) / n
+                                       if n else None)}
         if delta is not None:
             info["delta"] = delta
         if self.policy.baseline == "moving_average":

@@ -56,6 +56,17 @@ class DDPReducer:
         """Element-wise maximum over ranks (used to agree on window lengths)."""
         return self._all_reduce(values, dist.ReduceOp.MAX)
 
+    def gather(self, obj: object) -> list:
+        """Every rank's ``obj`` (small, picklable), in rank order, on every rank: one
+        all-gather over the host group (a policy window's sample records, Q2)."""
+        out: list = [None] * self.ctx.world_size
+        try:
+            dist.all_gather_object(out, obj, group=self._host_group)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise peer_failure(self.ctx, exc) from None
+        self.collectives += 1
+        return out
+
     def _all_reduce(self, values: torch.Tensor, op) -> torch.Tensor:
         host = values.device.type == "cpu"
         device = torch.device("cpu") if host else self.comm_device
