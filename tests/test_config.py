@@ -151,6 +151,7 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("mlm.replace_random", (0, 1), (-0.1, 1.5), "in [0, 1]", ("mlm.replace_mask=0",)),
     ("policy.ngram", (1, 16), (0, 17), "in [1, 16]", ()),
     ("policy.decay", (0, 1), (-0.1, 1.5), "in [0, 1]", ()),
+    ("policy.regressor_lr", (1e-4, 1.0), (0.0, -1.0), "> 0", ()),
     ("policy.std_eps", (0, 1e-3), (-1e-9,), ">= 0", ()),
     ("policy.constant", (1e-9, 1e6), (0, -1), "> 0", ()),
     ("policy.beta", (0, 0.1), (-0.1,), ">= 0", ()),

@@ -25,6 +25,7 @@ from exactstep.errors import ConfigError, DataError
 from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.policy.rewards import Reward, Scored
 from exactstep.generation.config import GenerationConfig
+from exactstep.generation.regressor import Regressor
 from exactstep.generation.sampler import Continuation, log_softmax64, sample_group
 from exactstep.objective.policy import PolicyRows
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, single_segment_batch
@@ -69,13 +70,14 @@ def advantages(rewards: np.ndarray, baseline: str, state_value: float | None, st
                ) -> tuple[np.ndarray, np.ndarray]:
     """``(baselines, advantages)`` ``[P, K]`` for rewards ``[P, K]`` (float64).
 
-    ``none``: 0. ``moving_average``: ``state_value`` (the state before this window; 0
+    ``none`` and ``learned`` (its ``b_t`` are per token, subtracted later): 0.
+    ``moving_average``: ``state_value`` (the state before this window; 0
     before the first commit). ``leave_one_out``: the mean of the other ``K - 1``
     rewards of the same prompt. ``group_mean_with_self``: the mean of all ``K``,
     the scored one included; ``group_normalized``: that, and the advantage divided by
     the group's standard deviation (population) plus ``std_eps``."""
     P, K = rewards.shape
-    if baseline == "none":
+    if baseline in ("none", "learned"):
         base = np.zeros_like(rewards)
     elif baseline == "moving_average":
         base = np.full_like(rewards, 0.0 if state_value is None else state_value)
@@ -107,6 +109,8 @@ class PolicyRollouts:
         self.decode = decode
         self.reference = reference
         self.moving_average: float | None = None  # the baseline's state (S2), committed only
+        self.regressor = Regressor(policy.regressor_lr) if policy.baseline == "learned" else None
+        self._regression: dict = {}
         self._window_mean: float | None = None
         self.records: list[dict] = []  # the last window's samples, for the journal
 
@@ -139,17 +143,25 @@ class PolicyRollouts:
         if not sampled:
             adv[:] = 0.0
         self._window_mean = self.global_mean(shaped, reducer) if sampled and flat else None
+        learned = self.learned_baselines(model, flat, conts, shaped, device, reducer) \
+            if self.regressor is not None and sampled else None
         out, cursor = [], 0
         self.records = []
         for m, group in enumerate(groups):
             trajectories = []
             for r in group:
                 for k, c in enumerate(conts[cursor]):
+                    b, a = base[cursor, k], adv[cursor, k]
+                    per_token = None
+                    if learned is not None:  # b_t per sampled token; the record's mean
+                        per_token = learned[cursor][k]
+                        b = math.fsum(per_token) / len(per_token) if per_token else 0.0
+                        a = shaped[cursor, k] - b
                     coeffs = [1.0] * len(r.forced) + self.sampled_coefficients(
-                        adv[cursor, k], c, ref_logps[cursor][k])
+                        adv[cursor, k], c, ref_logps[cursor][k], per_token)
                     trajectories.append((r, k, c, coeffs))
                     self.records.append(self.record(window, r, k, c, rewards[cursor, k],
-                                                    base[cursor, k], adv[cursor, k]))
+                                                    b, a))
                 cursor += 1
             out.append(self.trajectory_batch(trajectories, m))
         gather = getattr(reducer, "gather", None) if reducer is not None else None
@@ -166,10 +178,29 @@ class PolicyRollouts:
             info["delta"] = delta
         if self.policy.baseline == "moving_average":
             info["baseline_state"] = self.moving_average
+        if learned is not None:
+            info.update(self._regression)
         return out, info
+
+    def learned_baselines(self, model: torch.nn.Module, flat: Sequence[Request],
+                          conts: Sequence[Sequence[Continuation]], shaped: np.ndarray,
+                          device: torch.device, reducer: Any) -> list[list[list[float]]]:
+        """MIXER's ``b_t`` for each sampled token of each prompt's ``K`` samples (at the
+        regressor's committed parameters), and the regressor's pending step on this
+        window's ``(h_t, R)`` pairs (``generation.regressor``)."""
+        states = [self.regressor.states(model, r.context, [c.tokens for c in cs], device)
+                  for r, cs in zip(flat, conts, strict=True)]
+        out = [[self.regressor.predict(s).tolist() for s in group] for group in states]
+        self._regression = self.regressor.prepare_step(
+            [s for group in states for s in group],
+            [float(shaped[i, k]) for i, group in enumerate(states) for k in range(len(group))],
+            reducer)
+        return out
 
     def close(self, disposition: Disposition) -> None:
         """The moving average takes the window's mean reward only if it committed (U4)."""
+        if self.regressor is not None:  # the learned baseline: its step commits with U4
+            self.regressor.step(disposition.outcome is Outcome.COMMITTED)
         if disposition.outcome is not Outcome.COMMITTED or self._window_mean is None:
             return
         if self.policy.baseline == "moving_average":
@@ -178,11 +209,16 @@ class PolicyRollouts:
                                    else d * self.moving_average + (1 - d) * self._window_mean)
 
     def state_dict(self) -> dict:
-        return {"moving_average": self.moving_average}
+        out: dict = {"moving_average": self.moving_average}
+        if self.regressor is not None:
+            out["regressor"] = self.regressor.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         value = state.get("moving_average")
         self.moving_average = None if value is None else float(value)
+        if self.regressor is not None:
+            self.regressor.load_state_dict(state.get("regressor", {}))
 
     # -- steps --------------------------------------------------------------------------
 
@@ -231,13 +267,15 @@ class PolicyRollouts:
             logits = self.reference.logits(hidden[:, start:, :])[0].float().cpu().numpy()
         return [float(log_softmax64(logits[i])[t]) for i, t in enumerate(c.tokens)]
 
-    def sampled_coefficients(self, advantage: float, c: Continuation, ref: list[float]
-                             ) -> list[float]:
+    def sampled_coefficients(self, advantage: float, c: Continuation, ref: list[float],
+                             baselines: list[float] | None = None) -> list[float]:
         """Each sampled token's coefficient on its cross entropy: minus the REINFORCE
-        term's ``A`` becomes ``A`` on ``-log pi``; k3's gradient adds ``-beta (1 - r)``
-        with ``r = pi_ref / pi`` at the window's parameters (its derivative in ``log pi``
-        is ``1 - r``)."""
-        coeffs = [float(advantage)] * len(c.tokens)
+        term's ``A`` becomes ``A`` on ``-log pi`` (``A - b_t`` per token with the learned
+        baseline, ``advantage`` then being the shaped reward); k3's gradient adds
+        ``-beta (1 - r)`` with ``r = pi_ref / pi`` at the window's parameters (its
+        derivative in ``log pi`` is ``1 - r``)."""
+        coeffs = [float(advantage)] * len(c.tokens) if baselines is None else \
+            [float(advantage) - b for b in baselines]
         if self.policy.kl == "k3":
             coeffs = [a - self.policy.beta * (1.0 - math.exp(lr - lp))
                       for a, lp, lr in zip(coeffs, c.logprobs, ref, strict=True)]

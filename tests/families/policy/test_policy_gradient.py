@@ -10,11 +10,13 @@ for every baseline that does not depend on the scored sample. Over ``W`` windows
 a fresh draw: its own window index) the mean gradient must be within five standard
 errors of the exact one (the standard error from the windows' own spread; the
 estimator's mean is normal to a good approximation over a few hundred windows), for
-``none``, ``moving_average`` and ``leave_one_out``.
+``none``, ``moving_average``, ``leave_one_out`` and ``learned`` (MIXER's regressor on
+the state before each token, learning as the windows go).
 
 Negative control: GRPO's group mean including the scored sample, whose expectation is
 ``(K - 1) / K`` of it: with ``K = 2``, half. The same check fails, and the mean sits
-within the same bound of half the exact gradient.
+within the same bound of half the exact gradient. And a learned baseline fed the state
+after the token it scores (it has seen the action) is outside the bound.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.policy.rewards import Reward
 from exactstep.generation.config import GenerationConfig
+from exactstep.generation.regressor import Regressor
 from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.policy import policy_plan
@@ -85,19 +88,43 @@ def exact_gradient(model: TabularPolicy) -> dict[str, np.ndarray]:
     return {"embed": embed.grad.numpy(), "pos": pos.grad.numpy()}
 
 
+class Leaky(Regressor):
+    """WRONG (Q3): the learned baseline fed the state *after* each sampled token, which
+    has seen the action it scores."""
+
+    def states(self, model, context, continuations, device):
+        longer = super().states(model, context, [[*c, 0] for c in continuations], device)
+        return [s[1:] for s in longer]
+
+
+def learned(regressor: Regressor) -> Regressor:
+    """A regressor starting from fixed weights (1, -1, 0.5) and bias 0.3 (far from the
+    rewards it learns, so a baseline that sees the action is far from harmless)."""
+    w = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64, requires_grad=True)
+    c = torch.tensor([0.3], dtype=torch.float64, requires_grad=True)
+    regressor.load_state_dict({"weight": w.detach(), "bias": c.detach(), "optimizer":
+                               torch.optim.Adam([w, c], lr=regressor.lr).state_dict()})
+    return regressor
+
+
 def estimated_gradients(baseline: str) -> tuple[TabularPolicy, list[dict[str, np.ndarray]]]:
     """The engine's gradient in each of ``W`` windows of ``P`` prompts (weights
-    unchanged between windows: the captured gradient is read before a step of 0)."""
+    unchanged between windows: the captured gradient is read before a step of 0).
+    ``learned_leaky``: the learned baseline with ``Leaky`` states."""
     model = TabularPolicy()
     examples = [Example(example_id=i, tokens=np.array([0, *TARGET], dtype=np.int64))
                 for i in range(P)]
     scored = Reward("tabular", lambda s: reward(tuple(s.response)),
                     {"name": "tabular", "kind": "test"}, False)
+    leaky = baseline == "learned_leaky"
+    baseline = "learned" if leaky else baseline
     program = PolicyRollouts(PolicyConfig(over="causal", baseline=baseline,
                                           normalizer="constant", constant=float(P * K)),
                              GenerationConfig(samples=K, max_new_tokens=2), seed=11,
                              seq_len=8, examples=examples, reward=scored, stop_ids=(),
                              decode=lambda ids: " ".join(map(str, ids)))
+    if baseline == "learned":
+        program.regressor = learned(Leaky(1e-2) if leaky else Regressor(1e-2))
     cfg = UpdateConfig(lr=1e-30, schedule="constant", warmup=0, clip=0.0, weight_decay=0.0,
                        optimizer="sgd", momentum=0.0)
     optimizer, _ = build_optimizer(model, cfg)
@@ -138,7 +165,7 @@ def far_from(grads: list[dict[str, np.ndarray]], expected: dict[str, np.ndarray]
     return out
 
 
-@pytest.mark.parametrize("baseline", ["none", "moving_average", "leave_one_out"])
+@pytest.mark.parametrize("baseline", ["none", "moving_average", "leave_one_out", "learned"])
 def test_the_windows_mean_gradient_is_the_exact_expected_gradient(baseline):
     model, grads = estimated_gradients(baseline)
     exact = exact_gradient(model)
@@ -152,3 +179,8 @@ def test_negative_control_the_group_mean_with_the_sample_is_biased_by_k_minus_1_
     exact = exact_gradient(model)
     assert far_from(grads, exact) != []
     assert far_from(grads, {n: (K - 1) / K * g for n, g in exact.items()}) == []
+
+
+def test_negative_control_a_learned_baseline_that_sees_the_action_is_biased():
+    model, grads = estimated_gradients("learned_leaky")
+    assert far_from(grads, exact_gradient(model)) != []

@@ -4,7 +4,9 @@ SIGKILLed inside a window (after its update, before its ledger line) and again f
 outside while a later window runs, resumed each time. The final checkpoints, the ledger,
 the manifest and the rollout journal (every sampled response's length, reward,
 baseline and advantage) are byte-identical: a resumed run samples the same tokens.
-The baseline is the moving average, whose checkpointed state must survive too.
+The baseline is the moving average at one thread and MIXER's learned regressor at two,
+whose checkpointed states (the average; the regressor's weights and Adam moments) must
+survive too.
 Negative control: a resume that drops the data cursor ends elsewhere.
 """
 
@@ -33,10 +35,12 @@ POLICY = {"objective.family": "policy", "data.source": "arith", "data.kind": "ch
 REWARD = "def length(prompt, completion, reference):\n    return float(len(completion))\n"
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_killed_policy_run_resumes_bitwise_with_the_same_samples(threads, tmp_path):
+@pytest.mark.parametrize("threads, baseline", [(1, "moving_average"), (2, "learned")])
+def test_a_killed_policy_run_resumes_bitwise_with_the_same_samples(threads, baseline,
+                                                                   tmp_path):
     (tmp_path / "policy_rewards.py").write_text(REWARD)
-    h = FamilyHarness(tmp_path, {**POLICY, "train.threads": threads})
+    h = FamilyHarness(tmp_path, {**POLICY, "train.threads": threads,
+                                 "policy.baseline": baseline})
     straight, defective, manifest = bitwise_lineage(h)
     killed = tmp_path / "killed"
     rollouts = (straight / "rollouts.jsonl").read_bytes()
@@ -45,8 +49,12 @@ def test_a_killed_policy_run_resumes_bitwise_with_the_same_samples(threads, tmp_
     assert rollouts.count(b"\n") == sum(r["inputs"]["samples"] for r in ledger) > 0
     assert sum(r["disposition"] == "COMMITTED" for r in ledger) >= 5  # the draws trained
     assert manifest["environment"]["threads"] == threads
-    assert manifest["objective"]["policy"]["baseline"] == "moving_average"
+    assert manifest["objective"]["policy"]["baseline"] == baseline
     state = final_state(straight)[1]
-    assert state["program"]["moving_average"] is not None
+    if baseline == "moving_average":
+        assert state["program"]["moving_average"] is not None
+    else:  # the regressor stepped: its weights and Adam moments are in the checkpoint
+        assert state["program"]["regressor"]["optimizer"]["state"][0]["step"] > 0
+        assert state["program"]["regressor"]["weight"].abs().sum() > 0
     differences = state_differences(state, final_state(defective)[1])
     assert any(d.startswith("model.") for d in differences)

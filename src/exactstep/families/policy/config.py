@@ -13,7 +13,7 @@ from exactstep.errors import ConfigError
 from exactstep.ranges import UNIT, above, at_least, between, check, check_finite
 
 #: Baselines that are a function of state only, never of the sampled action (Q3).
-UNBIASED = ("none", "moving_average", "leave_one_out")
+UNBIASED = ("none", "moving_average", "leave_one_out", "learned")
 #: Estimators offered under their own names: the group mean includes the sample it
 #: scores, so its gradient is (K - 1) / K of REINFORCE's in expectation, and the
 #: standard-deviation scaling is a per-group rescaling of the gradient (Q3).
@@ -32,7 +32,10 @@ class PolicyConfig:
     or ``module:function`` (a user's function, its name and source hash in the
     manifest). ``baseline``: ``none``, ``moving_average`` (``decay`` per committed
     window, in the checkpoint), ``leave_one_out`` (the mean of the prompt's other
-    ``K - 1`` samples); ``group_mean_with_self`` and ``group_normalized`` (also divided
+    ``K - 1`` samples), ``learned`` (MIXER's regressor ``b_t = w . h_t + c`` on the
+    policy's stop-gradient state before each sampled token, trained on its own squared
+    error by its own Adam at ``regressor_lr``, stepped with committed windows, in the
+    checkpoint); ``group_mean_with_self`` and ``group_normalized`` (also divided
     by the group's standard deviation plus ``std_eps``) are GRPO's estimators, named
     for what they are: biased (Q3). ``normalizer``: ``token_mean`` (every scored token
     of the window, all micro-batches and ranks), ``sequence_mean`` (each trajectory's
@@ -51,9 +54,10 @@ class PolicyConfig:
     over: Literal["chat", "causal"] = "chat"
     reward: str = "exact_match"
     ngram: int = 4
-    baseline: Literal["none", "moving_average", "leave_one_out", "group_mean_with_self",
-                      "group_normalized"] = "leave_one_out"
+    baseline: Literal["none", "moving_average", "leave_one_out", "learned",
+                      "group_mean_with_self", "group_normalized"] = "leave_one_out"
     decay: float = 0.9
+    regressor_lr: float = 1e-2
     std_eps: float = 1e-6
     normalizer: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
     constant: float = 1.0
@@ -69,6 +73,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         check("policy.ngram", self.ngram, between(1, 16))
         check("policy.decay", self.decay, UNIT)
+        check_finite("policy.regressor_lr", self.regressor_lr)
+        check("policy.regressor_lr", self.regressor_lr, above(0.0))
         check("policy.std_eps", self.std_eps, at_least(0.0))
         check_finite("policy.constant", self.constant)
         check("policy.constant", self.constant, above(0.0))
@@ -98,6 +104,13 @@ class PolicyConfig:
                      "kl": self.kl}
         if self.baseline == "moving_average":
             out["decay"] = self.decay
+        if self.baseline == "learned":
+            out["regressor"] = {"form": "w . h_t + c on the final hidden state before each "
+                                        "sampled token (stop-gradient)",
+                                "loss": "squared error to the sequence's reward, mean over "
+                                        "the window's sampled tokens",
+                                "optimizer": "adam", "lr": self.regressor_lr,
+                                "dtype": "float64", "clock": "committed_windows"}
         if self.baseline in BIASED:
             out["bias"] = ("the group mean includes the scored sample: the expected "
                            "gradient is (K - 1) / K of REINFORCE's")

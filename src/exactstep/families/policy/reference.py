@@ -21,6 +21,7 @@ class Sample:
     reward: float
     forced: int
     sampled: int
+    baselines: tuple[float, ...] = ()  # the learned baseline's b_t per sampled token
 
 
 def advantages(rewards: Sequence[float], baseline: str, state: float | None = None,
@@ -28,7 +29,7 @@ def advantages(rewards: Sequence[float], baseline: str, state: float | None = No
     """The advantages of one prompt's group of rewards."""
     k = len(rewards)
     mean = math.fsum(rewards) / k
-    if baseline == "none":
+    if baseline in ("none", "learned"):  # learned: b_t per token, in the coefficients
         return [float(r) for r in rewards]
     if baseline == "moving_average":
         b = 0.0 if state is None else state
@@ -55,7 +56,8 @@ def window_coefficients(groups: Sequence[Sequence[Sample]], *, baseline: str,
     for group in groups:
         adv = advantages([s.reward for s in group], baseline, state, std_eps)
         for s, a in zip(group, adv, strict=True):
-            c = [1.0] * s.forced + [a] * s.sampled
+            c = [1.0] * s.forced + ([a - b for b in s.baselines] if baseline == "learned"
+                                    else [a] * s.sampled)
             n = s.forced + s.sampled
             if normalizer == "sequence_mean" and n:
                 c = [x / n for x in c]
@@ -74,3 +76,18 @@ def objective(coefficients: Sequence[Sequence[float]], losses: Sequence[Sequence
     """``S / D``: each scored token's coefficient times its loss, summed, over ``D``."""
     return math.fsum(a * loss for cs, ls in zip(coefficients, losses, strict=True)
                      for a, loss in zip(cs, ls, strict=True)) / d
+
+
+def regressor_step(states: Sequence[Sequence[Sequence[float]]], targets: Sequence[float],
+                   weight: Sequence[float], bias: float
+                   ) -> tuple[float, list[float], float]:
+    """The learned baseline's ``(loss, d loss / d w, d loss / d c)`` for trajectories
+    whose sampled states are ``states[i]`` (``[n_i][H]``) and reward ``targets[i]``:
+    ``loss = sum_{i,t} (w . h_it + c - R_i)^2 / N``."""
+    errors = [(h, math.fsum(w * x for w, x in zip(weight, h, strict=True)) + bias - r)
+              for hs, r in zip(states, targets, strict=True) for h in hs]
+    n = len(errors)
+    loss = math.fsum(e * e for _, e in errors) / n
+    grad_w = [2.0 * math.fsum(h[j] * e for h, e in errors) / n for j in range(len(weight))]
+    grad_b = 2.0 * math.fsum(e for _, e in errors) / n
+    return loss, grad_w, grad_b
