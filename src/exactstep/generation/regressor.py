@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from exactstep.rows.batch import single_segment_batch
+from exactstep.generation.sampler import prompt_batch
 from exactstep.state.rng import isolated
 
 
@@ -47,7 +47,8 @@ class Regressor:
 
     @torch.no_grad()
     def states(self, model: torch.nn.Module, context: Sequence[int],
-               continuations: Sequence[Sequence[int]], device: torch.device
+               continuations: Sequence[Sequence[int]], device: torch.device, *,
+               source: Sequence[int] | None = None, source_pad_id: int = 0
                ) -> list[torch.Tensor]:
         """``h_t`` (float64, ``[n_k, H]``) of each continuation's sampled tokens, from
         one forward over the prompt's ``K`` rows (padded after their ends: a causal
@@ -60,7 +61,7 @@ class Regressor:
         for k, r in enumerate(rows):
             ids[k, :len(r) - 1] = torch.tensor(r[:-1])
         with isolated(model):
-            hidden = model(single_segment_batch(ids.to(device))).double().cpu()
+            hidden = model(prompt_batch(ids.to(device), source, source_pad_id)).double().cpu()
         first = len(context) - 1  # the column whose state predicts the first sampled token
         return [hidden[k, first:first + len(c)] for k, c in enumerate(continuations)]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,9 +26,14 @@ from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.policy.rewards import Reward, Scored
 from exactstep.generation.config import GenerationConfig
 from exactstep.generation.regressor import Regressor
-from exactstep.generation.sampler import Continuation, log_softmax64, sample_group
+from exactstep.generation.sampler import (
+    Continuation,
+    log_softmax64,
+    prompt_batch,
+    sample_group,
+)
 from exactstep.objective.policy import PolicyRows
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, single_segment_batch
+from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, source_rows
 from exactstep.rows.example import Example
 from exactstep.state.rng import isolated
 from exactstep.update.disposition import Disposition, Outcome
@@ -43,6 +48,7 @@ class Request:
     prompt: tuple[int, ...]
     reference: tuple[int, ...]
     forced: tuple[int, ...]
+    source: tuple[int, ...] | None = None  # the encoder side (encoder-decoder families)
 
     @property
     def context(self) -> tuple[int, ...]:
@@ -52,9 +58,10 @@ class Request:
 def split_example(example: Example, over: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(prompt, reference)``: for chats the last assistant turn (the example's last
     run of owned tokens) is the reference and every token before it the prompt; for
-    text the first token (BOS) is the prompt and the rest the reference."""
+    text and for an encoder-decoder pair's target side the first token (BOS) is the
+    prompt and the rest the reference."""
     tokens = [int(t) for t in example.tokens]
-    if over == "causal" or example.owned is None:
+    if over in ("causal", "encdec") or example.owned is None:
         return tuple(tokens[:1]), tuple(tokens[1:])
     owned = np.asarray(example.owned, dtype=bool)
     if not owned.any():
@@ -100,14 +107,15 @@ class PolicyRollouts:
 
     def __init__(self, policy: PolicyConfig, generation: GenerationConfig, *, seed: int,
                  seq_len: int, examples: Sequence[Example], reward: Reward,
-                 stop_ids: Sequence[int], decode: Any, reference: torch.nn.Module | None = None
-                 ) -> None:
+                 stop_ids: Sequence[int], decode: Any, reference: torch.nn.Module | None = None,
+                 source_pad_id: int = 0) -> None:
         self.policy, self.generation, self.seed, self.seq_len = policy, generation, seed, seq_len
         self.examples = {e.example_id: e for e in examples}
         self.reward = reward
         self.stop_ids = tuple(int(s) for s in stop_ids)
         self.decode = decode
         self.reference = reference
+        self.source_pad_id = source_pad_id  # pads encoder sides (encoder-decoder families)
         self.moving_average: float | None = None  # the baseline's state (S2), committed only
         self.regressor = Regressor(policy.regressor_lr) if policy.baseline == "learned" else None
         self._regression: dict = {}
@@ -188,7 +196,8 @@ class PolicyRollouts:
         """MIXER's ``b_t`` for each sampled token of each prompt's ``K`` samples (at the
         regressor's committed parameters), and the regressor's pending step on this
         window's ``(h_t, R)`` pairs (``generation.regressor``)."""
-        states = [self.regressor.states(model, r.context, [c.tokens for c in cs], device)
+        states = [self.regressor.states(model, r.context, [c.tokens for c in cs], device,
+                                        source=r.source, source_pad_id=self.source_pad_id)
                   for r, cs in zip(flat, conts, strict=True)]
         out = [[self.regressor.predict(s).tolist() for s in group] for group in states]
         self._regression = self.regressor.prepare_step(
@@ -239,13 +248,15 @@ class PolicyRollouts:
                 f"{len(prompt)}, teacher-forced {len(forced)}, generation.max_new_tokens "
                 f"{self.generation.max_new_tokens}), longer than a row of batch.seq_len = "
                 f"{self.seq_len} (+1); raise batch.seq_len or lower generation.max_new_tokens")
-        return Request(example_id, prompt, reference, forced)
+        source = getattr(example, "source", None)
+        return Request(example_id, prompt, reference, forced,
+                       None if source is None else tuple(int(t) for t in source))
 
     def rollout(self, model: torch.nn.Module, r: Request, window: int, device: torch.device,
                 samples: int) -> list[Continuation]:
         return sample_group(model, r.context, self.generation, seed=self.seed, window=window,
                             example_id=r.example_id, stop_ids=self.stop_ids, device=device,
-                            samples=samples)
+                            samples=samples, source=r.source, source_pad_id=self.source_pad_id)
 
     def score(self, r: Request, c: Continuation, window: int, k: int) -> float:
         scored = Scored(r.prompt, r.forced + c.tokens, r.reference, frozenset(self.stop_ids),
@@ -262,7 +273,8 @@ class PolicyRollouts:
             return []
         tokens = torch.tensor([list(r.context + c.tokens)], dtype=torch.int64, device=device)
         with isolated(self.reference):
-            hidden = self.reference(single_segment_batch(tokens[:, :-1]))  # [1, L-1, H]
+            hidden = self.reference(prompt_batch(tokens[:, :-1], r.source,
+                                                 self.source_pad_id))  # [1, L-1, H]
             start = len(r.context) - 1
             logits = self.reference.logits(hidden[:, start:, :])[0].float().cpu().numpy()
         return [float(log_softmax64(logits[i])[t]) for i, t in enumerate(c.tokens)]
@@ -331,8 +343,14 @@ class PolicyRollouts:
             trajectory[b, first:first + scored] = b
             segments.append((Segment(example_id=r.example_id, piece=k, offset=0, start=0,
                                      length=n),))
+        side = None
+        if trajectories[0][0].source is not None:  # each row's encoder side, paired (R8)
+            side = source_rows([r.source for r, _, _, _ in trajectories], self.source_pad_id)
+            side = replace(side, segments=tuple(
+                (Segment(example_id=r.example_id, piece=k, offset=0, start=0,
+                         length=len(r.source)),) for r, k, _, _ in trajectories))
         return Batch(input_ids=ids, labels=labels, position_ids=positions,
-                     segment_ids=segment_ids, segments=tuple(segments),
+                     segment_ids=segment_ids, segments=tuple(segments), source=side,
                      meta={"policy": PolicyRows(coefficient, trajectory, sampled)})
 
 

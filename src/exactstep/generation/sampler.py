@@ -12,13 +12,13 @@ Design and derivations: docs/design/generation.md#generationsamplerpy (Q1, E1, S
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from exactstep.generation.config import GenerationConfig
-from exactstep.rows.batch import single_segment_batch
+from exactstep.rows.batch import Batch, single_segment_batch, source_rows
 from exactstep.state.rng import isolated
 
 RNG_TAG = 0x51  # the rollout stream (distinct from other addressed draws)
@@ -100,6 +100,8 @@ def sample_group(
     device: torch.device | str = "cpu",
     samples: int | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    source: Sequence[int] | None = None,
+    source_pad_id: int = 0,
 ) -> list[Continuation]:
     """``samples`` (default ``cfg.samples``) continuations of ``prompt``, the ``k``-th
     drawn with the uniforms of ``(seed, window, example_id, k)``.
@@ -109,7 +111,8 @@ def sample_group(
     of whole rows (causal attention), in eval mode with every RNG stream restored after
     (E1). A continuation stops at the first id in ``stop_ids`` or after
     ``cfg.max_new_tokens``. ``on_token(sample, token)`` is called as each token is drawn
-    (streaming).
+    (streaming). ``source``: the encoder side of an encoder-decoder (every row the
+    same source; ``prompt`` is then the decoder's start, ``BOS``).
     """
     k_rows = cfg.samples if samples is None else samples
     if not prompt:
@@ -124,7 +127,7 @@ def sample_group(
     inner = getattr(model, "module", model)
     with isolated(model):
         for step in range(cfg.max_new_tokens):
-            hidden = model(single_segment_batch(tokens))  # [K, L', H]
+            hidden = model(prompt_batch(tokens, source, source_pad_id))  # [K, L', H]
             logits = inner.logits(hidden[:, -1:, :])[:, -1, :].float().cpu().numpy()  # [K, V]
             column = []
             for k in range(k_rows):
@@ -143,3 +146,14 @@ def sample_group(
             tokens = torch.cat([tokens, torch.tensor(column, device=device)[:, None]], dim=1)
     return [Continuation(tuple(d), tuple(lp), bool(d) and d[-1] in stops)
             for d, lp in zip(drawn, logps, strict=True)]
+
+
+def prompt_batch(tokens: torch.Tensor, source: Sequence[int] | None, source_pad_id: int
+                 ) -> Batch:
+    """``tokens`` ``[K, L]`` as one causal segment per row; with ``source``, each row's
+    encoder side is that source (one segment, paired with the row's decoder segment)."""
+    batch = single_segment_batch(tokens)
+    if source is None:
+        return batch
+    side = source_rows([list(source)] * tokens.shape[0], source_pad_id)
+    return replace(batch, source=side.map(lambda t: t.to(tokens.device)))

@@ -32,7 +32,13 @@ from exactstep.model.decoder import (
     refuse_lora,
     rope_tables,
 )
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide, single_segment_batch
+from exactstep.rows.batch import (
+    IGNORE_INDEX,
+    Batch,
+    SourceSide,
+    single_segment_batch,
+    source_rows,
+)
 from exactstep.transfer import host_to_device
 
 CROSS_IMPLEMENTATIONS = ("dense", "pairs")
@@ -435,21 +441,6 @@ def build_encoder_decoder(cfg: Any, vocab_size: int) -> EncoderDecoder:
 
 
 # ------------------------------------------------------------------ greedy decoding
-
-
-def source_rows(sources: Sequence[Sequence[int]], pad_id: int) -> SourceSide:
-    """``G`` sources, one per row, left-aligned and padded with ``pad_id`` to the
-    longest: one segment each (example 0, as ``rows.batch.single_segment_batch`` addresses
-    the decoder rows), positions from 0, padding segment 0."""
-    width = max(len(s) for s in sources)
-    ids = torch.full((len(sources), width), pad_id, dtype=torch.int64)
-    seg = torch.zeros((len(sources), width), dtype=torch.int32)
-    for b, s in enumerate(sources):
-        ids[b, :len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
-        seg[b, :len(s)] = 1
-    pos = torch.arange(width, dtype=torch.int64).expand(len(sources), width) * (seg > 0)
-    segments = tuple((Segment(0, 0, 0, 0, len(s)),) for s in sources)
-    return SourceSide(ids, pos, seg, segments)
 
 
 @torch.no_grad()

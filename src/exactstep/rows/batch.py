@@ -8,6 +8,7 @@ Design and derivations: docs/design/rows.md#rowsbatchpy (R1-R3, R6, R8).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
@@ -150,3 +151,18 @@ def single_segment_batch(prompts: torch.Tensor, prefix_len: int | None = None) -
         segments=tuple(segment for _ in range(rows)),
         prefix_len=prefix,
     )
+
+
+def source_rows(sources: Sequence[Sequence[int]], pad_id: int) -> SourceSide:
+    """``G`` sources, one per row, left-aligned and padded with ``pad_id`` to the
+    longest: one segment each (example 0, as ``rows.batch.single_segment_batch`` addresses
+    the decoder rows), positions from 0, padding segment 0."""
+    width = max(len(s) for s in sources)
+    ids = torch.full((len(sources), width), pad_id, dtype=torch.int64)
+    seg = torch.zeros((len(sources), width), dtype=torch.int32)
+    for b, s in enumerate(sources):
+        ids[b, :len(s)] = torch.as_tensor([int(t) for t in s], dtype=torch.int64)
+        seg[b, :len(s)] = 1
+    pos = torch.arange(width, dtype=torch.int64).expand(len(sources), width) * (seg > 0)
+    segments = tuple((Segment(0, 0, 0, 0, len(s)),) for s in sources)
+    return SourceSide(ids, pos, seg, segments)

@@ -92,8 +92,8 @@ class Leaky(Regressor):
     """WRONG (Q3): the learned baseline fed the state *after* each sampled token, which
     has seen the action it scores."""
 
-    def states(self, model, context, continuations, device):
-        longer = super().states(model, context, [[*c, 0] for c in continuations], device)
+    def states(self, model, context, continuations, device, **kw):
+        longer = super().states(model, context, [[*c, 0] for c in continuations], device, **kw)
         return [s[1:] for s in longer]
 
 

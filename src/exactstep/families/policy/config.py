@@ -26,8 +26,10 @@ class PolicyConfig:
     """Sequence-level policy training (REINFORCE with a baseline; MIXER), declared.
 
     ``over``: the base family whose data and model are used: ``"chat"`` (the prompt is
-    a conversation up to its last assistant turn, the reference that turn) or
-    ``"causal"`` (text; with MIXER the document's first tokens are the prompt).
+    a conversation up to its last assistant turn, the reference that turn),
+    ``"causal"`` (text; with MIXER the document's first tokens are the prompt) or
+    ``"encdec"`` (source-target pairs on the encoder-decoder: the target side is sampled
+    from ``BOS`` given the source, the pair's target the reference).
     ``reward``: ``exact_match``, ``token_f1``, ``ngram_overlap`` (up to ``ngram``-grams)
     or ``module:function`` (a user's function, its name and source hash in the
     manifest). ``baseline``: ``none``, ``moving_average`` (``decay`` per committed
@@ -51,7 +53,7 @@ class PolicyConfig:
     without ``mixer`` the whole response is sampled.
     """
 
-    over: Literal["chat", "causal"] = "chat"
+    over: Literal["chat", "causal", "encdec"] = "chat"
     reward: str = "exact_match"
     ngram: int = 4
     baseline: Literal["none", "moving_average", "leave_one_out", "learned",

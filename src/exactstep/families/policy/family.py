@@ -15,6 +15,7 @@ import torch
 
 from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
+from exactstep.families.encdec.compiler import source_pad_of
 from exactstep.families.policy.config import BIASED
 from exactstep.families.policy.rewards import load_reward
 from exactstep.families.registry import Family, family_of
@@ -88,7 +89,9 @@ def family(cfg: RunConfig) -> Family:
                               seq_len=cfg.batch.seq_len, examples=parts.data.train,
                               reward=load_reward(cfg.policy.reward, cfg.policy.ngram),
                               stop_ids=(tokenizer.eos_id,), decode=tokenizer.decode,
-                              reference=reference)
+                              reference=reference,
+                              source_pad_id=(source_pad_of(cfg.encdec, tokenizer)
+                                             if cfg.policy.over == "encdec" else 0))
 
     def load_reference(cfg: RunConfig, parts: Any, device: Any) -> torch.nn.Module:
         """The frozen reference policy: the base model with the checkpoint's weights, in
