@@ -22,7 +22,8 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc, /proc")
+pytestmark = [pytest.mark.slow,  # real processes with their own malloc tunables
+              pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc, /proc")]
 
 SCRIPT = textwrap.dedent("""
     import json, resource, sys

@@ -23,6 +23,8 @@ import pytest
 
 from exactstep.cli import main
 
+pytestmark = pytest.mark.slow  # processes started and killed: out of the edit loop
+
 LOOPS = '''
 import os, sys, time
 from pathlib import Path

@@ -251,6 +251,7 @@ def test_a_correct_loop_written_another_way_passes_every_probe(name: str) -> Non
     assert report.ok
 
 
+@pytest.mark.slow  # 88 loops through every probe: out of the edit loop, once in make test
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_a_wrong_loop_fails_exactly_its_probes(name: str) -> None:
     report = run_audit(getattr(wrong, name)())

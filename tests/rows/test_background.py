@@ -91,6 +91,7 @@ def test_loading_a_cursor_after_the_worker_started_is_refused():
     ahead.close()
 
 
+@pytest.mark.slow
 def test_a_run_with_background_loading_is_bitwise_the_run_without(tmp_path):
     """Through the runner (P3): the final checkpoint, the ledger and the data report
     are identical with ``train.prefetch = 3`` on the thread, ``train.prefetch = 2`` in

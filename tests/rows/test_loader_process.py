@@ -39,6 +39,8 @@ from exactstep.rows.loader_process import (
 from exactstep.rows.prepared import PreparedDocuments
 from exactstep.rows.stream import RowStream
 
+pytestmark = pytest.mark.slow  # processes started and killed: out of the edit loop
+
 
 def differences(a, b, prefix: str = "") -> list[str]:
     """Every field of two batches (or encoder sides) that is not bitwise the same."""

@@ -21,6 +21,7 @@ from exactstep.data.conversation import Message
 from exactstep.data.tokenizer import build_tokenizer
 from exactstep.errors import ConfigError
 from exactstep.export import is_export
+from exactstep.families.encdec.compiler import source_pad_of
 from exactstep.finished_run import open_finished_run
 from exactstep.generation.config import GenerationConfig
 from exactstep.generation.sampler import sample_group
@@ -40,8 +41,11 @@ def run(args: argparse.Namespace) -> int:
                            from_checkpoint=Path(args.from_checkpoint)
                            if args.from_checkpoint else None) as run_:
         chat = args.chat or (run_.cfg.data.kind == "chat" and not args.text)
+        encdec = run_.parts.family.model == "encdec"  # the prompt is the encoder's source
         return generate(run_.model, run_.parts.tokenizer, args, run_.cfg.generation,
-                        chat=chat, device=run_.device)
+                        chat=chat and not encdec, device=run_.device,
+                        source_pad_id=source_pad_of(run_.cfg.encdec, run_.parts.tokenizer)
+                        if encdec else None)
 
 
 def open_export(path: Path) -> tuple[Any, Any]:
@@ -92,16 +96,24 @@ class Stream:
 
 
 def generate(model: Any, tokenizer: Any, args: argparse.Namespace, base: GenerationConfig,
-             *, chat: bool, device: Any) -> int:
+             *, chat: bool, device: Any, source_pad_id: int | None = None) -> int:
+    """Each prompt's continuations; with ``source_pad_id`` (an encoder-decoder) the
+    prompt is the encoder's source (its ids and ``EOS``, as pairs are encoded) and the
+    decoder starts from ``BOS``."""
     cfg = policy_of(base, args)
     out = sys.stdout
     for i, text in enumerate(args.prompt):
-        ids = prompt_ids(text, tokenizer, chat)
+        source = None
+        if source_pad_id is None:
+            ids = prompt_ids(text, tokenizer, chat)
+        else:
+            ids, source = [tokenizer.bos_id], [*tokenizer.encode(text), tokenizer.eos_id]
         if len(args.prompt) > 1:
             out.write(f"== prompt {i}: {text}\n")
         stream = Stream(tokenizer, out) if cfg.samples == 1 else None
         conts = sample_group(model, ids, cfg, seed=args.seed, window=0, example_id=i,
                              stop_ids=(tokenizer.eos_id,), device=device,
+                             source=source, source_pad_id=source_pad_id or 0,
                              on_token=None if stream is None else
                              (lambda k, t, stream=stream: stream.add(t)))
         for k, cont in enumerate(conts):

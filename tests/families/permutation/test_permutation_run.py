@@ -49,6 +49,7 @@ def differences(straight: Path, resumed: Path) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_a_permutation_run_records_its_objective_and_resumes_bitwise(tmp_path):
     straight, resumed = straight_and_resumed(tmp_path, "addressed")
     assert differences(straight, resumed) == []

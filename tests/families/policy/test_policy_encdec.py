@@ -99,3 +99,26 @@ def test_a_run_trains_journals_and_reports_exact_match(tmp_path):
     assert any(r["disposition"] == "COMMITTED" for r in ledger)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["exact_match_of"] == "held-out pairs"
+
+
+def test_generate_from_an_encoder_decoder_run_takes_the_prompt_as_its_source(tmp_path,
+                                                                            capsys):
+    """``exactstep generate`` on a trained encoder-decoder: greedy output is the model's
+    own ``greedy_decode`` of the prompt's source (ids and EOS, as pairs are encoded)."""
+    from exactstep.finished_run import open_finished_run
+
+    run = tmp_path / "run"
+    settings = {k: v for k, v in TINY.items() if not k.startswith(("policy.", "generation."))}
+    assert main(["train", "--no-progress", "--out", str(run),
+                 *set_args({**settings, "objective.family": "encdec", "train.steps": 2})]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "42", "--temperature", "0",
+                 "--samples", "1", "--max-new-tokens", "10"]) == 0
+    body = capsys.readouterr().out.rsplit("\n-- ", 1)[0]
+    with open_finished_run(run, purpose="read") as finished, torch.no_grad():
+        tok, cfg = finished.parts.tokenizer, finished.cfg
+        want = greedy_decode(finished.model.eval(), [[*tok.encode("42"), tok.eos_id]],
+                             bos_id=tok.bos_id, eos_id=tok.eos_id,
+                             source_pad_id=source_pad_of(cfg.encdec, tok), max_new_tokens=10)[0]
+    assert body == tok.decode([t for t in want if t >= 0] + ([tok.eos_id] if want[-1:] != [-1]
+                                                              else []))
