@@ -16,7 +16,13 @@ from __future__ import annotations
 import json
 
 import torch
-from families.policy.test_policy_run import Replay, one_window, sampled_tokens
+from families.policy.test_policy_run import (
+    Replay,
+    one_window,
+    outside,
+    sampled_tokens,
+    spread_tolerance,
+)
 from run_support import set_args
 
 from exactstep.cli import main
@@ -77,14 +83,10 @@ def test_a_window_split_two_ways_samples_and_steps_the_same():
                           program=Replay([b.map(lambda t: t) for b in results["1x8"][1]]),
                           dtype=torch.float64)
     reference = results["1x8"][0]
-    tolerance = {n: 2 * max(float((reference[n] - exact[n]).abs().max()),
-                            2.0 ** -24 * float(exact[n].abs().max())) for n in exact}
-    far = [n for n in exact
-           if float((results["8x1"][0][n] - reference[n]).abs().max()) > tolerance[n]]
-    assert far == []
+    tolerance = spread_tolerance(reference, exact)
+    assert outside(results["8x1"][0], reference, tolerance) == []
     other, _ = one_window(cfg, parts, model, [list(range(8, 16))])
-    assert [n for n in exact
-            if float((other[n] - reference[n]).abs().max()) > tolerance[n]] != []
+    assert outside(other, reference, tolerance) != []
 
 
 def test_a_run_trains_journals_and_reports_exact_match(tmp_path):

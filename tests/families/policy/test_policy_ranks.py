@@ -14,8 +14,11 @@ import torch
 from families.policy.test_policy_run import (
     TINY_POLICY,
     Replay,
+    gradient_capture,
     one_window,
+    outside,
     sampled_tokens,
+    spread_tolerance,
     window_of,
 )
 from parallel.workers import spawn_ranks
@@ -26,7 +29,6 @@ from exactstep.parallel.agreement import distribute_engine
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
 from exactstep.parallel.reducer import build_reducer
-from exactstep.update.groups import build_optimizer
 from exactstep.update.precision import Precision
 from exactstep.update.schedule import build_schedule
 from exactstep.update.window import UpdateEngine
@@ -68,13 +70,7 @@ def rank_window(rank: int, world: int, port: int, out: str, job: dict) -> None:
         model = parts.family.build_model(cfg, parts.tokenizer.vocab_size)
         program = parts.family.program(cfg, parts, model, torch.device("cpu"))
         length_reward(program)
-        update = cfg.update.__class__(**{**cfg.update.__dict__, "optimizer": "sgd",
-                                         "lr": 1e-30, "clip": 0.0, "weight_decay": 0.0,
-                                         "momentum": 0.0})
-        optimizer, _ = build_optimizer(model, update)
-        grads = []
-        optimizer.register_step_pre_hook(lambda opt, *_: grads.append(
-            {n: p.grad.double().clone() for n, p in model.named_parameters()}))
+        update, optimizer, grads = gradient_capture(cfg, model)
         engine_cls = LocalD if job.get("local_d") else UpdateEngine
         engine = engine_cls(model, optimizer, build_schedule(update, 1),
                             Precision(cfg.numerics, "cpu"), update, cfg.objective,
@@ -111,16 +107,12 @@ def test_two_ranks_sample_and_step_as_one_process(tmp_path):
     exact, _ = one_window(cfg, parts, model, [IDS[0] + IDS[1]],
                           program=Replay([b.map(lambda t: t) for b in batches]),
                           dtype=torch.float64)
-    tolerance = {n: 2 * max(float((single[n] - exact[n]).abs().max()),
-                            2.0 ** -24 * float(exact[n].abs().max())) for n in exact}
+    tolerance = spread_tolerance(single, exact)
     for rank in (0, 1):
-        got = results[rank]["grads"]
-        assert [n for n in exact
-                if float((got[n] - single[n]).abs().max()) > tolerance[n]] == [], rank
+        assert outside(results[rank]["grads"], single, tolerance) == [], rank
     # negative control: each rank normalising by its own share is not the window's update
     (tmp_path / "wrong").mkdir()
     wrong, codes, _ = spawn_ranks(rank_window, 2, tmp_path / "wrong", {"local_d": True},
                                   deadline_s=240)
     assert codes == [0, 0], wrong
-    assert [n for n in exact if float((wrong[0]["grads"][n] - single[n]).abs().max())
-            > tolerance[n]] != []
+    assert outside(wrong[0]["grads"], single, tolerance) != []

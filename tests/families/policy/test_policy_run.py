@@ -126,10 +126,9 @@ class Replay:
         pass
 
 
-def one_window(cfg, parts, model, ids, *, program=None, dtype=torch.float32):
-    """The gradient the engine steps on for the window of prompts ``ids`` (SGD with a
-    step of ~0, so the weights stay), and the trajectory batches it trained on."""
-    model = copy.deepcopy(model).to(dtype)
+def gradient_capture(cfg, model):
+    """``(update, optimizer, grads)``: SGD with a step of ~0 (the weights stay) whose
+    every step appends the gradient it would take (float64) to ``grads``."""
     update = cfg.update.__class__(**{**cfg.update.__dict__, "optimizer": "sgd",
                                      "lr": 1e-30, "clip": 0.0, "weight_decay": 0.0,
                                      "momentum": 0.0})
@@ -137,6 +136,26 @@ def one_window(cfg, parts, model, ids, *, program=None, dtype=torch.float32):
     grads = []
     optimizer.register_step_pre_hook(lambda opt, *_: grads.append(
         {n: p.grad.double().clone() for n, p in model.named_parameters()}))
+    return update, optimizer, grads
+
+
+def spread_tolerance(single, exact):
+    """Per tensor: twice the fp32 gradient's distance from the same window in float64
+    (at least fp32's unit roundoff of the largest entry)."""
+    return {n: 2 * max(float((single[n] - exact[n]).abs().max()),
+                       2.0 ** -24 * float(exact[n].abs().max())) for n in exact}
+
+
+def outside(grads, reference, tolerance) -> list[str]:
+    """The tensors of ``grads`` farther from ``reference`` than ``tolerance``."""
+    return [n for n in tolerance if float((grads[n] - reference[n]).abs().max()) > tolerance[n]]
+
+
+def one_window(cfg, parts, model, ids, *, program=None, dtype=torch.float32):
+    """The gradient the engine steps on for the window of prompts ``ids`` (SGD with a
+    step of ~0, so the weights stay), and the trajectory batches it trained on."""
+    model = copy.deepcopy(model).to(dtype)
+    update, optimizer, grads = gradient_capture(cfg, model)
     program = program or parts.family.program(cfg, parts, model, torch.device("cpu"))
     seen = []
     prepare = program.prepare
@@ -178,16 +197,12 @@ def test_a_window_split_three_ways_samples_and_steps_the_same(tmp_path, rewards)
                           program=Replay([b.map(lambda t: t) for b in results["1x8"][1]]),
                           dtype=torch.float64)
     reference = results["1x8"][0]
-    tolerance = {n: 2 * max(float((reference[n] - exact[n]).abs().max()),
-                            2.0 ** -24 * float(exact[n].abs().max())) for n in exact}
+    tolerance = spread_tolerance(reference, exact)
     for name in ("2x4", "8x1"):
-        grads = results[name][0]
-        far = [n for n in exact if float((grads[n] - reference[n]).abs().max()) > tolerance[n]]
-        assert far == [], (name, far)
+        assert outside(results[name][0], reference, tolerance) == [], name
     # negative control: another window's gradient is outside the same tolerance
     other, _ = one_window(cfg, parts, model, [list(range(8, 16))])
-    assert [n for n in exact
-            if float((other[n] - reference[n]).abs().max()) > tolerance[n]] != []
+    assert outside(other, reference, tolerance) != []
 
 
 def test_the_moving_average_moves_only_on_commit(tmp_path, rewards):
