@@ -133,11 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="conformance probes against a training step (A1)")
     audit.add_argument("--target", required=True, metavar="T",
                        help="exactstep (this engine), python:MODULE:FUNCTION (FUNCTION() "
-                            "returns an exactstep.audit.TrainingStep), hf-trainer"
+                            "returns an exactstep.audit.TrainingStep, or a PolicyStep "
+                            "for a policy loop), hf-trainer"
                             "[:padding|flattening|lora] (Hugging Face Trainer and its "
                             "collator; lora: Trainer + peft), "
-                            "or trl-sft[:completion_only_loss|assistant_only_loss|"
-                            "padding_free|packing] (trl's SFTTrainer)")
+                            "trl-sft[:completion_only_loss|assistant_only_loss|"
+                            "padding_free|packing] (trl's SFTTrainer), or "
+                            "trl-grpo[:dapo|bnpo|grpo|dr_grpo[:group|batch|none]] "
+                            "(trl's GRPOTrainer: loss_type, scale_rewards)")
     audit.add_argument("--json", action="store_true", help="print one JSON object")
     audit.add_argument("--report", metavar="FILE.html",
                        help="also write a self-contained HTML report")

@@ -1,8 +1,9 @@
-"""Conformance probes for any training step (A1, A2).
+"""Conformance probes for any training step (A1, A2) and any policy loop (Q3, Q4).
 
 ``exactstep audit --target exactstep | python:MODULE:FUNCTION`` runs ``PROBES``
 against a ``TrainingStep`` (the adapter protocol, ``exactstep.audit.protocol``) and
-reports each contract's expected and observed value. Two correct example loops ship
+reports each contract's expected and observed value; a ``PolicyStep`` (a policy loop,
+``exactstep.audit.policy_probes``) meets the policy probes. Two correct example loops ship
 in ``exactstep.audit.examples`` (nanoGPT-style and Annotated-Transformer-style).
 """
 
@@ -16,6 +17,9 @@ _EXPORTS = {
     "Microbatch": "exactstep.audit.protocol",
     "WindowCursor": "exactstep.audit.protocol",
     "PROBES": "exactstep.audit.probes",
+    "PolicyStep": "exactstep.audit.policy_probes",
+    "PolicyWindow": "exactstep.audit.policy_probes",
+    "POLICY_PROBES": "exactstep.audit.policy_probes",
     "Probe": "exactstep.audit.probes",
     "Result": "exactstep.audit.probes",
     "run_probe": "exactstep.audit.probes",

@@ -1,9 +1,12 @@
 """Resolve an audit target and run the probes against it (A1).
 
-Targets: ``exactstep`` (``audit.engine``), ``python:MODULE:FUNCTION`` (``FUNCTION()``
+Targets: ``exactstep`` (``audit.engine``), ``exactstep-policy[:BASELINE]``
+(``audit.engine_policy``), ``python:MODULE:FUNCTION`` (``FUNCTION()``
 returns a ``TrainingStep``; the current directory is importable, as with ``python -m``),
-``hf-trainer[:COLLATOR]`` (``audit.hf_trainer``) and ``trl-sft[:VARIANT]``
-(``audit.trl_sft``). An unresolvable target is a ``ConfigError`` (one ``error:`` line,
+``hf-trainer[:COLLATOR]`` (``audit.hf_trainer``), ``trl-sft[:VARIANT]``
+(``audit.trl_sft``) and ``trl-grpo[:LOSS_TYPE[:SCALE_REWARDS]]`` (``audit.trl_grpo``). A
+``TrainingStep`` meets the probes of ``audit.probes``; a ``PolicyStep`` (a policy loop)
+those of ``audit.policy_probes``. An unresolvable target is a ``ConfigError`` (one ``error:`` line,
 exit 2); a target that fails while probed is that probe's ``ERROR``: an exception,
 ``SystemExit``, a ``KeyboardInterrupt`` of its own (not the user's Ctrl-C) or a probe
 past ``probe_timeout`` seconds. ``target_stdout_to_stderr`` keeps stdout for the result.
@@ -26,10 +29,12 @@ from dataclasses import dataclass, field
 
 from exactstep.errors import ConfigError
 
-TARGETS = ("exactstep", "python:MODULE:FUNCTION", "hf-trainer", "hf-trainer:flattening",
+TARGETS = ("exactstep", "exactstep-policy", "python:MODULE:FUNCTION", "hf-trainer", "hf-trainer:flattening",
            "hf-trainer:lora", "trl-sft", "trl-sft:assistant_only_loss", "trl-sft:padding_free",
-           "trl-sft:packing")
+           "trl-sft:packing", "trl-grpo", "trl-grpo:bnpo", "trl-grpo:grpo",
+           "trl-grpo:dr_grpo", "trl-grpo:dapo:none")
 METHODS = ("build", "logits", "train", "evaluate", "save", "load")
+POLICY_METHODS = ("build", "logits", "gradient")
 # The slowest probe took 1.5 s (--target exactstep) and 3.3 s (hf-trainer) on a loaded
 # 2-core machine; 300 s leaves two orders of magnitude for slower machines and lies above
 # the DDP probe's own 60 s deadline, whose message is the more precise one
@@ -72,6 +77,12 @@ def resolve_target(target: str) -> object:
         return hf_trainer_target(target)
     if target == "trl-sft" or target.startswith("trl-sft:"):
         return trl_sft_target(target)
+    if target == "exactstep-policy" or target.startswith("exactstep-policy:"):
+        from exactstep.audit.engine_policy import make as make_policy
+
+        return make_policy(target.partition(":")[2])
+    if target == "trl-grpo" or target.startswith("trl-grpo:"):
+        return trl_grpo_target(target)
     raise ConfigError(f"unknown audit target {target!r}; use one of: {', '.join(TARGETS)}")
 
 
@@ -104,6 +115,25 @@ def trl_sft_target(target: str) -> object:
     return make(variant)
 
 
+def trl_grpo_target(target: str) -> object:
+    """``trl-grpo[:LOSS_TYPE[:SCALE_REWARDS]]`` (``exactstep.audit.trl_grpo``)."""
+    for package in ("transformers", "accelerate", "datasets", "trl"):
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise ConfigError(f"--target trl-grpo needs {package}: pip install "
+                              "'exactstep[hf]'") from None
+    from exactstep.audit.trl_grpo import make
+
+    return make(target.partition(":")[2])
+
+
+def is_policy(step: object) -> bool:
+    """A ``PolicyStep`` (``gradient``), not a ``TrainingStep`` (``train``)."""
+    return callable(getattr(step, "gradient", None)) and not callable(getattr(step, "train",
+                                                                              None))
+
+
 def python_target(target: str) -> object:
     spec = target[len("python:"):]
     module_name, sep, function = spec.rpartition(":")
@@ -126,15 +156,21 @@ def python_target(target: str) -> object:
     except Exception as exc:
         raise ConfigError(f"{module_name}:{function}() raised {type(exc).__name__}: {exc}"
                           ) from None
-    missing = [m for m in METHODS if not callable(getattr(step, m, None))]
+    methods, kind = ((POLICY_METHODS, "PolicyStep") if is_policy(step)
+                     else (METHODS, "TrainingStep"))
+    missing = [m for m in methods if not callable(getattr(step, m, None))]
     if missing:
         raise ConfigError(f"{module_name}:{function}() returned a {type(step).__name__} "
-                          f"without {', '.join(missing)}; see exactstep.audit.TrainingStep")
+                          f"without {', '.join(missing)}; see exactstep.audit.{kind}")
     return step
 
 
-def select_probes(names: Sequence[str] | None) -> list:
-    from exactstep.audit.probes import PROBES
+def select_probes(names: Sequence[str] | None, policy: bool = False) -> list:
+    """The probes named (all when none) from the catalogue of the step's kind."""
+    if policy:
+        from exactstep.audit.policy_probes import POLICY_PROBES as PROBES
+    else:
+        from exactstep.audit.probes import PROBES
 
     if not names:
         return list(PROBES)
@@ -262,7 +298,7 @@ def run_audit(step: object, *, target: str = "python", probes: Sequence[str] | N
 
     from exactstep.state.rng import isolated_rng
 
-    selected = select_probes(probes)
+    selected = select_probes(probes, is_policy(step))
     report = AuditReport(target)
     started = time.perf_counter()
     threads = torch.get_num_threads()
@@ -282,5 +318,5 @@ def audit(target: str, probes: Sequence[str] | None = None, *,
     """``resolve_target`` then ``run_audit``."""
     names = list(probes) if probes else None
     step = resolve_target(target)
-    select_probes(names)  # a bad probe name is refused before anything is built
+    select_probes(names, is_policy(step))  # a bad name is refused before anything runs
     return run_audit(step, target=target, probes=names, probe_timeout=probe_timeout)
