@@ -36,7 +36,7 @@ FLOORS = {
     "families": 12,
     "finished_run": 13, "prepare": 13, "runner": 13, "audit": 13,
     "continuation": 14, "export": 14,
-    "bench": 15, "smoke": 16,
+    "bench": 15, "distill": 15, "smoke": 16,
     "commands": 17,
     "cli": 18,
     "__main__": 19,

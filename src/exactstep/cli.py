@@ -73,6 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_args(prepare)
 
+    distill = sub.add_parser("distill", help="a teacher's answers as prepared training data "
+                                             "(sequence-level distillation, R10)")
+    distill.add_argument("teacher", help="an exactstep run, an export or a Hugging Face model "
+                                         "directory")
+    distill.add_argument("--out", required=True, help="the new prepared directory")
+    distill.add_argument("--from", dest="from_checkpoint",
+                         help="the teacher run's checkpoint (default: its latest)")
+    distill.add_argument("--temperature", type=float, default=0.0,
+                         help="0 (default): greedy; else sampled from the addressed stream")
+    distill.add_argument("--top-k", type=int, default=0)
+    distill.add_argument("--top-p", type=float, default=1.0)
+    distill.add_argument("--max-new-tokens", type=int, default=64,
+                         help="the longest answer the teacher writes (default 64)")
+    distill.add_argument("--workers", type=int, default=1, metavar="N",
+                         help="tokenizer processes (the shards are identical for any N)")
+    distill.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_args(distill)
+
     evaluate = sub.add_parser("eval", help="held-out loss, perplexity and bits per byte")
     evaluate.add_argument("run_dir", help="a run directory (uses its LATEST checkpoint)")
     evaluate.add_argument("--from", dest="from_checkpoint", help="a specific committed checkpoint")

@@ -365,6 +365,7 @@ class EvalReport:
     result: EvalResult
     unigram: float | None  # bits per target
     environment: str = ""  # the numerics environment evaluated in, against the record (S9)
+    teacher: dict | None = None  # the data's teacher, for a student of distillation (R10)
 
     def format(self) -> str:
         r = self.result
@@ -380,7 +381,20 @@ class EvalReport:
             lines.append(f"  bits per {unit} {fmt(bits)} (unigram baseline {fmt(unigram)})")
         if self.environment:
             lines.append(f"  numerics {self.environment}")
+        if self.teacher:
+            lines.append(f"  trained on teacher targets: {teacher_line(self.teacher)}")
         return "\n".join(lines)
+
+
+def teacher_line(teacher: dict) -> str:
+    """One line naming a distilled run's teacher and its decoding (R10)."""
+    what = teacher.get("kind", "?")
+    digest = (teacher.get("checkpoint_sha256") or
+              ",".join(sorted(teacher.get("weights_sha256", {}).values())) or "?")
+    decoding = teacher.get("decoding", {})
+    how = "greedy" if decoding.get("greedy") else (
+        f"sampled (temperature {decoding.get('temperature')}, seed {decoding.get('seed')})")
+    return f"{what} {teacher.get('path', '?')} (sha256 {digest[:12]}), {how}"
 
 
 def fmt(x: float | None) -> str:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from exactstep import __version__
+from exactstep.config import load_config
+from exactstep.data.tokenizer import build_tokenizer
 from exactstep.durable import (
     check_out,
     exclusive_lock,
@@ -295,6 +297,8 @@ def publish_export(run: Any, out: Path, checkpoint_manifest: str, *,
             **({"adapters": "peft" if adapter else "merged",
                 "base_weights_sha256": model.initial_weights_sha256}
                if getattr(model, "lora", None) is not None else {}),
+            **({"teacher_targets": data.section["teacher"]} if "teacher" in data.section
+               else {}),  # trained on a teacher's outputs (R10)
             "check": figures,
             "files": {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()},
         }
@@ -540,6 +544,15 @@ def is_export(path: Path) -> bool:
     """Whether ``path`` is an export directory (a passport, no checkpoint manifest)."""
     path = Path(path)
     return (path / PASSPORT).is_file() and not (path / CHECKPOINT_MANIFEST).exists()
+
+
+def open_export(path: Path) -> tuple[Any, Any]:
+    """An export (or Hugging Face model) directory as exactstep's adapter over the
+    ``transformers`` model it holds, and its tokenizer: what the sampler draws from."""
+    cfg = load_config(None, ["model.source=hf", f"model.path={path}", "data.tokenizer=hf",
+                             f"data.tokenizer_path={path}", "model.hf_config={}"])
+    tokenizer = build_tokenizer(cfg)
+    return build_model(cfg.model, tokenizer.vocab_size, seed=0), tokenizer
 
 
 def verify_export(out: Path) -> ExportVerifyReport:

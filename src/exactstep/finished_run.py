@@ -94,4 +94,5 @@ def evaluate_run(run_dir: Path, *, from_checkpoint: Path | None = None) -> EvalR
                               cfg.train.eval_tokens, byte_lengths=tokenizer.byte_lengths(),
                               compiler=parts.compiler)
         return EvalReport(run.checkpoint.name, validator.evaluate(),
-                          validator.baseline_bits(), run.environment)
+                          validator.baseline_bits(), run.environment,
+                          parts.data.section.get("teacher"))

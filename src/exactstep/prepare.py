@@ -79,8 +79,11 @@ PR_SET_PDEATHSIG = 1  # Linux prctl option: a signal for this process when its p
 
 def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
             shard_tokens: int = SHARD_TOKENS, block_documents: int = BLOCK_DOCUMENTS,
-            progress: bool = True) -> dict[str, Any]:
+            progress: bool = True, items: SourceItems | None = None) -> dict[str, Any]:
     """Prepare ``source`` with ``cfg``'s tokenizer (and chat settings) into ``out``.
+
+    ``items``: the split items to write instead of reading ``source`` (``distill``'s
+    teacher-answered conversations); ``source`` then only names them.
 
     Returns the published ``prepared.json`` content. ``out`` is held for the whole
     call (``.<out>.lock`` beside it); another process holding it is a
@@ -96,11 +99,13 @@ def prepare(cfg: Any, source: str, out: Path, *, workers: int = 1,
         raise ConfigError("--shard-tokens and --block-documents must be at least 1")
     out = Path(out)
     with exclusive_lock(lock_beside(out), f"--out {out}"):  # S8, X4
-        return prepare_held(cfg, source, out, workers, shard_tokens, block_documents, progress)
+        return prepare_held(cfg, source, out, workers, shard_tokens, block_documents, progress,
+                            items)
 
 
 def prepare_held(cfg: Any, source: str, out: Path, workers: int, shard_tokens: int,
-                 block_documents: int, progress: bool) -> dict[str, Any]:
+                 block_documents: int, progress: bool,
+                 items: SourceItems | None = None) -> dict[str, Any]:
     """``prepare`` with ``out`` held."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} already exists and is not empty; choose a new --out "
@@ -110,7 +115,7 @@ def prepare_held(cfg: Any, source: str, out: Path, workers: int, shard_tokens: i
     tokenizer = family_tokenizer(cfg)
     chat = cfg.data.kind == "chat"
     template = template_for(tokenizer) if chat else None
-    source_items = read_source(cfg)
+    source_items = read_source(cfg) if items is None else items
     partial = out.parent / f".{out.name}.partial"
     if partial.exists():
         shutil.rmtree(partial)  # never published (S8): an interrupted earlier attempt

@@ -15,17 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from exactstep.config import load_config
 from exactstep.data.chat import template_for
 from exactstep.data.conversation import Message
-from exactstep.data.tokenizer import build_tokenizer
 from exactstep.errors import ConfigError
-from exactstep.export import is_export
+from exactstep.export import is_export, open_export
 from exactstep.families.encdec.compiler import source_pad_of
 from exactstep.finished_run import open_finished_run
 from exactstep.generation.config import GenerationConfig
 from exactstep.generation.sampler import sample_group
-from exactstep.model.decoder import build_model
 
 FLAGS = {"samples": "samples", "max_new_tokens": "max_new_tokens",
          "temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}
@@ -46,15 +43,6 @@ def run(args: argparse.Namespace) -> int:
                         chat=chat and not encdec, device=run_.device,
                         source_pad_id=source_pad_of(run_.cfg.encdec, run_.parts.tokenizer)
                         if encdec else None)
-
-
-def open_export(path: Path) -> tuple[Any, Any]:
-    """An export directory as the sampler's model (exactstep's adapter over the
-    ``transformers`` model it holds) and its tokenizer."""
-    cfg = load_config(None, ["model.source=hf", f"model.path={path}", "data.tokenizer=hf",
-                             f"data.tokenizer_path={path}", "model.hf_config={}"])
-    tokenizer = build_tokenizer(cfg)
-    return build_model(cfg.model, tokenizer.vocab_size, seed=0), tokenizer
 
 
 def policy_of(base: GenerationConfig, args: argparse.Namespace) -> GenerationConfig:

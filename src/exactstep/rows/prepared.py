@@ -330,6 +330,8 @@ def load_prepared_bundle(cfg: Any, tokenizer: Any, representation: dict[str, Any
         "train_documents": len(train),
         "val_documents": len(val),
     }
+    if isinstance(meta.get("teacher"), dict):  # teacher targets (R10): the manifest says so
+        section["teacher"] = meta["teacher"]
     return DataBundle(train, val, section, representation)  # type: ignore[arg-type]
 
 
