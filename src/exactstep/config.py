@@ -21,7 +21,9 @@ from typing import Any, Literal
 from exactstep.data.arith import ArithSpec
 from exactstep.data.config import DataConfig
 from exactstep.errors import ConfigError
+from exactstep.families.bart.config import BartConfig
 from exactstep.families.encdec.config import EncDecConfig
+from exactstep.families.mass.config import MassConfig
 from exactstep.families.mlm.config import MLMConfig
 from exactstep.families.permutation.config import PermutationConfig
 from exactstep.families.policy.config import PolicyConfig
@@ -87,6 +89,8 @@ class RunConfig:
     ``permutation`` (the partial-prediction cutoff) when ``objective.family =
     "permutation"``; ``encdec`` (model depths, encoder columns, the built-in
     ``numwords`` pairs) for the encoder-decoder families, ``span`` for ``"span"``,
+    ``bart`` (the noising composition, R9) for ``"bart"``,
+    ``mass`` (the fragment fraction and replacement rates, R9) for ``"mass"``,
     ``mlm`` (selection and replacement rates) for ``"mlm"``, ``scheduled_sampling``
     for ``"scheduled_sampling"`` and ``policy`` for ``"policy"`` (R8, Q1-Q4).
     ``generation`` is the declared sampling policy (Q1) of a policy run's rollouts and
@@ -110,6 +114,8 @@ class RunConfig:
     permutation: PermutationConfig = field(default_factory=PermutationConfig)
     encdec: EncDecConfig = field(default_factory=EncDecConfig)
     span: SpanConfig = field(default_factory=SpanConfig)  # family "span" (families.span.config)
+    bart: BartConfig = field(default_factory=BartConfig)  # family "bart" (families.bart.config)
+    mass: MassConfig = field(default_factory=MassConfig)  # family "mass" (families.mass.config)
     mlm: MLMConfig = field(default_factory=MLMConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -320,6 +326,8 @@ def coerce(hint: Any, value: Any, key: str) -> Any:
         raise ConfigError(f"{key} must be true or false; got {value!r}")
     if hint is dict or origin is dict:
         return coerce_table(value, key)
+    if origin is tuple and typing.get_args(hint) == (str, Ellipsis):
+        return coerce_names(value, key)
     if hint is int:
         return coerce_int(value, key)
     if hint is float:
@@ -329,6 +337,25 @@ def coerce(hint: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be a string; got {value!r}")
         return value
     raise ConfigError(f"{key}: unsupported config type {hint!r}")
+
+
+def coerce_names(value: Any, key: str) -> tuple[str, ...]:
+    """A list of strings (``tuple[str, ...]`` keys, e.g. ``bart.noise``): a TOML array,
+    or from ``--set`` a JSON array (``'["a", "b"]'``) or names separated by commas
+    (``a,b``; an empty value is the empty list)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{key} must be a list of strings, e.g. '[\"a\", \"b\"]' "
+                                  f"({exc.msg} at character {exc.pos})") from None
+        else:
+            value = [name.strip() for name in text.split(",") if name.strip()]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key} must be a list of strings; got {value!r}")
+    return tuple(value)
 
 
 def coerce_table(value: Any, key: str) -> dict[str, Any]:
@@ -422,6 +449,8 @@ def config_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, Any,
 
 
 def describe(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "list of str"
     if typing.get_origin(hint) is Literal:
         return " | ".join(map(str, typing.get_args(hint)))
     if typing.get_origin(hint) in (typing.Union, types.UnionType):

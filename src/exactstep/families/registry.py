@@ -23,7 +23,7 @@ from exactstep.rows.sources import load_bundle
 
 #: Every family the specification names (R8), built or not.
 SPECIFIED = ("causal", "chat", "prefix", "encdec", "mlm", "span", "permutation",
-             "scheduled_sampling", "policy")
+             "scheduled_sampling", "policy", "mass", "bart")
 DEFAULT_SOURCE = "stdlib"
 
 
@@ -99,6 +99,8 @@ BUILT: tuple[str, ...] = (
     "encdec",
     "prefix",
     "span",
+    "mass",
+    "bart",
     "mlm",
     "policy",
 )

@@ -20,7 +20,7 @@ class ObjectiveConfig:
 
     family: Literal[
         "auto", "causal", "chat", "prefix", "encdec", "mlm", "span", "permutation",
-        "scheduled_sampling", "policy",
+        "scheduled_sampling", "policy", "mass", "bart",
     ] = "auto"
     reduction: Literal[
         "token_mean", "sequence_mean", "microbatch_mean", "weighted", "weighted_count"

@@ -15,17 +15,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from exactstep.errors import BatchInvariantError, ConfigError, DataError
 from exactstep.families.span.config import SpanConfig, row_shape
 from exactstep.families.span.render import render_span_rows
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, SourceSide
-from exactstep.rows.causal import example_weight
+from exactstep.rows.batch import IGNORE_INDEX, Batch, SourceSide
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.invariants import check_batch, fail_at
 from exactstep.rows.packing import Piece
+from exactstep.rows.sides import (
+    SideArrays,
+    check_decoder_shift,
+    check_encoder_eos,
+    check_source,
+    content_tokens,
+    segment_edges,
+)
 
 SPAN_STREAM = 0x5350414E  # "SPAN": this family's tag in every corruption generator's seed
 SENTINEL_PREFIX = "extra_id_"
@@ -84,22 +90,6 @@ def corrupt(raw: np.ndarray, mask: np.ndarray, sentinels: np.ndarray,
     inputs = np.concatenate([replace_runs(raw, mask, sentinels), eos])
     targets = np.concatenate([replace_runs(raw, ~mask, sentinels), eos])
     return inputs, targets
-
-
-def raw_tokens(example: Example, piece: Piece, bos_id: int, eos_id: int) -> np.ndarray:
-    """The piece's tokens without the example's BOS (first token) and EOS (last one).
-
-    Raises ``DataError`` when the example is not ``BOS ... EOS`` text.
-    """
-    tokens = example.tokens
-    n = len(tokens)
-    if n < 2 or int(tokens[0]) != bos_id or int(tokens[-1]) != eos_id:
-        raise DataError(
-            f"example {example.example_id} is not BOS + text + EOS; span corruption reads "
-            "text examples (data.kind = 'text')"
-        )
-    start, stop = max(piece.offset, 1), min(piece.offset + piece.length, n - 1)
-    return tokens[start:stop] if stop > start else tokens[:0]
 
 
 # --------------------------------------------------------------------------- the compiler
@@ -162,7 +152,7 @@ class SpanCompiler:
 
     def corrupt_piece(self, example: Example, piece: Piece) -> CompiledPiece:
         """The piece's input and target, drawn from its own generator."""
-        raw = raw_tokens(example, piece, self.bos_id, self.eos_id)
+        raw = content_tokens(example, piece, self.bos_id, self.eos_id, 'span corruption')
         rng = piece_generator(self.seed, piece.epoch, example.example_id, piece.piece)
         inputs, targets = corrupt(raw, noise_mask(len(raw), self.span, rng), self.sentinels,
                                   self.eos_id)
@@ -210,120 +200,17 @@ class SpanCompiler:
         if source is None:
             raise BatchInvariantError("a span batch has no encoder side (batch.source)")
         check_source(source, batch, vocab_size)
-        inputs, labels, segs = batch.input_ids, batch.labels, batch.segment_ids
-        real = segs > 0
-        first = real.clone()
-        first[:, 1:] &= segs[:, 1:] != segs[:, :-1]
-        last = real.clone()
-        last[:, :-1] &= segs[:, :-1] != segs[:, 1:]
+        labels = batch.labels
+        real, _, _, last = segment_edges(batch.segment_ids)
         fail_at(batch, real & (labels == IGNORE_INDEX),
                 "a decoder column of a segment has no target (label {value})", labels)
-        fail_at(batch, first & (inputs != self.bos_id),
-                "a decoder segment starts with {value}, not the BOS start token", inputs)
-        follows = torch.zeros_like(real)
-        follows[:, 1:] = real[:, 1:] & ~first[:, 1:]
-        previous_label = torch.full_like(labels, IGNORE_INDEX)
-        previous_label[:, 1:] = labels[:, :-1]
-        fail_at(batch, follows & (inputs != previous_label),
-                "decoder input {value} is not the previous column's target: the shift is "
-                "missing or doubled", inputs)
+        check_decoder_shift(batch, self.bos_id, "BOS")
         fail_at(batch, last & (labels != self.eos_id),
                 "a decoder segment's last target is {value}, not EOS", labels)
-        enc_segs = source.segment_ids
-        enc_last = enc_segs > 0
-        enc_last[:, :-1] &= enc_segs[:, :-1] != enc_segs[:, 1:]
-        fail_source_at(source, enc_last & (source.input_ids != self.eos_id),
-                       "an encoder segment ends with {value}, not EOS", source.input_ids)
+        check_encoder_eos(source, self.eos_id)
 
     # -- showing (R6)
 
     def render(self, batch: Batch, tokenizer: Any, rows: range) -> str:
         """Both sides of each requested row, sentinels by name (``exactstep inspect``)."""
         return render_span_rows(batch, tokenizer, rows)
-
-
-class SideArrays:
-    """The arrays of one side of a batch being filled (NumPy, handed to torch)."""
-
-    def __init__(self, rows: int, width: int, pad_id: int, *, labels: bool = False,
-                 weights: bool = False) -> None:
-        self.width = width
-        self.ids = np.full((rows, width), pad_id, dtype=np.int64)  # [B, W]
-        self.positions = np.zeros((rows, width), dtype=np.int64)  # [B, W]
-        self.segment_ids = np.zeros((rows, width), dtype=np.int32)  # [B, W]
-        self.labels = np.full((rows, width), IGNORE_INDEX, dtype=np.int64) if labels else None
-        self.weights = np.zeros((rows, width), dtype=np.float32) if weights else None
-        self.segments: list[list[Segment]] = [[] for _ in range(rows)]
-        self.used = [0] * rows
-
-    def place(self, b: int, s: int, item: CompiledPiece, ids: np.ndarray, positions: str,
-              *, labels: np.ndarray | None = None) -> None:
-        start, n = self.used[b], len(ids)
-        stop = start + n
-        if stop > self.width:
-            raise BatchInvariantError(
-                f"row {b} (example {item.example.example_id}, piece {item.piece.piece}): the "
-                f"corrupted pieces take more than the {self.width} columns of a side; plan "
-                "span rows with the compiler's piece_cost"
-            )
-        self.ids[b, start:stop] = ids
-        self.positions[b, start:stop] = (np.arange(n) if positions == "reset"
-                                         else np.arange(start, stop))
-        self.segment_ids[b, start:stop] = s
-        if self.labels is not None and labels is not None:
-            self.labels[b, start:stop] = labels
-        if self.weights is not None:
-            self.weights[b, start:stop] = example_weight(item.example)
-        self.segments[b].append(Segment(item.example.example_id, item.piece.piece,
-                                        item.piece.offset, start, n))
-        self.used[b] = stop
-
-    def all_segments(self) -> tuple[tuple[Segment, ...], ...]:
-        return tuple(tuple(row) for row in self.segments)
-
-    def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """``(ids, positions, segment ids, labels, weights)``; the last two may be None."""
-        def wrap(a: np.ndarray | None) -> torch.Tensor | None:
-            return None if a is None else torch.from_numpy(a)
-
-        return (wrap(self.ids), wrap(self.positions), wrap(self.segment_ids),
-                wrap(self.labels), wrap(self.weights))
-
-
-def check_source(source: SourceSide, batch: Batch, vocab_size: int | None) -> None:
-    """The encoder side's shapes, ids and pairing with the decoder side (R7, R8)."""
-    rows = batch.shape[0]
-    for name in ("input_ids", "position_ids", "segment_ids"):
-        shape = tuple(getattr(source, name).shape)
-        if len(shape) != 2 or shape[0] != rows or 0 in shape:
-            raise BatchInvariantError(f"source.{name} has shape {shape}; expected "
-                                      f"[{rows}, S > 0] like the decoder side's rows")
-    if tuple(source.position_ids.shape) != source.shape or \
-            tuple(source.segment_ids.shape) != source.shape:
-        raise BatchInvariantError("the encoder side's tensors differ in shape")
-    ids = source.input_ids
-    bad = (ids < 0) if vocab_size is None else (ids < 0) | (ids >= vocab_size)
-    fail_source_at(source, bad, "encoder input id {value} is outside the vocabulary", ids)
-    if len(source.segments) != rows:
-        raise BatchInvariantError(f"the encoder side lists {len(source.segments)} rows of "
-                                  f"segments, the decoder side {rows}")
-    for b, (dec, enc) in enumerate(zip(batch.segments, source.segments, strict=True)):
-        pairs = [(d.example_id, d.piece) for d in dec]
-        if pairs != [(e.example_id, e.piece) for e in enc]:
-            raise BatchInvariantError(
-                f"row {b}: decoder segments {pairs} are not paired with the encoder's "
-                f"{[(e.example_id, e.piece) for e in enc]} (segment s must be the same piece)"
-            )
-
-
-def fail_source_at(source: SourceSide, bad: torch.Tensor, what: str,
-                   values: torch.Tensor) -> None:
-    """``fail_at`` for the encoder side: names the row, column and piece."""
-    if not bool(bad.any()):
-        return
-    flat = int(torch.nonzero(bad.reshape(-1))[0, 0])
-    b, i = divmod(flat, bad.shape[1])
-    piece = next((f"example {s.example_id}, piece {s.piece}" for s in source.segments[b]
-                  if s.start <= i < s.stop), "padding")
-    raise BatchInvariantError(f"encoder row {b} column {i} ({piece}): "
-                              f"{what.format(value=int(values[b, i]))}")

@@ -1,0 +1,71 @@
+"""The MASS family (R9, Song et al. 2019): text, the MASS compiler (``compiler.py``), its
+``<mask>`` special and the built-in encoder-decoder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from exactstep.config import RunConfig
+from exactstep.errors import ConfigError
+from exactstep.families.mass.compiler import MASK_NAME, MASS_STREAM, MassCompiler
+from exactstep.families.mass.config import row_shape
+from exactstep.families.registry import Family
+from exactstep.model.encdec import build_encoder_decoder
+
+
+def mass_specials(cfg: RunConfig) -> tuple[str, ...]:
+    """The ``<mask>`` token the encoder shows and the decoder starts from."""
+    return (MASK_NAME,)
+
+
+def content_ids(tokenizer: Any) -> np.ndarray:
+    """Every id that is not a special token, ascending: the random replacements' pool."""
+    special = sorted(set(tokenizer.special_ids().values()))
+    return np.setdiff1d(np.arange(tokenizer.vocab_size, dtype=np.int64), special)
+
+
+def mass_compiler(cfg: RunConfig, tokenizer: Any) -> MassCompiler:
+    """The run's compiler; ``ConfigError`` for a setting that means nothing here
+    (``batch.boundary = "keep"``: a piece's fragment never continues into the next) and
+    for a row that cannot hold a fragment (``row_shape``)."""
+    if cfg.batch.boundary != "ignore":
+        raise ConfigError(
+            "batch.boundary = 'keep' has no meaning for MASS (each piece's target is its own "
+            "fragment); leave batch.boundary = 'ignore'"
+        )
+    compiler = MassCompiler(cfg.mass, seed=cfg.seed, bos_id=tokenizer.bos_id,
+                            eos_id=tokenizer.eos_id, mask_id=tokenizer.extra_id(MASK_NAME),
+                            content_ids=content_ids(tokenizer))
+    compiler.capacity(cfg.batch)  # refuses a row too short, now
+    return compiler
+
+
+def mass_objective(cfg: RunConfig) -> dict[str, Any]:
+    """The manifest's ``objective`` section (S1, R9): the compiler's passport —
+    selection law, replacement policy, decoder layout, RNG address and row shape."""
+    mass = cfg.mass
+    capacity, encoder, decoder = row_shape(mass, cfg.batch.seq_len)
+    return {"family": "mass", "shift_owner": "collator", "ownership": "fragment_tokens",
+            "estimator": "teacher_forced_mle", "fraction": mass.fraction,
+            "fragment_length": "min(max(round(r * fraction), 1), r) for r >= 1 content tokens",
+            "start": mass.start, "mask_rate": mass.mask_rate, "random_rate": mass.random_rate,
+            "keep_rate": mass.keep_rate, "mask_token": MASK_NAME,
+            "random_tokens": "uniform over non-special ids",
+            "decoder": "fragment only, shifted right, at its original encoder positions",
+            "decoder_start": MASK_NAME, "content_tokens_per_row": capacity,
+            "encoder_columns": encoder, "decoder_columns": decoder,
+            "rng": f"numpy default_rng([seed, {MASS_STREAM:#x}, epoch, example_id, piece]): "
+                   "integers(0, r - k + 1), random(k), integers(0, n_content, k)"}
+
+
+def build_mass_model(cfg: RunConfig, vocab_size: int) -> Any:
+    """The built-in encoder-decoder (``model.encdec``)."""
+    return build_encoder_decoder(cfg, vocab_size)
+
+
+FAMILY = Family(name="mass", model="encdec", data_kind="text", default_source="stdlib",
+                compiler=mass_compiler, objective=mass_objective, build_model=build_mass_model,
+                specials=mass_specials)
