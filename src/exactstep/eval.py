@@ -29,6 +29,7 @@ from exactstep.rows.batch import IGNORE_INDEX, Batch, single_segment_batch
 from exactstep.rows.compiler import CAUSAL, RowCompiler
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
+from exactstep.rows.packing import Piece
 from exactstep.rows.stream import RowStream, eval_batches
 from exactstep.state.rng import eval_mode, isolated, isolated_rng  # noqa: F401 (E1, re-exported)
 
@@ -399,3 +400,45 @@ def teacher_line(teacher: dict) -> str:
 
 def fmt(x: float | None) -> str:
     return f"{x:.4f}" if x is not None else "N/A"
+
+
+# ------------------------------------------------------- denoising reconstruction (R9)
+
+
+def heldout_pieces(examples: Sequence[Any], n: int, max_tokens: int) -> list[tuple[Any, Any]]:
+    """``(example, piece)`` for the first ``n`` held-out text examples with content: each
+    one piece of its first ``max_tokens`` content tokens (``BOS`` included, as a row's
+    first piece), drawn at epoch 0: the pieces an end-of-run reconstruction score reads."""
+    out = []
+    for i, example in enumerate(examples):
+        if len(out) == n:
+            break
+        if len(example.tokens) > 2:  # BOS, content, EOS
+            out.append((example, Piece(example=i, offset=0,
+                                       length=min(len(example.tokens), max_tokens + 1),
+                                       piece=0, epoch=0)))
+    return out
+
+
+def edit_accuracy(hypotheses: Sequence[Sequence[int]], references: Sequence[Sequence[int]]
+                  ) -> float | None:
+    """``1 - (sum of token edit distances) / (sum of reference lengths)``: 1 is every
+    reference reproduced, 0 as many edits as tokens (it can go below 0); ``None``
+    without reference tokens."""
+    edits = total = 0
+    for hyp, ref in zip(hypotheses, references, strict=True):
+        edits += levenshtein(list(hyp), list(ref))
+        total += len(ref)
+    return None if total == 0 else 1.0 - edits / total
+
+
+def levenshtein(a: list[int], b: list[int]) -> int:
+    """Insertions, deletions and substitutions that turn ``a`` into ``b``."""
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, start=1):
+        current = [i]
+        for j, y in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1,
+                               previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -441,6 +441,29 @@ def build_encoder_decoder(cfg: Any, vocab_size: int) -> EncoderDecoder:
 
 
 # ------------------------------------------------------------------ greedy decoding
+
+
+@torch.no_grad()
+def greedy_fragments(model: EncoderDecoder, sources: Sequence[Sequence[int]],
+                     starts: Sequence[int], lengths: Sequence[int], *, start_id: int,
+                     source_pad_id: int, device: torch.device | str = "cpu") -> list[list[int]]:
+    """MASS's greedy reconstruction: for each source, ``lengths[i]`` argmax tokens
+    decoded from ``start_id`` at decoder positions ``starts[i], starts[i] + 1, ...``
+    (the fragment's own positions), one source at a time, without a KV cache. Runs
+    under ``no_grad``; the caller chooses the model's mode and RNG isolation (E1)."""
+    answers: list[list[int]] = []
+    for source_ids, start, length in zip(sources, starts, lengths, strict=True):
+        source = source_rows([source_ids], source_pad_id).map(lambda t: t.to(device))
+        memory = model.encode(source)  # [1, S, H]
+        tokens = torch.full((1, 1), start_id, dtype=torch.int64, device=device)
+        for _ in range(length):
+            batch = single_segment_batch(tokens)
+            batch = replace(batch, position_ids=batch.position_ids + int(start))
+            hidden = model.decode(batch, memory, source)  # [1, L, H]
+            next_id = model.logits(hidden[:, -1:, :])[:, -1].argmax(dim=-1)  # [1]
+            tokens = torch.cat([tokens, next_id[:, None]], dim=1)
+        answers.append(tokens[0, 1:].tolist())
+    return answers
 
 
 @torch.no_grad()

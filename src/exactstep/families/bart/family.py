@@ -8,10 +8,12 @@ from typing import Any
 
 from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
+from exactstep.eval import edit_accuracy, heldout_pieces
 from exactstep.families.bart.compiler import BART_STREAM, MASK_NAME, BartCompiler
 from exactstep.families.bart.config import row_shape
 from exactstep.families.registry import Family
-from exactstep.model.encdec import build_encoder_decoder
+from exactstep.model.encdec import build_encoder_decoder, greedy_decode
+from exactstep.state.rng import isolated
 
 
 def check_splitter(cfg: RunConfig) -> None:
@@ -73,6 +75,32 @@ def build_bart_model(cfg: RunConfig, vocab_size: int) -> Any:
     return build_encoder_decoder(cfg, vocab_size)
 
 
+HELDOUT = 64  # held-out pieces the end-of-run reconstruction reads
+HELDOUT_TOKENS = 64  # content tokens of each
+
+
+def bart_score(model: Any, parts: Any, cfg: RunConfig, device: Any) -> dict[str, Any]:
+    """End-of-run reconstruction (R9): the first ``HELDOUT`` held-out documents, each
+    one piece of at most ``HELDOUT_TOKENS`` content tokens noised by the run's
+    composition; the model's greedy reconstruction against the original, as
+    ``edit_accuracy``, beside the copy baseline's (the noised input taken as the
+    reconstruction)."""
+    compiler, tokenizer = parts.compiler, parts.tokenizer
+    items = [compiler.noise_piece(e, p) for e, p in heldout_pieces(parts.data.val, HELDOUT,
+                                                                    HELDOUT_TOKENS)]
+    sources = [item.inputs.tolist() for item in items]
+    references = [item.targets[:-1].tolist() for item in items]
+    with isolated(model):
+        hypotheses = greedy_decode(model, sources, bos_id=tokenizer.bos_id,
+                                   eos_id=tokenizer.eos_id, source_pad_id=tokenizer.pad_id,
+                                   max_new_tokens=HELDOUT_TOKENS + 8, device=device)
+    return {"reconstruction": edit_accuracy(hypotheses, references),
+            "copy_baseline": edit_accuracy([s[:-1] for s in sources], references),
+            "reconstruction_n": len(items),
+            "reconstruction_of": f"held-out pieces of up to {HELDOUT_TOKENS} tokens, greedy; "
+                                 "1 - token edits / reference tokens"}
+
+
 FAMILY = Family(name="bart", model="encdec", data_kind="text", default_source="stdlib",
                 compiler=bart_compiler, objective=bart_objective, build_model=build_bart_model,
-                specials=bart_specials)
+                specials=bart_specials, score=bart_score)

@@ -10,10 +10,12 @@ import numpy as np
 
 from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
+from exactstep.eval import edit_accuracy, heldout_pieces
 from exactstep.families.mass.compiler import MASK_NAME, MASS_STREAM, MassCompiler
 from exactstep.families.mass.config import row_shape
 from exactstep.families.registry import Family
-from exactstep.model.encdec import build_encoder_decoder
+from exactstep.model.encdec import build_encoder_decoder, greedy_fragments
+from exactstep.state.rng import isolated
 
 
 def mass_specials(cfg: RunConfig) -> tuple[str, ...]:
@@ -66,6 +68,37 @@ def build_mass_model(cfg: RunConfig, vocab_size: int) -> Any:
     return build_encoder_decoder(cfg, vocab_size)
 
 
+HELDOUT = 64  # held-out pieces the end-of-run reconstruction reads
+HELDOUT_TOKENS = 64  # content tokens of each
+
+
+def mass_score(model: Any, parts: Any, cfg: RunConfig, device: Any) -> dict[str, Any]:
+    """End-of-run reconstruction (R9): the first ``HELDOUT`` held-out documents, each
+    one piece of at most ``HELDOUT_TOKENS`` content tokens with its fragment masked as
+    in training; the model's greedy fragment (its length known, from ``<mask>`` at the
+    fragment's positions) against the original, as the share of fragment tokens right
+    (``edit_accuracy`` of equal lengths), beside the copy baseline's (the encoder's
+    tokens at the fragment: masks, random tokens and the kept ones)."""
+    compiler = parts.compiler
+    items = [compiler.mask_piece(e, p) for e, p in heldout_pieces(parts.data.val, HELDOUT,
+                                                                   HELDOUT_TOKENS)]
+    items = [item for item in items if len(item.targets)]
+    references = [item.targets.tolist() for item in items]
+    with isolated(model):
+        hypotheses = greedy_fragments(model, [item.inputs.tolist() for item in items],
+                                      [item.start for item in items],
+                                      [len(item.targets) for item in items],
+                                      start_id=compiler.mask_id,
+                                      source_pad_id=parts.tokenizer.pad_id, device=device)
+    copies = [item.inputs[item.start:item.start + len(item.targets)].tolist()
+              for item in items]
+    return {"reconstruction": edit_accuracy(hypotheses, references),
+            "copy_baseline": edit_accuracy(copies, references),
+            "reconstruction_n": len(items),
+            "reconstruction_of": f"held-out fragments of pieces of up to {HELDOUT_TOKENS} "
+                                 "tokens, greedy; share of fragment tokens right"}
+
+
 FAMILY = Family(name="mass", model="encdec", data_kind="text", default_source="stdlib",
                 compiler=mass_compiler, objective=mass_objective, build_model=build_mass_model,
-                specials=mass_specials)
+                specials=mass_specials, score=mass_score)
