@@ -5,11 +5,26 @@ T5 says they do, and wrong variants that these checks catch."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
-import torch
+from families.corruption_support import (
+    BOS,
+    EOS,
+    PAD,
+    NoShiftMixin,
+    Recording,
+    actual_of,
+    assert_another_seed_or_epoch_draws_anew,
+    assert_overflows_without_the_charges,
+    assert_r7_refuses_broken_rows,
+    assert_same_in_any_row_rank_or_resume,
+    corpus,
+    draw_rows,
+    first_batch,
+    held_out_pieces,
+    oracle_rows,
+    text,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from span_reference import (
@@ -25,13 +40,11 @@ from span_reference import (
 from exactstep.errors import BatchInvariantError, ConfigError
 from exactstep.families.span.compiler import SpanCompiler, noise_mask, piece_generator
 from exactstep.families.span.config import SpanConfig
-from exactstep.rows.batch import IGNORE_INDEX
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
-from exactstep.rows.packing import PackPlanner, Piece
-from exactstep.rows.stream import RowStream, eval_batches
+from exactstep.rows.packing import Piece
+from exactstep.rows.stream import RowStream
 
-BOS, EOS, PAD = 256, 257, 258
 N_SENTINELS = 20
 VOCAB = 259 + N_SENTINELS
 SENTINELS = set(range(259, VOCAB))
@@ -47,16 +60,6 @@ def compiler(seed: int = 0, span: SpanConfig | None = None, *, top: int = VOCAB)
     span = span or SpanConfig(sentinels=N_SENTINELS)
     return SpanCompiler(span, seed=seed, bos_id=BOS, eos_id=EOS,
                         sentinel_ids=[top - 1 - k for k in range(span.sentinels)])
-
-
-def text(i: int, n: int, rng: np.random.Generator) -> Example:
-    body = rng.integers(0, 256, size=n)
-    return Example(i, np.concatenate([[BOS], body, [EOS]]).astype(np.int64))
-
-
-def corpus(lengths, seed: int = 0) -> list[Example]:
-    rng = np.random.default_rng(seed)
-    return [text(i, n, rng) for i, n in enumerate(lengths)]
 
 
 def draws_of(seed: int, epoch: int, example_id: int, piece: int):
@@ -130,42 +133,10 @@ def test_a_hand_written_mask_gives_t5s_two_sides():
 
 
 def oracle_of(batch, examples, seq_len, seed, span):
-    rows, by_key = [], {}
-    by_id = {e.example_id: e for e in examples}
-    for b, segments in enumerate(batch.segments):
-        row = []
-        for s, (seg, piece) in enumerate(zip(segments, batch.meta["pieces"][b], strict=True)):
-            example = by_id[seg.example_id]
-            row.append((example.tokens.tolist(), piece.offset, piece.length))
-            by_key[b, s] = draws_of(seed, piece.epoch, seg.example_id, seg.piece)
-        rows.append(row)
-    return expected_sides(rows, lambda b, s: by_key[b, s], seq_len=seq_len,
-                          noise_density=span.noise_density,
+    rows, draws = oracle_rows(batch, examples, seed, draws_of)
+    return expected_sides(rows, draws, seq_len=seq_len, noise_density=span.noise_density,
                           mean_noise_span_length=span.mean_noise_span_length,
                           sentinel=sentinel, bos=BOS, eos=EOS, pad=PAD)
-
-
-def actual_of(batch):
-    src = batch.source
-    return {"enc_ids": src.input_ids.tolist(), "enc_pos": src.position_ids.tolist(),
-            "enc_seg": src.segment_ids.tolist(), "dec_ids": batch.input_ids.tolist(),
-            "dec_pos": batch.position_ids.tolist(), "dec_seg": batch.segment_ids.tolist(),
-            "labels": batch.labels.tolist()}
-
-
-class Recording:
-    """A compiler wrapper that records each batch's pieces (the oracle reads them)."""
-
-    def __init__(self, inner):
-        self.inner, self.name = inner, inner.name
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def compile(self, rows, examples, cfg, *, pad_id, weighted):
-        batch = self.inner.compile(rows, examples, cfg, pad_id=pad_id, weighted=weighted)
-        batch.meta["pieces"] = [list(r) for r in rows]
-        return batch
 
 
 @pytest.mark.parametrize("span", [SpanConfig(sentinels=N_SENTINELS),
@@ -223,9 +194,7 @@ def stream_case(draw):
     seq_len = draw(st.integers(12, 80))
     span = SpanConfig(noise_density=draw(st.sampled_from([0.15, 0.3, 0.5])),
                       mean_noise_span_length=draw(st.sampled_from([1.0, 3.0])), sentinels=60)
-    cfg = BatchConfig(seq_len=seq_len, rows=draw(st.integers(1, 3)),
-                      buffer=draw(st.integers(1, 8)),
-                      positions=draw(st.sampled_from(["reset", "continue"])))
+    cfg = draw_rows(draw, seq_len)
     return lengths, cfg, span
 
 
@@ -284,68 +253,24 @@ def test_rows_of_one_full_piece_fill_both_sides_exactly():
 def test_without_the_charges_a_row_of_short_pieces_overflows():
     """Negative control for the charges: planned by length alone, a row of short
     documents has more sentinels and EOS than the decoder side holds."""
-    c = compiler()
-    cfg = BatchConfig(seq_len=64, rows=1, buffer=32)
-    examples = corpus([8] * 20)
-    rows = PackPlanner(examples, seq_len=c.capacity(cfg), buffer=32, overlong="split",
-                       seed=0).next_rows(1)
-    with pytest.raises(BatchInvariantError, match="more than the 14 columns"):
-        c.compile(rows, examples, cfg, pad_id=PAD, weighted=False)
-    charged = PackPlanner(examples, seq_len=c.capacity(cfg), buffer=32, overlong="split",
-                          seed=0, cost=c.piece_cost(cfg)).next_rows(1)
-    c.compile(charged, examples, cfg, pad_id=PAD, weighted=False)
+    assert_overflows_without_the_charges(compiler(), corpus([8] * 20),
+                                         BatchConfig(seq_len=64, rows=1, buffer=32),
+                                         "more than the 14 columns")
 
 
 # --------------------------------------------------------------------------- addressing
 
 
-def corruption_by_piece(batches) -> dict:
-    out = {}
-    for batch in batches:
-        for b, (dec, enc) in enumerate(zip(batch.segments, batch.source.segments, strict=True)):
-            for d, e in zip(dec, enc, strict=True):
-                key = (d.example_id, d.piece, d.offset)
-                value = (batch.source.input_ids[b, e.start:e.stop].tolist(),
-                         batch.labels[b, d.start:d.stop].tolist())
-                assert out.setdefault(key, value) == value
-    return out
-
-
 def test_an_examples_corruption_is_the_same_in_any_row_rank_or_resume():
-    examples = corpus([30, 5, 140, 17, 60, 8, 22, 95, 3, 44])
-    c = compiler(seed=9)
-
-    def stream(**kw):
-        cfg = BatchConfig(seq_len=48, rows=2, buffer=kw.pop("buffer", 8))
-        return RowStream(examples, cfg, pad_id=PAD, seed=9, repeat=False, compiler=c, **kw)
-
-    alone = corruption_by_piece(stream())
-    other_packing = corruption_by_piece(stream(buffer=1))
-    ranks = [corruption_by_piece(stream(rank=r, world=2)) for r in (0, 1)]
-    assert other_packing == alone
-    assert {**ranks[0], **ranks[1]} == alone
-    first = stream()
-    head = [first.next_batch() for _ in range(3)]
-    state = first.state_dict()
-    rest = list(first)
-    resumed = stream()
-    resumed.load_state_dict(state)
-    again = list(resumed)
-    assert len(again) == len(rest) > 0
-    for a, b in zip(rest, again, strict=True):
-        for x, y in ((a.input_ids, b.input_ids), (a.labels, b.labels),
-                     (a.source.input_ids, b.source.input_ids)):
-            assert torch.equal(x, y)
-    assert corruption_by_piece(head + rest) == alone
+    assert_same_in_any_row_rank_or_resume(
+        corpus([30, 5, 140, 17, 60, 8, 22, 95, 3, 44]), compiler(seed=9), seed=9,
+        fields=("input_ids", "labels", "source.input_ids"))
 
 
 def test_another_seed_or_epoch_draws_another_corruption():
-    example = corpus([200])[0]
-    piece = Piece(0, 0, len(example), 0)
-    base = compiler(seed=1).corrupt_piece(example, piece).inputs.tolist()
-    assert compiler(seed=2).corrupt_piece(example, piece).inputs.tolist() != base
-    later = Piece(0, 0, len(example), 0, epoch=1)
-    assert compiler(seed=1).corrupt_piece(example, later).inputs.tolist() != base
+    assert_another_seed_or_epoch_draws_anew(
+        lambda seed, example, piece: compiler(seed=seed).corrupt_piece(example, piece)
+        .inputs.tolist(), corpus([200])[0])
 
 
 # --------------------------------------------------------------------------- wrong variants
@@ -370,13 +295,8 @@ class ReusedSentinel(SpanCompiler):
         return type(item)(item.example, item.piece, fix(item.inputs), fix(item.targets))
 
 
-class NoShift(SpanCompiler):
+class NoShift(NoShiftMixin, SpanCompiler):
     """Wrong: the decoder reads the target itself (no start token, no shift)."""
-
-    def compile(self, rows, examples, cfg, *, pad_id, weighted):
-        batch = super().compile(rows, examples, cfg, pad_id=pad_id, weighted=weighted)
-        real = batch.labels != IGNORE_INDEX
-        return replace(batch, input_ids=torch.where(real, batch.labels, batch.input_ids))
 
 
 def wrong(kind):
@@ -391,8 +311,7 @@ def test_wrong_variants_are_caught(kind):
     target without sentinels and the reused sentinel; R7 catches the missing shift."""
     examples = corpus([40, 90, 12, 25, 7])
     cfg = BatchConfig(seq_len=48, rows=2, buffer=4, check_invariants=False)
-    batch = next(iter(RowStream(examples, cfg, pad_id=PAD, seed=5,
-                                compiler=Recording(wrong(kind)))))
+    batch = first_batch(examples, Recording(wrong(kind)), cfg, 5)
     span = SpanConfig(sentinels=N_SENTINELS)
     assert actual_of(batch) != oracle_of(batch, examples, 48, 5, span)
     if kind is NoShift:
@@ -413,25 +332,7 @@ def test_wrong_variants_are_caught(kind):
 
 
 def test_r7_refuses_batches_that_break_the_span_rows():
-    examples = corpus([40, 90])
-    c = compiler()
-    cfg = BatchConfig(seq_len=48, rows=2, buffer=4)
-    batch = next(iter(RowStream(examples, cfg, pad_id=PAD, seed=0, compiler=c)))
-    c.check(batch, VOCAB, cfg)
-    labels = batch.labels.clone()
-    labels[0, 0] = IGNORE_INDEX
-    with pytest.raises(BatchInvariantError, match="no target"):
-        c.check(replace(batch, labels=labels), VOCAB, cfg)
-    with pytest.raises(BatchInvariantError, match="no encoder side"):
-        c.check(replace(batch, source=None), VOCAB, cfg)
-    source = batch.source
-    swapped = replace(source, segments=source.segments[::-1])
-    with pytest.raises(BatchInvariantError, match="not paired"):
-        c.check(replace(batch, source=swapped), VOCAB, cfg)
-    ids = source.input_ids.clone()
-    ids[0, 0] = VOCAB
-    with pytest.raises(BatchInvariantError, match="encoder row 0 column 0 .*outside"):
-        c.check(replace(batch, source=replace(source, input_ids=ids)), VOCAB, cfg)
+    assert_r7_refuses_broken_rows(compiler(), corpus([40, 90]), VOCAB)
 
 
 def test_settings_out_of_range_or_too_small_are_refused():
@@ -447,10 +348,4 @@ def test_settings_out_of_range_or_too_small_are_refused():
 
 def test_held_out_rows_score_every_piece_once():
     """eval_batches plans with the same charges: every held-out piece compiles."""
-    examples = corpus([300, 4, 60])
-    c = compiler()
-    cfg = BatchConfig(seq_len=40, rows=2, buffer=4)
-    batches = list(eval_batches(examples, cfg, pad_id=PAD, vocab_size=VOCAB, compiler=c))
-    assert sum(len(s) for b in batches for s in b.segments) >= 3
-    for batch in batches:
-        c.check(batch, VOCAB, cfg)
+    assert held_out_pieces(compiler(), corpus([300, 4, 60]), VOCAB) >= 3

@@ -9,9 +9,13 @@ import json
 
 import numpy as np
 import pytest
-from text_corpus import write_corpus
+from families.corruption_support import (
+    assert_boundary_keep_is_refused,
+    assert_the_family_alone_opens_the_stdlib_corpus,
+    family_fixtures,
+    inspected,
+)
 
-from exactstep.cli import main
 from exactstep.config import load_config
 from exactstep.errors import ConfigError
 from exactstep.eval import target_counts, unigram_bits_on
@@ -22,23 +26,11 @@ from exactstep.rows.stream import eval_batches
 SMALL = ["objective.family=span", "data.val_fraction=0.3", "batch.seq_len=64", "batch.rows=2",
          "span.sentinels=6"]
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("span") / "corpus.jsonl"
-    write_corpus(path)
-    return [f"data.source={path}"]
-
-
-@pytest.fixture(scope="module")
-def parts(corpus):
-    cfg = resolve(load_config(None, SMALL + corpus))
-    return cfg, open_family(cfg)
+corpus, parts = family_fixtures("span", SMALL)
 
 
 def test_the_family_alone_opens_the_stdlib_corpus():
-    cfg = resolve(load_config(None, ["objective.family=span"]))
-    assert (cfg.data.source, cfg.data.kind, cfg.objective.family) == ("stdlib", "text", "span")
+    assert_the_family_alone_opens_the_stdlib_corpus("span")
 
 
 def test_the_family_opens_text_with_descending_sentinels(parts):
@@ -51,9 +43,7 @@ def test_the_family_opens_text_with_descending_sentinels(parts):
 
 
 def test_a_boundary_policy_that_means_nothing_here_is_refused(corpus):
-    cfg = resolve(load_config(None, SMALL + corpus + ["batch.boundary=keep"]))
-    with pytest.raises(ConfigError, match="batch.boundary = 'keep' has no meaning"):
-        open_family(cfg)
+    assert_boundary_keep_is_refused(SMALL + corpus)
 
 
 def test_weighted_examples_carry_their_weight_on_every_decoder_column(parts):
@@ -88,9 +78,7 @@ def test_too_few_sentinels_are_refused_before_a_run(corpus):
 
 
 def test_inspect_shows_sentinels_on_both_sides(corpus, capsys):
-    assert main(["inspect", *[a for s in SMALL + corpus for a in ("--set", s)],
-                 "--rows", "0:2"]) in (0, None)
-    text = capsys.readouterr().out
+    text = inspected(SMALL + corpus, capsys)
     encoder = [line for line in text.splitlines() if line.strip().startswith("encoder:")]
     target = [line for line in text.splitlines() if line.strip().startswith("target:")]
     assert encoder and target

@@ -17,11 +17,11 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from equivalence import spread_bound, sum_bound
+from families.corruption_support import corpus, trimmed
 
 import exactstep.model.encdec as encdec
 from exactstep.config import load_config
@@ -57,9 +57,7 @@ def compiler() -> SpanCompiler:
 
 
 def examples(lengths) -> list[Example]:
-    rng = np.random.default_rng(1)
-    return [Example(i, np.concatenate([[BOS], rng.integers(0, 256, n), [EOS]]).astype(np.int64))
-            for i, n in enumerate(lengths)]
+    return corpus(lengths, seed=1)
 
 
 def model(attention: str = "auto"):
@@ -75,17 +73,6 @@ def loss_and_grads(m, batch: Batch):
                            ignore_index=IGNORE_INDEX, reduction="sum")
     loss.backward()
     return loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}
-
-
-def trimmed(batch: Batch) -> Batch:
-    """A one-piece batch cut to its piece's columns on both sides (no padding)."""
-    g, f = batch.segments[0][0].length, batch.source.segments[0][0].length
-    src = batch.source
-    return replace(batch, input_ids=batch.input_ids[:, :g], labels=batch.labels[:, :g],
-                   position_ids=batch.position_ids[:, :g], segment_ids=batch.segment_ids[:, :g],
-                   source=replace(src, input_ids=src.input_ids[:, :f],
-                                  position_ids=src.position_ids[:, :f],
-                                  segment_ids=src.segment_ids[:, :f]))
 
 
 EXAMPLES = examples([9, 14, 6, 20, 11, 4])

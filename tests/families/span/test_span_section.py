@@ -25,16 +25,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from families.corruption_support import compiled as first_batches
+from families.corruption_support import configured as configured_run
 from run_support import EOS, VOCAB
 from span_reference import counts, t5_random_spans_helper
-from text_corpus import write_corpus
 
 import exactstep.families.span.family as span_family
-from exactstep.config import load_config
-from exactstep.families import open_family, resolve
 from exactstep.families.span.compiler import SpanCompiler
 from exactstep.families.span.config import SpanConfig
-from exactstep.rows.stream import RowStream
 
 DENSITY, MEAN, SENTINELS, SEQ_LEN = 0.3, 2.0, 12, 64
 SECTION = {"span.noise_density": DENSITY, "span.mean_noise_span_length": MEAN,
@@ -43,21 +41,13 @@ BATCHES = 30  # 30 batches of 4 rows: every training document, more than once
 
 
 def configured(tmp_path):
-    corpus = tmp_path / "corpus.jsonl"
-    write_corpus(corpus)
-    overrides = {"objective.family": "span", "data.source": corpus, "data.val_fraction": 0.1,
-                 "batch.seq_len": SEQ_LEN, "batch.rows": 4, **SECTION}
-    return resolve(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
+    return configured_run(tmp_path, "span", SEQ_LEN, SECTION)
 
 
 def compiled(cfg):
     """The tokenizer, the train split and the first ``BATCHES`` batches of the run's
     training stream, as the runner builds them from ``open_family``'s parts."""
-    parts = open_family(cfg)
-    stream = RowStream(parts.data.train, cfg.batch, pad_id=parts.tokenizer.pad_id,
-                       seed=cfg.seed, vocab_size=parts.tokenizer.vocab_size,
-                       compiler=parts.compiler)
-    return parts.tokenizer, parts.data.train, [stream.next_batch() for _ in range(BATCHES)]
+    return first_batches(cfg, BATCHES)
 
 
 def runs(tokens: list[int], is_sentinel) -> list[list[int]]:
