@@ -58,21 +58,10 @@ class HFTrainerStep:
         self.builds = 0
 
     def build(self, spec: ProbeSpec) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         if spec.loss_scale is not None and not torch.cuda.is_available():
             raise NotApplicable("Trainer scales the loss only under fp16, which needs CUDA")
         self.spec = spec
-        torch.manual_seed(spec.seed)
-        config = LlamaConfig(
-            vocab_size=spec.vocab_size, hidden_size=spec.d_model,
-            intermediate_size=2 * spec.d_model, num_hidden_layers=spec.n_layers,
-            num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_heads,
-            max_position_embeddings=64, tie_word_embeddings=True,
-            attention_dropout=spec.dropout, pad_token_id=spec.pad_id,
-            bos_token_id=spec.bos_id, eos_token_id=spec.eos_id, attn_implementation="sdpa",
-        )
-        self.module = LlamaForCausalLM(config)
+        self.module = tiny_llama(spec)
         if self.lora:
             self.module = with_adapters(self.module, spec)
         self.trainer = self.make_trainer(spec)
@@ -241,6 +230,21 @@ def quiet_checkpoints() -> Iterator[None]:
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+def tiny_llama(spec: ProbeSpec) -> torch.nn.Module:
+    """The probes' random-init ``LlamaForCausalLM`` (``spec``'s shapes, seeded, tied
+    head, SDPA), built from a config: nothing is downloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.d_model,
+        intermediate_size=2 * spec.d_model, num_hidden_layers=spec.n_layers,
+        num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_heads,
+        max_position_embeddings=64, tie_word_embeddings=True,
+        attention_dropout=spec.dropout, pad_token_id=spec.pad_id,
+        bos_token_id=spec.bos_id, eos_token_id=spec.eos_id, attn_implementation="sdpa"))
 
 
 def probe_trainer_class() -> type:

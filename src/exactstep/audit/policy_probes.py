@@ -180,38 +180,9 @@ def rank_gradients(step: PolicyStep, window: PolicyWindow, micro_batch: int,
     in each), by rank. The environment a launcher sets (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``...) is there; the group is initialised for the step unless it says
     it does that itself (``PolicyStep.initializes_process_group``)."""
-    import tempfile
-    import time
-    from pathlib import Path
+    from exactstep.audit.probes import run_job
 
-    import torch.multiprocessing as mp
-
-    from exactstep.audit.probes import DDP_TIMEOUT_S, warm_ddp
-    from exactstep.parallel.process_group import free_port
-
-    with tempfile.TemporaryDirectory(prefix="exactstep-audit-policy-") as tmp:
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        if method == "fork":
-            warm_ddp()
-        job = mp.start_processes(rank_worker, args=(world, free_port(), step, window,
-                                                    micro_batch, tmp),
-                                 nprocs=world, join=False, start_method=method)
-        deadline = time.monotonic() + DDP_TIMEOUT_S
-        try:
-            while not job.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise TargetFault(f"the {world} ranks did not finish within "
-                                      f"{DDP_TIMEOUT_S:g} s (a collective never matched)")
-        except mp.ProcessRaisedException as exc:
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-            raise TargetFault(f"a rank raised: {lines[-1].strip()}") from None
-        except mp.ProcessExitedException as exc:
-            raise TargetFault(f"a rank died: {exc}") from None
-        finally:
-            for process in job.processes:
-                if process.is_alive():
-                    process.kill()
-        return [torch.load(Path(tmp) / f"{r}.pt") for r in range(world)]
+    return run_job(rank_worker, world, (step, window, micro_batch))
 
 
 def rank_worker(rank: int, world: int, port: int, step: PolicyStep, window: PolicyWindow,

@@ -373,23 +373,30 @@ def run_ranks(step: TrainingStep, spec: ProbeSpec,
 
     A rank that raises, or a job that exceeds ``DDP_TIMEOUT_S``, is a ``TargetFault``
     naming the rank's error."""
+    return run_job(rank_worker, len(microbatches),
+                   (step, spec, [list(r) for r in microbatches]))
+
+
+def run_job(worker: Callable[..., None], world: int, args: tuple) -> list:
+    """``worker(rank, world, port, *args, out)`` in ``world`` forked processes of one
+    gloo job (``spawn`` where fork is missing); what each rank saved to ``out/RANK.pt``,
+    by rank. A rank that raises, or a job past ``DDP_TIMEOUT_S``, is a
+    ``TargetFault`` naming the rank's error."""
     import torch.multiprocessing as mp
 
     from exactstep.parallel.process_group import free_port
 
-    with tempfile.TemporaryDirectory(prefix="exactstep-audit-ddp-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="exactstep-audit-ranks-") as tmp:
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
         if method == "fork":
             warm_ddp()
-        job = mp.start_processes(rank_worker, args=(len(microbatches), free_port(), step,
-                                                    spec, [list(r) for r in microbatches],
-                                                    tmp),
-                                 nprocs=len(microbatches), join=False, start_method=method)
+        job = mp.start_processes(worker, args=(world, free_port(), *args, tmp), nprocs=world,
+                                 join=False, start_method=method)
         deadline = time.monotonic() + DDP_TIMEOUT_S
         try:
             while not job.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    raise TargetFault(f"the {len(microbatches)} ranks did not finish within "
+                    raise TargetFault(f"the {world} ranks did not finish within "
                                       f"{DDP_TIMEOUT_S:g} s (a collective never matched)")
         except mp.ProcessRaisedException as exc:
             lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -400,7 +407,7 @@ def run_ranks(step: TrainingStep, spec: ProbeSpec,
             for process in job.processes:
                 if process.is_alive():
                     process.kill()
-        return [torch.load(Path(tmp) / f"{r}.pt") for r in range(len(microbatches))]
+        return [torch.load(Path(tmp) / f"{r}.pt") for r in range(world)]
 
 
 @functools.cache

@@ -90,12 +90,7 @@ def hf_trainer_target(target: str) -> object:
     """``hf-trainer[:padding|flattening|lora]``; needs the ``hf`` extra."""
     collator = target.partition(":")[2] or "padding"
     packages = ("transformers", "accelerate") + (("peft",) if collator == "lora" else ())
-    for package in packages:  # Trainer needs the first two
-        try:
-            importlib.import_module(package)
-        except ImportError:
-            raise ConfigError(f"--target hf-trainer needs {package}: pip install "
-                              "'exactstep[hf]'") from None
+    require("hf-trainer", packages)  # Trainer needs the first two
     from exactstep.audit.hf_trainer import make
 
     return make(collator)
@@ -104,12 +99,7 @@ def hf_trainer_target(target: str) -> object:
 def trl_sft_target(target: str) -> object:
     """``trl-sft[:VARIANT]`` (``exactstep.audit.trl_sft``); needs trl and the ``hf`` extra."""
     variant = target.partition(":")[2] or "completion_only_loss"
-    for package in ("transformers", "accelerate", "datasets", "trl"):
-        try:
-            importlib.import_module(package)
-        except ImportError:
-            raise ConfigError(f"--target trl-sft needs {package}: pip install "
-                              "'exactstep[hf]'") from None
+    require("trl-sft", ("transformers", "accelerate", "datasets", "trl"))
     from exactstep.audit.trl_sft import make
 
     return make(variant)
@@ -117,15 +107,20 @@ def trl_sft_target(target: str) -> object:
 
 def trl_grpo_target(target: str) -> object:
     """``trl-grpo[:LOSS_TYPE[:SCALE_REWARDS]]`` (``exactstep.audit.trl_grpo``)."""
-    for package in ("transformers", "accelerate", "datasets", "trl"):
-        try:
-            importlib.import_module(package)
-        except ImportError:
-            raise ConfigError(f"--target trl-grpo needs {package}: pip install "
-                              "'exactstep[hf]'") from None
+    require("trl-grpo", ("transformers", "accelerate", "datasets", "trl"))
     from exactstep.audit.trl_grpo import make
 
     return make(target.partition(":")[2])
+
+
+def require(target: str, packages: Sequence[str]) -> None:
+    """``ConfigError`` naming the first of ``packages`` that does not import."""
+    for package in packages:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise ConfigError(f"--target {target} needs {package}: pip install "
+                              "'exactstep[hf]'") from None
 
 
 def is_policy(step: object) -> bool:

@@ -19,6 +19,7 @@ import tempfile
 
 import torch
 
+from exactstep.audit.hf_trainer import tiny_llama
 from exactstep.audit.policy_probes import K, PolicyWindow
 from exactstep.audit.protocol import ProbeSpec
 from exactstep.audit.trl_sft import quiet_datasets, sft_tokenizer, word
@@ -46,18 +47,8 @@ class TRLGRPOStep:
         self.workdir = tempfile.TemporaryDirectory(prefix="exactstep-audit-grpo-")
 
     def build(self, spec: ProbeSpec) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
         self.spec = spec
-        torch.manual_seed(spec.seed)
-        config = LlamaConfig(
-            vocab_size=spec.vocab_size, hidden_size=spec.d_model,
-            intermediate_size=2 * spec.d_model, num_hidden_layers=spec.n_layers,
-            num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_heads,
-            max_position_embeddings=64, tie_word_embeddings=True,
-            pad_token_id=spec.pad_id, bos_token_id=spec.bos_id, eos_token_id=spec.eos_id,
-            attn_implementation="sdpa")
-        self.module = LlamaForCausalLM(config)
+        self.module = tiny_llama(spec)  # the hf-trainer target's model
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.module(input_ids=tokens).logits

@@ -98,3 +98,56 @@ def render_report(report: dict) -> str:
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         lines.append(f"  {key:<{width}}  {shown}")
     return "\n".join(lines)
+
+
+class PairLines(Protocol):
+    def __call__(self, b: int, enc: Segment, dec: Segment) -> tuple[str, list[str]]: ...
+
+
+def render_pair_rows(batch: Batch, tokenizer: TokenizerLike, rows: range, pair: PairLines,
+                     note: str = "") -> str:
+    """The requested rows of an encoder-decoder batch (rows outside it are skipped):
+    per row a header, per segment pair its address and columns followed by
+    ``pair(b, enc, dec)``'s ``(suffix of that line, lines)`` (what the family shows
+    of the pair), then the decoder table. ``note`` ends the header's remark."""
+    n_rows = batch.shape[0]
+    chosen = [b for b in rows if 0 <= b < n_rows]
+    if not chosen:
+        return f"no rows in {rows.start}:{rows.stop}; the batch has rows 0:{n_rows}"
+    return "\n\n".join(render_pair_row(batch, tokenizer, b, pair, note) for b in chosen)
+
+
+def render_pair_row(batch: Batch, tokenizer: TokenizerLike, b: int, pair: PairLines,
+                    note: str) -> str:
+    source = batch.source
+    assert source is not None
+    dec_segments, enc_segments = batch.segments[b], source.segments[b]
+    width = source.input_ids.shape[1]
+    inputs, labels = batch.input_ids[b].tolist(), batch.labels[b].tolist()
+    positions, segment_ids = batch.position_ids[b].tolist(), batch.segment_ids[b].tolist()
+    enc_real, dec_real = sum(s.length for s in enc_segments), sum(s.length for s in dec_segments)
+    lines = [
+        f"row {b}: {len(dec_segments)} segment pair(s); encoder {enc_real}/{width} "
+        f"columns, decoder {dec_real}/{len(inputs)} columns (shift owner: {batch.shift_owner}; "
+        f"decoder segment s cross-attends to encoder segment s{note})"
+    ]
+    for s, (enc, dec) in enumerate(zip(enc_segments, dec_segments, strict=True), start=1):
+        suffix, shown = pair(b, enc, dec)
+        lines.append(f"  segment {s}: example {dec.example_id} piece {dec.piece} (from token "
+                     f"{dec.offset}); encoder cols {enc.start}..{enc.stop - 1}, decoder cols "
+                     f"{dec.start}..{dec.stop - 1}{suffix}")
+        lines += shown
+    shown_in = [token_label(tokenizer, t) for t in inputs]
+    shown_out = [NO_TARGET if t == IGNORE_INDEX else token_label(tokenizer, t) for t in labels]
+    w = max(8, *map(len, shown_in), *map(len, shown_out))
+    lines.append(f"  {'col':>4} {'seg':>3} {'pos':>4}  {'decoder in':<{w}}   {'target':<{w}} own")
+    for col, label in enumerate(labels):
+        lines.append(f"  {col:>4} {segment_ids[col]:>3} {positions[col]:>4}  "
+                     f"{shown_in[col]:<{w}} → {shown_out[col]:<{w}} "
+                     f"{int(label != IGNORE_INDEX):>3}")
+    return "\n".join(lines)
+
+
+def text_of(tokenizer: TokenizerLike, tokens: list[int]) -> str:
+    """The tokens as one string of their labels."""
+    return "".join(token_label(tokenizer, t) for t in tokens)

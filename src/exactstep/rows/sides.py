@@ -11,6 +11,7 @@ Design and derivations: docs/design/rows.md#rowssidespy (R6-R8).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -165,3 +166,24 @@ def check_encoder_eos(source: SourceSide, eos_id: int) -> None:
     _, _, _, last = segment_edges(source.segment_ids)
     fail_source_at(source, last & (source.input_ids != eos_id),
                    "an encoder segment ends with {value}, not EOS", source.input_ids)
+
+
+def teacher_forced_pairs(compiled: Sequence[Sequence[Any]], encoder: int, decoder: int, *,
+                         pad_id: int, weighted: bool, positions: str,
+                         start_id: int) -> Batch:
+    """The batch of rows of compiled pieces (each with ``inputs`` and ``targets``, both
+    ending with EOS): per piece one segment on each side, the encoder holding
+    ``inputs``, the decoder fed ``start_id`` and the targets shifted right and labelled
+    with the targets (R1). ``BatchInvariantError`` when a row's pieces do not fit."""
+    enc = SideArrays(len(compiled), encoder, pad_id)
+    dec = SideArrays(len(compiled), decoder, pad_id, labels=True, weights=weighted)
+    for b, row in enumerate(compiled):
+        for s, item in enumerate(row, start=1):
+            enc.place(b, s, item, item.inputs, positions)
+            shifted = np.concatenate([[start_id], item.targets[:-1]])
+            dec.place(b, s, item, shifted, positions, labels=item.targets)
+    source = SourceSide(*enc.tensors()[:3], segments=enc.all_segments())
+    input_ids, position_ids, segment_ids, labels, weights = dec.tensors()
+    return Batch(input_ids=input_ids, labels=labels, position_ids=position_ids,
+                 segment_ids=segment_ids, segments=dec.all_segments(), source=source,
+                 weights=weights)

@@ -19,18 +19,18 @@ import numpy as np
 from exactstep.errors import BatchInvariantError, ConfigError, DataError
 from exactstep.families.span.config import SpanConfig, row_shape
 from exactstep.families.span.render import render_span_rows
-from exactstep.rows.batch import IGNORE_INDEX, Batch, SourceSide
+from exactstep.rows.batch import IGNORE_INDEX, Batch
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
 from exactstep.rows.invariants import check_batch, fail_at
 from exactstep.rows.packing import Piece
 from exactstep.rows.sides import (
-    SideArrays,
     check_decoder_shift,
     check_encoder_eos,
     check_source,
     content_tokens,
     segment_edges,
+    teacher_forced_pairs,
 )
 
 SPAN_STREAM = 0x5350414E  # "SPAN": this family's tag in every corruption generator's seed
@@ -173,18 +173,9 @@ class SpanCompiler:
         a row's pieces do not fit (rows planned without ``piece_cost``)."""
         encoder, decoder = self.widths(cfg)
         compiled = [[self.corrupt_piece(examples[p.example], p) for p in row] for row in rows]
-        enc = SideArrays(len(rows), encoder, pad_id)
-        dec = SideArrays(len(rows), decoder, pad_id, labels=True, weights=weighted)
-        for b, row in enumerate(compiled):
-            for s, item in enumerate(row, start=1):
-                enc.place(b, s, item, item.inputs, cfg.positions)
-                shifted = np.concatenate([[self.bos_id], item.targets[:-1]])
-                dec.place(b, s, item, shifted, cfg.positions, labels=item.targets)
-        source = SourceSide(*enc.tensors()[:3], segments=enc.all_segments())
-        input_ids, position_ids, segment_ids, labels, weights = dec.tensors()
-        return Batch(input_ids=input_ids, labels=labels, position_ids=position_ids,
-                     segment_ids=segment_ids, segments=dec.all_segments(), source=source,
-                     weights=weights)
+        return teacher_forced_pairs(compiled, encoder, decoder, pad_id=pad_id,
+                                    weighted=weighted, positions=cfg.positions,
+                                    start_id=self.bos_id)
 
     # -- checking (R7)
 
