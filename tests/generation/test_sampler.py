@@ -119,7 +119,8 @@ def test_sampling_is_isolated_e1():
     model.train()
     model.layers[0].eval()  # a submodule's own mode survives too
     seen = []
-    handle = model.register_forward_pre_hook(lambda m, args: seen.append(
+    # the embedding runs on every path, the cached one (decode_step) and the whole-row one
+    handle = model.embed.register_forward_pre_hook(lambda m, args: seen.append(
         (m.training, torch.is_grad_enabled())))
     states = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
     sample_group(model, prompt, GenerationConfig(samples=2, max_new_tokens=3), seed=0,
@@ -145,3 +146,47 @@ def test_a_continuation_stops_at_its_stop_token():
             assert c.tokens == f.tokens[:cut] and c.stopped
         else:
             assert c.tokens == f.tokens and not c.stopped and len(c.tokens) == 40
+
+
+def test_the_key_value_cache_is_the_whole_row_forward():
+    """``Decoder.decode_step`` (the sampler's cached path): a prompt prefilled, then
+    one column at a time, gives the hidden states of the whole-row forward within twice
+    the whole-row fp32 forward's own distance from float64 (``spread_bound``); every
+    sampled token's recorded log-probability is the whole-row forward's within the
+    same kind of bound. Control: a cache missing its first column is far off."""
+    from equivalence import spread_bound
+
+    from exactstep.rows.batch import single_segment_batch
+
+    model = build_model(TINY_MODEL, 40, seed=3).eval()
+    tokens = torch.randint(3, 40, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(single_segment_batch(tokens))
+        exact = model.double()(single_segment_batch(tokens)).float()
+        model.float()
+        parts, cache = [], None
+        for a, b in ((0, 6), (6, 7), (7, 8), (8, 11)):
+            hidden, cache = model.decode_step(tokens[:, a:b], cache)
+            parts.append(hidden)
+        cached = torch.cat(parts, dim=1)
+        bound = spread_bound(whole, exact)
+        assert float((cached - whole).abs().max()) <= bound
+        short = [(k[:, :, 1:], v[:, :, 1:]) for k, v in cache]
+        wrong, _ = model.decode_step(tokens[:, -1:], short)
+        assert float((wrong[:, 0] - whole[:, -1]).abs().max()) > 100 * bound
+
+    prompt = [1, 5, 9, 4]
+    cfg = GenerationConfig(max_new_tokens=6, samples=3)
+    conts = sample_group(model, prompt, cfg, seed=0, window=2, example_id=7, stop_ids=(2,))
+    for c in conts:
+        row = torch.tensor([prompt + list(c.tokens)])
+        with torch.no_grad():
+            logp = torch.log_softmax(model.logits(model(single_segment_batch(row))), -1)[0]
+            exact = torch.log_softmax(model.double().logits(
+                model(single_segment_batch(row))), -1)[0]
+            model.float()
+        at = torch.arange(len(prompt) - 1, row.shape[1] - 1)
+        whole = logp[at, row[0, len(prompt):]]
+        exact = exact[at, row[0, len(prompt):]]
+        got = torch.tensor(c.logprobs, dtype=torch.float64)
+        assert float((got - whole.double()).abs().max()) <= spread_bound(whole, exact) + 1e-12

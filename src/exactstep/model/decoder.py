@@ -195,6 +195,42 @@ class Decoder(nn.Module):
                 x = block(x, cos, sin, visibility)
         return self.final_norm(x)  # [B, T, H]
 
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: list | None = None
+                    ) -> tuple[torch.Tensor, list]:
+        """Incremental decoding for rows of one causal segment each (the sampler's):
+        ``tokens [B, n]`` continue the rows ``cache`` holds (``None``: from position 0)
+        and attend to every cached key and causally among themselves. Returns the new
+        tokens' final-normed hidden states ``[B, n, H]`` and the cache with their keys
+        and values appended (per layer, rotated keys and values ``[B, nH, T, Dh]``).
+
+        The same computation as ``forward`` on the whole rows, column by column
+        (equal within float rounding: the matrix shapes differ); without gradients.
+        """
+        B, n = tokens.shape
+        start = 0 if cache is None else cache[0][0].shape[2]
+        head_dim = self.cfg.d_model // self.cfg.n_heads
+        positions = torch.arange(start, start + n, device=tokens.device).expand(B, n)
+        cos, sin = rope_tables(positions, head_dim, self.cfg.rope_theta)
+        mask = None
+        if n > 1:  # query i (position start + i) sees keys 0 .. start + i
+            keys = torch.arange(start + n, device=tokens.device)
+            mask = keys[None, :] <= (start + torch.arange(n, device=tokens.device))[:, None]
+        x = self.embed(tokens)  # [B, n, H]
+        out = []
+        for i, block in enumerate(self.layers):
+            attn = block.attn
+            qkv = attn.qkv(block.attn_norm(x)).view(B, n, 3, attn.n_heads, attn.head_dim)
+            q, k, v = (t.transpose(1, 2) for t in apply_rope(qkv, cos, sin).unbind(2))
+            if cache is not None:
+                k = torch.cat([cache[i][0], k], dim=2)  # [B, nH, start + n, Dh]
+                v = torch.cat([cache[i][1], v], dim=2)
+            out.append((k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nH, n, Dh]
+            x = x + attn.out(y.transpose(1, 2).reshape(B, n, -1))
+            x = x + block.mlp(block.mlp_norm(x))
+        return self.final_norm(x), out
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
         return F.linear(hidden, self.head_weight)
