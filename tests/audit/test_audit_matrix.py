@@ -439,6 +439,9 @@ def count_reductions(rank: int, port: int, name: str, out: str) -> None:
         loop.model.register_comm_hook(None, hook)
         loop.train([plain_rows(seed=70 + rank), plain_rows(seed=72 + rank)])
         Path(out, f"{rank}").write_text(str(len(calls)))
+        # neither rank tears the group down while the other may still be reducing: a
+        # rank that left first aborted its peer's pending gloo work (SIGABRT, 2 runs in 12)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

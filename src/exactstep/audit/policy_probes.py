@@ -208,6 +208,7 @@ def rank_worker(rank: int, world: int, port: int, step: PolicyStep, window: Poli
         grads = step.gradient(window, micro_batch, world)
         torch.save({n: g.detach().clone() for n, g in grads.items()},
                    Path(out) / f"{rank}.pt")
+        dist.barrier()  # no rank tears the group down under a peer's pending gloo work
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

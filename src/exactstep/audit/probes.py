@@ -443,6 +443,7 @@ def rank_worker(rank: int, world: int, port: int, step: TrainingStep, spec: Prob
         step.build(spec)
         check_logs(train(step, microbatches[rank]))
         torch.save(ref.snapshot(step.module), Path(out) / f"{rank}.pt")
+        dist.barrier()  # no rank tears the group down under a peer's pending gloo work
     finally:
         dist.destroy_process_group()
 
