@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -256,12 +257,24 @@ def _names(fd: int, path: Path) -> bool:
     return (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino)
 
 
+HOLDER_WAIT_S = 0.5  # how long a refused process waits for the holder to write its pid
+
+
 def _lock_holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        text = ""
-    return f"process {text}" if text.isdigit() else "another process"
+    """The holder of the lock on ``fd``, by pid: a holder writes its pid just after it
+    takes the lock, so a process refused in between reads again for up to
+    ``HOLDER_WAIT_S`` before saying only "another process"."""
+    deadline = time.monotonic() + HOLDER_WAIT_S
+    while True:
+        try:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        except OSError:
+            text = ""
+        if text.isdigit():
+            return f"process {text}"
+        if time.monotonic() >= deadline:
+            return "another process"
+        time.sleep(0.01)
 
 
 def _unlocked(what: str, why: str) -> None:
