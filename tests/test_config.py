@@ -175,6 +175,15 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("generation.top_p", (1e-9, 0.9, 1), (0, -0.1, 1.1), "in (0, 1]", ()),
     ("generation.max_new_tokens", (1, 64), (0,), "in [1, 1048576]", ()),
     ("generation.samples", (1, 8), (0,), "in [1, 65536]", ()),
+    ("professor.lambda_free", (0, 0.5, 10), (-0.1, -1), ">= 0 (a negative", ()),
+    ("professor.lambda_forced", (0, 0.5), (-1e-9,), ">= 0 (a negative", ()),
+    ("professor.d_steps", (1, 64), (0, 65), "in [1, 64]", ()),
+    ("professor.d_hidden", (1, 4096), (0, 4097), "in [1, 4096]", ()),
+    ("professor.d_lr", (1e-6, 10), (0, -1, 11), "in (0, 10]", ()),
+    ("professor.d_warmup", (0, 10), (-1,), ">= 0", ()),
+    ("professor.d_clip", (0, 1.5), (-0.1,), ">= 0", ()),
+    ("professor.d_weight_decay", (0, 0.1), (-0.1,), ">= 0", ()),
+    ("professor.fail_window", (-1, 0, 3), (-2,), ">= -1", ()),
 ]
 
 

@@ -27,6 +27,7 @@ from exactstep.families.mass.config import MassConfig
 from exactstep.families.mlm.config import MLMConfig
 from exactstep.families.permutation.config import PermutationConfig
 from exactstep.families.policy.config import PolicyConfig
+from exactstep.families.professor.config import ProfessorConfig
 from exactstep.families.scheduled_sampling.config import ScheduledSamplingConfig
 from exactstep.families.span.config import SpanConfig
 from exactstep.generation.config import GenerationConfig
@@ -92,7 +93,8 @@ class RunConfig:
     ``bart`` (the noising composition, R9) for ``"bart"``,
     ``mass`` (the fragment fraction and replacement rates, R9) for ``"mass"``,
     ``mlm`` (selection and replacement rates) for ``"mlm"``, ``scheduled_sampling``
-    for ``"scheduled_sampling"`` and ``policy`` for ``"policy"`` (R8, Q1-Q4).
+    for ``"scheduled_sampling"``, ``policy`` for ``"policy"`` (R8, Q1-Q4) and
+    ``professor`` for ``"professor"`` (Professor Forcing, Q5).
     ``generation`` is the declared sampling policy (Q1) of a policy run's rollouts and
     of ``exactstep generate``.
     """
@@ -119,6 +121,7 @@ class RunConfig:
     mlm: MLMConfig = field(default_factory=MLMConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    professor: ProfessorConfig = field(default_factory=ProfessorConfig)
 
     def __post_init__(self) -> None:
         # NumPy seeds only from non-negative integers; torch keeps seeds in 64 bits

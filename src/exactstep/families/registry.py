@@ -23,7 +23,7 @@ from exactstep.rows.sources import load_bundle
 
 #: Every family the specification names (R8), built or not.
 SPECIFIED = ("causal", "chat", "prefix", "encdec", "mlm", "span", "permutation",
-             "scheduled_sampling", "policy", "mass", "bart")
+             "scheduled_sampling", "policy", "mass", "bart", "professor")
 DEFAULT_SOURCE = "stdlib"
 
 
@@ -103,6 +103,7 @@ BUILT: tuple[str, ...] = (
     "bart",
     "mlm",
     "policy",
+    "professor",
 )
 
 

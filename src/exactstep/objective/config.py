@@ -20,7 +20,7 @@ class ObjectiveConfig:
 
     family: Literal[
         "auto", "causal", "chat", "prefix", "encdec", "mlm", "span", "permutation",
-        "scheduled_sampling", "policy", "mass", "bart",
+        "scheduled_sampling", "policy", "mass", "bart", "professor",
     ] = "auto"
     reduction: Literal[
         "token_mean", "sequence_mean", "microbatch_mean", "weighted", "weighted_count"

@@ -64,6 +64,13 @@ class WindowProgram(Protocol):
     depend only on its arguments and its own state (resume, S5). ``close(disposition)``
     is told how the window ended (its state moves on commit only, U4);
     ``state_dict`` / ``load_state_dict`` are checkpointed with the engine (S2).
+
+    A program that trains a second model in the window's transaction (Q5: Professor
+    Forcing's discriminator) may also define ``train_module(model, objective_cfg,
+    pad_id)``, the module whose ``forward(batch, coeff, rows_index)`` gives the
+    micro-batch's ``(S_m, NLL sum)`` in place of ``TrainModule``'s, and
+    ``skip_cause()``: after ``prepare``, the cause (the same on every rank) for which
+    the window must end ``SKIPPED_NONFINITE`` before the model's forward, else None.
     """
 
     def prepare(self, model: nn.Module, batches: Sequence[Batch], *, clock: int, window: int,
@@ -179,7 +186,10 @@ class UpdateEngine:
         self.device = torch.device(device)
         self.reducer: Reducer = reducer if reducer is not None else LocalReducer()
         self.plan = plan if plan is not None else _default_plan()
-        self.train_module: nn.Module = TrainModule(model, objective_cfg, pad_id=pad_id, terms=terms)
+        make_module = getattr(program, "train_module", None)  # a second model's objective
+        self.train_module: nn.Module = (
+            make_module(model, objective_cfg, pad_id) if make_module is not None else
+            TrainModule(model, objective_cfg, pad_id=pad_id, terms=terms))
         # Unique parameters (U6): the optimizer's groups list each tensor once.
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.committed = 0
@@ -207,7 +217,11 @@ class UpdateEngine:
             batches, program_info = self.program.prepare(
                 self.model, batches, clock=self.committed, window=window, device=self.device,
                 reducer=self.reducer)
-            disposition = self._run_planned(batches, window, program_info)
+            skip_cause = getattr(self.program, "skip_cause", None)
+            cause = skip_cause() if skip_cause is not None else None
+            disposition = (self._skip_unplanned(batches, window, cause, program_info)
+                           if cause is not None else
+                           self._run_planned(batches, window, program_info))
             self.program.close(disposition)
             return disposition
         return self._run_planned(batches, window, None)
@@ -302,6 +316,17 @@ class UpdateEngine:
             microbatches=len(batches),
             inputs=inputs_info if program_info is None else program_info,
         )
+
+    def _skip_unplanned(self, batches: Sequence[Batch], window: int, cause: str,
+                        program_info: dict | None) -> Disposition:
+        """The program found a non-finite value before the forward (Q5, U3): the window
+        is skipped as any non-finite one is, the model untouched; the loss scaler too
+        (the value was not this model's gradient overflowing)."""
+        self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return Disposition(window=window, outcome=Outcome.SKIPPED_NONFINITE, cause=cause,
+                           lr=None, denominator=0.0, loss=None, grad_norm=None, tokens=0,
+                           microbatches=len(batches), inputs=program_info)
 
     # -- steps of the transaction ---------------------------------------------------
 
