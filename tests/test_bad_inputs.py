@@ -688,6 +688,34 @@ CASES += [
 ]
 
 
+def professor(*extra: str) -> tuple[str, ...]:
+    """``train`` with Professor Forcing over the causal decoder on the text corpus."""
+    return train("--set", "objective.family=professor", "--set", "professor.over=causal",
+                 "--set", "generation.max_new_tokens=8", *extra)
+
+
+CASES += [  # Professor Forcing (Q5)
+    Case("professor-negative-lambda", professor("--set", "professor.lambda_free=-0.5"),
+         "professor.lambda_free must be >= 0"),
+    Case("professor-negative-forced-lambda",
+         professor("--set", "professor.lambda_forced=-1"), "professor.lambda_forced"),
+    Case("professor-discriminator-without-optimizer",
+         professor("--set", "professor.d_optimizer=none"),
+         "the discriminator is trained by its own optimizer"),
+    Case("professor-free-run-beyond-the-rows",
+         professor("--set", "generation.max_new_tokens=32"),
+         "generation.max_new_tokens = 32 tokens after its prompt cannot fit"),
+    Case("professor-over-a-family-without-a-decoder",
+         professor("--set", "professor.over=mlm"), "professor.over = 'mlm' has no decoder"),
+    Case("professor-simultaneous-with-two-steps",
+         professor("--set", "professor.order=simultaneous", "--set", "professor.d_steps=2"),
+         "professor.d_steps = 1"),
+    Case("resume-into-professor-with-a-negative-lambda",
+         resume("--set", "objective.family=professor", "--set", "professor.lambda_free=-1"),
+         "professor.lambda_free"),
+]
+
+
 # --------------------------------------------------------------------------- running
 
 

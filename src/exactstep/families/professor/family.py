@@ -42,17 +42,6 @@ def check(cfg: RunConfig) -> None:
                           "model: use parallel.strategy = 'ddp'")
 
 
-def check_positions(cfg: RunConfig, model: Any) -> None:
-    """A free run must stay within the positions the model has (a Hugging Face model's
-    ``max_position_embeddings``; the built-in models are exact at any position)."""
-    limit = getattr(model, "max_positions", None)
-    if limit is not None and cfg.generation.max_new_tokens + 1 > limit:
-        raise ConfigError(
-            f"professor: a free run of generation.max_new_tokens = "
-            f"{cfg.generation.max_new_tokens} tokens after its prompt reaches beyond the "
-            f"model's {limit} positions; lower generation.max_new_tokens")
-
-
 def family(cfg: RunConfig) -> Family:
     check_base(cfg)
     base = family_of(replace(cfg, objective=replace(cfg.objective, family=cfg.professor.over)))
@@ -72,7 +61,6 @@ def family(cfg: RunConfig) -> Family:
 
     def program(cfg: RunConfig, parts: Any, model: Any, device: Any) -> ProfessorForcing:
         check(cfg)
-        check_positions(cfg, model)
         tokenizer = parts.tokenizer
         return ProfessorForcing(
             cfg.professor, cfg.generation, seed=cfg.seed, seq_len=cfg.batch.seq_len,
