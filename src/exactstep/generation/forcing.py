@@ -130,6 +130,9 @@ class ProfessorForcing:
                 break
         self._frozen = self.second.frozen(at_start=self.cfg.order == "simultaneous")
         self.records = self.window_records(window, groups, free, seqs, lengths, path)
+        gather = getattr(reducer, "gather", None)
+        if gather is not None and getattr(reducer, "world_size", 1) > 1:  # every rank's
+            self.records = [r for part in gather(self.records) for r in part]
         n = len(self.records)
         info: dict = {"estimator": "professor_forcing", "examples": n,
                       "forced_tokens": sum(r["forced_tokens"] for r in self.records),

@@ -74,7 +74,7 @@ class Setup:
 
     def __init__(self, cfg: ProfessorConfig, *, program_cls=ProfessorForcing, seed: int = 7,
                  examples: Sequence[Example] | None = None, update: UpdateConfig | None = None,
-                 windows: int = 10) -> None:
+                 windows: int = 10, reducer=None) -> None:
         torch.manual_seed(0)
         self.cfg = cfg
         self.examples = list(examples if examples is not None else split())
@@ -87,7 +87,8 @@ class Setup:
         self.engine = UpdateEngine(self.model, optimizer, build_schedule(update, windows),
                                    Precision(NumericsConfig(precision="fp32"), "cpu"), update,
                                    ObjectiveConfig(), device="cpu", pad_id=0,
-                                   plan=professor_plan(), program=self.program)
+                                   plan=professor_plan(), program=self.program,
+                                   reducer=reducer)
         self.free: dict[int, tuple[int, ...]] = {}
         rollout = self.program.rollout
 

@@ -65,13 +65,20 @@ def family(cfg: RunConfig) -> Family:
         return ProfessorForcing(
             cfg.professor, cfg.generation, seed=cfg.seed, seq_len=cfg.batch.seq_len,
             examples=parts.data.train, stop_ids=(tokenizer.eos_id,),
-            width=int(model.head_weight.shape[-1]), total_windows=cfg.train.steps,
+            width=width_of(model if model is not None else
+                           base.build_model(cfg, tokenizer.vocab_size)),
+            total_windows=cfg.train.steps,
             device=device,
             source_pad_id=(source_pad_of(cfg.encdec, tokenizer)
                            if cfg.professor.over == "encdec" else 0))
 
     return replace(base, name="professor", objective=objective, program=program,
                    plan=lambda cfg, rank: professor_plan(rank=rank))
+
+
+def width_of(model: Any) -> int:
+    """The generator's hidden size: the behaviour's width."""
+    return int(model.head_weight.shape[-1])
 
 
 def check_base(cfg: RunConfig) -> None:
