@@ -190,3 +190,54 @@ def test_the_key_value_cache_is_the_whole_row_forward():
         exact = exact[at, row[0, len(prompt):]]
         got = torch.tensor(c.logprobs, dtype=torch.float64)
         assert float((got - whole.double()).abs().max()) <= spread_bound(whole, exact) + 1e-12
+
+
+@pytest.mark.parametrize("cross", ["dense", "pairs"])
+def test_the_encoder_decoder_cache_is_the_whole_row_forward(cross):
+    """``EncoderDecoder.decode_step`` (the source encoded once, cross-attention keys and
+    values kept, the decoder one column at a time) gives the hidden states of the
+    whole-row forward within twice the whole-row fp32 forward's own distance from float64
+    (``spread_bound``), whichever cross-attention the forward uses; the sampler's draws
+    through it keep their log-probabilities within the same kind of bound. Control: a
+    cache whose cross-attention keys lost the source's first column is far off."""
+    from equivalence import spread_bound
+
+    from exactstep.generation.sampler import prompt_batch
+    from exactstep.model.encdec import EncoderDecoder
+
+    model = EncoderDecoder(TINY_MODEL, 40, generator=torch.Generator().manual_seed(3),
+                           encoder_layers=2, decoder_layers=2, cross_attention=cross).eval()
+    source = [5, 9, 4, 7, 2]
+    tokens = torch.randint(3, 40, (3, 9), generator=torch.Generator().manual_seed(0))
+    batch = prompt_batch(tokens, source, 0)
+    with torch.no_grad():
+        whole = model(batch)
+        exact = model.double()(batch).float()
+        model.float()
+        parts, cache = [], None
+        for a, b in ((0, 4), (4, 5), (5, 6), (6, 9)):
+            hidden, cache = model.decode_step(tokens[:, a:b], cache, source=batch.source)
+            parts.append(hidden)
+        cached = torch.cat(parts, dim=1)
+        bound = spread_bound(whole, exact)
+        assert float((cached - whole).abs().max()) <= bound
+        short = {"cross": [(k[:, :, 1:], v[:, :, 1:]) for k, v in cache["cross"]],
+                 "self": [(k[:, :, :-1], v[:, :, :-1]) for k, v in cache["self"]]}
+        wrong, _ = model.decode_step(tokens[:, -1:], short)
+        assert float((wrong[:, 0] - whole[:, -1]).abs().max()) > 100 * bound
+
+    cfg = GenerationConfig(max_new_tokens=6, samples=3)
+    conts = sample_group(model, [1], cfg, seed=0, window=2, example_id=7, stop_ids=(2,),
+                         source=source)
+    for c in conts:
+        row = torch.tensor([[1, *c.tokens]])
+        b = prompt_batch(row, source, 0)
+        with torch.no_grad():
+            logp = torch.log_softmax(model.logits(model(b)), -1)[0]
+            exact = torch.log_softmax(model.double().logits(model(b)), -1)[0]
+            model.float()
+        at = torch.arange(0, row.shape[1] - 1)
+        want = logp[at, row[0, 1:]]
+        exact = exact[at, row[0, 1:]]
+        got = torch.tensor(c.logprobs, dtype=torch.float64)
+        assert float((got - want.double()).abs().max()) <= spread_bound(want, exact) + 1e-12

@@ -107,8 +107,9 @@ def sample_group(
     drawn with the uniforms of ``(seed, window, example_id, k)``.
 
     The model must return hidden states ``[B, T, H]`` for a ``Batch`` and logits from
-    ``model.logits(hidden)``. A model with ``decode_step`` (the built-in decoder) keeps
-    its keys and values and runs one new column per step; any other runs the ``K`` rows
+    ``model.logits(hidden)``. A model with ``decode_step`` (the built-in decoder and
+    encoder-decoder; the latter encodes the source once) keeps its keys and values and
+    runs one new column per step; any other runs the ``K`` rows
     as one batch of whole rows each step (causal attention). Either way in eval mode with every RNG stream restored after
     (E1). A continuation stops at the first id in ``stop_ids`` or after
     ``cfg.max_new_tokens``. ``on_token(sample, token)`` is called as each token is drawn
@@ -126,13 +127,16 @@ def sample_group(
     logps: list[list[float]] = [[] for _ in range(k_rows)]
     done = [False] * k_rows
     inner = getattr(model, "module", model)
-    cached = source is None and callable(getattr(inner, "decode_step", None))
+    cached = callable(getattr(inner, "decode_step", None))
+    side = None if source is None else \
+        source_rows([list(source)] * k_rows, source_pad_id).map(lambda t: t.to(device))
     cache = None
     with isolated(model):
         for step in range(cfg.max_new_tokens):
-            if cached:  # the built-in decoder: keys and values kept, one new column a step
-                hidden, cache = inner.decode_step(tokens if cache is None else
-                                                  tokens[:, -1:], cache)
+            if cached:  # the built-in models: keys and values kept, one new column a step
+                new = tokens if cache is None else tokens[:, -1:]
+                hidden, cache = (inner.decode_step(new, cache) if side is None else
+                                 inner.decode_step(new, cache, source=side))
             else:
                 hidden = model(prompt_batch(tokens, source, source_pad_id))  # [K, L', H]
             logits = inner.logits(hidden[:, -1:, :])[:, -1, :].float().cpu().numpy()  # [K, V]

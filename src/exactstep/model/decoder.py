@@ -113,6 +113,37 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))  # [B, T, H]
 
 
+
+def step_tables(tokens: torch.Tensor, start: int, cfg: ModelConfig
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RoPE tables of ``tokens [B, n]`` at positions ``start .. start + n - 1`` and the
+    causal mask of their queries over every cached key (None for one new column)."""
+    B, n = tokens.shape
+    positions = torch.arange(start, start + n, device=tokens.device).expand(B, n)
+    cos, sin = rope_tables(positions, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+    mask = None
+    if n > 1:  # query i (position start + i) sees keys 0 .. start + i
+        keys = torch.arange(start + n, device=tokens.device)
+        mask = keys[None, :] <= (start + torch.arange(n, device=tokens.device))[:, None]
+    return cos, sin, mask
+
+
+def cached_self_attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, mask: torch.Tensor | None,
+                          past: tuple[torch.Tensor, torch.Tensor] | None
+                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``attn`` (an ``Attention``) on the normed new columns ``x [B, n, H]`` against its
+    cached rotated keys and values ``past`` (``[B, nH, T, Dh]`` each, or None): the
+    output ``[B, n, H]`` and the cache with the new columns appended."""
+    B, n, _ = x.shape
+    qkv = attn.qkv(x).view(B, n, 3, attn.n_heads, attn.head_dim)
+    q, k, v = (t.transpose(1, 2) for t in apply_rope(qkv, cos, sin).unbind(2))
+    if past is not None:
+        k = torch.cat([past[0], k], dim=2)  # [B, nH, T + n, Dh]
+        v = torch.cat([past[1], v], dim=2)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nH, n, Dh]
+    return attn.out(y.transpose(1, 2).reshape(B, n, -1)), (k, v)
+
 class Decoder(nn.Module):
     """Llama-style decoder returning final-normed hidden states ``[B, T, H]``.
 
@@ -207,27 +238,15 @@ class Decoder(nn.Module):
         The same computation as ``forward`` on the whole rows, column by column
         (equal within float rounding: the matrix shapes differ); without gradients.
         """
-        B, n = tokens.shape
         start = 0 if cache is None else cache[0][0].shape[2]
-        head_dim = self.cfg.d_model // self.cfg.n_heads
-        positions = torch.arange(start, start + n, device=tokens.device).expand(B, n)
-        cos, sin = rope_tables(positions, head_dim, self.cfg.rope_theta)
-        mask = None
-        if n > 1:  # query i (position start + i) sees keys 0 .. start + i
-            keys = torch.arange(start + n, device=tokens.device)
-            mask = keys[None, :] <= (start + torch.arange(n, device=tokens.device))[:, None]
+        cos, sin, mask = step_tables(tokens, start, self.cfg)
         x = self.embed(tokens)  # [B, n, H]
         out = []
         for i, block in enumerate(self.layers):
-            attn = block.attn
-            qkv = attn.qkv(block.attn_norm(x)).view(B, n, 3, attn.n_heads, attn.head_dim)
-            q, k, v = (t.transpose(1, 2) for t in apply_rope(qkv, cos, sin).unbind(2))
-            if cache is not None:
-                k = torch.cat([cache[i][0], k], dim=2)  # [B, nH, start + n, Dh]
-                v = torch.cat([cache[i][1], v], dim=2)
-            out.append((k, v))
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nH, n, Dh]
-            x = x + attn.out(y.transpose(1, 2).reshape(B, n, -1))
+            y, kv = cached_self_attention(block.attn, block.attn_norm(x), cos, sin, mask,
+                                          None if cache is None else cache[i])
+            out.append(kv)
+            x = x + y
             x = x + block.mlp(block.mlp_norm(x))
         return self.final_norm(x), out
 

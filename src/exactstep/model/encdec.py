@@ -28,9 +28,11 @@ from exactstep.model.decoder import (
     Attention,
     Block,
     SwiGLU,
+    cached_self_attention,
     refuse_checkpointing,
     refuse_lora,
     rope_tables,
+    step_tables,
 )
 from exactstep.rows.batch import (
     IGNORE_INDEX,
@@ -393,6 +395,47 @@ class EncoderDecoder(nn.Module):
             source = padding_source(batch)
         check_pairs(batch, source)  # before the encoder reads the segments
         return self.decode(batch, self.encode(source), source)
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: dict | None = None, *,
+                    source: SourceSide | None = None) -> tuple[torch.Tensor, dict]:
+        """Incremental decoding for rows of one causal segment each, every row reading
+        one whole source segment without padding (the sampler's: ``K`` rows of one
+        prompt). The first call (``cache`` None) encodes ``source`` once and keeps each
+        decoder layer's cross-attention keys and values; each call runs ``tokens [B, n]``
+        against the cached self-attention keys and values. Returns the new tokens'
+        final-normed hidden states ``[B, n, H]`` and the cache.
+
+        The same computation as ``forward`` on the whole rows, column by column (equal
+        within float rounding: the matrix shapes differ); without gradients.
+        """
+        if cache is None:
+            if source is None or bool((source.segment_ids != 1).any()):
+                raise ModelError("decode_step needs a source of one whole segment per row "
+                                 "(no padding) on its first call")
+            memory = self.encode(source)  # [B, S, H]
+            B, S, _ = memory.shape
+            cross = [block.cross.kv(memory).view(B, S, 2, self.cfg.n_heads, self.head_dim)
+                     .unbind(2) for block in self.decoder]
+            cache = {"cross": [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in cross],
+                     "self": None}
+        past = cache["self"]
+        start = 0 if past is None else past[0][0].shape[2]
+        cos, sin, mask = step_tables(tokens, start, self.cfg)
+        x = self.embed(tokens)  # [B, n, H]
+        B, n, H = x.shape
+        out = []
+        for i, block in enumerate(self.decoder):
+            y, kv = cached_self_attention(block.attn, block.attn_norm(x), cos, sin, mask,
+                                          None if past is None else past[i])
+            out.append(kv)
+            x = x + y
+            q = block.cross.q(block.cross_norm(x)).view(B, n, self.cfg.n_heads, self.head_dim)
+            k, v = cache["cross"][i]  # every source key visible: one whole segment
+            z = F.scaled_dot_product_attention(q.transpose(1, 2), k, v)  # [B, nH, n, Dh]
+            x = x + block.cross.out(z.transpose(1, 2).reshape(B, n, H))
+            x = x + block.mlp(block.mlp_norm(x))
+        return self.final_norm(x), {"cross": cache["cross"], "self": out}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
