@@ -9,7 +9,9 @@ log-probabilities). Baseline: the loop a user writes (``torch.multinomial`` over
 ``softmax(logits)`` of the same batch, no addressing, nothing recorded). Both run
 without a KV cache. Then whole policy windows through ``UpdateEngine`` (the reward
 the response's length, so that every window trains): the share of their time spent
-in the rollout program.
+in the rollout program. Last, the numwords encoder-decoder (``encdec_numwords.toml``'s
+shape): the sampler (its key-value cache, the source encoded once) against the same
+sampler on whole rows (what every step cost before the cache), same draws.
 Design and derivations: docs/design/bench.md#benchrolloutpy.
 """
 
@@ -76,7 +78,55 @@ def run(quick: bool) -> dict:
                "plain_tokens_per_s": tokens_each / median(base),
                "time_ratio": median(cand) / median(base)}
     figures.update(window_share(cfg, parts, model, shape["windows"]))
+    figures.update(encdec_sampling(shape))
     return figures
+
+
+def encdec_sampling(shape: dict) -> dict:
+    """The encoder-decoder's sampler with its cache against the same sampler on whole
+    rows (a view of the model without ``decode_step``): tokens per second, same draws."""
+    from exactstep.config import load_config
+    from exactstep.families import open_family, resolve
+    from exactstep.generation.rollouts import split_example
+    from exactstep.generation.sampler import sample_group
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "encdec_numwords.toml"
+    cfg = resolve(load_config(config, [f"generation.max_new_tokens={4 * shape['tokens']}",
+                                       f"generation.samples={shape['samples']}",
+                                       "encdec.n_train=64"]))
+    parts = open_family(cfg)
+    model = parts.family.build_model(cfg, parts.tokenizer.vocab_size)
+    pad = parts.tokenizer.pad_id
+    requests = [(list(split_example(e, "encdec")[0]), [int(t) for t in e.source])
+                for e in parts.data.train[:shape["prompts"]]]
+    gen = cfg.generation
+
+    class WholeRows(torch.nn.Module):  # the model without its cache: whole rows a step
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, batch):
+            return self.inner(batch)
+
+        def logits(self, hidden):
+            return self.inner.logits(hidden)
+
+    def sampler(m):
+        def go() -> list[tuple[int, ...]]:
+            return [c.tokens for i, (p, src) in enumerate(requests)
+                    for c in sample_group(m, p, gen, seed=0, window=0, example_id=i,
+                                          stop_ids=(-1,), source=src, source_pad_id=pad)]
+        return go
+
+    cached, whole = sampler(model), sampler(WholeRows())
+    same = cached() == whole()  # the same draws either way (rounding could flip one)
+    tokens_each = len(requests) * gen.samples * gen.max_new_tokens
+    cand, base = interleaved_times(lambda: cached(), lambda: whole(), repeats=shape["repeats"])
+    return {"encdec_new_tokens": gen.max_new_tokens, "encdec_same_draws": same,
+            "encdec_cached_tokens_per_s": tokens_each / median(cand),
+            "encdec_whole_row_tokens_per_s": tokens_each / median(base),
+            "encdec_time_ratio": median(cand) / median(base)}
 
 
 def window_share(cfg, parts, model, windows: int) -> dict:
