@@ -31,12 +31,12 @@ from exactstep.errors import ConfigError, DataError
 from exactstep.families.professor.config import ProfessorConfig
 from exactstep.families.professor.discriminator import Discriminator, behaviour
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.rollouts import Request, example_ids, split_example
+from exactstep.generation.rollouts import Request, example_ids, response_batch, split_example
 from exactstep.generation.sampler import Continuation, sample_group
 from exactstep.objective import microbatch_terms
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.professor import FORCED, FREE, ForcingRows
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, source_rows
+from exactstep.rows.batch import Batch
 from exactstep.rows.example import Example
 from exactstep.state.rng import isolated
 from exactstep.update.config import UpdateConfig
@@ -203,25 +203,16 @@ class ProfessorForcing:
         each padded to the longest row; ``meta["professor"]`` the steps and coefficients."""
         paths = [(r, r.reference, FORCED) for r in group] + \
             [(r, c.tokens, FREE) for r, c in zip(group, conts, strict=True)]
-        n_rows = len(paths)
-        T = max([len(r.prompt) + len(resp) - 1 for r, resp, _ in paths] or [1])
-        ids = torch.zeros((n_rows, T), dtype=torch.int64)
-        labels = torch.full((n_rows, T), IGNORE_INDEX, dtype=torch.int64)
-        positions = torch.zeros((n_rows, T), dtype=torch.int64)
-        segment_ids = torch.zeros((n_rows, T), dtype=torch.int32)
+        base = response_batch([(r, resp, p, p == FORCED) for r, resp, p in paths],
+                              self.source_pad_id)
+        n_rows, T = base.input_ids.shape
         steps = torch.zeros((n_rows, T), dtype=torch.bool)
         coefficient = torch.zeros((n_rows, T), dtype=torch.float64)
         adversarial = torch.zeros(n_rows, dtype=torch.float64)
         path_ids = torch.tensor([p for _, _, p in paths], dtype=torch.int64)
         example = torch.tensor([r.example_id for r, _, _ in paths], dtype=torch.int64)
         half = len(group)
-        segments = []
         for b, (r, resp, p) in enumerate(paths):
-            seq = list(r.prompt + tuple(resp))
-            n = len(seq) - 1
-            ids[b, :n] = torch.tensor(seq[:-1])
-            positions[b, :n] = torch.arange(n)
-            segment_ids[b, :n] = 1
             first = len(r.prompt) - 1  # the column that predicts the response's first token
             compared = len(resp)
             if self.cfg.compare == "common":
@@ -229,26 +220,13 @@ class ProfessorForcing:
                 compared = min(compared, len(other))
             steps[b, first:first + compared] = True
             if p == FORCED:
-                labels[b, first:first + len(resp)] = torch.tensor(resp)
                 coefficient[b, first:first + len(resp)] = (
                     1.0 if self.cfg.nll == "sequence_sum" else 1.0 / len(resp))
                 adversarial[b] = self.cfg.lambda_forced
             else:
                 adversarial[b] = self.cfg.lambda_free
-            segments.append((Segment(example_id=r.example_id, piece=p, offset=0, start=0,
-                                     length=n),))
-        side = None
-        if group and group[0].source is not None:  # each row's encoder side (R8)
-            side = source_rows([r.source for r, _, _ in paths], self.source_pad_id)
-            side = replace(side, segments=tuple(
-                (Segment(example_id=r.example_id, piece=p, offset=0, start=0,
-                         length=len(r.source)),) for r, _, p in paths))
-        if not group:  # a padding micro-batch (another rank holds more examples)
-            segment_ids[:] = 0
         rows = ForcingRows(path_ids, steps, coefficient, adversarial, example)
-        return Batch(input_ids=ids, labels=labels, position_ids=positions,
-                     segment_ids=segment_ids, segments=tuple(segments), source=side,
-                     meta={"professor": rows})
+        return replace(base, meta={"professor": rows})
 
     @torch.no_grad()
     def behaviours(self, model: nn.Module, batches: Sequence[Batch], device: torch.device

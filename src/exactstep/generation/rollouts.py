@@ -73,6 +73,41 @@ def split_example(example: Example, over: str) -> tuple[tuple[int, ...], tuple[i
     return tuple(tokens[:start]), tuple(tokens[start:end])
 
 
+def response_batch(rows: Sequence[tuple[Request, Sequence[int], int, bool]],
+                   source_pad_id: int) -> Batch:
+    """One row per ``(request, response, piece, supervised)``: the prompt and the
+    response as inputs (the last token dropped), one segment addressed ``(example,
+    piece)``, padded to the longest; the response's tokens its targets when
+    ``supervised`` (R1: the column ``len(prompt) - 1`` predicts the first); with
+    sources, each row's encoder side paired with it (R8). Families add their ``meta``."""
+    seqs = [list(r.prompt) + list(resp) for r, resp, _, _ in rows]
+    T = max([len(s) - 1 for s in seqs] or [1])
+    B = len(rows)
+    ids = torch.zeros((B, T), dtype=torch.int64)
+    labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
+    positions = torch.zeros((B, T), dtype=torch.int64)
+    segment_ids = torch.zeros((B, T), dtype=torch.int32)
+    segments = []
+    for b, ((r, resp, piece, supervised), seq) in enumerate(zip(rows, seqs, strict=True)):
+        n = len(seq) - 1
+        ids[b, :n] = torch.tensor(seq[:-1])
+        positions[b, :n] = torch.arange(n)
+        segment_ids[b, :n] = 1
+        if supervised:
+            first = len(r.prompt) - 1
+            labels[b, first:first + len(resp)] = torch.tensor(list(resp))
+        segments.append((Segment(example_id=r.example_id, piece=piece, offset=0, start=0,
+                                 length=n),))
+    side = None
+    if rows and rows[0][0].source is not None:  # each row's encoder side, paired (R8)
+        side = source_rows([r.source for r, _, _, _ in rows], source_pad_id)
+        side = replace(side, segments=tuple(
+            (Segment(example_id=r.example_id, piece=piece, offset=0, start=0,
+                     length=len(r.source)),) for r, _, piece, _ in rows))
+    return Batch(input_ids=ids, labels=labels, position_ids=positions,
+                 segment_ids=segment_ids, segments=tuple(segments), source=side)
+
+
 def advantages(rewards: np.ndarray, baseline: str, state_value: float | None, std_eps: float
                ) -> tuple[np.ndarray, np.ndarray]:
     """``(baselines, advantages)`` ``[P, K]`` for rewards ``[P, K]`` (float64).
@@ -319,39 +354,21 @@ class PolicyRollouts:
             return Batch(input_ids=empty, labels=empty.clone(), position_ids=empty.clone(),
                          segment_ids=torch.zeros((0, 1), dtype=torch.int32), segments=(),
                          meta={"policy": PolicyRows.empty((0, 1))})
-        seqs = [list(r.context + c.tokens) for r, _, c, _ in trajectories]
-        T = max(len(s) - 1 for s in seqs)
-        B = len(seqs)
-        ids = torch.zeros((B, T), dtype=torch.int64)
-        labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
-        positions = torch.zeros((B, T), dtype=torch.int64)
-        segment_ids = torch.zeros((B, T), dtype=torch.int32)
+        paired = trajectories[0][0].source is not None  # an encoder side to pad
+        base = response_batch([(r, r.forced + c.tokens, k, True)
+                               for r, k, c, _ in trajectories],
+                              self.source_pad_id if paired else 0)
+        B, T = base.input_ids.shape
         coefficient = torch.zeros((B, T), dtype=torch.float64)
         sampled = torch.zeros((B, T), dtype=torch.bool)
         trajectory = torch.full((B, T), -1, dtype=torch.int64)
-        segments = []
-        for b, ((r, k, c, coeffs), seq) in enumerate(zip(trajectories, seqs, strict=True)):
-            n = len(seq) - 1
-            ids[b, :n] = torch.tensor(seq[:-1])
-            positions[b, :n] = torch.arange(n)
-            segment_ids[b, :n] = 1
+        for b, (r, _, c, coeffs) in enumerate(trajectories):
             first = len(r.prompt) - 1  # the column whose target is the first scored token
             scored = len(r.forced) + len(c.tokens)
-            labels[b, first:first + scored] = torch.tensor(seq[len(r.prompt):])
             coefficient[b, first:first + scored] = torch.tensor(coeffs, dtype=torch.float64)
             sampled[b, first + len(r.forced):first + scored] = True
             trajectory[b, first:first + scored] = b
-            segments.append((Segment(example_id=r.example_id, piece=k, offset=0, start=0,
-                                     length=n),))
-        side = None
-        if trajectories[0][0].source is not None:  # each row's encoder side, paired (R8)
-            side = source_rows([r.source for r, _, _, _ in trajectories], self.source_pad_id)
-            side = replace(side, segments=tuple(
-                (Segment(example_id=r.example_id, piece=k, offset=0, start=0,
-                         length=len(r.source)),) for r, k, _, _ in trajectories))
-        return Batch(input_ids=ids, labels=labels, position_ids=positions,
-                     segment_ids=segment_ids, segments=tuple(segments), source=side,
-                     meta={"policy": PolicyRows(coefficient, trajectory, sampled)})
+        return replace(base, meta={"policy": PolicyRows(coefficient, trajectory, sampled)})
 
 
 def example_ids(batch: Batch, microbatch: int) -> list[int]:

@@ -94,10 +94,19 @@ def policy_plan(normalizer: str, constant: float, *, rank: int = 0):
                 return decision
             if signal == 0.0:
                 return NoObjective(NoObjectiveCause.ZERO_ADVANTAGE)
-        return PolicyPlan(
-            coefficients=coefficients, denominator=denominator, tokens=tokens,
-            microbatch_denominators=mb_denominators,
-            row_indices=[m.reshape(-1).nonzero().squeeze(1) for m in masks],
-            microbatch_tokens=[int(m.sum()) for m in masks], signal=signal)
+        return signal_plan(coefficients, masks, denominator, mb_denominators, signal)
 
     return plan
+
+
+def signal_plan(coefficients: list[torch.Tensor], masks: list[torch.Tensor],
+                denominator: float, microbatch_denominators: list[float], signal: float
+                ) -> PolicyPlan:
+    """The plan of a window whose per-micro-batch coefficients and supervised masks are
+    known: the rows' flat indices and counts from the masks."""
+    return PolicyPlan(
+        coefficients=coefficients, denominator=denominator,
+        tokens=sum(int(m.sum()) for m in masks),
+        microbatch_denominators=microbatch_denominators,
+        row_indices=[m.reshape(-1).nonzero().squeeze(1) for m in masks],
+        microbatch_tokens=[int(m.sum()) for m in masks], signal=signal)

@@ -26,7 +26,7 @@ import torch
 
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.plan import WindowPlan, supervised_mask
-from exactstep.objective.policy import PolicyPlan
+from exactstep.objective.policy import signal_plan
 from exactstep.objective.types import NoObjective, NoObjectiveCause
 from exactstep.rows.batch import Batch
 
@@ -72,10 +72,6 @@ def professor_plan(*, rank: int = 0):
         denominator = math.fsum(mb_denominators)
         if not allow_empty and (denominator == 0.0 or tokens == 0):
             return NoObjective(NoObjectiveCause.EMPTY_ELIGIBLE_SET)
-        return PolicyPlan(
-            coefficients=coefficients, denominator=denominator, tokens=tokens,
-            microbatch_denominators=mb_denominators,
-            row_indices=[m.reshape(-1).nonzero().squeeze(1) for m in masks],
-            microbatch_tokens=[int(m.sum()) for m in masks], signal=signal)
+        return signal_plan(coefficients, masks, denominator, mb_denominators, signal)
 
     return plan

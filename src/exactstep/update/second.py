@@ -75,21 +75,25 @@ class SecondModel:
         if total == 0.0:
             return {"loss": None, "grad_norm": None, "lr": None, "cause": None, "empty": True}
         (numerator / total).backward()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
+        for p in self.parameters:
+            if p.grad is None:  # a parameter this window's loss did not reach
+                p.grad = torch.zeros_like(p)
         if inject:
-            grads[0].view(-1)[0] = float("nan")
-        flat = torch.cat([g.reshape(-1).float() for g in grads] +
-                         [numerator.detach().reshape(1).float()])
+            self.parameters[0].grad.view(-1)[0] = float("nan")
+        loss_sum_t = numerator.detach().reshape(1).float()
         if world > 1:  # D1: every rank's gradient and loss summed, one collective
+            flat = torch.cat([p.grad.reshape(-1).float() for p in self.parameters]
+                             + [loss_sum_t])
             flat = reducer.sum(flat.to(getattr(reducer, "comm_device", flat.device)))
-            flat = flat.to(grads[0].device)
-        offset = 0
-        for p, g in zip(self.parameters, grads, strict=True):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
-            offset += n
+            flat = flat.to(loss_sum_t.device)
+            offset = 0
+            for p in self.parameters:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+                offset += n
+            loss_sum_t = flat[-1:]
         norm = get_total_norm([p.grad for p in self.parameters], 2.0).float()
-        norm_value, loss_sum = torch.stack([norm, flat[-1]]).tolist()  # one host read
+        norm_value, loss_sum = torch.cat([norm.reshape(1), loss_sum_t]).tolist()  # one read
         loss = loss_sum / total
         if inject or not (math.isfinite(norm_value) and math.isfinite(loss_sum)):
             cause = (CAUSE_INJECTED if inject else

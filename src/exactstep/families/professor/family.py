@@ -21,12 +21,8 @@ from exactstep.objective.professor import professor_plan
 
 def check(cfg: RunConfig) -> None:
     """The refusals a Professor Forcing run meets before anything is written (X4)."""
-    prof, gen = cfg.professor, cfg.generation
-    if prof.over not in DECODER_BASES:
-        raise ConfigError(
-            f"objective.family = 'professor' runs a decoder free; professor.over = "
-            f"{prof.over!r} has no decoder that can continue a prompt: choose one of "
-            f"{', '.join(DECODER_BASES)}")
+    gen = cfg.generation
+    check_base(cfg)
     if gen.max_new_tokens >= cfg.batch.seq_len:
         raise ConfigError(
             f"professor: a free run of generation.max_new_tokens = {gen.max_new_tokens} "
@@ -82,9 +78,12 @@ def width_of(model: Any) -> int:
 
 
 def check_base(cfg: RunConfig) -> None:
-    """The base must have a decoder before it is even opened."""
+    """The base must have a decoder that can run free, before it is even opened."""
     if cfg.professor.over not in DECODER_BASES:
-        check(cfg)
+        raise ConfigError(
+            f"objective.family = 'professor' runs a decoder free; professor.over = "
+            f"{cfg.professor.over!r} has no decoder that can continue a prompt: choose one "
+            f"of {', '.join(DECODER_BASES)}")
 
 
 FAMILY = family  # a function of the run's configuration: the family over its base
