@@ -51,13 +51,13 @@ TARGET = (1, 2)  # the rewarded sequence
 
 class TabularPolicy(nn.Module):
     """``logits(token at t) = E[token] + Pos[t]``: hidden states are the logits
-    (``head_weight`` is the identity, not trained)."""
+    (``head_weight`` is the identity, not trained); ``positions`` rows of ``Pos``."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 5, positions: int = 4, scale: float = 0.5) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(5)
-        self.embed = nn.Parameter(0.5 * torch.randn(V, V, generator=g))
-        self.pos = nn.Parameter(0.5 * torch.randn(4, V, generator=g))
+        g = torch.Generator().manual_seed(seed)
+        self.embed = nn.Parameter(scale * torch.randn(V, V, generator=g))
+        self.pos = nn.Parameter(scale * torch.randn(positions, V, generator=g))
         self.register_buffer("eye", torch.eye(V))
 
     @property

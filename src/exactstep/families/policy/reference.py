@@ -2,7 +2,9 @@
 
 Written from the definitions with ``math`` alone: advantages per baseline, each scored
 token's coefficient, the normalizer ``D`` and the objective ``S / D`` for given token
-losses. The engine's rollouts and plan (``generation.rollouts``,
+losses; the KL terms against a frozen reference (``k1`` in the reward, ``k3`` a loss
+term per sampled token) and MIXER's curriculum (``delta`` on the committed-window
+clock, U5). The engine's rollouts and plan (``generation.rollouts``,
 ``objective.policy``) must agree with it.
 """
 
@@ -16,12 +18,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Sample:
     """One trajectory of a prompt's group: its reward, how many reference tokens were
-    teacher-forced before it, and how many tokens were sampled."""
+    teacher-forced before it, and how many tokens were sampled; with ``kl``, each
+    sampled token's ``log pi`` and ``log pi_ref``."""
 
     reward: float
     forced: int
     sampled: int
     baselines: tuple[float, ...] = ()  # the learned baseline's b_t per sampled token
+    logprobs: tuple[float, ...] = ()  # log pi of each sampled token (kl)
+    ref_logprobs: tuple[float, ...] = ()  # log pi_ref of each sampled token (kl)
 
 
 def advantages(rewards: Sequence[float], baseline: str, state: float | None = None,
@@ -45,19 +50,60 @@ def advantages(rewards: Sequence[float], baseline: str, state: float | None = No
     raise ValueError(f"unknown baseline {baseline!r}")
 
 
+def k1_penalty(logprobs: Sequence[float], ref_logprobs: Sequence[float],
+               beta: float) -> float:
+    """k1: ``beta * sum_t (log pi - log pi_ref)`` over a trajectory's sampled tokens,
+    subtracted from its reward before the baseline."""
+    return beta * math.fsum(lp - lr for lp, lr in zip(logprobs, ref_logprobs, strict=True))
+
+
+def k3_term(logprob: float, ref_logprob: float, beta: float) -> float:
+    """k3's loss term of one sampled token: ``beta * (r - log r - 1)``, ``r = pi_ref /
+    pi`` (non-negative, 0 where the policies agree)."""
+    log_r = ref_logprob - logprob
+    return beta * (math.exp(log_r) - log_r - 1.0)
+
+
+def k3_coefficient(logprob: float, ref_logprob: float, beta: float) -> float:
+    """k3's term as a coefficient on the token's loss ``-log pi``: its derivative in
+    ``log pi`` is ``beta * (1 - r)`` (``dr / d log pi = -r``), and a coefficient ``c``
+    on ``-log pi`` has derivative ``-c``, so ``c = beta * (r - 1)``."""
+    return beta * (math.exp(ref_logprob - logprob) - 1.0)
+
+
+def mixer_delta(clock: int, *, start: int, step: int, every: int, most: int) -> int:
+    """MIXER's sampled suffix length after ``clock`` committed windows (U5):
+    ``min(most, start + step * floor(clock / every))``."""
+    return min(most, start + step * (clock // every))
+
+
+def mixer_forced(reference: Sequence[int], delta: int) -> tuple[int, ...]:
+    """The reference tokens teacher-forced at ``delta``: all but the last ``delta`` (all
+    of them when ``delta`` is 0); the rest of the response is sampled."""
+    return tuple(reference[:max(0, len(reference) - delta)])
+
+
 def window_coefficients(groups: Sequence[Sequence[Sample]], *, baseline: str,
                         normalizer: str, constant: float = 1.0,
-                        state: float | None = None, std_eps: float = 1e-6
+                        state: float | None = None, std_eps: float = 1e-6,
+                        kl: str = "none", beta: float = 0.0
                         ) -> tuple[list[list[float]], float]:
     """``(coefficients, D)``: for every trajectory (groups in order, samples in order)
     its scored tokens' coefficients ``a`` (teacher-forced tokens first, then sampled),
-    and the window's normalizer ``D``."""
+    and the window's normalizer ``D``. ``kl = "k1"``: each reward less ``k1_penalty``
+    before the baseline; ``"k3"``: each sampled token's coefficient plus
+    ``k3_coefficient``."""
     out: list[list[float]] = []
     for group in groups:
-        adv = advantages([s.reward for s in group], baseline, state, std_eps)
+        rewards = [s.reward - (k1_penalty(s.logprobs, s.ref_logprobs, beta)
+                               if kl == "k1" else 0.0) for s in group]
+        adv = advantages(rewards, baseline, state, std_eps)
         for s, a in zip(group, adv, strict=True):
-            c = [1.0] * s.forced + ([a - b for b in s.baselines] if baseline == "learned"
-                                    else [a] * s.sampled)
+            sampled = [a - b for b in s.baselines] if baseline == "learned" else [a] * s.sampled
+            if kl == "k3":
+                sampled = [x + k3_coefficient(lp, lr, beta) for x, lp, lr in
+                           zip(sampled, s.logprobs, s.ref_logprobs, strict=True)]
+            c = [1.0] * s.forced + sampled
             n = s.forced + s.sampled
             if normalizer == "sequence_mean" and n:
                 c = [x / n for x in c]
