@@ -5,9 +5,17 @@ in float64 (the tolerance of ``test_policy_run``'s micro-batch splits); rank 0's
 journal records holds both ranks' samples, and the ledger's figures count them all.
 Negative control: a rank that normalised by its own share of the window (D local,
 the bug of public trainers under data parallelism) is outside the tolerance.
+
+U4, D1: with ``baseline = moving_average`` and ranks whose shares see other rewards,
+three windows on two ranks give every rank the one process's baseline state (checked
+also against the journal's rewards) and gradient in each window. Negative control: a
+per-rank mean reward (not all-reduced) is caught.
 """
 
 from __future__ import annotations
+
+import copy
+import math
 
 import pytest
 import torch
@@ -29,6 +37,7 @@ from exactstep.parallel.agreement import distribute_engine
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
 from exactstep.parallel.reducer import build_reducer
+from exactstep.update.disposition import Outcome
 from exactstep.update.precision import Precision
 from exactstep.update.schedule import build_schedule
 from exactstep.update.window import UpdateEngine
@@ -116,3 +125,138 @@ def test_two_ranks_sample_and_step_as_one_process(tmp_path):
                                   deadline_s=240)
     assert codes == [0, 0], wrong
     assert outside(wrong[0]["grads"], single, tolerance) != []
+
+
+# -- the moving-average baseline over ranks (U4, D1) -----------------------------------
+
+MA_WINDOWS = 3
+MA = {"policy.baseline": "moving_average", "policy.decay": 0.5}
+
+
+def prompt_reward(program) -> None:
+    """The response's length plus the prompt's length mod 5: ranks holding other
+    prompts see other rewards, so a per-rank mean is another baseline."""
+    from exactstep.families.policy.rewards import Reward
+
+    program.reward = Reward("prompt_length", lambda s: float(len(s.content(s.response)))
+                            + float(len(s.prompt) % 5), {"name": "prompt_length",
+                                                         "kind": "test"}, False)
+
+
+def local_mean(program) -> None:
+    """WRONG (U4, D1): the window's mean reward of this rank's share alone."""
+    from exactstep.generation.rollouts import PolicyRollouts
+
+    program.global_mean = lambda rewards, reducer: PolicyRollouts.global_mean(program,
+                                                                              rewards, None)
+
+
+def ma_windows(cfg, parts, model, ids, *, reducer=None, rank=0, ctx=None, wrong=False):
+    """``MA_WINDOWS`` windows of the prompts ``ids`` (SGD with a step of ~0, so only the
+    baseline's state carries over): per window the gradient, the baseline state it used,
+    the state after it, the trajectory batches and every rank's records."""
+    program = parts.family.program(cfg, parts, model, torch.device("cpu"))
+    prompt_reward(program)
+    if wrong:
+        local_mean(program)
+    update, optimizer, grads = gradient_capture(cfg, model)
+    engine = UpdateEngine(model, optimizer, build_schedule(update, MA_WINDOWS),
+                          Precision(cfg.numerics, "cpu"), update, cfg.objective,
+                          device="cpu", pad_id=parts.tokenizer.pad_id, reducer=reducer,
+                          plan=parts.family.plan(cfg, rank), program=program)
+    if ctx is not None:
+        distribute_engine(engine, ctx, ParallelConfig())
+    seen = []
+    prepare = program.prepare
+    program.prepare = lambda *a, **kw: seen.append(prepare(*a, **kw)) or seen[-1]
+    out = []
+    for w in range(MA_WINDOWS):
+        disposition = engine.run_window(window_of(parts, [ids]), w)
+        assert disposition.outcome is Outcome.COMMITTED
+        out.append({"grads": grads[w], "used": disposition.inputs["baseline_state"],
+                    "after": program.moving_average, "batches": seen[w][0],
+                    "records": list(program.records)})
+    return out
+
+
+def rank_ma(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    torch.set_num_threads(1)
+    ctx = init_distributed(ParallelConfig(timeout_s=60.0), "cpu",
+                           env=launcher_env(rank, world, port))
+    try:
+        cfg = config(**MA)
+        parts = open_family(cfg)
+        model = parts.family.build_model(cfg, parts.tokenizer.vocab_size)
+        result = ma_windows(cfg, parts, model, IDS[rank], reducer=build_reducer(ctx),
+                            rank=rank, ctx=ctx, wrong=job.get("local_mean", False))
+        torch.save([{k: v for k, v in w.items() if k != "batches"} for w in result],
+                   f"{out}/rank{rank}.pt")
+    finally:
+        shutdown(ctx)
+
+
+def expected_states(windows, decay: float) -> list[float]:
+    """The moving average after each window from the journal's rewards (every rank's):
+    the first window's mean, then ``decay * m + (1 - decay) * mean``."""
+    states, m = [], None
+    for w in windows:
+        rewards = [r["reward"] for r in w["records"]]
+        mean = math.fsum(rewards) / len(rewards)
+        m = mean if m is None else decay * m + (1 - decay) * mean
+        states.append(m)
+    return states
+
+
+def test_the_moving_average_over_two_ranks_is_the_one_process_baseline(tmp_path):
+    """Every rank's baseline state and gradient in each of three windows equal the one
+    process's: the state within the rounding of float64 sums taken in another order
+    (``16 * 2**-53`` of the largest reward: a handful of roundings, each at most half an
+    ulp of a value no larger), the gradient within ``spread_tolerance``. Negative
+    control: a per-rank mean (not all-reduced) is another state and another update."""
+    cfg = config(**MA)
+    parts = open_family(cfg)
+    model = parts.family.build_model(cfg, parts.tokenizer.vocab_size)
+    single = ma_windows(cfg, parts, copy.deepcopy(model), IDS[0] + IDS[1])
+    states = expected_states(single, 0.5)
+    largest = max(abs(r["reward"]) for w in single for r in w["records"])
+    tol_state = 16 * 2.0 ** -53 * largest
+    # the ranks' shares see other rewards: a per-rank mean is not the window's
+    for w in single:
+        share = [[r["reward"] for r in w["records"] if r["example"] in ids] for ids in IDS]
+        assert math.fsum(share[0]) / len(share[0]) != math.fsum(share[1]) / len(share[1])
+    assert single[0]["used"] is None
+    assert [w["used"] for w in single[1:]] == [w["after"] for w in single[:-1]]
+    assert all(abs(w["after"] - s) <= tol_state for w, s in zip(single, states, strict=True))
+    tolerances = []
+    for w in single:
+        exact, _ = one_window(cfg, parts, model, [IDS[0] + IDS[1]],
+                              program=Replay([b.map(lambda t: t) for b in w["batches"]]),
+                              dtype=torch.float64)
+        tolerances.append(spread_tolerance(w["grads"], exact))
+
+    def differences(ranks) -> list[str]:
+        bad = []
+        for rank, result in enumerate(ranks):
+            for w, (got, want, tol) in enumerate(zip(result, single, tolerances, strict=True)):
+                if (got["used"] is None) != (want["used"] is None) or (
+                        got["used"] is not None and abs(got["used"] - want["used"]) > tol_state):
+                    bad.append(f"rank {rank} window {w}: state used {got['used']} vs "
+                               f"{want['used']}")
+                if abs(got["after"] - want["after"]) > tol_state:
+                    bad.append(f"rank {rank} window {w}: state {got['after']} vs "
+                               f"{want['after']}")
+                bad += [f"rank {rank} window {w}: gradient {n}"
+                        for n in outside(got["grads"], want["grads"], tol)]
+        return bad
+
+    results, codes, _ = spawn_ranks(rank_ma, 2, tmp_path, {}, deadline_s=240)
+    assert codes == [0, 0], results
+    assert differences(results) == []
+    # negative control: each rank's own mean is another baseline after the first commit
+    (tmp_path / "wrong").mkdir()
+    wrong, codes, _ = spawn_ranks(rank_ma, 2, tmp_path / "wrong", {"local_mean": True},
+                                  deadline_s=240)
+    assert codes == [0, 0], wrong
+    found = differences(wrong)
+    assert any("window 0: state" in f for f in found)  # the first commit's state
+    assert any("window 2: gradient" in f for f in found)  # and the update that used it
