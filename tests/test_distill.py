@@ -10,6 +10,8 @@
   another student manifest, and a resume of the student on it is refused.
 - Sampled decoding draws from addressed streams: the same seed gives the same shards,
   another seed other ones.
+- A teacher given as an export or a Hugging Face model directory is named by its
+  weight files' sha256; another weight is another teacher.
 - Bad input is one ``error:`` line: a teacher that is no run or model, an
   encoder-decoder teacher, a text student, a non-empty ``--out``.
 """
@@ -174,3 +176,59 @@ def test_bad_inputs_are_one_error_line(teacher, tmp_path, capsys):
     (full / "x").write_text("x")
     assert "not empty" in refused(capsys, distill(teacher, full))
     assert (full / "x").read_text() == "x"
+
+
+def safetensors_digest(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_an_export_or_hf_directory_teacher_is_named_by_its_weights(teacher, tmp_path,
+                                                                    capsys):
+    """R10: a teacher given as an export or a Hugging Face model directory is recorded by
+    the sha256 of its weight file (recomputed here from the file's bytes, and the
+    export's passport's own entry); the student's manifest carries it. Negative control:
+    the same directory with one weight changed records another digest, and a resume of
+    the student on that data is refused (S4)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    exported = tmp_path / "export"
+    assert main(["export", str(teacher), "--out", str(exported)]) == 0
+    hf = tmp_path / "hf"
+    shutil.copytree(exported, hf)
+    (hf / "passport.json").unlink()  # a plain save_pretrained directory
+    weights = safetensors_digest(exported / "model.safetensors")
+    passport = json.loads((exported / "passport.json").read_text())
+    assert passport["files"]["model.safetensors"] == weights
+    recorded = {}
+    for kind, directory in (("export", exported), ("hf_directory", hf)):
+        data = tmp_path / f"distilled-{kind}"
+        assert distill(directory, data) == 0
+        recorded[kind] = json.loads((data / "prepared.json").read_text())["teacher"]
+        assert recorded[kind]["kind"] == kind and recorded[kind]["path"] == str(directory)
+        assert recorded[kind]["weights_sha256"] == {"model.safetensors": weights}
+    student = tmp_path / "student"
+    assert main(["train", "--no-progress", "--out", str(student),
+                 *set_args({**TINY, "data.source": str(tmp_path / "distilled-hf_directory"),
+                            "train.steps": 2, "checkpoint.every": 1})]) == 0
+    assert manifest_of(student)["data"]["teacher"] == recorded["hf_directory"]
+
+    # negative control: one weight changed, another recorded digest
+    tensors = load_file(hf / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1.0
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    changed = tmp_path / "distilled-changed"
+    assert distill(hf, changed) == 0
+    other = json.loads((changed / "prepared.json").read_text())["teacher"]["weights_sha256"]
+    assert other == {"model.safetensors": safetensors_digest(hf / "model.safetensors")}
+    assert other != recorded["hf_directory"]["weights_sha256"]
+    capsys.readouterr()
+    assert main(["resume", str(student), "--no-progress", "--set",
+                 f"data.source={changed}"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "data.teacher" in err[0], err
