@@ -8,7 +8,9 @@
   and clock. Negative control: a program that keeps the discriminator's steps of a
   skipped window is caught by the same comparison.
 - Clocks advance on commit only: the discriminator's learning rate per step follows its
-  schedule on its committed steps, across a skipped window.
+  schedule on its committed steps, across a window skipped before its first
+  discriminator step and one skipped after three tentative ones (a clock advanced per
+  tentative step shows there).
 - The discriminator's parameters, optimizer state and clock are in the engine's state:
   a window after restoring them is bitwise the window of the run that never stopped.
   Negative control: restoring everything but the program's state differs.
@@ -84,14 +86,28 @@ def test_a_nonfinite_generator_restores_the_stepped_discriminator(program_cls, k
     assert bool(touched) is kept, touched
 
 
-def test_the_discriminator_clock_advances_on_committed_steps_only():
-    cfg = professor(d_steps=3, d_schedule="cosine", d_warmup=2, fail_window=1, **ADAM)
-    setup = Setup(cfg, windows=4)
+@pytest.mark.parametrize("fault", ["discriminator", "generator"])
+def test_the_discriminator_clock_advances_on_committed_steps_only(fault):
+    """Window 1 is skipped: by the discriminator's own first step (nothing stepped) or
+    by the generator after the discriminator's three tentative steps (``d_then_g``),
+    which the skip rolls back. Either way window 2 steps at the clock of window 1's
+    start (3..5), and the clock counts the committed steps only (6)."""
+    if fault == "discriminator":
+        cfg = professor(d_steps=3, d_schedule="cosine", d_warmup=2, fail_window=1, **ADAM)
+        setup = Setup(cfg, windows=4)
+    else:
+        cfg = professor(d_steps=3, d_schedule="cosine", d_warmup=2, **ADAM)
+        setup = Setup(cfg, windows=4, update=generator_update(fail_window=1))
     schedule = setup.program.second.schedule
-    lrs = [setup.window(WINDOW, w).ledger_record()["inputs"]["discriminator"]["lr"]
-           for w in range(3)]
+    dispositions = [setup.window(WINDOW, w) for w in range(3)]
+    assert [d.outcome for d in dispositions] == [Outcome.COMMITTED, Outcome.SKIPPED_NONFINITE,
+                                                 Outcome.COMMITTED]
+    lrs = [d.ledger_record()["inputs"]["discriminator"]["lr"] for d in dispositions]
     assert lrs[0] == [schedule.lr_at(c) for c in range(3)]
-    assert lrs[1] == [None]  # the injected step: nothing stepped, the window skipped
+    if fault == "discriminator":
+        assert lrs[1] == [None]  # the injected step: nothing stepped, the window skipped
+    else:  # three tentative steps, at the committed clock, then rolled back
+        assert lrs[1] == [schedule.lr_at(c) for c in range(3, 6)]
     assert lrs[2] == [schedule.lr_at(c) for c in range(3, 6)]  # not 6..8: no skipped clock
     assert schedule.state_dict()["updates"] == setup.program.second.committed == 6
     assert lrs[2] != [schedule.lr_at(c) for c in range(6, 9)]  # the control: a decaying
