@@ -2,7 +2,8 @@
 
 One window of the engine (real rollouts with addressed draws, the frozen reference's
 log-probabilities, the policy plan, ``UpdateEngine``) on the tabular policy of
-``test_policy_gradient`` in float64, with a frozen reference policy of other weights,
+``test_policy_gradient`` in float64, with a frozen reference policy of other weights
+(``token_mean``; k3 also under ``sequence_mean``, its term sharing the trajectory's 1),
 ``policy.kl`` = ``k1`` (``beta * sum_t (log pi - log pi_ref)`` subtracted from each
 reward before the leave-one-out baseline) and ``k3`` (``beta * (r - log r - 1)``, ``r =
 pi_ref / pi``, per sampled token: its coefficient ``beta (r - 1)`` on ``-log pi``).
@@ -65,7 +66,7 @@ def prompts() -> Batch:
                  segments=tuple((Segment(i, 0, 0, 0, 1),) for i in range(P)))
 
 
-def engine_window(kl: str, seed: int = 11):
+def engine_window(kl: str, normalizer: str = "token_mean", seed: int = 11):
     """The engine's float64 gradient of one window (a step of ~0: the weights stay),
     its rows, and the two models."""
     model, frozen = TabularPolicy(5).double(), TabularPolicy(9, scale=1.0).double().eval()
@@ -76,7 +77,7 @@ def engine_window(kl: str, seed: int = 11):
     scored = Reward("tabular", lambda s: scored_reward(s.response),
                     {"name": "tabular", "kind": "test"}, False)
     program = PolicyRollouts(PolicyConfig(over="causal", baseline="leave_one_out",
-                                          normalizer="token_mean", kl=kl, beta=BETA,
+                                          normalizer=normalizer, kl=kl, beta=BETA,
                                           reference="frozen"),
                              GenerationConfig(samples=K, max_new_tokens=2), seed=seed,
                              seq_len=8, examples=examples, reward=scored, stop_ids=(STOP,),
@@ -94,7 +95,7 @@ def engine_window(kl: str, seed: int = 11):
     engine = UpdateEngine(model, optimizer, build_schedule(cfg, 1),
                           Precision(NumericsConfig(precision="fp32"), "cpu"), cfg,
                           ObjectiveConfig(chunk_rows=0), device="cpu", pad_id=0,
-                          plan=policy_plan("token_mean", 1.0), program=program)
+                          plan=policy_plan(normalizer, 1.0), program=program)
     assert engine.run_window([prompts()], 0).outcome is Outcome.COMMITTED
     (batches,), _ = seen[0]
     responses = [batches.labels[b][batches.labels[b] != IGNORE_INDEX].tolist()
@@ -123,14 +124,14 @@ def logprobs(params, y: list[int]) -> list[float]:
     return [log_softmax(logits(params, context, t))[y[t]] for t in range(len(y))]
 
 
-def expected(responses, model, frozen, kl: str, beta: float):
+def expected(responses, model, frozen, kl: str, beta: float, normalizer: str = "token_mean"):
     """The reference's gradient of the window, float64, and its derived tolerance."""
     policy, ref = table(model), table(frozen)
     samples = [reference.Sample(scored_reward(y), 0, len(y), logprobs=tuple(logprobs(policy, y)),
                                 ref_logprobs=tuple(logprobs(ref, y))) for y in responses]
     groups = [samples[i:i + K] for i in range(0, len(samples), K)]
     coeffs, d = reference.window_coefficients(groups, baseline="leave_one_out",
-                                              normalizer="token_mean", kl=kl, beta=beta)
+                                              normalizer=normalizer, kl=kl, beta=beta)
     grad = {"embed": np.zeros((V, V)), "pos": np.zeros((len(policy[1]), V))}
     zmax = max(abs(x) for params in (policy, ref) for rows in params for row in rows
                for x in row) * 2
@@ -149,7 +150,12 @@ def expected(responses, model, frozen, kl: str, beta: float):
                 grad["pos"][t, v] += g
             r = math.exp(s.ref_logprobs[t] - s.logprobs[t])
             k3_error = abs(beta) * r * 2 * eta * (1 + 2 * eta) if kl == "k3" else 0.0
-            bound += UNIT * abs(a) + k1_error + k3_error + 4 * UNIT * abs(a)
+            if normalizer == "sequence_mean":  # the coefficient's share of 1 / length
+                k1_error, k3_error = k1_error / len(y), k3_error / len(y)
+                a_error = 2 * UNIT * abs(a)  # the division's rounding and the fp32 cast
+            else:
+                a_error = UNIT * abs(a)  # the fp32 cast
+            bound += a_error + k1_error + k3_error + 4 * UNIT * abs(a)
     return grad, 2 * bound / d
 
 
@@ -158,19 +164,20 @@ def outside(got, want, tolerance) -> list[str]:
             if np.abs(got[n] - want[n]).max() > tolerance]
 
 
-@pytest.mark.parametrize("kl", ["k1", "k3"])
-def test_the_kl_window_gradient_is_the_references(kl):
-    grads, responses, model, frozen = engine_window(kl)
+@pytest.mark.parametrize("kl, normalizer", [("k1", "token_mean"), ("k3", "token_mean"),
+                                            ("k3", "sequence_mean")])
+def test_the_kl_window_gradient_is_the_references(kl, normalizer):
+    grads, responses, model, frozen = engine_window(kl, normalizer)
     assert len(responses) == P * K and {len(y) for y in responses} == {1, 2}
     assert all(a != b for a, b in zip(logprobs(table(model), responses[0]),
                                       logprobs(table(frozen), responses[0]), strict=True))
-    want, tolerance = expected(responses, model, frozen, kl, BETA)
+    want, tolerance = expected(responses, model, frozen, kl, BETA, normalizer)
     assert tolerance < 1e-5
     assert outside(grads, want, tolerance) == []
     # negative controls: the term's sign flipped, or the term left out, is caught
-    flipped, _ = expected(responses, model, frozen, kl, -BETA)
+    flipped, _ = expected(responses, model, frozen, kl, -BETA, normalizer)
     assert outside(grads, flipped, tolerance) != []
-    plain, _ = expected(responses, model, frozen, "none", 0.0)
+    plain, _ = expected(responses, model, frozen, "none", 0.0, normalizer)
     assert outside(grads, plain, tolerance) != []
 
 
