@@ -39,14 +39,18 @@ from exactstep.runner import (
     train_new,
 )
 from exactstep.state import environment
-from exactstep.state.checkpointer import load_weights, recorded_environment
+from exactstep.state.checkpointer import (
+    checkpoint_progress,
+    load_weights,
+    recorded_environment,
+)
 from exactstep.state.resume import (
     check_journals,
     check_progress_digest,
     choose_resume_point,
     require_same_manifest,
 )
-from exactstep.state.store import clean_uncommitted
+from exactstep.state.store import clean_uncommitted, verify_checkpoint
 from exactstep.update.ledger import Ledger
 
 
@@ -142,8 +146,12 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
     refuses a rebuilt manifest that is not the run's (S4; ``train --resume auto``
     words its refusal its own way, S10)."""
     point = choose_resume_point(Path(run_dir) / "checkpoints", from_checkpoint)
+    parent = recorded_parent(old)
+    origin = None  # the parent checkpoint a warm start's window 0 starts from (S4)
     if point.path is None:
         refuse_lost_checkpoints(Path(run_dir), cfg)
+        if parent is not None:
+            origin = parent_checkpoint(Path(run_dir), parent)
     recorded = recorded_environment(point.path, old, DcpFormat)
     if recorded is not None and not overridden(overrides, "train.threads"):
         cfg = replace(cfg, train=replace(cfg.train, threads=int(recorded["threads"])))
@@ -153,12 +161,14 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
         flush = bool(environment.recorded_value(recorded, "flush_denormal"))
         cfg = replace(cfg, numerics=replace(cfg.numerics, flush_denormal=flush))
     with environment.numerics_restored():
-        run = build_run(cfg, run_dir)
+        run = build_run(cfg, run_dir, parent=parent)  # the run's own parent (S4)
         try:
             check_shared_run_dir(run.ctx, run_dir)  # every node sees it (D1)
             keep_run_manifest(run, old, reshard)
             same_run(old, run.manifest)
             next_window, events, marks = 0, [], {}
+            if origin is not None:  # window 0 of a warm start: the parent's weights
+                load_weights(origin, run.model, DcpFormat(run.ctx))
             if point.path is not None:
                 restored = run.checkpointer.restore(point.path, reshard=reshard)
                 check_progress_digest(restored.progress, run.manifest, point.path)
@@ -167,7 +177,9 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
                 next_window, events, marks = (restored.next_window, restored.events,
                                               restored.journals)
             notes = [point.note, f"resuming {run_dir} at window {next_window}"
-                     + (f" from {point.path.name}" if point.path else ""), model_note(run.model)]
+                     + (f" from {point.path.name}" if point.path else "")
+                     + (f" from the parent's weights ({origin})" if origin else ""),
+                     model_note(run.model)]
             changed = environment.differences(recorded, run.environment)
             if changed:
                 notes.append(f"declared non-bitwise continuation at window {next_window}: "
@@ -179,6 +191,50 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
             return finish(run, started)
         finally:
             shutdown(run.ctx)
+
+
+def recorded_parent(manifest: Manifest) -> dict[str, Any] | None:
+    """A warm-started run's ``parent`` section as its manifest recorded it (S4), else
+    ``None``: what every continuation of the run carries into its rebuilt manifest
+    (the command line cannot name it; it is the run's provenance)."""
+    parent = manifest.to_dict().get("parent")
+    return dict(parent) if parent is not None else None
+
+
+def parent_checkpoint(run_dir: Path, parent: dict[str, Any]) -> Path:
+    """The checkpoint a warm-started run killed before its first checkpoint starts
+    window 0 from again (S4): the one its manifest's ``parent`` names, refused unless
+    it still verifies (S6) and both the parent's manifest and the checkpoint's
+    progress still carry the recorded manifest digest. A relative ``run_dir`` is
+    read from the current directory, as the warm start read it. Never a silent
+    start from a fresh initialisation: ``CheckpointError`` / ``ResumeError`` naming
+    what to restore or run instead, before anything is built or written."""
+    parent_dir = Path(str(parent.get("run_dir")))
+    path = parent_dir / "checkpoints" / str(parent.get("checkpoint"))
+    digest = str(parent.get("manifest_digest"))
+    fix = (f"nothing was changed; restore {path} as the warm start read it, or start "
+           f"a new warm start with 'exactstep resume PARENT --warm-start NEW_DIR'")
+    start = (f"{run_dir} is a warm start killed before its first checkpoint; its window "
+             f"0 starts from its parent's weights, but")
+    if not path.is_dir():
+        raise CheckpointError(f"{start} the parent checkpoint {path} recorded in "
+                              f"{run_dir / MANIFEST_FILE} is gone; {fix}")
+    report = verify_checkpoint(path)
+    if not report.ok:
+        raise CheckpointError(f"{start} the parent checkpoint {path} failed verification: "
+                              f"{report.summary()}; {fix}")
+    try:
+        parent_digest = read_manifest(parent_dir).digest
+    except (ResumeError, CheckpointError) as exc:
+        raise ResumeError(f"{start} the parent's manifest cannot be read ({exc}); "
+                          f"{fix}") from None
+    written = checkpoint_progress(path, DcpFormat).get("manifest_digest")
+    if parent_digest != digest or written != digest:
+        raise ResumeError(
+            f"{start} the parent has changed: {parent_dir / MANIFEST_FILE} is now manifest "
+            f"{parent_digest[:12]} and {path.name} was written under {str(written)[:12]}, "
+            f"not the recorded {digest[:12]}; {fix}")
+    return path
 
 
 def overridden(overrides: Sequence[str], key: str) -> bool:
