@@ -204,6 +204,47 @@ def only_checkpoint_damaged_and_no_latest(run: Path) -> None:
     (run / "checkpoints" / "LATEST").unlink()
 
 
+WARM = ("--set", "update.lr=0.002")  # what the warm start below changes
+
+
+def killed_warm_start(damage: Callable[[Path], object] = lambda parent: None
+                      ) -> Callable[[Path], None]:
+    """{run} becomes a warm start of the finished run (moved to {tmp}/parent) as a
+    SIGKILL inside its window 0 leaves it (S4): its manifest recording the parent,
+    empty journals, no checkpoint, no summary. Then ``damage(parent)``."""
+    def setup(tmp: Path) -> None:
+        parent, run = tmp / "parent", tmp / "run"
+        run.rename(parent)
+        assert main(["resume", str(parent), "--warm-start", str(run), "--no-progress",
+                     *WARM]) == 0
+        shutil.rmtree(run / "checkpoints")
+        for name in ("summary.json", "loss.png"):
+            (run / name).unlink(missing_ok=True)
+        for name in ("ledger.jsonl", "metrics.jsonl"):
+            (run / name).write_bytes(b"")
+        damage(parent)
+
+    return setup
+
+
+def another_parent_manifest(parent: Path) -> None:
+    """The parent directory now holds another run's (valid) manifest."""
+    from exactstep.manifest import digest_of
+
+    body = json.loads((parent / "manifest.json").read_bytes())["manifest"]
+    body["seeds"]["seed"] += 1
+    (parent / "manifest.json").write_text(json.dumps({"digest": digest_of(body),
+                                                      "manifest": body}))
+
+
+def auto_resume(tmp: Path) -> None:
+    """``train --resume auto`` of the warm start: the finished run's settings (its
+    corpus) and the warm start's, written as a configuration file."""
+    manifest = json.loads((tmp / "parent" / "manifest.json").read_bytes())["manifest"]
+    (tmp / "run.toml").write_text(f'[data]\nsource = "{manifest["config"]["data"]["source"]}"'
+                                  '\n[update]\nlr = 0.002\n')
+
+
 SECTIONS = ("data", "batch", "model", "objective", "update", "numerics", "train",
             "checkpoint", "parallel", "chat", "arith")
 TEXT = '{"text": "a document"}'
@@ -470,6 +511,23 @@ CASES: list[Case] = [
          in_run(garbage_line("metrics.jsonl"))),
     Case("eval-damaged-final-checkpoint", ("eval", "{run}"), "rng.pt is corrupted",
          in_run(flip(f"{FINAL}/rng.pt"))),
+    # --- a warm start killed before its first checkpoint starts again from its
+    # parent's weights (S4), or not at all
+    Case("resume-warm-start-whose-parent-checkpoint-is-gone", resume(),
+         f"/parent/{FINAL} recorded in",
+         killed_warm_start(lambda parent: shutil.rmtree(parent / FINAL))),
+    Case("resume-warm-start-whose-parent-is-gone", resume(), "is gone; nothing was changed",
+         killed_warm_start(lambda parent: shutil.rmtree(parent))),
+    Case("resume-warm-start-whose-parent-checkpoint-is-damaged", resume(),
+         "model.safetensors is corrupted",
+         killed_warm_start(flip(f"{FINAL}/model.safetensors"))),
+    Case("resume-warm-start-whose-parent-is-another-run", resume(),
+         "the parent has changed", killed_warm_start(another_parent_manifest)),
+    Case("resume-auto-warm-start-whose-parent-checkpoint-is-gone",
+         ("train", "--config", "{tmp}/run.toml", "--out", "{run}", "--no-progress",
+          "--resume", "auto", *TINY), "is gone; nothing was changed",
+         lambda tmp: (killed_warm_start(lambda parent: shutil.rmtree(parent / FINAL))(tmp),
+                      auto_resume(tmp))),
     # --- Hugging Face models (H1): refused before the first step
     Case("hf-model-path-missing", hf(None, "--set", "model.path={tmp}/nope"),
          "nope does not exist"),
@@ -772,6 +830,26 @@ def test_the_campaign_is_large_and_its_ids_are_distinct() -> None:
     ids = [case.id for case in CASES]
     assert len(ids) == len(set(ids))
     assert len(ids) >= 50
+
+
+def test_negative_control_a_killed_warm_start_with_its_parent_intact_resumes(
+        finished_run, tmp_path, capfd) -> None:
+    """The warm-start cases' setup without damage: ``resume`` and ``train --resume
+    auto`` both run it, window 0 from the parent's weights, so each refusal above is
+    its damage's (S4, S10)."""
+    commands = {"resume": ["resume", "{run}", "--no-progress"],
+                "auto": ["train", "--config", "{tmp}/run.toml", "--out", "{run}",
+                         "--no-progress", "--resume", "auto", *TINY]}
+    for name, argv in commands.items():
+        tmp = tmp_path / name
+        tmp.mkdir()
+        shutil.copytree(finished_run, tmp / "run")
+        killed_warm_start()(tmp)
+        auto_resume(tmp)
+        capfd.readouterr()
+        assert main(fill(argv, tmp, tmp / "corpus.jsonl", tmp / "run")) == 0, name
+        assert "from the parent's weights" in capfd.readouterr().err, name
+        assert (tmp / "run" / "checkpoints" / "LATEST").is_file()
 
 
 # --------------------------------------------------------------------------- signals

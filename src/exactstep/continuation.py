@@ -228,12 +228,13 @@ def parent_checkpoint(run_dir: Path, parent: dict[str, Any]) -> Path:
     except (ResumeError, CheckpointError) as exc:
         raise ResumeError(f"{start} the parent's manifest cannot be read ({exc}); "
                           f"{fix}") from None
-    written = checkpoint_progress(path, DcpFormat).get("manifest_digest")
-    if parent_digest != digest or written != digest:
-        raise ResumeError(
-            f"{start} the parent has changed: {parent_dir / MANIFEST_FILE} is now manifest "
-            f"{parent_digest[:12]} and {path.name} was written under {str(written)[:12]}, "
-            f"not the recorded {digest[:12]}; {fix}")
+    written = str(checkpoint_progress(path, DcpFormat).get("manifest_digest"))
+    changed = [f"{where} {now[:12]}" for where, now in (
+        (f"{parent_dir / MANIFEST_FILE} is now manifest", parent_digest),
+        (f"{path.name} was written under manifest", written)) if now != digest]
+    if changed:
+        raise ResumeError(f"{start} the parent has changed: {' and '.join(changed)}, not "
+                          f"the recorded {digest[:12]}; {fix}")
     return path
 
 
