@@ -79,6 +79,9 @@ class Regressor:
         the window closes; ``states[i]`` are trajectory ``i``'s sampled states, all
         regressed on its reward ``targets[i]``."""
         width = next((s.shape[1] for s in states if s.numel()), 0)
+        several = reducer is not None and getattr(reducer, "world_size", 1) > 1
+        if several:  # a rank with no sampled state (an empty share) still joins (D2)
+            width = int(reducer.max(torch.tensor([width], dtype=torch.int64)).item())
         if not width:
             self._pending = None
             return {"baseline_loss": None, "baseline_tokens": 0}
@@ -93,7 +96,7 @@ class Regressor:
                 sums[width] += error.sum()
                 sums[width + 1] += (error * error).sum()
                 sums[width + 2] += error.numel()
-        if reducer is not None and getattr(reducer, "world_size", 1) > 1:
+        if several:
             sums = reducer.sum(sums)
         n = float(sums[width + 2])
         self._pending = (2.0 * sums[:width] / n, 2.0 * sums[width:width + 1] / n)

@@ -185,7 +185,8 @@ class PolicyRollouts:
                                self.policy.std_eps)
         if not sampled:
             adv[:] = 0.0
-        self._window_mean = self.global_mean(shaped, reducer) if sampled and flat else None
+        # every rank joins, an empty share too (D2): its rewards add nothing
+        self._window_mean = self.global_mean(shaped, reducer) if sampled else None
         learned = self.learned_baselines(model, flat, conts, shaped, device, reducer) \
             if self.regressor is not None and sampled else None
         out, cursor = [], 0
@@ -328,14 +329,16 @@ class PolicyRollouts:
                       for a, lp, lr in zip(coeffs, c.logprobs, ref, strict=True)]
         return coeffs
 
-    def global_mean(self, rewards: np.ndarray, reducer: Any) -> float:
-        """The window's mean reward over every rank (the moving average's input)."""
+    def global_mean(self, rewards: np.ndarray, reducer: Any) -> float | None:
+        """The window's mean reward over every rank (the moving average's input);
+        ``None`` when no rank sampled anything. A rank whose share is empty joins
+        the all-reduce with nothing to add (D2)."""
         total = torch.tensor([math.fsum(rewards.ravel().tolist()), float(rewards.size)],
                              dtype=torch.float64)
         if reducer is not None and getattr(reducer, "world_size", 1) > 1:
             total = reducer.sum(total)
         s, n = total.tolist()
-        return s / n
+        return s / n if n else None
 
     def record(self, window: int, r: Request, k: int, c: Continuation, reward: float,
                baseline: float, advantage: float) -> dict:
@@ -373,7 +376,11 @@ class PolicyRollouts:
 
 def example_ids(batch: Batch, microbatch: int) -> list[int]:
     """The examples of a micro-batch of prompts, in row order; every one whole (a piece
-    of a split example cannot be a prompt)."""
+    of a split example cannot be a prompt). A padding micro-batch (``meta["padding"]``,
+    added to a rank's share shorter than the window's, D1; its segments name example
+    -1) holds none: the rank samples nothing for it and still joins the window."""
+    if batch.meta.get("padding"):
+        return []
     out = []
     for row in batch.segments:
         for seg in row:
