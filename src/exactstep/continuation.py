@@ -113,6 +113,10 @@ def train_or_continue(cfg: RunConfig, out_dir: Path, *, progress: bool = True
     ``cfg`` rebuilt and required to give the run's manifest (S4), else refused naming
     the differing fields before anything changes; no checkpoint published yet: window
     0 under that manifest, the first attempt's journals and leftovers dropped.
+    A warm-started run (``resume --warm-start``) continues too: the command line
+    cannot name its parent, so ``cfg`` must give the manifest but for its ``parent``
+    section, which the continuation takes from the saved manifest (provenance), and
+    window 0 starts again from that parent's weights (``parent_checkpoint``).
     Each rank decides before it joins the process group, and no rank writes the
     manifest before every rank has joined, so the ranks of one job agree.
     """
@@ -144,7 +148,9 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
                  ) -> dict[str, Any]:
     """``resume``'s exact continuation, with the run directory held; ``same_run``
     refuses a rebuilt manifest that is not the run's (S4; ``train --resume auto``
-    words its refusal its own way, S10)."""
+    words its refusal its own way, S10). The rebuilt manifest carries the run's own
+    recorded ``parent``; a warm start with no checkpoint yet starts window 0 from
+    the parent checkpoint, verified first (``parent_checkpoint``)."""
     point = choose_resume_point(Path(run_dir) / "checkpoints", from_checkpoint)
     parent = recorded_parent(old)
     origin = None  # the parent checkpoint a warm start's window 0 starts from (S4)
@@ -205,8 +211,9 @@ def parent_checkpoint(run_dir: Path, parent: dict[str, Any]) -> Path:
     """The checkpoint a warm-started run killed before its first checkpoint starts
     window 0 from again (S4): the one its manifest's ``parent`` names, refused unless
     it still verifies (S6) and both the parent's manifest and the checkpoint's
-    progress still carry the recorded manifest digest. A relative ``run_dir`` is
-    read from the current directory, as the warm start read it. Never a silent
+    progress still carry the recorded manifest digest. A relative ``run_dir`` (a
+    warm start recorded before parents were absolute) is read from the current
+    directory. Never a silent
     start from a fresh initialisation: ``CheckpointError`` / ``ResumeError`` naming
     what to restore or run instead, before anything is built or written."""
     parent_dir = Path(str(parent.get("run_dir")))
@@ -323,13 +330,15 @@ def reopen_journals(run: Run, marks: dict[str, dict], events: list[dict],
 def warm_start(run_dir: Path, old: Manifest, cfg: RunConfig, new_dir: Path,
                from_checkpoint: Path | None, progress: bool) -> dict[str, Any]:
     """A new run in ``new_dir`` from ``run_dir``'s weights only (S4): fresh optimizer,
-    schedule and counters; the parent is recorded in the new manifest."""
+    schedule and counters; the parent (its absolute path, checkpoint and manifest
+    digest) is recorded in the new manifest, which every continuation keeps."""
     if "WORLD_SIZE" in os.environ:
         raise DistributedError("--warm-start runs in one process; launch it without torchrun")
     point = choose_resume_point(Path(run_dir) / "checkpoints", from_checkpoint)
     if point.path is None:
         raise ResumeError(f"{run_dir} has no checkpoint to warm-start from yet")
-    parent = {"run_dir": str(run_dir), "checkpoint": point.path.name,
+    # absolute: a restart of window 0 finds the parent from any directory (S4)
+    parent = {"run_dir": str(Path(run_dir).absolute()), "checkpoint": point.path.name,
               "manifest_digest": old.digest}
     started = time.perf_counter()
     with hold_run_dir(new_dir, "--warm-start", new=True), environment.numerics_restored():
