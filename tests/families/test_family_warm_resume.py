@@ -4,7 +4,7 @@ against the same warm start SIGKILLed inside window 0 (before its first checkpoi
 after window 0's update), continued from its parent's weights by ``exactstep resume
 NEW`` (or ``train --resume auto``, the same command run again) and SIGKILLed again
 inside window 2 (after the checkpoint at 2), then resumed to the end; the finished
-run resumed once more is a no-op. The final checkpoints (weights, optimizer,
+run resumed once more is a no-op, and opens for ``eval``. The final checkpoints (weights, optimizer,
 counters, RNG, cursor, the program's state), the ledger and the manifest (its
 ``parent`` section included) are byte-identical to the straight run's.
 
@@ -30,6 +30,7 @@ from state.test_kill_resume import LAUNCHER, Harness
 from text_corpus import write_whole
 
 from exactstep.families.registry import BUILT
+from exactstep.finished_run import evaluate_run
 from exactstep.state.compare import state_differences
 from exactstep.state.store import latest_checkpoint
 
@@ -217,6 +218,10 @@ def test_a_killed_warm_start_resumes_bitwise_from_its_parent_s4_s5(family, paren
     assert h.resume(killed) == 0, h.last_output
     assert {n: (killed / n).read_bytes() for n in journals} == before
     assert final_state(killed)[2] == files_a
+    if family == "causal":  # the finished warm start opens for eval as any run does
+        a, b = evaluate_run(straight), evaluate_run(killed)
+        assert (a.checkpoint, a.result) == (b.checkpoint, b.result)
+        assert a.result.tokens > 0
     if control is not None:
         differences = state_differences(state_a, final_state(control)[1])
         assert any(d.startswith("model.") for d in differences)
