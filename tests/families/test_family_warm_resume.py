@@ -18,6 +18,7 @@ windows per lineage, the straight run beside the killed lineage.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import signal
@@ -194,10 +195,11 @@ def test_a_killed_warm_start_resumes_bitwise_from_its_parent_s4_s5(family, paren
     h = WarmHarness(tmp_path)
     parent = parents[FAMILIES[family][0]]
     straight = tmp_path / "straight"
+    mine = copy.copy(h)  # each thread's own last_output
     with ThreadPoolExecutor(max_workers=2) as pool:
-        a = pool.submit(h.warm, parent, straight, family)
-        b = pool.submit(killed_lineage, h, parent, family)
-        assert a.result() == 0, h.last_output
+        a = pool.submit(mine.warm, parent, straight, family)
+        b = pool.submit(killed_lineage, copy.copy(h), parent, family)
+        assert a.result() == 0, mine.last_output
         killed, control = b.result()
     name_a, state_a, files_a = final_state(straight)
     name_b, state_b, files_b = final_state(killed)
