@@ -511,6 +511,13 @@ CASES: list[Case] = [
          in_run(garbage_line("metrics.jsonl"))),
     Case("eval-damaged-final-checkpoint", ("eval", "{run}"), "rng.pt is corrupted",
          in_run(flip(f"{FINAL}/rng.pt"))),
+    Case("warm-start-into-another-width",
+         resume("--warm-start", "{tmp}/new", "--set", "model.d_model=32"),
+         "do not fit the model this warm start's settings build (in loading state_dict "
+         "for Decoder: size mismatch for embed.weight"),
+    Case("warm-start-into-a-family-over-another-model",
+         resume("--warm-start", "{tmp}/new", "--set", "objective.family=permutation"),
+         'TwoStreamDecoder: Missing key(s) in state_dict: "query"'),
     # --- a warm start killed before its first checkpoint starts again from its
     # parent's weights (S4), or not at all
     Case("resume-warm-start-whose-parent-checkpoint-is-gone", resume(),

@@ -174,7 +174,7 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
             same_run(old, run.manifest)
             next_window, events, marks = 0, [], {}
             if origin is not None:  # window 0 of a warm start: the parent's weights
-                load_weights(origin, run.model, DcpFormat(run.ctx))
+                load_parent_weights(origin, run)
             if point.path is not None:
                 restored = run.checkpointer.restore(point.path, reshard=reshard)
                 check_progress_digest(restored.progress, run.manifest, point.path)
@@ -243,6 +243,23 @@ def parent_checkpoint(run_dir: Path, parent: dict[str, Any]) -> Path:
         raise ResumeError(f"{start} the parent has changed: {' and '.join(changed)}, not "
                           f"the recorded {digest[:12]}; {fix}")
     return path
+
+
+def load_parent_weights(path: Path, run: Run) -> None:
+    """``path``'s weights into a warm start's model (S4); weights that do not fit the
+    model the run's settings build (another width, another family's model) are a
+    ``ResumeError`` naming the first differences, not PyTorch's traceback."""
+    try:
+        load_weights(path, run.model, DcpFormat(run.ctx))
+    except RuntimeError as exc:
+        if "state_dict" not in str(exc):
+            raise
+        detail = " ".join(str(exc).split()[1:])
+        detail = detail if len(detail) <= 240 else detail[:240] + " ..."
+        raise ResumeError(
+            f"the weights of {path} do not fit the model this warm start's settings build "
+            f"({detail}); keep the parent's model.* settings and a family over the same "
+            "model, or start a new run with 'exactstep train'") from None
 
 
 def overridden(overrides: Sequence[str], key: str) -> bool:
@@ -344,7 +361,7 @@ def warm_start(run_dir: Path, old: Manifest, cfg: RunConfig, new_dir: Path,
     with hold_run_dir(new_dir, "--warm-start", new=True), environment.numerics_restored():
         run = build_run(cfg, new_dir, parent=parent)
         try:
-            load_weights(point.path, run.model, DcpFormat(run.ctx))
+            load_parent_weights(point.path, run)
             return train_new(run, started, progress)
         finally:
             shutdown(run.ctx)
