@@ -264,3 +264,28 @@ def test_token_mean_is_the_length_weighted_ratio_estimator():
     # negative control: the ratio of expectations, K grad E[R] / E[D], is not it
     naive = 2 * expected_objective_gradient(reward) / (2 * MEAN_L)
     assert distance(got, naive) > 1e-3
+
+
+# -- the manifest ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("normalizer,says", [
+    ("token_mean", ("ratio estimator", "E[S / D] != E[S] / E[D]", "vanishes as 1 / N")),
+    ("sequence_mean", ("1 / (L N)", "6x a 6-token", "does not vanish")),
+    ("constant", ("unbiased", "N grad E[R] / constant")),
+])
+def test_the_manifest_declares_each_normalisers_bias(normalizer, says):
+    entry = PolicyConfig(normalizer=normalizer).describe()["normalizer_bias"]
+    assert all(s in entry for s in says), entry
+
+
+@pytest.mark.parametrize("kl,says,denies", [
+    ("k1", "beta * grad KL(pi || pi_ref) of the sequence distribution", None),
+    ("k3", "E_{h_t ~ pi}[grad KL(pi_ref(.|h_t) || pi(.|h_t))]", "NOT grad KL(pi || pi_ref)"),
+    ("k3_corrected", "E_{h_t ~ pi}[grad KL(pi(.|h_t) || pi_ref(.|h_t))]", None),
+])
+def test_the_manifest_declares_each_kl_options_expected_gradient(kl, says, denies):
+    entry = PolicyConfig(kl=kl, beta=0.1).describe()["kl_estimator"]
+    assert says in entry, entry
+    if denies:
+        assert denies in entry
+    assert "kl_estimator" not in PolicyConfig().describe()
