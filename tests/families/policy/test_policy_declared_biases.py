@@ -13,7 +13,10 @@ loss has expected gradient ``beta * grad KL(pi_ref || pi)`` per token (contexts 
 fixed); ``k3_corrected`` has ``beta * grad KL(pi || pi_ref)`` per token; neither is
 the sequence distribution's ``grad KL(pi || pi_ref)`` once responses have two tokens
 (that one is k1's, in the reward), and ``k3_corrected`` is it for one-token
-responses. Negative controls: each option against the other's KL is caught.
+responses. Negative controls: each option against the other's KL is caught. The
+window program end to end (``prepare``: draws, the frozen reference's forward, the
+trajectory rows) puts each option's coefficient on its tokens, against
+log-probabilities computed by hand; the other option's formula is caught.
 
 Normalisers (``reference.window_coefficients``, the pure-Python statement the engine
 is checked against in ``test_policy_objective``), one prompt, ``K = 2``,
@@ -22,6 +25,7 @@ leave-one-out, every pair of responses enumerated: ``constant`` is exactly
 held at ``E[R]``; ``token_mean`` is the length-weighted
 ``2 grad sum_y pi(y) E_y'[(R(y) - R(y')) / (L(y) + L(y'))]``, and not the
 ``K grad E[R] / E[D]`` a ratio of expectations would give (the negative control).
+The manifest's entries say each of these.
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ import math
 
 import pytest
 import torch
+from families.policy.test_policy_gradient import TabularPolicy
+from families.policy.test_policy_gradient import reward as tab_reward
 
 from exactstep.families.policy import reference
 from exactstep.families.policy.config import PolicyConfig
-from exactstep.families.policy.rewards import load_reward
+from exactstep.families.policy.rewards import Reward, load_reward
 from exactstep.generation.config import GenerationConfig
 from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.generation.sampler import Continuation
+from exactstep.rows.batch import Batch, Segment
+from exactstep.rows.example import Example
 
 V, BETA = 3, 0.7
 # float64 sums of a few dozen products of O(1) terms: each within ~1e-16 relative;
@@ -289,3 +297,65 @@ def test_the_manifest_declares_each_kl_options_expected_gradient(kl, says, denie
     if denies:
         assert denies in entry
     assert "kl_estimator" not in PolicyConfig().describe()
+
+
+# -- the window program's coefficients ------------------------------------------------
+
+def by_hand_logps(model, tokens: list[int]) -> list[float]:
+    """``log pi`` of each drawn token of the tabular policy after prompt ``(0,)``: the
+    logits ``embed[prev] + pos[t]`` added in fp32 as the model does, the log-softmax in
+    float64."""
+    seq = [0, *tokens]
+    out = []
+    for t, tok in enumerate(tokens):
+        row = (model.embed[seq[t]] + model.pos[t]).detach().double()
+        out.append(float(torch.log_softmax(row, -1)[tok]))
+    return out
+
+
+@pytest.mark.parametrize("kl", ["k3", "k3_corrected"])
+def test_the_window_program_puts_each_options_coefficient_on_its_tokens(kl):
+    """``PolicyRollouts.prepare`` end to end (addressed draws, the frozen reference's
+    forward, the trajectory rows): each drawn token's coefficient is ``R - beta
+    (1 - r_t)`` for ``k3`` and ``R - beta (log pi - log pi_ref)(y_t)`` for
+    ``k3_corrected`` (``baseline = none``), from log-probabilities computed by hand;
+    the other option's formula is the negative control."""
+    model, ref = TabularPolicy(), TabularPolicy()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(9)
+        ref.embed.add_(0.8 * torch.randn(ref.embed.shape, generator=g))
+        ref.pos.add_(0.8 * torch.randn(ref.pos.shape, generator=g))
+    examples = [Example(example_id=i, tokens=torch.tensor([0, 1, 2]).numpy()) for i in range(4)]
+    scored = Reward("tabular", lambda s: tab_reward(tuple(s.response)),
+                    {"name": "tabular", "kind": "test"}, False)
+    program = PolicyRollouts(PolicyConfig(over="causal", baseline="none", kl=kl, beta=BETA,
+                                          reference="ref"),
+                             GenerationConfig(samples=2, max_new_tokens=2), seed=3, seq_len=8,
+                             examples=examples, reward=scored, stop_ids=(),
+                             decode=lambda ids: " ".join(map(str, ids)), reference=ref)
+    ids = list(range(4))
+    window = [Batch(input_ids=torch.zeros((4, 1), dtype=torch.int64),
+                    labels=torch.full((4, 1), -100, dtype=torch.int64),
+                    position_ids=torch.zeros((4, 1), dtype=torch.int64),
+                    segment_ids=torch.ones((4, 1), dtype=torch.int32),
+                    segments=tuple((Segment(i, 0, 0, 0, 1),) for i in ids))]
+    batches, _ = program.prepare(model, window, clock=0, window=0, device=torch.device("cpu"))
+    rows, labels = batches[0].meta["policy"], batches[0].labels
+
+    def formula(option: str, r: float, lp: float, lr: float) -> float:
+        return r - BETA * ((1.0 - math.exp(lr - lp)) if option == "k3" else (lp - lr))
+
+    other = "k3_corrected" if kl == "k3" else "k3"
+    worst_other = 0.0
+    for b in range(labels.shape[0]):
+        tokens = labels[b][labels[b] != -100].tolist()
+        lps, lrs = by_hand_logps(model, tokens), by_hand_logps(ref, tokens)
+        r = tab_reward(tuple(tokens))
+        got = rows.coefficient[b][labels[b] != -100].tolist()
+        # float64 log-softmax of three fp32 logits, then one exp or difference: a few
+        # ulps of values below 8
+        assert got == pytest.approx([formula(kl, r, a, c) for a, c in zip(lps, lrs, strict=True)],
+                                    rel=0, abs=1e-12)
+        worst_other = max(worst_other, max(
+            abs(g_ - formula(other, r, a, c)) for g_, a, c in zip(got, lps, lrs, strict=True)))
+    assert worst_other > 1e-3
