@@ -310,7 +310,8 @@ def policy_split(step: PolicyStep) -> Measure:
     objective, so the same coefficients. A per-micro-batch normaliser makes them
     depend on which completions share a micro-batch; dividing the window again by the
     accumulation steps scales them by 1 / steps. The baseline's own scale is
-    ``policy_baseline``'s business, not this probe's."""
+    ``policy_baseline``'s business, not this probe's. Values: ``c x D`` of each split
+    that ran (2x4, then 4x2), then the twin's, against the whole window's."""
     window, twin = split_window(), split_window(SWAPPED_LENGTHS)
     whole = coefficients(step, window, window.samples)
     twin_whole = coefficients(step, twin, twin.samples)
@@ -325,7 +326,7 @@ def policy_split(step: PolicyStep) -> Measure:
     notes = [f"c x D, same rewards on swapped lengths: deviation {length_err:.2e}, token "
              f"weight ~ length^{exponent:+.2f} (a {short}-token completion's token "
              f"{ratio:.2f}x a {long_}-token one's)"]
-    worst, observed_values = 0.0, list(twin_adv)
+    worst, observed_values = 0.0, []
     ran = 0
     for size in SPLITS:
         try:
@@ -353,7 +354,7 @@ def policy_split(step: PolicyStep) -> Measure:
     return Measure(length_ok and worst <= tol,
                    f"c x D = the sequence's advantage (the same on swapped lengths) and "
                    f"the coefficients of 1x8 for 2x4 and 4x2, within {tol:.1e}",
-                   "; ".join(notes), adv * (1 + ran), observed_values, fix)
+                   "; ".join(notes), adv * (ran + 1), observed_values + twin_adv, fix)
 
 
 def policy_ranks(step: PolicyStep) -> Measure:
