@@ -49,6 +49,8 @@ NORMALIZER_BIAS = {
 #: What each KL option's loss gradient is in expectation, for the manifest: ``r_t =
 #: pi_ref / pi`` at sampled token ``t``, ``h_t`` its context, ``rho_t = log pi - log
 #: pi_ref``; derivations in docs/design/generation.md#generationrolloutspy.
+KL_OVER_D = ("; times 1 / D: exact with normalizer = \"constant\", weighted as the "
+             "reward is under token_mean and sequence_mean (normalizer_bias)")
 KL_ESTIMATORS = {
     "k1": (
         "k1 in the reward: -beta * sum_t (log pi - log pi_ref) subtracted from each "
@@ -183,7 +185,7 @@ class PolicyConfig:
             out["constant"] = self.constant
         if self.kl != "none":
             out["beta"] = self.beta
-            out["kl_estimator"] = KL_ESTIMATORS[self.kl]
+            out["kl_estimator"] = KL_ESTIMATORS[self.kl] + KL_OVER_D
         if self.mixer:
             out["mixer"] = {"delta_start": self.delta_start, "delta_step": self.delta_step,
                             "delta_every": self.delta_every, "delta_max": self.delta_max,
