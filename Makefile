@@ -60,12 +60,18 @@ audit: $(STAMP)
 	-$(BIN)/exactstep audit --target trl-sft:padding_free
 	-$(BIN)/exactstep audit --target trl-sft:packing
 	$(BIN)/exactstep audit --target exactstep-policy
+	-$(BIN)/exactstep audit --target exactstep-policy::sequence_mean
 	$(BIN)/exactstep audit --target python:exactstep.audit.examples.rloo:make
 	-$(BIN)/exactstep audit --target trl-grpo
 	-$(BIN)/exactstep audit --target trl-grpo:bnpo
 	-$(BIN)/exactstep audit --target trl-grpo:grpo
 	-$(BIN)/exactstep audit --target trl-grpo:dr_grpo
 	-$(BIN)/exactstep audit --target trl-grpo:dapo:none
+	-$(BIN)/exactstep audit --target trl-grpo:dapo:batch
+	-$(BIN)/exactstep audit --target trl-grpo:cispo
+	-$(BIN)/exactstep audit --target trl-grpo:sapo
+	-$(BIN)/exactstep audit --target trl-grpo:luspo
+	-$(BIN)/exactstep audit --target trl-grpo:vespo
 
 # The documentation site (mkdocs-material, the docs extra): built strictly (a broken
 # link or a missing page fails) into site/, offline (no external font, script or

@@ -4,7 +4,8 @@ The correct RLOO loop (``audit.examples.rloo``) and exactstep's own policy famil
 (``audit.engine_policy``) must pass; each planted bug must fail exactly the probe
 that looks for it, with the figure the bug predicts: a self-inclusive group mean
 scales the expected update by (K-1)/K, dividing the window again by the accumulation
-steps scales the coefficients by 1/steps. ``expected_scale`` is checked against an
+steps scales the coefficients by 1/steps, a per-sequence token mean weighs a token as
+its sequence's length^-1 (a 1-token completion's token 6x a 6-token one's). ``expected_scale`` is checked against an
 enumeration of every binary reward pattern of a group.
 """
 
@@ -27,6 +28,7 @@ from exactstep.audit.policy_probes import (
     contract_coefficients,
     expected_scale,
     leave_one_out,
+    length_weights,
     split_window,
 )
 from exactstep.audit.probes import FAIL, NA, PASS, run_probe
@@ -101,6 +103,7 @@ def test_correct_loop_coefficients_are_the_contracts():
     ("group_mean", {"policy_baseline"}),
     ("group_normalized", {"policy_baseline"}),
     ("rank_mean", {"policy_ranks"}),
+    ("per_sequence", {"policy_split"}),
 ])
 def test_planted_bug_fails_its_probe(variant, failing):
     step = make_variant(variant)
@@ -133,6 +136,50 @@ def test_engine_passes_and_its_named_estimators_fail():
     assert "4x2: not run" in results["policy_split"].observed  # a group is one micro-batch
     biased = status(engine_policy("group_mean_with_self"), "policy_baseline")
     assert biased.status == FAIL and "0.750/0.750/0.750/0.750/0.750" in biased.observed
+
+
+def length_figures(observed: str) -> tuple[float, float]:
+    found = re.search(r"length\^([+-][0-9.]+) \(a 1-token completion's token ([0-9.]+)x "
+                      r"a 6-token one's\)", observed)
+    return float(found.group(1)), float(found.group(2))
+
+
+def test_length_weights_by_hand():
+    """``a`` proportional to 1 / length: exponent -1, and the 1-token sample's weight
+    over its 6-token twin's is 6; the same ``a`` on every length: exponent 0."""
+    lengths, twin = [1, 5, 2, 6], [6, 2, 5, 1]
+    adv = [0.5, -0.25, 0.125, -1.0]
+    exponent, ratio, short, long_ = length_weights(
+        [a / n for a, n in zip(adv, lengths, strict=True)],
+        [a / n for a, n in zip(adv, twin, strict=True)], lengths, twin)
+    assert (exponent, short, long_) == (-1.0, 1, 6) and ratio == pytest.approx(6.0)
+    assert length_weights(adv, adv, lengths, twin) == (0.0, 1.0, 1, 6)
+
+
+def test_a_per_sequence_mean_fails_the_split_probe_with_its_length_weight():
+    """Q4's contract itself: the planted per-sequence token mean passes every split
+    (its micro-batches always hold whole sequences) but not c x D = the advantage;
+    the fix line says why."""
+    result = status(make_variant("per_sequence"), "policy_split")
+    assert result.status == FAIL
+    assert length_figures(result.observed) == pytest.approx((-1.0, 6.0), abs=1e-2)
+    assert "2x4: deviation" in result.observed and "scale 1.000" in result.observed
+    assert result.fix.startswith("a token's weight goes as its sequence's length^-1.00 "
+                                 "(a 1-token completion's token counts 6.0x a 6-token")
+
+
+def test_one_objective_has_no_length_weight():
+    result = status(make_variant("correct"), "policy_split")
+    assert length_figures(result.observed) == pytest.approx((0.0, 1.0), abs=1e-3)
+
+
+def test_engine_sequence_mean_fails_the_split_probe_as_declared():
+    """exactstep's own ``normalizer = "sequence_mean"`` (declared 1 / length in the
+    manifest) fails the contract; ``constant`` passes it."""
+    seq = status(engine_policy("leave_one_out:sequence_mean"), "policy_split")
+    assert seq.status == FAIL
+    assert length_figures(seq.observed) == pytest.approx((-1.0, 6.0), abs=1e-2)
+    assert status(engine_policy(":constant"), "policy_split").status == PASS
 
 
 def test_ranks_not_applicable_without_them():

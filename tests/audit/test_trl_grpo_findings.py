@@ -26,6 +26,7 @@ pytest.importorskip("accelerate")
 
 from exactstep.audit.policy_probes import (  # noqa: E402
     POLICY_PROBES,
+    SWAPPED_LENGTHS,
     K,
     baseline_window,
     split_window,
@@ -146,9 +147,29 @@ def test_the_unscaled_baseline_is_k_minus_1_over_k(engine):
 
 
 #: The split probe's status per trl ``loss_type`` (scale_rewards 'group'), as measured.
-#: ``grpo`` (each sequence's token mean) keeps 1x8 = 2x4 = 4x2 and PASSes the probe as it
-#: stands; a probe that checks coefficient x D = advantage would make it a FAIL.
-SPLIT = {"dapo": PASS, "bnpo": FAIL, "grpo": PASS}
+#: The probe checks Q4's contract itself, c x D = the sequence's advantage on the window
+#: and on its length-swapped twin: ``grpo`` and ``sapo`` (each sequence's token mean)
+#: keep 1x8 = 2x4 = 4x2 but FAIL it; ``bnpo`` FAILs its splits.
+SPLIT = {"dapo": PASS, "bnpo": FAIL, "grpo": FAIL, "sapo": FAIL, "dr_grpo": PASS,
+         "cispo": PASS, "vespo": PASS, "luspo": PASS}
+
+
+def token_weight(loss_type: str, length: int, sequences: int, tokens: int,
+                 longest: int) -> float:
+    """The weight trl's documented loss puts on one token of a ``length``-token
+    completion in one window (one micro-batch, on-policy: the ratio is 1): ``dapo``,
+    ``bnpo`` (a single micro-batch), ``vespo`` (phi(1) = 1) and ``cispo`` (its clamp at
+    ``epsilon_high`` = 0.2) over the window's tokens; ``dr_grpo`` over
+    ``max_completion_length`` times the sequences; ``luspo`` each sequence's summed
+    tokens over the sequences; ``grpo`` and ``sapo`` (its gate's slope at 1 is 1) each
+    sequence's token mean over the sequences."""
+    if loss_type in ("grpo", "sapo"):
+        return 1.0 / (length * sequences)
+    if loss_type == "dr_grpo":
+        return 1.0 / (sequences * longest)
+    if loss_type == "luspo":
+        return 1.0 / sequences
+    return (0.2 if loss_type == "cispo" else 1.0) / tokens
 
 
 def per_microbatch_tokens(result, window) -> list[str]:
@@ -177,15 +198,39 @@ def per_microbatch_tokens(result, window) -> list[str]:
 
 @pytest.mark.parametrize("loss_type", sorted(SPLIT))
 def test_the_split_probe_as_measured(loss_type, engine):
-    """``dapo`` (trl's default) divides by the generation batch's tokens, gathered: one
-    window. ``bnpo`` normalises each micro-batch by its own tokens: FAIL, and its
-    coefficients are exactly that normaliser's. exactstep's target PASSes."""
+    """Each loss type's c x D, on the window and on its length-swapped twin, is trl's
+    documented advantage times ``D`` times ``token_weight`` (derived from trl's loss,
+    not from the probe): a token's weight is independent of its sequence's length
+    everywhere but ``grpo`` and ``sapo``, whose FAIL names the 6x of a 1-token
+    completion's token over a 6-token one's. ``bnpo`` normalises each micro-batch by
+    its own tokens: FAIL, and its split coefficients are exactly that normaliser's.
+    exactstep's target PASSes."""
     result = probe(loss_type, "policy_split")
     assert result.status == SPLIT[loss_type], (MEASURED, result.observed)
+    n = 2 * K
+    for window, values in ((split_window(), result.expected_values[:n]),
+                           (split_window(SWAPPED_LENGTHS), result.observed_values[-n:])):
+        lengths = [len(c) for group in window.completions for c in group]
+        want = [a * window.tokens * token_weight(loss_type, m, n, window.tokens, 6)
+                for a, m in zip([a for g in window.rewards for a in trl_group_scaled(g)],
+                                lengths, strict=True)]
+        # recovered at the probe's 3.4e-4 of the largest; three times that here
+        assert values == pytest.approx(want, rel=0, abs=1e-3 * max(map(abs, want))), \
+            MEASURED
+    if loss_type in ("grpo", "sapo"):
+        assert "length^-1.00 (a 1-token completion's token 6.00x a 6-token" in \
+            result.observed
+        assert result.fix.startswith("a token's weight goes as its sequence's length^-1.00 "
+                                     "(a 1-token completion's token counts 6.0x a 6-token "
+                                     "one's): the loss normalises each sequence by its "
+                                     "own length")
+    else:
+        assert "length^+0.00 (a 1-token completion's token 1.00x" in result.observed
     if loss_type == "bnpo":
         assert per_microbatch_tokens(result, split_window()) == []
         scale = [float(v) for v in re.findall(r"scale ([0-9.]+)", result.observed)]
         assert all(abs(v - 1.0) > 0.02 for v in scale), result.observed
+        assert result.fix.startswith("normalise once per window")
     assert run_probe(PROBES["policy_split"], engine).status == PASS
 
 

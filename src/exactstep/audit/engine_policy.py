@@ -7,7 +7,9 @@ the window transaction ``UpdateEngine.run_window`` and, under a process group, o
 rank of a DDP job. The adapter only hands the probe's completions out as the
 sampler's draws and its rewards as the reward function's, and keeps the gradient the
 optimizer would apply. The engine keeps a prompt's K samples in one micro-batch, so
-micro-batches smaller than K are not applicable.
+micro-batches smaller than K are not applicable. Variants
+``exactstep-policy[:BASELINE[:NORMALIZER]]`` set ``policy.baseline`` and
+``policy.normalizer`` (``sequence_mean`` fails ``policy_split``, as declared).
 Design and derivations: docs/design/audit.md#auditpolicy_probespy (Q3, Q4).
 """
 
@@ -44,6 +46,7 @@ from exactstep.update.window import UpdateEngine
 
 DEVICE = torch.device("cpu")
 BASELINES = ("leave_one_out", "group_mean_with_self", "group_normalized")
+NORMALIZERS = ("token_mean", "sequence_mean", "constant")
 
 
 class FixedRollouts(PolicyRollouts):
@@ -65,13 +68,17 @@ class ExactstepPolicyStep:
 
     ranks = 2
 
-    def __init__(self, baseline: str = "leave_one_out") -> None:
-        if baseline not in BASELINES:
-            from exactstep.errors import ConfigError
+    def __init__(self, baseline: str = "leave_one_out",
+                 normalizer: str = "token_mean") -> None:
+        from exactstep.errors import ConfigError
 
+        if baseline not in BASELINES:
             raise ConfigError(f"unknown exactstep-policy baseline {baseline!r}; use one of "
                               f"{', '.join(BASELINES)}")
-        self.baseline = baseline
+        if normalizer not in NORMALIZERS:
+            raise ConfigError(f"unknown exactstep-policy normalizer {normalizer!r}; use one "
+                              f"of {', '.join(NORMALIZERS)}")
+        self.baseline, self.normalizer = baseline, normalizer
 
     def build(self, spec: ProbeSpec) -> None:
         self.spec = spec
@@ -98,7 +105,8 @@ class ExactstepPolicyStep:
                                   schedule="constant", clip=0.0, weight_decay=0.0,
                                   momentum=0.0)
         optimizer, _ = build_optimizer(self.module, update_cfg)
-        policy = PolicyConfig(over="chat", baseline=self.baseline)
+        policy = PolicyConfig(over="chat", baseline=self.baseline,
+                              normalizer=self.normalizer)
         longest = max(len(c) for g in window.completions for c in g)
         program = FixedRollouts(
             policy, GenerationConfig(samples=K, max_new_tokens=longest), seed=self.spec.seed,
@@ -156,4 +164,12 @@ def prompt_example(group: int, prompt: tuple[int, ...], spec: ProbeSpec) -> Exam
 
 
 def make(variant: str = "") -> ExactstepPolicyStep:
-    return ExactstepPolicyStep(variant or "leave_one_out")
+    """``exactstep-policy[:BASELINE[:NORMALIZER]]``."""
+    parts = [p for p in variant.split(":")] if variant else []
+    if len(parts) > 2:
+        from exactstep.errors import ConfigError
+
+        raise ConfigError(f"exactstep-policy variant {variant!r} reads "
+                          "BASELINE[:NORMALIZER]")
+    defaults = ("leave_one_out", "token_mean")[:len(parts)]
+    return ExactstepPolicyStep(*[p or d for p, d in zip(parts, defaults, strict=True)])

@@ -11,7 +11,8 @@ loop put on each completion by least squares: the loop's loss gradient is
 advantage (the baseline is the mean of the other K-1 rewards, Q3), D the window's
 sampled-token count, over every micro-batch and rank (Q4).
 
-Probes: ``policy_split`` (Q4: the same window as 1, 2 and 4 micro-batches),
+Probes: ``policy_split`` (Q4: c_i * D is the sequence's advantage, the same when the
+window's lengths are swapped; the same window as 1, 2 and 4 micro-batches),
 ``policy_ranks`` (Q4: the same window over two ranks, where the target can run them)
 and ``policy_baseline`` (Q3: the exact expected update for binary rewards).
 Design and derivations: docs/design/audit.md#auditpolicy_probespy (Q3, Q4).
@@ -241,14 +242,20 @@ def completion(group: int, k: int, length: int) -> tuple[int, ...]:
     return tuple(3 + (7 * group + 3 * k + 5 * t + k * t) % content for t in range(length))
 
 
-def split_window() -> PolicyWindow:
+SPLIT_LENGTHS = ((1, 5, 2, 6), (3, 1, 4, 2))
+#: The same completions' lengths, permuted within each group: every sample's length
+#: changes, the window's token count (23) and longest completion (6) do not.
+SWAPPED_LENGTHS = ((6, 2, 5, 1), (2, 4, 1, 3))
+SPLIT_REWARDS = ((1.0, 0.0, 0.5, 0.25), (0.0, 1.0, 0.75, 0.125))
+
+
+def split_window(lengths: tuple[tuple[int, ...], ...] = SPLIT_LENGTHS) -> PolicyWindow:
     """Two prompts of four completions, 1-6 tokens long, rewards all distinct within a
-    group: micro-batches of 2 or 4 hold unequal token counts however they are drawn."""
-    lengths = ((1, 5, 2, 6), (3, 1, 4, 2))
-    rewards = ((1.0, 0.0, 0.5, 0.25), (0.0, 1.0, 0.75, 0.125))
+    group: micro-batches of 2 or 4 hold unequal token counts however they are drawn.
+    ``lengths=SWAPPED_LENGTHS``: its twin, the same rewards on other lengths."""
     return PolicyWindow(tuple(prompt(g) for g in range(2)),
                         tuple(tuple(completion(g, k, n) for k, n in enumerate(ls))
-                              for g, ls in enumerate(lengths)), rewards)
+                              for g, ls in enumerate(lengths)), SPLIT_REWARDS)
 
 
 def baseline_window() -> PolicyWindow:
@@ -265,15 +272,62 @@ def baseline_window() -> PolicyWindow:
 SPLITS = (4, 2)  # micro-batch sizes compared with the whole window (8) in one
 
 
+def length_weights(advantages: Sequence[float], twin: Sequence[float],
+                   lengths: Sequence[int], twin_lengths: Sequence[int]
+                   ) -> tuple[float, float, int, int]:
+    """How a sample's token weight moves with its length: ``(exponent, ratio, short,
+    long)``.
+
+    ``advantages[i]`` and ``twin[i]`` are ``c_i * D`` for the same sample (same group,
+    same reward) at ``lengths[i]`` and ``twin_lengths[i]``. Each pair gives
+    ``log(twin / a) / log(twin_length / length)``; the exponent is their mean (0 for
+    one objective S / D, -1 for a per-sequence token mean). ``ratio``: the weight of
+    a ``short``-token completion's token over a ``long``-token one's, for the sample
+    whose length changes the most (1 against 6 tokens in the probe's windows)."""
+    exponents, widest = [], (1.0, 1, 1)
+    for a, b, n, m in zip(advantages, twin, lengths, twin_lengths, strict=True):
+        if n == m or a * b <= 0.0:
+            continue
+        exponents.append(math.log(b / a) / math.log(m / n))
+        if max(n, m) / min(n, m) > widest[2] / widest[1]:
+            widest = ((a / b) if n < m else (b / a), min(n, m), max(n, m))
+    if not exponents:
+        return 0.0, 1.0, 1, 1
+    return (round(math.fsum(exponents) / len(exponents), 3) + 0.0,) + widest
+
+
 def policy_split(step: PolicyStep) -> Measure:
-    """The same eight completions as 1 x 8, 2 x 4 and 4 x 2 micro-batches: one
-    objective, so the same coefficients (Q4). A per-micro-batch normaliser makes them
+    """Q4's contract itself, and its invariance under accumulation.
+
+    The contract: each scored token's coefficient times the window's scored-token
+    count D is its sequence's advantage, a function of the rewards alone; a token's
+    weight never depends on its sequence's length. The probe reads ``a_i = c_i * D``
+    for the window and for its twin (``SWAPPED_LENGTHS``: the same rewards on other
+    lengths, the same D and longest completion) and asks for the same ``a`` in both:
+    a per-sequence token mean (``a_i`` proportional to ``1 / length``) fails it, and
+    the observed line gives the exponent of the length and the short-to-long weight
+    ratio. Then the same eight completions as 1 x 8, 2 x 4 and 4 x 2 micro-batches: one
+    objective, so the same coefficients. A per-micro-batch normaliser makes them
     depend on which completions share a micro-batch; dividing the window again by the
-    accumulation steps scales them by 1 / steps."""
-    window = split_window()
+    accumulation steps scales them by 1 / steps. The baseline's own scale is
+    ``policy_baseline``'s business, not this probe's. Values: ``c x D`` of each split
+    that ran (2x4, then 4x2), then the twin's, against the whole window's."""
+    window, twin = split_window(), split_window(SWAPPED_LENGTHS)
     whole = coefficients(step, window, window.samples)
-    tol = tolerance(step, window)
-    notes, worst, observed_values = [], 0.0, []
+    twin_whole = coefficients(step, twin, twin.samples)
+    tol = max(tolerance(step, window), tolerance(step, twin))
+    adv = [c * window.tokens for c in whole]
+    twin_adv = [c * twin.tokens for c in twin_whole]
+    lengths = [n for group in SPLIT_LENGTHS for n in group]
+    twin_lengths = [n for group in SWAPPED_LENGTHS for n in group]
+    length_err = relative(twin_adv, adv)
+    exponent, ratio, short, long_ = length_weights(adv, twin_adv, lengths, twin_lengths)
+    length_ok = length_err <= tol
+    notes = [f"c x D, same rewards on swapped lengths: deviation {length_err:.2e}, token "
+             f"weight ~ length^{exponent:+.2f} (a {short}-token completion's token "
+             f"{ratio:.2f}x a {long_}-token one's)"]
+    worst, observed_values = 0.0, []
+    ran = 0
     for size in SPLITS:
         try:
             got = coefficients(step, window, size)
@@ -284,12 +338,23 @@ def policy_split(step: PolicyStep) -> Measure:
         worst = max(worst, err)
         scale = sum(g * w for g, w in zip(got, whole, strict=True)) / sum(w * w for w in whole)
         notes.append(f"{window.samples // size}x{size}: deviation {err:.2e}, scale {scale:.3f}")
-        observed_values += got
-    ran = len(observed_values) // len(whole)
-    if ran == 0:
+        observed_values += [g * window.tokens for g in got]
+        ran += 1
+    if ran == 0 and length_ok:
         raise NotApplicable("; ".join(notes))
-    return Measure(worst <= tol, f"coefficients of 1x8 within {tol:.1e} for 2x4 and 4x2",
-                   "; ".join(notes), whole * ran, observed_values)
+    fix = None
+    if not length_ok:
+        fix = (f"a token's weight goes as its sequence's length^{exponent:+.2f} (a "
+               f"{short}-token completion's token counts {ratio:.1f}x a {long_}-token "
+               "one's): "
+               "the loss normalises each sequence by its own length (a per-sequence "
+               "token mean, then a mean over sequences); give every scored token its "
+               "sequence's advantage and divide the window's sum once, by its token "
+               "count over every micro-batch and rank, or by a constant")
+    return Measure(length_ok and worst <= tol,
+                   f"c x D = the sequence's advantage (the same on swapped lengths) and "
+                   f"the coefficients of 1x8 for 2x4 and 4x2, within {tol:.1e}",
+                   "; ".join(notes), adv * (ran + 1), observed_values + twin_adv, fix)
 
 
 def policy_ranks(step: PolicyStep) -> Measure:
@@ -343,10 +408,11 @@ def policy_baseline(step: PolicyStep) -> Measure:
 
 
 POLICY_PROBES = (
-    Probe("policy_split", "Q4", "normalise once per window: divide the summed per-token "
-          "terms by the window's token count over every micro-batch and rank (gathered "
-          "before the first backward), not per micro-batch, and do not divide by the "
-          "accumulation steps again", policy_split),
+    Probe("policy_split", "Q4", "normalise once per window: give each scored token its "
+          "sequence's advantage and divide the summed per-token terms by the window's "
+          "token count over every micro-batch and rank (gathered before the first "
+          "backward) or by a constant; not per micro-batch, not per sequence, and not "
+          "again by the accumulation steps", policy_split),
     Probe("policy_ranks", "Q4", "reduce the normaliser over the ranks (all-reduce the "
           "window's token count) before dividing; DDP then averages gradients, so scale "
           "each rank's sum by the world size over the global count", policy_ranks),

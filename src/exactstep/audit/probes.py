@@ -45,6 +45,7 @@ class Measure:
     observed: str
     expected_values: list[float] = field(default_factory=list)
     observed_values: list[float] = field(default_factory=list)
+    fix: str | None = None  # a FAIL's own diagnosis, in place of the probe's general one
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def run_probe(probe: Probe, step: TrainingStep) -> Result:
         m = probe.measure(step)
         status = PASS if m.passed else FAIL
         result = Result(probe.name, probe.contract, status, m.expected, m.observed,
-                        None if m.passed else probe.fix, 0.0, m.expected_values,
+                        None if m.passed else (m.fix or probe.fix), 0.0, m.expected_values,
                         m.observed_values)
     except NotApplicable as exc:
         result = Result(probe.name, probe.contract, NA, "-", f"not applicable: {exc}")

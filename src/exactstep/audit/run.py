@@ -1,6 +1,6 @@
 """Resolve an audit target and run the probes against it (A1).
 
-Targets: ``exactstep`` (``audit.engine``), ``exactstep-policy[:BASELINE]``
+Targets: ``exactstep`` (``audit.engine``), ``exactstep-policy[:BASELINE[:NORMALIZER]]``
 (``audit.engine_policy``), ``python:MODULE:FUNCTION`` (``FUNCTION()``
 returns a ``TrainingStep``; the current directory is importable, as with ``python -m``),
 ``hf-trainer[:COLLATOR]`` (``audit.hf_trainer``), ``trl-sft[:VARIANT]``

@@ -7,7 +7,8 @@ completion's given reward, so trl's advantages, loss, normaliser, accumulation a
 distributed reduction all run as shipped. ``gradient`` trains one optimizer step and
 keeps the gradient an ``on_pre_optimizer_step`` callback sees (clipping off).
 Variants ``trl-grpo[:LOSS_TYPE[:SCALE_REWARDS]]``: trl's ``loss_type`` (default
-``dapo``) and ``scale_rewards`` (default ``group``). ``beta`` 0 (trl's default) and
+``dapo``; ``luspo`` with the sequence-level importance ratio it requires) and
+``scale_rewards`` (default ``group``). ``beta`` 0 (trl's default) and
 temperature 1, so the gradient is REINFORCE's.
 Design and derivations: docs/design/audit.md#audittrl_grpopy (Q3, Q4).
 """
@@ -24,7 +25,9 @@ from exactstep.audit.policy_probes import K, PolicyWindow
 from exactstep.audit.protocol import ProbeSpec
 from exactstep.audit.trl_sft import quiet_datasets, sft_tokenizer, word
 
-LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo")
+LOSS_TYPES = ("dapo", "bnpo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+#: trl refuses ``luspo`` without sequence-level importance ratios (GSPO's).
+SEQUENCE_LEVEL = ("luspo",)
 SCALES = ("group", "batch", "none")
 
 
@@ -62,6 +65,8 @@ class TRLGRPOStep:
             gradient_accumulation_steps=local // micro_batch, num_generations=K,
             max_completion_length=max(len(c) for g in window.completions for c in g),
             loss_type=self.loss_type, scale_rewards=self.scale_rewards, beta=0.0,
+            importance_sampling_level=("sequence" if self.loss_type in SEQUENCE_LEVEL
+                                       else "token"),
             temperature=1.0, learning_rate=self.spec.lr, optim="sgd", max_grad_norm=0.0,
             lr_scheduler_type="constant", max_steps=1, logging_steps=1, report_to="none",
             save_strategy="no", use_cpu=True, bf16=False, seed=self.spec.seed,

@@ -321,11 +321,15 @@ class PolicyRollouts:
         term's ``A`` becomes ``A`` on ``-log pi`` (``A - b_t`` per token with the learned
         baseline, ``advantage`` then being the shaped reward); k3's gradient adds
         ``-beta (1 - r)`` with ``r = pi_ref / pi`` at the window's parameters (its
-        derivative in ``log pi`` is ``1 - r``)."""
+        derivative in ``log pi`` is ``1 - r``); ``k3_corrected`` (k3 times the ratio
+        ``pi / sg(pi)``) adds ``-beta (k3 + 1 - r) = -beta (log pi - log pi_ref)``."""
         coeffs = [float(advantage)] * len(c.tokens) if baselines is None else \
             [float(advantage) - b for b in baselines]
         if self.policy.kl == "k3":
             coeffs = [a - self.policy.beta * (1.0 - math.exp(lr - lp))
+                      for a, lp, lr in zip(coeffs, c.logprobs, ref, strict=True)]
+        elif self.policy.kl == "k3_corrected":  # k3 * pi / sg(pi): -beta (log pi - log pi_ref)
+            coeffs = [a - self.policy.beta * (lp - lr)
                       for a, lp, lr in zip(coeffs, c.logprobs, ref, strict=True)]
         return coeffs
 

@@ -6,7 +6,8 @@ log-probabilities, the policy plan, ``UpdateEngine``) on the tabular policy of
 (``token_mean``; k3 also under ``sequence_mean``, its term sharing the trajectory's 1),
 ``policy.kl`` = ``k1`` (``beta * sum_t (log pi - log pi_ref)`` subtracted from each
 reward before the leave-one-out baseline) and ``k3`` (``beta * (r - log r - 1)``, ``r =
-pi_ref / pi``, per sampled token: its coefficient ``beta (r - 1)`` on ``-log pi``).
+pi_ref / pi``, per sampled token: its coefficient ``beta (r - 1)`` on ``-log pi``) and
+``k3_corrected`` (k3 times the ratio ``pi / sg(pi)``: ``-beta (log pi - log pi_ref)``).
 
 Independent expectation: the sampled tokens are read from the window's rows; their
 rewards, both policies' log-probabilities (a softmax written out with ``math``), the
@@ -150,6 +151,8 @@ def expected(responses, model, frozen, kl: str, beta: float, normalizer: str = "
                 grad["pos"][t, v] += g
             r = math.exp(s.ref_logprobs[t] - s.logprobs[t])
             k3_error = abs(beta) * r * 2 * eta * (1 + 2 * eta) if kl == "k3" else 0.0
+            if kl == "k3_corrected":  # beta (log pi - log pi_ref): both within eta
+                k3_error = abs(beta) * 2 * eta
             if normalizer == "sequence_mean":  # the coefficient's share of 1 / length
                 k1_error, k3_error = k1_error / len(y), k3_error / len(y)
                 a_error = 2 * UNIT * abs(a)  # the division's rounding and the fp32 cast
@@ -165,7 +168,8 @@ def outside(got, want, tolerance) -> list[str]:
 
 
 @pytest.mark.parametrize("kl, normalizer", [("k1", "token_mean"), ("k3", "token_mean"),
-                                            ("k3", "sequence_mean")])
+                                            ("k3", "sequence_mean"),
+                                            ("k3_corrected", "token_mean")])
 def test_the_kl_window_gradient_is_the_references(kl, normalizer):
     grads, responses, model, frozen = engine_window(kl, normalizer)
     assert len(responses) == P * K and {len(y) for y in responses} == {1, 2}
@@ -179,6 +183,10 @@ def test_the_kl_window_gradient_is_the_references(kl, normalizer):
     assert outside(grads, flipped, tolerance) != []
     plain, _ = expected(responses, model, frozen, "none", 0.0, normalizer)
     assert outside(grads, plain, tolerance) != []
+    if kl.startswith("k3"):  # and k3 for k3_corrected (or back) is caught
+        swapped, _ = expected(responses, model, frozen,
+                              "k3" if kl == "k3_corrected" else "k3_corrected", BETA, normalizer)
+        assert outside(grads, swapped, tolerance) != []
 
 
 def test_the_reference_k3_coefficient_is_the_derivative_of_its_term():

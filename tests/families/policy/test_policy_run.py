@@ -78,6 +78,7 @@ def test_a_run_records_its_estimator_reward_and_every_sample(tmp_path, rewards):
     assert objective["family"] == "policy_chat_sft"
     assert objective["policy"]["baseline"] == "leave_one_out"
     assert objective["policy"]["baseline_depends_on_sample"] is False
+    assert objective["policy"]["normalizer_bias"].startswith("ratio estimator: ")
     assert objective["reward"]["name"] == f"{rewards}:length"
     assert len(objective["reward"]["source_sha256"]) == 64
     assert objective["generation"]["samples"] == 2

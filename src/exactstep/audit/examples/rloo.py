@@ -8,7 +8,8 @@ before the first backward, each micro-batch's loss is its sum over that count, a
 DDP's gradient average is undone by the world size. The model is the nanoGPT example's.
 ``make_variant(NAME)`` plants one of the bugs the policy probes look for
 (``per_microbatch``, ``divided_twice``, ``group_mean``, ``group_normalized``,
-``rank_mean``), for the audit's own tests.
+``rank_mean``, ``per_sequence``: each sequence's token mean, then the mean over the
+window's sequences, as trl's ``grpo``), for the audit's own tests.
 Design and derivations: docs/design/audit.md#auditpolicy_probespy (Q3, Q4).
 """
 
@@ -25,7 +26,7 @@ from exactstep.audit.policy_probes import PolicyWindow
 from exactstep.audit.protocol import ProbeSpec
 
 VARIANTS = ("correct", "per_microbatch", "divided_twice", "group_mean", "group_normalized",
-            "rank_mean")
+            "rank_mean", "per_sequence")
 
 
 class RLOOLoop:
@@ -76,6 +77,7 @@ class RLOOLoop:
         mine = self.samples(window)
         micro = [mine[i:i + micro_batch] for i in range(0, len(mine), micro_batch)]
         count = torch.tensor(float(sum(len(t) - n for t, n, _ in mine)))
+        n_sequences = window.samples
         if world > 1 and self.variant != "rank_mean":
             dist.all_reduce(count)  # the window's tokens over every rank (Q4)
         self.module.zero_grad(set_to_none=True)
@@ -88,7 +90,10 @@ class RLOOLoop:
             total = torch.zeros(())
             for row, (t, n, a) in enumerate(mb):
                 target = torch.tensor(t[n:])
-                total = total - a * logp[row, n - 1:len(t) - 1].gather(1, target[:, None]).sum()
+                term = a * logp[row, n - 1:len(t) - 1].gather(1, target[:, None]).sum()
+                if self.variant == "per_sequence":  # 1 / length, over the window's sequences
+                    term = term / len(target) * count / n_sequences
+                total = total - term
             tokens_here = sum(len(t) - n for t, n, _ in mb)
             if self.variant == "per_microbatch":
                 loss = total / tokens_here / len(micro)

@@ -20,6 +20,64 @@ UNBIASED = ("none", "moving_average", "leave_one_out", "learned")
 BIASED = ("group_mean_with_self", "group_normalized")
 BUILT_IN_REWARDS = ("exact_match", "token_f1", "ngram_overlap")
 
+#: What each normaliser's expected update is, for the manifest (Q4): derivations in
+#: docs/design/generation.md#generationrolloutspy. N: the window's trajectories.
+NORMALIZER_BIAS = {
+    "token_mean": (
+        "ratio estimator: D = the window's scored tokens, a random variable when response "
+        "lengths vary, so E[S / D] != E[S] / E[D]; a token's weight 1 / (L_i + D_rest) "
+        "falls with its own sequence's length L_i, so the expected update is the "
+        "gradient of the length-weighted E[(R - b) w(L)], w(L) = E[1 / (L + D_rest)], "
+        "not the true gradient's direction, and the baseline's term no longer cancels; "
+        "a length-L sequence's tokens weigh about 1 - (L - m) / (N m) of the mean "
+        "(m the mean length), so the bias vanishes as 1 / N: with lengths 1 to 8 "
+        "(m = 4.5) an 8-token sequence's tokens weigh (1 + D_rest) / (8 + D_rest) of "
+        "a 1-token one's, 0.67 at N = 4, 0.95 at N = 32; normalizer = \"constant\" "
+        "is unbiased"),
+    "sequence_mean": (
+        "each trajectory's tokens share 1: a token of a length-L sequence weighs "
+        "1 / (L N), so a 1-token completion's token counts 6x a 6-token one's; the "
+        "expected update is grad E[(R - b) / L] (b at its mean, held fixed): the "
+        "reward per token, not E[R]; positive advantages favour short responses, "
+        "negative ones long; the bias does not vanish with N; normalizer = "
+        "\"constant\" is unbiased"),
+    "constant": (
+        "unbiased: D is not random, so E[S / D] = E[S] / constant = N grad E[R] / "
+        "constant for a baseline that never sees the sample (the true gradient's "
+        "direction; the step grows with N, not with the tokens)"),
+}
+#: What each KL option's loss gradient is in expectation, for the manifest: ``r_t =
+#: pi_ref / pi`` at sampled token ``t``, ``h_t`` its context, ``rho_t = log pi - log
+#: pi_ref``; derivations in docs/design/generation.md#generationrolloutspy.
+KL_OVER_D = ("; times 1 / D: exact with normalizer = \"constant\", weighted as the "
+             "reward is under token_mean and sequence_mean (normalizer_bias)")
+KL_ESTIMATORS = {
+    "k1": (
+        "k1 in the reward: -beta * sum_t (log pi - log pi_ref) subtracted from each "
+        "sequence's reward; every token's coefficient carries the whole sequence's "
+        "log-ratio, so with a baseline that never sees the sample the expected loss "
+        "gradient is beta * grad KL(pi || pi_ref) of the sequence distribution (the "
+        "future tokens' log-ratios included): the reward-shaping KL exactly"),
+    "k3": (
+        "k3 loss term: beta * (r - log r - 1), r = pi_ref / pi, differentiated through "
+        "pi: coefficient beta (1 - r_t) on grad log pi(y_t); E_pi[r grad log pi] = "
+        "sum_y pi_ref grad log pi, so the expected loss gradient is beta * sum_t "
+        "E_{h_t ~ pi}[grad KL(pi_ref(.|h_t) || pi(.|h_t))], the reverse direction "
+        "KL(pi_ref || pi) per token, contexts held fixed; NOT grad KL(pi || pi_ref), "
+        "which the reward-shaping KL intends (k3's value estimates KL(pi || pi_ref) "
+        "without bias, its gradient does not): kl = \"k3_corrected\" corrects it"),
+    "k3_corrected": (
+        "k3 times the importance ratio pi / stopgrad(pi) (its value 1), differentiated "
+        "through both: coefficient beta (k3 + 1 - r_t) = beta (log pi - log pi_ref)(y_t) "
+        "on grad log pi(y_t); the expected loss gradient is beta * sum_t "
+        "E_{h_t ~ pi}[grad KL(pi(.|h_t) || pi_ref(.|h_t))], KL(pi || pi_ref) per token "
+        "with the contexts' distribution held fixed (trl's use_bias_correction_kl, "
+        "DeepSeek-V3.2's unbiased KL estimate): beta * grad KL(pi || pi_ref) of the "
+        "sequence distribution for one-token responses; for longer ones that gradient "
+        "also weights grad log pi(y_t) by the later tokens' log-ratios sum_{s>t} "
+        "rho_s, which only kl = \"k1\" carries"),
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
@@ -42,9 +100,12 @@ class PolicyConfig:
     for what they are: biased (Q3). ``normalizer``: ``token_mean`` (every scored token
     of the window, all micro-batches and ranks), ``sequence_mean`` (each trajectory's
     tokens share 1, over every trajectory of the window) or ``constant`` (``D =
-    constant``). ``kl``: ``none``, ``k1`` (``beta * sum_t (log pi - log pi_ref)``
-    subtracted from each reward) or ``k3`` (``beta * (r - log r - 1)``, ``r = pi_ref /
-    pi``, a loss term per sampled token) against ``reference``, a checkpoint directory
+    constant``; the one unbiased for varying lengths: ``NORMALIZER_BIAS``). ``kl``:
+    ``none``, ``k1`` (``beta * sum_t (log pi - log pi_ref)`` subtracted from each
+    reward), ``k3`` (``beta * (r - log r - 1)``, ``r = pi_ref / pi``, a loss term per
+    sampled token: its gradient is KL(pi_ref || pi)'s) or ``k3_corrected`` (k3 times
+    the importance ratio: KL(pi || pi_ref)'s per-token gradient; ``KL_ESTIMATORS``)
+    against ``reference``, a checkpoint directory
     whose weights are the frozen reference policy (identified by its manifest's digest,
     never trainable state). ``mixer``: MIXER's
     curriculum: the last ``delta(clock)`` reference tokens are sampled and trained by
@@ -63,7 +124,7 @@ class PolicyConfig:
     std_eps: float = 1e-6
     normalizer: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
     constant: float = 1.0
-    kl: Literal["none", "k1", "k3"] = "none"
+    kl: Literal["none", "k1", "k3", "k3_corrected"] = "none"
     beta: float = 0.0
     reference: str = ""
     mixer: bool = False
@@ -102,8 +163,9 @@ class PolicyConfig:
         """The manifest's record of the estimator (S1, Q2-Q4)."""
         out: dict = {"over": self.over, "baseline": self.baseline,
                      "baseline_depends_on_sample": self.baseline in BIASED,
-                     "normalizer": self.normalizer, "credit": "sequence_reward_every_token",
-                     "kl": self.kl}
+                     "normalizer": self.normalizer,
+                     "normalizer_bias": NORMALIZER_BIAS[self.normalizer],
+                     "credit": "sequence_reward_every_token", "kl": self.kl}
         if self.baseline == "moving_average":
             out["decay"] = self.decay
         if self.baseline == "learned":
@@ -123,9 +185,7 @@ class PolicyConfig:
             out["constant"] = self.constant
         if self.kl != "none":
             out["beta"] = self.beta
-            out["kl_estimator"] = ("k1 in the reward: -beta * sum_t (log pi - log pi_ref)"
-                                   if self.kl == "k1" else
-                                   "k3 loss term: beta * (r - log r - 1), r = pi_ref / pi")
+            out["kl_estimator"] = KL_ESTIMATORS[self.kl] + KL_OVER_D
         if self.mixer:
             out["mixer"] = {"delta_start": self.delta_start, "delta_step": self.delta_step,
                             "delta_every": self.delta_every, "delta_max": self.delta_max,

@@ -3,8 +3,8 @@
 Written from the definitions with ``math`` alone: advantages per baseline, each scored
 token's coefficient, the normalizer ``D`` and the objective ``S / D`` for given token
 losses; the KL terms against a frozen reference (``k1`` in the reward, ``k3`` a loss
-term per sampled token) and MIXER's curriculum (``delta`` on the committed-window
-clock, U5). The engine's rollouts and plan (``generation.rollouts``,
+term per sampled token, ``k3_corrected`` its ratio-corrected form) and MIXER's
+curriculum (``delta`` on the committed-window clock, U5). The engine's rollouts and plan (``generation.rollouts``,
 ``objective.policy``) must agree with it.
 """
 
@@ -71,6 +71,15 @@ def k3_coefficient(logprob: float, ref_logprob: float, beta: float) -> float:
     return beta * (math.exp(ref_logprob - logprob) - 1.0)
 
 
+def k3_corrected_coefficient(logprob: float, ref_logprob: float, beta: float) -> float:
+    """``kl = "k3_corrected"``: the loss ``beta * k3 * pi / sg(pi)`` has derivative
+    ``beta * k3 + beta * (1 - r)`` in ``log pi`` where the ratio is 1 (the ratio's
+    derivative times k3, plus k3's own), so its coefficient on ``-log pi`` is minus
+    that (``= -beta * (log pi - log pi_ref)``)."""
+    r = math.exp(ref_logprob - logprob)
+    return -(k3_term(logprob, ref_logprob, beta) + beta * (1.0 - r))
+
+
 def mixer_delta(clock: int, *, start: int, step: int, every: int, most: int) -> int:
     """MIXER's sampled suffix length after ``clock`` committed windows (U5):
     ``min(most, start + step * floor(clock / every))``."""
@@ -92,7 +101,7 @@ def window_coefficients(groups: Sequence[Sequence[Sample]], *, baseline: str,
     its scored tokens' coefficients ``a`` (teacher-forced tokens first, then sampled),
     and the window's normalizer ``D``. ``kl = "k1"``: each reward less ``k1_penalty``
     before the baseline; ``"k3"``: each sampled token's coefficient plus
-    ``k3_coefficient``."""
+    ``k3_coefficient``; ``"k3_corrected"``: plus ``k3_corrected_coefficient``."""
     out: list[list[float]] = []
     for group in groups:
         rewards = [s.reward - (k1_penalty(s.logprobs, s.ref_logprobs, beta)
@@ -100,8 +109,9 @@ def window_coefficients(groups: Sequence[Sequence[Sample]], *, baseline: str,
         adv = advantages(rewards, baseline, state, std_eps)
         for s, a in zip(group, adv, strict=True):
             sampled = [a - b for b in s.baselines] if baseline == "learned" else [a] * s.sampled
-            if kl == "k3":
-                sampled = [x + k3_coefficient(lp, lr, beta) for x, lp, lr in
+            if kl in ("k3", "k3_corrected"):
+                term = k3_coefficient if kl == "k3" else k3_corrected_coefficient
+                sampled = [x + term(lp, lr, beta) for x, lp, lr in
                            zip(sampled, s.logprobs, s.ref_logprobs, strict=True)]
             c = [1.0] * s.forced + sampled
             n = s.forced + s.sampled
@@ -137,3 +147,4 @@ def regressor_step(states: Sequence[Sequence[Sequence[float]]], targets: Sequenc
     grad_w = [2.0 * math.fsum(h[j] * e for h, e in errors) / n for j in range(len(weight))]
     grad_b = 2.0 * math.fsum(e for _, e in errors) / n
     return loss, grad_w, grad_b
+
