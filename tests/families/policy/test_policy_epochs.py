@@ -22,7 +22,8 @@
   the window; the window is one ``SKIPPED_NONFINITE`` line. Negative control: an engine
   that keeps the first step's update is caught.
 - Bad inputs: each one ``error:`` line before anything is written.
-- S5 (slow): a run with ``epochs = 2`` killed and resumed is bitwise the straight run.
+- S5 (slow): a run with ``epochs = 3`` SIGKILLed between two steps of a window, twice,
+  and resumed is bitwise the straight run.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
+import signal
 
 import numpy as np
 import pytest
 import torch
 from families.policy.test_policy_gradient import TabularPolicy, reward
+from families.policy.test_policy_kill_resume import POLICY, REWARD
 from families.policy.test_policy_run import (  # noqa: F401 (rewards: a fixture)
     TINY_POLICY,
     one_error_line,
@@ -42,6 +46,7 @@ from families.policy.test_policy_run import (  # noqa: F401 (rewards: a fixture)
     train,
     window_of,
 )
+from families.test_family_kill_resume import FamilyHarness, final_state
 
 import exactstep.generation.clipped as clipped_module
 from exactstep.config import load_config
@@ -386,3 +391,65 @@ def test_epochs_one_is_the_plain_program():
     assert type(program) is PolicyRollouts and not hasattr(program, "next_pass")
     ledger = json.dumps(PolicyConfig().describe())
     assert "clip" not in ledger
+
+
+#: Launcher prelude: ``next_pass:N`` SIGKILLs the process right after the N-th
+#: ``next_pass`` returns, between two steps of a window (the earlier one applied in memory).
+BETWEEN_STEPS = """
+if kill_at.startswith("next_pass:"):
+    import exactstep.generation.clipped as clipped
+    _next_pass, _calls, _nth = clipped.ClippedRollouts.next_pass, [0], int(kill_at[10:])
+    def _counted(self, *args, **kwargs):
+        out = _next_pass(self, *args, **kwargs)
+        _calls[0] += 1
+        if _calls[0] == _nth and out is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    clipped.ClippedRollouts.next_pass = _counted
+    kill_at = "none"
+"""
+
+
+class BetweenSteps(FamilyHarness):
+    def __init__(self, root, family) -> None:
+        super().__init__(root, family)
+        text = self.launcher.read_text()
+        marker = "\nif argv[0] == \"train\":"
+        assert marker in text
+        self.launcher.write_text(text.replace(marker, BETWEEN_STEPS + marker, 1))
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_two_clipped_steps_resumes_bitwise(tmp_path):
+    """S5 with ``policy.epochs = 3``: SIGKILLed twice between two steps of a window (the
+    first step applied in memory, not checkpointed), resumed each time: the final
+    checkpoint, the ledger, the manifest and the rollout journal (every ``log pi_old``)
+    are byte-identical to the straight run's; the clock counts the committed steps.
+    Negative control: the same resume without its data cursor ends elsewhere."""
+    (tmp_path / "policy_rewards.py").write_text(REWARD)
+    h = BetweenSteps(tmp_path, {**POLICY, "train.threads": 1, "policy.epochs": 3,
+                                "policy.clip_ratio": 0.1, "update.optimizer": "adamw"})
+    straight, killed, defective = tmp_path / "straight", tmp_path / "killed", tmp_path / "nc"
+    assert h.train(straight) == 0, h.last_output
+    assert h.train(killed, kill_at="next_pass:10") == -signal.SIGKILL, h.last_output
+    shutil.copytree(killed, defective)
+    assert h.resume(killed, kill_at="next_pass:5") == -signal.SIGKILL, h.last_output
+    assert h.resume(killed) == 0, h.last_output
+    assert h.resume(defective, defect="no_cursor") == 0, h.last_output
+    name_a, state_a, files_a = final_state(straight)
+    name_b, state_b, files_b = final_state(killed)
+    assert name_a == name_b and state_differences(state_a, state_b) == []
+    assert files_a == files_b
+    for name in ("ledger.jsonl", "manifest.json", "rollouts.jsonl"):
+        assert (straight / name).read_bytes() == (killed / name).read_bytes(), name
+    manifest = json.loads((straight / "manifest.json").read_bytes())["manifest"]
+    assert manifest["objective"]["policy"]["epochs"]["epochs"] == 3
+    ledger = [json.loads(x) for x in (straight / "ledger.jsonl").read_text().splitlines()]
+    committed = sum(s["disposition"] == "COMMITTED" for r in ledger
+                    if r["disposition"] == "COMMITTED" for s in r["steps"])
+    assert committed >= 10  # several steps a window
+    assert state_a["counters"]["committed"] == committed  # the clock: committed steps
+    samples = [json.loads(x) for x in (straight / "rollouts.jsonl").read_text().splitlines()]
+    assert samples and all(len(s["old_logprobs"]) == s["tokens"] for s in samples)
+    differences = state_differences(state_a, final_state(defective)[1])
+    assert any(d.startswith("model.") for d in differences)
