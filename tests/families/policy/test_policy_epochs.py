@@ -453,3 +453,123 @@ def test_a_run_killed_between_two_clipped_steps_resumes_bitwise(tmp_path):
     assert samples and all(len(s["old_logprobs"]) == s["tokens"] for s in samples)
     differences = state_differences(state_a, final_state(defective)[1])
     assert any(d.startswith("model.") for d in differences)
+
+
+#: Two clipped steps of SGD large enough that the second step's ratios leave 1.
+RANK_LR = 2.0
+
+
+def rank_config():
+    from families.policy.test_policy_ranks import config
+
+    return config(**{"policy.epochs": 2, "policy.clip_ratio": 0.1})
+
+
+def step_capture(cfg, model):
+    """``(update, optimizer, grads)``: SGD at ``RANK_LR`` whose every step appends the
+    gradient it takes (float64) to ``grads``."""
+    update = cfg.update.__class__(**{**cfg.update.__dict__, "optimizer": "sgd",
+                                     "lr": RANK_LR, "clip": 0.0, "weight_decay": 0.0,
+                                     "momentum": 0.0, "warmup": 0})
+    optimizer, _ = build_optimizer(model, update)
+    grads: list = []
+    optimizer.register_step_pre_hook(lambda opt, *_: grads.append(
+        {n: p.grad.double().clone() for n, p in model.named_parameters()}))
+    return update, optimizer, grads
+
+
+class ReplayClipped(ClippedRollouts):
+    """The clipped program on given trajectory batches (the fp32 run's rollouts), so a
+    float64 window differs from the fp32 one in rounding alone."""
+
+    def prepare(self, model, batches, **kwargs):
+        return self.replay, {}
+
+
+def clipped_engine(cfg, parts, model, program, *, reducer=None, engine_cls=UpdateEngine,
+                   rank=0):
+    update, optimizer, grads = step_capture(cfg, model)
+    engine = engine_cls(model, optimizer, build_schedule(update, 4),
+                        Precision(cfg.numerics, "cpu"), update, cfg.objective,
+                        device="cpu", pad_id=parts.tokenizer.pad_id, reducer=reducer,
+                        plan=parts.family.plan(cfg, rank), program=program)
+    return engine, grads
+
+
+def rank_steps(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """One rank of a two-step window on its share of the prompts; saves both steps'
+    gradients and the ledger's step records."""
+    from families.policy.test_policy_ranks import IDS, LocalD, length_reward
+
+    from exactstep.parallel.agreement import distribute_engine
+    from exactstep.parallel.config import ParallelConfig
+    from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
+    from exactstep.parallel.reducer import build_reducer
+
+    torch.set_num_threads(1)
+    ctx = init_distributed(ParallelConfig(timeout_s=60.0), "cpu",
+                           env=launcher_env(rank, world, port))
+    try:
+        cfg = rank_config()
+        parts = open_family(cfg)
+        model = parts.family.build_model(cfg, parts.tokenizer.vocab_size)
+        program = parts.family.program(cfg, parts, model, torch.device("cpu"))
+        length_reward(program)
+        engine, grads = clipped_engine(cfg, parts, model, program, reducer=build_reducer(ctx),
+                                       engine_cls=LocalD if job.get("local_d") else
+                                       UpdateEngine, rank=rank)
+        distribute_engine(engine, ctx, ParallelConfig())
+        d = engine.run_window(window_of(parts, [IDS[rank]]), 0)
+        torch.save({"grads": grads, "steps": d.steps}, f"{out}/rank{rank}.pt")
+    finally:
+        shutdown(ctx)
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_same_clipped_steps_as_one_process(tmp_path):
+    """Q4, D1 at every step: two gloo ranks (four prompts each) take both clipped steps
+    with the gradients of the same window in one process, within twice the fp32
+    gradients' distance from the same window in float64 (each step's); the clipped
+    counts are the window's. Negative control: each rank normalising by its own share
+    is outside it."""
+    from families.policy.test_policy_ranks import IDS, length_reward
+    from families.policy.test_policy_run import outside, spread_tolerance
+    from parallel.workers import spawn_ranks
+
+    results, codes, _ = spawn_ranks(rank_steps, 2, tmp_path, {}, deadline_s=300)
+    assert codes == [0, 0], results
+    cfg = rank_config()
+    parts = open_family(cfg)
+    model = parts.family.build_model(cfg, parts.tokenizer.vocab_size)
+    start = copy.deepcopy(model)
+    program = Recording(cfg.policy, cfg.generation, seed=cfg.seed, seq_len=cfg.batch.seq_len,
+                        examples=parts.data.train, reward=None,
+                        stop_ids=(parts.tokenizer.eos_id,), decode=parts.tokenizer.decode)
+    length_reward(program)
+    engine, single = clipped_engine(cfg, parts, model, program)
+    d = engine.run_window(window_of(parts, [IDS[0] + IDS[1]]), 0)
+    assert [s["disposition"] for s in d.ledger_record()["steps"]] == ["COMMITTED"] * 2
+    exact_model = start.double()
+    replay = ReplayClipped(cfg.policy, cfg.generation, seed=cfg.seed,
+                           seq_len=cfg.batch.seq_len, examples=parts.data.train,
+                           reward=program.reward, stop_ids=program.stop_ids,
+                           decode=program.decode)
+    replay.replay = program.prepared
+    engine64, exact = clipped_engine(cfg, parts, exact_model, replay)
+    engine64.run_window(window_of(parts, [IDS[0] + IDS[1]]), 0)
+    assert len(single) == len(exact) == 2
+    tolerance = [spread_tolerance(single[e], exact[e]) for e in range(2)]
+    for rank in (0, 1):
+        assert len(results[rank]["grads"]) == 2
+        for e in range(2):
+            assert outside(results[rank]["grads"][e], single[e], tolerance[e]) == [], (rank, e)
+        got, want = results[rank]["steps"][1]["inputs"], d.steps[1]["inputs"]
+        assert (got["sampled_tokens"], got["clipped_tokens"]) == \
+            (want["sampled_tokens"], want["clipped_tokens"])
+        assert got["ratio_mean"] == pytest.approx(want["ratio_mean"], rel=1e-6)
+    assert d.steps[1]["inputs"]["clipped_tokens"] > 0  # the clip engaged
+    (tmp_path / "wrong").mkdir()
+    wrong, codes, _ = spawn_ranks(rank_steps, 2, tmp_path / "wrong", {"local_d": True},
+                                  deadline_s=300)
+    assert codes == [0, 0], wrong
+    assert outside(wrong[0]["grads"][1], single[1], tolerance[1]) != []
