@@ -573,3 +573,58 @@ def test_two_ranks_take_the_same_clipped_steps_as_one_process(tmp_path):
                                   deadline_s=300)
     assert codes == [0, 0], wrong
     assert outside(wrong[0]["grads"][1], single[1], tolerance[1]) != []
+
+
+class AllClipped(ClippedRollouts):
+    """The second step's every coefficient 0 (every token clipped)."""
+
+    def next_pass(self, model, batches, *, step, device, reducer=None):
+        out = super().next_pass(model, batches, step=step, device=device, reducer=reducer)
+        if out is None:
+            return out
+        zeroed = []
+        for b in out[0]:
+            rows = b.meta["policy"]
+            zeroed.append(Batch(**{**b.__dict__, "meta": {**b.meta, "policy": type(rows)(
+                torch.zeros_like(rows.coefficient), rows.trajectory, rows.sampled,
+                rows.old_logprob)}}))
+        return zeroed, out[1]
+
+
+class StepsOnZero(UpdateEngine):
+    """WRONG (L4): a step with no gradient taken anyway (Adam's moments move it)."""
+
+    def _run_planned(self, batches, window, program_info):
+        rows = batches[0].meta["policy"]
+        if not bool(rows.coefficient.any()):
+            signal = Batch(**{**batches[0].__dict__, "meta": {**batches[0].meta, "policy":
+                type(rows)(rows.coefficient + 1e-30 * rows.sampled, rows.trajectory,
+                           rows.sampled, rows.old_logprob)}})
+            batches = [signal, *batches[1:]]
+        return super()._run_planned(batches, window, program_info)
+
+
+@pytest.mark.usefixtures("rewards")
+def test_a_step_whose_every_token_is_clipped_is_not_taken_and_ends_the_window():
+    """L4 for a later step: no gradient, no step (Adam would move on momentum alone);
+    the window commits with its first step, counted once. Negative control: an engine
+    that takes the zero step moves the weights."""
+    cfg, parts = tiny({"policy.epochs": 3, "update.optimizer": "adamw"})
+    for engine_cls, moved in ((UpdateEngine, False), (StepsOnZero, True)):
+        _, program, engine, _, after = decoder_engine(cfg, parts, program=AllClipped(
+            cfg.policy, cfg.generation, seed=cfg.seed, seq_len=cfg.batch.seq_len,
+            examples=parts.data.train,
+            reward=parts.family.program(cfg, parts, None, "cpu").reward,
+            stop_ids=(parts.tokenizer.eos_id,), decode=parts.tokenizer.decode))
+        engine.__class__ = engine_cls
+        d = engine.run_window(window_of(parts, [[0, 1, 2, 3]]), 0)
+        assert d.outcome is Outcome.COMMITTED
+        final = [p.detach() for p in engine.model.parameters()]
+        if not moved:
+            assert [s["disposition"] for s in d.ledger_record()["steps"]] == [
+                "COMMITTED", "NO_OBJECTIVE"]
+            assert engine.counters()["committed"] == 1
+            assert engine.counters()["no_objective"] == 0
+            assert len(after) == 1 and state_differences(after[0], final) == []
+        else:
+            assert state_differences(after[0], final) != []
