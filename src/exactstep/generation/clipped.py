@@ -101,8 +101,8 @@ class ClippedRollouts(PolicyRollouts):
             return None
         out, totals = [], torch.zeros(3, dtype=torch.float64)
         for batch in batches:
-            rows: PolicyRows = batch.meta["policy"]
-            if rows.old_logprob is None or batch.labels.numel() == 0:
+            rows: PolicyRows | None = batch.meta.get("policy")
+            if rows is None or rows.old_logprob is None or batch.labels.numel() == 0:
                 out.append(batch)
                 continue
             sampled = rows.sampled & (batch.labels != IGNORE_INDEX)
