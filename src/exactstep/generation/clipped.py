@@ -86,9 +86,10 @@ class ClippedRollouts(PolicyRollouts):
             old[b, start:start + len(c.tokens)] = torch.tensor(c.logprobs, dtype=torch.float64)
         return replace(batch, meta={**batch.meta, "policy": replace(rows, old_logprob=old)})
 
-    def record(self, window: int, r: Any, k: int, c: Any, *rest: Any) -> dict:
+    def record(self, window: int, r: Any, k: int, c: Any, *rest: Any, **named: Any) -> dict:
         """The journal's sample record with each sampled token's ``log pi_old``."""
-        return {**super().record(window, r, k, c, *rest), "old_logprobs": list(c.logprobs)}
+        return {**super().record(window, r, k, c, *rest, **named),
+                "old_logprobs": list(c.logprobs)}
 
     def next_pass(self, model: torch.nn.Module, batches: Sequence[Batch], *, step: int,
                   device: torch.device, reducer: Any = None
