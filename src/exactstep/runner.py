@@ -134,7 +134,8 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
                         precision=cfg.numerics.precision)
     optimizer, groups = build_optimizer(model, cfg.update)
-    schedule = build_schedule(cfg.update, total_windows=cfg.train.steps)
+    schedule = build_schedule(cfg.update, total_windows=cfg.train.steps  # in updates (U5)
+                              * parts.family.updates_per_window(cfg))
     precision = Precision(cfg.numerics, ctx.device)
     engine = UpdateEngine(model, optimizer, schedule, precision, cfg.update, cfg.objective,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),

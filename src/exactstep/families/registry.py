@@ -41,7 +41,9 @@ class Family:
     (``(cfg, parts, model, device)``): a window program that turns a window's batches
     into the ones it trains on (rollouts, Q1), else ``None``; ``plan`` (``(cfg, rank)``):
     the window's plan function when the family's objective is not an L3 reduction of
-    cross entropy (the policy objective, Q4), else ``None``.
+    cross entropy (the policy objective, Q4), else ``None``. ``updates_per_window``:
+    the optimizer steps a window takes at most (its program's ``next_pass``), which
+    scales the schedule's horizon (U5).
     """
 
     name: str
@@ -57,6 +59,7 @@ class Family:
     inputs: Callable[[Any], Any] = lambda cfg: None
     program: Callable[..., Any] = lambda cfg, parts, model, device: None
     plan: Callable[[Any, int], Any] = lambda cfg, rank: None
+    updates_per_window: Callable[[Any], int] = lambda cfg: 1
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,14 @@ from exactstep.rows.batch import Batch
 class PolicyRows:
     """``meta["policy"]`` of a trajectory batch, ``[B, T]`` each: ``coefficient``
     (float64, 0 where not scored), ``trajectory`` (the row's trajectory index within the
-    micro-batch, -1 where not scored), ``sampled`` (scored rows drawn from the model)."""
+    micro-batch, -1 where not scored), ``sampled`` (scored rows drawn from the model),
+    ``old_logprob`` (float64: the sampler's ``log pi_old`` of each sampled row, 0
+    elsewhere; recorded for a window trained by several clipped steps, else None)."""
 
     coefficient: torch.Tensor
     trajectory: torch.Tensor
     sampled: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    old_logprob: torch.Tensor | None = None
 
     @staticmethod
     def empty(shape: tuple[int, int]) -> PolicyRows:

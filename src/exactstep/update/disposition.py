@@ -36,6 +36,7 @@ class Disposition:
     gold_nll_sum: float = 0.0
     microbatches: int = 0
     inputs: dict | None = None  # what an input program did (scheduled sampling, R8)
+    steps: tuple[dict, ...] | None = None  # each optimizer step of a window of several
 
     @property
     def gold_loss(self) -> float | None:
@@ -61,7 +62,8 @@ class Disposition:
         ``loss`` is the optimized objective S / D; ``gold_nll`` beside it is
         ``gold_loss``, the unsmoothed NLL per supervised target token (L2). A window
         whose inputs an input program rewrote (R8) also records ``inputs``: the gold
-        input probability and how many inputs were the model's.
+        input probability and how many inputs were the model's. A window trained by
+        several optimizer steps (one transaction) lists each in ``steps``.
         """
 
         def num(x: float | None) -> float | str | None:
@@ -83,4 +85,7 @@ class Disposition:
         }
         if self.inputs is not None:
             record["inputs"] = self.inputs
+        if self.steps is not None:  # a window of several optimizer steps: each one's
+            record["steps"] = [{k: num(v) if isinstance(v, float) else v
+                                for k, v in step.items()} for step in self.steps]
         return record

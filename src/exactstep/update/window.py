@@ -14,9 +14,11 @@ Picture: docs/concepts/window.md.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -71,6 +73,11 @@ class WindowProgram(Protocol):
     micro-batch's ``(S_m, NLL sum)`` in place of ``TrainModule``'s, and
     ``skip_cause()``: after ``prepare``, the cause (the same on every rank) for which
     the window must end ``SKIPPED_NONFINITE`` before the model's forward, else None.
+
+    A program that trains its batches by several optimizer steps (U3, U4: one
+    transaction) defines ``next_pass(model, batches, step=, device=, reducer=)``: after
+    the window's ``step``-th committed step, at the parameters it made, the batches of
+    the next step and a dict for the ledger, or None when the window is done.
     """
 
     def prepare(self, model: nn.Module, batches: Sequence[Batch], *, clock: int, window: int,
@@ -219,8 +226,11 @@ class UpdateEngine:
                 reducer=self.reducer)
             skip_cause = getattr(self.program, "skip_cause", None)
             cause = skip_cause() if skip_cause is not None else None
+            passes = getattr(self.program, "next_pass", None)
             disposition = (self._skip_unplanned(batches, window, cause, program_info)
                            if cause is not None else
+                           self._run_passes(batches, window, program_info)
+                           if passes is not None else
                            self._run_planned(batches, window, program_info))
             self.program.close(disposition)
             return disposition
@@ -316,6 +326,54 @@ class UpdateEngine:
             microbatches=len(batches),
             inputs=inputs_info if program_info is None else program_info,
         )
+
+    def _run_passes(self, batches: Sequence[Batch], window: int,
+                    program_info: dict | None) -> Disposition:
+        """Several optimizer steps on one window, as one transaction (U3, U4): the first
+        on ``batches``, each next on the batches ``next_pass`` gives at the parameters
+        the last step made. A non-finite step undoes every step of the window bit for
+        bit (parameters, optimizer, schedule, scaler, counters) and the window is
+        ``SKIPPED_NONFINITE``; a step with no objective is not taken and ends the steps.
+        The disposition's figures are the first step's; ``steps`` lists each step's."""
+        saved = self._snapshot()
+        steps = [self._run_planned(batches, window, program_info)]
+        while steps[-1].outcome is Outcome.COMMITTED:
+            following = self.program.next_pass(self.model, batches, step=len(steps),
+                                               device=self.device, reducer=self.reducer)
+            if following is None:
+                break
+            steps.append(self._run_planned(following[0], window, following[1]))
+        first, last = steps[0], steps[-1]
+        if len(steps) == 1:
+            return first
+        records = tuple(_step_record(i, d) for i, d in enumerate(steps))
+        if last.outcome is Outcome.SKIPPED_NONFINITE:  # every step undone (U4)
+            self._restore(saved)
+            self.precision.update(self.optimizer, finite=False)
+            self.skipped += 1
+            return replace(first, outcome=Outcome.SKIPPED_NONFINITE, cause=last.cause,
+                           lr=None, steps=records)
+        if last.outcome is Outcome.NO_OBJECTIVE:  # a step with no gradient, not taken
+            self.no_objective -= 1
+        return replace(first, steps=records)
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], dict]:
+        """Parameters and the engine's state (optimizer, schedule, scaler, counters),
+        copied: what a window of several steps restores when it does not commit."""
+        state = {key: value for key, value in self.state_dict().items() if key != "program"}
+        return [p.detach().clone() for p in self.parameters], copy.deepcopy(state)
+
+    def _restore(self, saved: tuple[list[torch.Tensor], dict]) -> None:
+        weights, state = saved
+        with torch.no_grad():
+            for p, w in zip(self.parameters, weights, strict=True):
+                p.copy_(w)
+        program, self.program = self.program, None  # the program's state is its own
+        try:
+            self.load_state_dict(copy.deepcopy(state))
+        finally:
+            self.program = program
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _skip_unplanned(self, batches: Sequence[Batch], window: int, cause: str,
                         program_info: dict | None) -> Disposition:
@@ -446,6 +504,15 @@ def _merge_inputs_info(total: dict | None, info: dict) -> dict:
         return dict(info)
     return {key: total[key] + value if key.endswith("_inputs") else total[key]
             for key, value in info.items()}
+
+
+def _step_record(index: int, d: Disposition) -> dict:
+    """One optimizer step of a window of several (its ledger entry)."""
+    record = {"step": index, "disposition": d.outcome.value, "cause": d.cause, "lr": d.lr,
+              "loss": d.loss, "grad_norm": d.grad_norm}
+    if index and d.inputs is not None:
+        record["inputs"] = d.inputs
+    return record
 
 
 def _plan_totals(plan: Any) -> tuple[float, int, float]:

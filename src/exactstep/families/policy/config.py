@@ -112,6 +112,14 @@ class PolicyConfig:
     REINFORCE, the ones before them teacher-forced; ``delta(c) = min(delta_max,
     delta_start + delta_step * floor(c / delta_every))`` on committed windows (U5);
     without ``mixer`` the whole response is sampled.
+    ``epochs``: optimizer steps per rollout batch (PPO/GRPO's ``num_iterations``): the
+    window's rollouts, drawn once at the parameters before its first step (Q1), are
+    trained on ``epochs`` times, each step on the clipped surrogate ``-min(rho A,
+    clip(rho, 1 - clip_ratio, 1 + clip_ratio_high) A)`` with ``rho = pi / pi_old``
+    against the sampler's recorded log-probabilities; the first step is on-policy
+    (``rho = 1`` exactly: the REINFORCE window's step itself). ``clip_ratio_high``: the
+    upper clip (DAPO's asymmetric clip); 0 means ``clip_ratio``. All of a window's
+    steps are one transaction (U3, U4).
     """
 
     over: Literal["chat", "causal", "encdec"] = "chat"
@@ -132,6 +140,9 @@ class PolicyConfig:
     delta_step: int = 1
     delta_every: int = 100
     delta_max: int = 1 << 20
+    epochs: int = 1
+    clip_ratio: float = 0.2
+    clip_ratio_high: float = 0.0
 
     def __post_init__(self) -> None:
         check("policy.ngram", self.ngram, between(1, 16))
@@ -147,6 +158,11 @@ class PolicyConfig:
         check("policy.delta_step", self.delta_step, at_least(0))
         check("policy.delta_every", self.delta_every, at_least(1))
         check("policy.delta_max", self.delta_max, at_least(0))
+        check("policy.epochs", self.epochs, between(1, 1024))
+        check_finite("policy.clip_ratio", self.clip_ratio)
+        check("policy.clip_ratio", self.clip_ratio, between(0.0, 1.0, low_open=True))
+        check_finite("policy.clip_ratio_high", self.clip_ratio_high)
+        check("policy.clip_ratio_high", self.clip_ratio_high, at_least(0.0))
         if self.reward not in BUILT_IN_REWARDS and ":" not in self.reward:
             raise ConfigError(
                 f"policy.reward must be one of {', '.join(BUILT_IN_REWARDS)} or "
@@ -154,6 +170,11 @@ class PolicyConfig:
         if self.kl != "none" and self.beta == 0.0:
             raise ConfigError(f"policy.kl = {self.kl!r} needs policy.beta > 0 (its "
                               "coefficient); set policy.beta, or policy.kl = \"none\"")
+
+    @property
+    def clip_high(self) -> float:
+        """The upper clip ``epsilon_high`` (``clip_ratio`` unless set)."""
+        return self.clip_ratio_high or self.clip_ratio
 
     def delta(self, clock: int) -> int:
         """MIXER's sampled suffix length after ``clock`` committed windows."""
@@ -190,4 +211,23 @@ class PolicyConfig:
             out["mixer"] = {"delta_start": self.delta_start, "delta_step": self.delta_step,
                             "delta_every": self.delta_every, "delta_max": self.delta_max,
                             "clock": "committed_windows"}
+        if self.epochs > 1:
+            out["epochs"] = {
+                "epochs": self.epochs, "clip_ratio": self.clip_ratio,
+                "clip_ratio_high": self.clip_high,
+                "surrogate": "-min(rho A, clip(rho, 1 - clip_ratio, 1 + clip_ratio_high) A) "
+                             "per sampled token, S / D with the rollout batch's D on "
+                             "every step",
+                "ratio": "rho = exp(log pi - log pi_old), log pi at the step's parameters "
+                         "(eval mode, float64 over the fp32 logits), log pi_old the "
+                         "sampler's recorded float64 log-probability; the first step is "
+                         "on-policy: rho = 1 exactly",
+                "gradient": "A * rho on -log pi where the unclipped branch is the min "
+                            "(ties included), 0 where the clipped one is",
+                "rollouts": "drawn once per window, at the parameters before its first "
+                            "step (Q1)",
+                "transaction": "the window's steps commit together; a non-finite step "
+                               "undoes every step of the window (U3, U4); a step whose "
+                               "every token is clipped ends the window's steps",
+                "clock": "committed_optimizer_steps"}
         return out

@@ -19,6 +19,7 @@ from exactstep.families.encdec.compiler import source_pad_of
 from exactstep.families.policy.config import BIASED
 from exactstep.families.policy.rewards import load_reward
 from exactstep.families.registry import Family, family_of
+from exactstep.generation.clipped import ClippedRollouts
 from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.objective.policy import policy_plan
 from exactstep.state.checkpointer import load_weights
@@ -47,6 +48,15 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("objective.family = 'policy' samples with each rank's whole model: "
                           "use parallel.strategy = 'ddp' (FSDP's gathered forwards would "
                           "need every rank to sample in lockstep)")
+    if policy.epochs > 1 and policy.mixer:
+        raise ConfigError("policy.epochs > 1 trains sampled tokens by their clipped "
+                          "importance ratio; MIXER's teacher-forced tokens have none and its "
+                          "curriculum counts windows: set policy.mixer = false or "
+                          "policy.epochs = 1")
+    if policy.epochs > 1 and policy.kl == "k3":
+        raise ConfigError("policy.kl = 'k3' is a gradient term at the rollout's parameters, "
+                          "stale after the window's first step: with policy.epochs > 1 use "
+                          "policy.kl = 'k1' (in the reward) or policy.epochs = 1")
     if policy.kl != "none" and not policy.reference:
         raise ConfigError(f"policy.kl = {policy.kl!r} needs policy.reference: the checkpoint "
                           "directory of the frozen reference policy")
@@ -85,7 +95,8 @@ def family(cfg: RunConfig) -> Family:
         if cfg.policy.kl != "none":
             reference = load_reference(cfg, parts, device)
         tokenizer = parts.tokenizer
-        return PolicyRollouts(cfg.policy, cfg.generation, seed=cfg.seed,
+        rollouts = ClippedRollouts if cfg.policy.epochs > 1 else PolicyRollouts
+        return rollouts(cfg.policy, cfg.generation, seed=cfg.seed,
                               seq_len=cfg.batch.seq_len, examples=parts.data.train,
                               reward=load_reward(cfg.policy.reward, cfg.policy.ngram),
                               stop_ids=(tokenizer.eos_id,), decode=tokenizer.decode,
@@ -105,6 +116,7 @@ def family(cfg: RunConfig) -> Family:
         return model
 
     return replace(base, name="policy", objective=objective, program=program,
+                   updates_per_window=lambda cfg: cfg.policy.epochs,
                    plan=lambda cfg, rank: policy_plan(cfg.policy.normalizer,
                                                       cfg.policy.constant, rank=rank))
 

@@ -3,9 +3,12 @@
 Written from the definitions with ``math`` alone: advantages per baseline, each scored
 token's coefficient, the normalizer ``D`` and the objective ``S / D`` for given token
 losses; the KL terms against a frozen reference (``k1`` in the reward, ``k3`` a loss
-term per sampled token, ``k3_corrected`` its ratio-corrected form) and MIXER's
-curriculum (``delta`` on the committed-window clock, U5). The engine's rollouts and plan (``generation.rollouts``,
-``objective.policy``) must agree with it.
+term per sampled token, ``k3_corrected`` its ratio-corrected form), MIXER's
+curriculum (``delta`` on the committed-window clock, U5), and the clipped surrogate's
+gradient with a tabular policy's plain-SGD steps over one rollout batch
+(``policy.epochs``). The engine's rollouts, plan and clipped steps
+(``generation.rollouts``, ``objective.policy``, ``generation.clipped``) must agree
+with it.
 """
 
 from __future__ import annotations
@@ -148,3 +151,86 @@ def regressor_step(states: Sequence[Sequence[Sequence[float]]], targets: Sequenc
     grad_b = 2.0 * math.fsum(e for _, e in errors) / n
     return loss, grad_w, grad_b
 
+
+def surrogate_gradient(advantage: float, logprob: float, old_logprob: float, low: float,
+                       high: float) -> float:
+    """``d / d log pi`` of the clipped surrogate ``-min(rho A, clip(rho, 1 - low, 1 +
+    high) A)``, ``rho = exp(log pi - log pi_old)``: ``-A rho`` when the min is the
+    unclipped branch (ties too), 0 when it is the clipped one (constant in ``rho``)."""
+    rho = math.exp(logprob - old_logprob)
+    clipped = min(max(rho, 1.0 - low), 1.0 + high)
+    if rho * advantage <= clipped * advantage:
+        return -advantage * rho
+    return 0.0
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One sampled trajectory for ``tabular_clipped_sgd``: its tokens (prompt, then the
+    sampled ones), the prompt's length, and each sampled token's coefficient ``A``."""
+
+    tokens: tuple[int, ...]
+    prompt: int
+    advantages: tuple[float, ...]
+
+
+def _tabular_logprob(embed: list[list[float]], pos: list[list[float]], x: int, t: int,
+                     y: int) -> tuple[float, list[float]]:
+    """``(log pi(y), pi)`` of a tabular policy whose logits at column ``t`` after token
+    ``x`` are ``embed[x] + pos[t]``."""
+    z = [e + p for e, p in zip(embed[x], pos[t], strict=True)]
+    top = max(z)
+    log_total = top + math.log(math.fsum(math.exp(v - top) for v in z))
+    return z[y] - log_total, [math.exp(v - log_total) for v in z]
+
+
+@dataclass(frozen=True)
+class ClippedSteps:
+    """``tabular_clipped_sgd``'s result: the final tables, each step's clipped-token
+    count and gradient mass ``sum_r |c_r| / d``, and the smallest distance of a later
+    step's ``rho`` from a clip edge (how far rounding is from flipping a decision)."""
+
+    embed: list[list[float]]
+    pos: list[list[float]]
+    clipped: list[int]
+    masses: list[float]
+    margin: float
+
+
+def tabular_clipped_sgd(embed: list[list[float]], pos: list[list[float]],
+                        trajectories: Sequence[Trajectory], *, epochs: int, lr: float,
+                        d: float, low: float, high: float) -> ClippedSteps:
+    """``epochs`` plain-SGD steps (step ``lr``) of a tabular policy on one rollout batch's
+    clipped surrogate ``sum_r -min(rho A, clip(rho) A) / d``: ``log pi_old`` at the
+    starting parameters, the first step on-policy (``rho = 1``)."""
+    embed = [list(map(float, row)) for row in embed]
+    pos = [list(map(float, row)) for row in pos]
+    tokens = [(tr.tokens[tr.prompt - 1 + j], tr.prompt - 1 + j, tr.tokens[tr.prompt + j], a)
+              for tr in trajectories for j, a in enumerate(tr.advantages)]
+    old = [_tabular_logprob(embed, pos, x, t, y)[0] for x, t, y, _ in tokens]
+    clipped_counts, masses, margin = [], [], math.inf
+    for epoch in range(epochs):
+        g_embed = [[0.0] * len(row) for row in embed]
+        g_pos = [[0.0] * len(row) for row in pos]
+        clipped, mass = 0, 0.0
+        for (x, t, y, a), lp_old in zip(tokens, old, strict=True):
+            logprob, probs = _tabular_logprob(embed, pos, x, t, y)
+            if epoch == 0:
+                logprob = lp_old  # on-policy: the ratio is 1
+            else:
+                rho = math.exp(logprob - lp_old)
+                margin = min(margin, abs(rho - (1.0 + high)), abs(rho - (1.0 - low)))
+            c = -surrogate_gradient(a, logprob, lp_old, low, high)  # on -log pi
+            clipped += a != 0.0 and c == 0.0
+            mass += abs(c) / d
+            for v, p in enumerate(probs):  # d(-log pi(y)) / dz_v = p_v - [v == y]
+                g = c * (p - (v == y)) / d
+                g_embed[x][v] += g
+                g_pos[t][v] += g
+        embed = [[w - lr * g for w, g in zip(row, gs, strict=True)]
+                 for row, gs in zip(embed, g_embed, strict=True)]
+        pos = [[w - lr * g for w, g in zip(row, gs, strict=True)]
+               for row, gs in zip(pos, g_pos, strict=True)]
+        clipped_counts.append(int(clipped))
+        masses.append(mass)
+    return ClippedSteps(embed, pos, clipped_counts, masses, margin)
