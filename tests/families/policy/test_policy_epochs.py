@@ -363,6 +363,8 @@ def test_a_nan_in_the_second_step_undoes_the_whole_window_bit_for_bit():
     ({"policy.epochs": 2, "policy.mixer": "true"}, ["policy.mixer = false"]),
     ({"policy.epochs": 2, "policy.kl": "k3", "policy.beta": 0.1,
       "policy.reference": "x"}, ["k1", "policy.epochs = 1"]),
+    ({"policy.epochs": 2, "policy.kl": "k3_corrected", "policy.beta": 0.1,
+      "policy.reference": "x"}, ["'k3_corrected'", "policy.epochs = 1"]),
 ])
 def test_each_bad_epochs_setting_is_one_error_line_before_anything_is_written(
         tmp_path, capsys, extra, words):

@@ -53,8 +53,9 @@ def check(cfg: RunConfig) -> None:
                           "importance ratio; MIXER's teacher-forced tokens have none and its "
                           "curriculum counts windows: set policy.mixer = false or "
                           "policy.epochs = 1")
-    if policy.epochs > 1 and policy.kl == "k3":
-        raise ConfigError("policy.kl = 'k3' is a gradient term at the rollout's parameters, "
+    if policy.epochs > 1 and policy.kl in ("k3", "k3_corrected"):
+        raise ConfigError(f"policy.kl = {policy.kl!r} is a gradient term at the rollout's "
+                          "parameters, "
                           "stale after the window's first step: with policy.epochs > 1 use "
                           "policy.kl = 'k1' (in the reward) or policy.epochs = 1")
     if policy.kl != "none" and not policy.reference:
