@@ -108,21 +108,21 @@ def draw_rows(logits: np.ndarray, us: np.ndarray, cfg: GenerationConfig
 
 
 def near_tie(logits: np.ndarray, u: float, slack: float) -> bool:
-    """Whether a draw from ``logits`` ``[V]`` (untruncated, temperature 1) could change
-    token under a perturbation of the logits of at most ``slack`` each (sup norm):
-    ``u * total`` within the CDF's possible movement of a boundary next to the drawn
-    token. Each weight ``w_i = exp(z_i - max)`` moves by a factor within
-    ``exp(+-2 slack)``, so a partial sum ``C`` and the total ``S`` each by that factor,
-    and ``C / S`` by ``exp(+-4 slack)``: the drawn token ``t`` is stable unless
-    ``C_{t-1} / S`` or ``C_t / S`` lies within ``(exp(4 slack) - 1)`` of ``u``
-    (relatively). Derivation: docs/design/generation.md#batched-sampling."""
+    """Whether the inverse-CDF draw from ``logits`` ``[V]`` (untruncated, temperature
+    1) with uniform ``u`` could draw another token were each logit moved by at most
+    ``slack`` (the sup norm of the perturbation). Each ratio ``r_j = C_j / S`` (the CDF
+    at ``j`` over the total) moves by a factor within ``exp(+-2 slack)`` (numerator
+    and denominator each by ``exp(+-slack)``), and float64's summation of ``V`` terms
+    by a relative ``V eps`` in each computation; the drawn ``t`` (``r_{t-1} <= u <
+    r_t``) is kept unless ``u`` lies within that of ``r_{t-1}`` or ``r_t``.
+    Derivation: docs/design/generation.md#batched-sampling (Q1)."""
     z = logits.astype(np.float64)
     w = np.exp(z - z.max())
     cdf = np.cumsum(w) / w.sum()
     t = int(min(np.searchsorted(cdf, u, side="right"), z.size - 1))
-    margin = math.expm1(4.0 * slack) + 4 * np.finfo(np.float64).eps
-    below = cdf[t - 1] if t > 0 else 0.0
-    return bool(u - below <= margin * max(below, u) or cdf[t] - u <= margin * cdf[t])
+    margin = math.expm1(2.0 * slack) + 2.0 * z.size * float(np.finfo(np.float64).eps)
+    below = float(cdf[t - 1]) if t > 0 else 0.0
+    return bool(u < below * (1.0 + margin) or (t < z.size - 1 and u >= cdf[t] * (1.0 - margin)))
 
 
 def log_softmax64(logits: np.ndarray) -> np.ndarray:
