@@ -289,11 +289,11 @@ def test_the_near_tie_criterion_holds_at_its_boundary():
                                  GenerationConfig(temperature=0.7, top_k=5)])
 def test_the_row_draws_are_the_single_draws_bit_for_bit(cfg):
     rng = np.random.default_rng(1)
-    logits = rng.normal(size=(9, 1031)).astype(np.float32) * 3
+    logits = rng.normal(size=(19, 1031)).astype(np.float32) * 3  # more than DRAW_ROWS
     logits[4, :] = 0.0  # all tied
-    us = rng.random(9)
+    us = rng.random(19)
     tokens, lps = draw_rows(logits, us, cfg)
-    for b in range(9):
+    for b in range(19):
         assert (int(tokens[b]), float(lps[b])) == draw(logits[b], float(us[b]), cfg)
 
 
@@ -326,3 +326,31 @@ def test_a_mixed_length_batch_is_padded_positioned_and_masked(prompts, more):
             for j in range(start + n):
                 want = (bool(keys[b, j]) and j <= col) or j == col
                 assert bool(mask[b, 0, q, j]) == want, (b, q, j)
+
+
+def test_batch_rows_zero_samples_each_prompt_alone_bit_for_bit():
+    """``generation.batch_rows = 0``: every prompt's rows alone, ``sample_group``'s
+    draws and log-probabilities exactly; no batch holds more than one prompt's ``K``
+    rows or any padding. Control: the default batches hold several prompts, padded."""
+    model = build("decoder").eval()
+    requests = requests_for("decoder")
+    shapes = []
+    step = type(model).decode_step
+
+    def decode_step(tokens, cache=None, **kw):
+        shapes.append((tokens.shape[0], kw.get("keys") is not None))
+        return step(model, tokens, cache, **kw)
+
+    model.decode_step = decode_step
+    alone = replace(CFG, batch_rows=0)
+    got = sample_window(model, requests, alone, seed=SEED, window=WINDOW, stop_ids=STOPS)
+    assert shapes and max(b for b, _ in shapes) <= CFG.samples and not any(p for _, p in shapes)
+    del model.decode_step
+    want = [sample_group(model, r.prompt, alone, seed=SEED, window=WINDOW,
+                         example_id=r.example_id, stop_ids=STOPS) for r in requests]
+    assert got == want
+    shapes.clear()
+    model.decode_step = decode_step
+    sample_window(model, requests, CFG, seed=SEED, window=WINDOW, stop_ids=STOPS)
+    del model.decode_step
+    assert max(b for b, _ in shapes) == CFG.batch_rows > CFG.samples and any(p for _, p in shapes)

@@ -27,6 +27,7 @@ from exactstep.rows.batch import Batch, SourceSide, single_segment_batch, source
 from exactstep.state.rng import isolated
 
 RNG_TAG = 0x51  # the rollout stream (distinct from other addressed draws)
+DRAW_ROWS = 8  # rows a vectorised draw takes at once (its float64 [rows, V] temporaries)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,10 @@ def draw_rows(logits: np.ndarray, us: np.ndarray, cfg: GenerationConfig
         pairs = [draw(row, float(u), cfg) for row, u in zip(logits, us, strict=True)]
         return (np.array([t for t, _ in pairs], dtype=np.int64),
                 np.array([lp for _, lp in pairs], dtype=np.float64))
+    if logits.shape[0] > DRAW_ROWS:  # bounded float64 temporaries: [DRAW_ROWS, V] each
+        parts = [draw_rows(logits[i:i + DRAW_ROWS], us[i:i + DRAW_ROWS], cfg)
+                 for i in range(0, logits.shape[0], DRAW_ROWS)]
+        return np.concatenate([t for t, _ in parts]), np.concatenate([lp for _, lp in parts])
     z = logits.astype(np.float64)
     shifted = z - z.max(axis=1, keepdims=True)
     weights = np.exp(shifted)
@@ -250,7 +255,8 @@ def sample_window(
     left-padded, each row's positions from 0 at its first real token, no query seeing
     a padding key; sources right-padded, each row's queries seeing its own source
     only. A row leaves the batch (and its cache) at its stop token. A model without
-    ``decode_step`` is sampled one request at a time by ``sample_group``. Eval mode,
+    ``decode_step``, or ``cfg.batch_rows = 0``, is sampled one request at a time by
+    ``sample_group``. Eval mode,
     no gradients, every RNG stream restored after (E1).
     """
     k_rows = cfg.samples if samples is None else samples
@@ -258,7 +264,7 @@ def sample_window(
         raise ValueError("sample_window needs non-empty prompts")
     inner = getattr(model, "module", model)
     out: list[list[Continuation | None]] = [[None] * k_rows for _ in requests]
-    if not callable(getattr(inner, "decode_step", None)):
+    if not callable(getattr(inner, "decode_step", None)) or cfg.batch_rows == 0:
         return [sample_group(model, r.prompt, cfg, seed=seed, window=window,
                              example_id=r.example_id, stop_ids=stop_ids, device=device,
                              samples=k_rows, source=r.source, source_pad_id=source_pad_id)
