@@ -320,9 +320,8 @@ def sample_rows(inner: torch.nn.Module, requests: Sequence[SampleRequest], draws
     """One batch of ``sample_window``: row ``b`` continues ``requests[b]`` with the
     uniforms ``draws[b]``, through ``inner.decode_step``."""
     B = len(requests)
-    filler = min(stops) if stops else 0
     ids, positions, keys = (t.to(device) for t in padded_prompts([r.prompt for r in requests],
-                                                                  filler))
+                                                                  0))  # 0: a valid id
     lengths = torch.tensor([len(r.prompt) for r in requests], dtype=torch.int64, device=device)
     extra = {}
     if requests[0].source is not None:
