@@ -287,9 +287,11 @@ def test_the_near_tie_criterion_holds_at_its_boundary():
 
 @pytest.mark.parametrize("cfg", [GenerationConfig(), GenerationConfig(temperature=0.0),
                                  GenerationConfig(temperature=0.7, top_k=5)])
-def test_the_row_draws_are_the_single_draws_bit_for_bit(cfg):
+def test_the_row_draws_are_the_single_draws_bit_for_bit(cfg, monkeypatch):
+    """``draw_rows`` (vectorised over rows, in blocks) is ``draw`` row by row, exactly."""
+    monkeypatch.setattr(sampler, "DRAW_ELEMENTS", 4 * 1031)  # blocks of 4 rows
     rng = np.random.default_rng(1)
-    logits = rng.normal(size=(19, 1031)).astype(np.float32) * 3  # more than DRAW_ROWS
+    logits = rng.normal(size=(19, 1031)).astype(np.float32) * 3
     logits[4, :] = 0.0  # all tied
     us = rng.random(19)
     tokens, lps = draw_rows(logits, us, cfg)

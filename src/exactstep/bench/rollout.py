@@ -58,6 +58,7 @@ HF_SIDES = ("window", "generate", "per_prompt", "whole_rows")
 #: second thread that loses its core makes the other wait at every barrier)
 HF_THREADS = 1
 CHILD_MODULE = "exactstep.bench.rollout"
+NO_STOP: tuple[int, ...] = ()  # the HF sides' stop ids: none, every row its full length
 
 
 def run(quick: bool) -> dict:
@@ -249,14 +250,14 @@ def hf_side(spec: dict) -> dict:
 
     run = {
         "window": lambda: drawn(sample_window(adapter, requests, cfg, seed=0, window=0,
-                                              stop_ids=())),
+                                              stop_ids=NO_STOP)),
         "generate": generate,
         "per_prompt": lambda: drawn(
             [sample_group(adapter, r.prompt, cfg, seed=0, window=0, example_id=r.example_id,
-                          stop_ids=()) for r in requests]),
+                          stop_ids=NO_STOP) for r in requests]),
         "whole_rows": lambda: drawn(
             [sample_group(whole, r.prompt, cfg, seed=0, window=0, example_id=r.example_id,
-                          stop_ids=()) for r in requests]),
+                          stop_ids=NO_STOP) for r in requests]),
     }[side]
     built = status_kib("VmRSS")
     reset_peak()  # the peak from here on is the sampling's (the build's is not counted)

@@ -27,7 +27,7 @@ from exactstep.rows.batch import Batch, SourceSide, single_segment_batch, source
 from exactstep.state.rng import isolated
 
 RNG_TAG = 0x51  # the rollout stream (distinct from other addressed draws)
-DRAW_ROWS = 8  # rows a vectorised draw takes at once (its float64 [rows, V] temporaries)
+DRAW_ELEMENTS = 1 << 20  # a vectorised draw's rows x V at once (float64 temporaries, 8 MiB)
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,10 @@ def draw_rows(logits: np.ndarray, us: np.ndarray, cfg: GenerationConfig
         pairs = [draw(row, float(u), cfg) for row, u in zip(logits, us, strict=True)]
         return (np.array([t for t, _ in pairs], dtype=np.int64),
                 np.array([lp for _, lp in pairs], dtype=np.float64))
-    if logits.shape[0] > DRAW_ROWS:  # bounded float64 temporaries: [DRAW_ROWS, V] each
-        parts = [draw_rows(logits[i:i + DRAW_ROWS], us[i:i + DRAW_ROWS], cfg)
-                 for i in range(0, logits.shape[0], DRAW_ROWS)]
+    block = max(1, DRAW_ELEMENTS // logits.shape[1])
+    if logits.shape[0] > block:  # bounded float64 temporaries: [block, V] each
+        parts = [draw_rows(logits[i:i + block], us[i:i + block], cfg)
+                 for i in range(0, logits.shape[0], block)]
         return np.concatenate([t for t, _ in parts]), np.concatenate([lp for _, lp in parts])
     z = logits.astype(np.float64)
     shifted = z - z.max(axis=1, keepdims=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -294,9 +295,7 @@ class HFCausalLM(nn.Module):
             positions = torch.arange(start, start + tokens.shape[1], device=device)
             positions = positions.expand(tokens.shape[0], -1)
         decoder = self.decoder
-        # transformers 5 renames ``past_key_values`` to ``cache`` model by model
-        named = "cache" if "cache" in inspect.signature(decoder.forward).parameters \
-            else "past_key_values"
+        named = cache_keyword(decoder)
         out = decoder(input_ids=tokens.to(device), position_ids=positions.to(device),
                       attention_mask=None if keys is None else keys.to(device).long(),
                       use_cache=True, return_dict=True, **{named: cache})
@@ -902,6 +901,17 @@ def decoder_name(model: nn.Module) -> str:
         "lm_head (neither its base_model, nor get_decoder(), nor an attribute named "
         f"{', '.join(DECODER_ATTRIBUTES)}); use a causal LM whose base_model is that module"
     )
+
+
+@functools.cache
+def cache_keyword_of(forward: Any) -> str:
+    """The keyword a decoder's ``forward`` takes its key-value cache by: ``cache`` where
+    transformers 5 has renamed it (model by model), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def cache_keyword(decoder: nn.Module) -> str:
+    return cache_keyword_of(type(decoder).forward)
 
 
 def hidden_states_of(out: Any, adapter: HFCausalLM) -> torch.Tensor:
