@@ -222,18 +222,21 @@ def test_batched_draws_equal_the_unbatched_samplers_but_at_flagged_near_ties(cas
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "mistral_sliding", "gemma",
-                                    "olmo2", "phi3", "gpt2", "mllama"])
+                                    "olmo2", "phi3", "gpt2", "mllama", "llama_eager",
+                                    "llama_exactstep"])
 def test_every_hf_causal_lm_samples_batched_as_alone(family):
     """The same criterion on the other architectures the adapter takes (``hf_support``'s
     configs, vocabulary 64), through HF's own cache: GPT-2's learned absolute positions,
-    Mistral with a 6-token sliding window (shorter than the rows), Mllama's text model;
-    the reference on whole rows. (Llama 4's MoE experts have no float64 kernel for the
+    Mistral with a 6-token sliding window (shorter than the rows), Mllama's text model,
+    Llama under the ``eager`` and ``exactstep`` attention backends; the reference on
+    whole rows. (Llama 4's MoE experts have no float64 kernel for the
     yardstick; its draws are Llama's path.)"""
     from model.hf_support import hf_model
 
     name, extra = (("mistral", {"sliding_window": 6}) if family == "mistral_sliding"
                    else (family, {}))
-    model = hf_model(name, 64, **extra).eval()
+    name, attn = name.split("_") if name.startswith("llama_") else (name, "sdpa")
+    model = hf_model(name, 64, attn=attn, **extra).eval()
     requests = requests_for("hf", vocab=64)
     ref, ref_logits = reference(model, requests, True)
     got, got_logits = batched(model, requests)
