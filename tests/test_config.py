@@ -178,6 +178,7 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("generation.top_p", (1e-9, 0.9, 1), (0, -0.1, 1.1), "in (0, 1]", ()),
     ("generation.max_new_tokens", (1, 64), (0,), "in [1, 1048576]", ()),
     ("generation.samples", (1, 8), (0,), "in [1, 65536]", ()),
+    ("generation.batch_rows", (0, 64), (-1,), "in [0, 65536]", ()),
     ("professor.lambda_free", (0, 0.5, 10), (-0.1, -1), ">= 0 (a negative", ()),
     ("professor.lambda_forced", (0, 0.5), (-1e-9,), ">= 0 (a negative", ()),
     ("professor.d_steps", (1, 64), (0, 65), "in [1, 64]", ()),

@@ -2,7 +2,9 @@
 directory, drawn by the sampler every rollout uses (Q1), streamed to the terminal.
 
 Continuation ``k`` of the ``i``-th prompt draws from the stream addressed by
-``(seed, 0, i, k)``: the same command prints the same text. A run samples with its
+``(seed, 0, i, k)``: the same command prints the same text. One sample a prompt is
+streamed as it is drawn (``sample_group``); several are drawn for every prompt at once
+(``sample_window``, batches of ``generation.batch_rows`` rows). A run samples with its
 ``generation`` section unless a flag says otherwise; an export with one sample, at
 temperature 1.
 """
@@ -22,7 +24,7 @@ from exactstep.export import is_export, open_export
 from exactstep.families.encdec.compiler import source_pad_of
 from exactstep.finished_run import open_finished_run
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.sampler import sample_group
+from exactstep.generation.sampler import SampleRequest, sample_group, sample_window
 
 FLAGS = {"samples": "samples", "max_new_tokens": "max_new_tokens",
          "temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}
@@ -90,20 +92,26 @@ def generate(model: Any, tokenizer: Any, args: argparse.Namespace, base: Generat
     decoder starts from ``BOS``."""
     cfg = policy_of(base, args)
     out = sys.stdout
+    requests = []
     for i, text in enumerate(args.prompt):
-        source = None
         if source_pad_id is None:
-            ids = prompt_ids(text, tokenizer, chat)
+            requests.append(SampleRequest(i, tuple(prompt_ids(text, tokenizer, chat))))
         else:
-            ids, source = [tokenizer.bos_id], [*tokenizer.encode(text), tokenizer.eos_id]
+            requests.append(SampleRequest(i, (tokenizer.bos_id,), tuple(
+                [*tokenizer.encode(text), tokenizer.eos_id])))
+    streamed = cfg.samples == 1  # one continuation a prompt: printed as it is drawn
+    batched = None if streamed else iter(sample_window(
+        model, requests, cfg, seed=args.seed, window=0, stop_ids=(tokenizer.eos_id,),
+        device=device, source_pad_id=source_pad_id or 0))  # every prompt's rows at once
+    for i, (text, r) in enumerate(zip(args.prompt, requests, strict=True)):
         if len(args.prompt) > 1:
             out.write(f"== prompt {i}: {text}\n")
-        stream = Stream(tokenizer, out) if cfg.samples == 1 else None
-        conts = sample_group(model, ids, cfg, seed=args.seed, window=0, example_id=i,
-                             stop_ids=(tokenizer.eos_id,), device=device,
-                             source=source, source_pad_id=source_pad_id or 0,
-                             on_token=None if stream is None else
-                             (lambda k, t, stream=stream: stream.add(t)))
+        stream = Stream(tokenizer, out) if streamed else None
+        conts = next(batched) if batched is not None else sample_group(
+            model, r.prompt, cfg, seed=args.seed, window=0, example_id=i,
+            stop_ids=(tokenizer.eos_id,), device=device, source=r.source,
+            source_pad_id=source_pad_id or 0,
+            on_token=lambda k, t, stream=stream: stream.add(t))
         for k, cont in enumerate(conts):
             end = "stop token" if cont.stopped else f"limit of {cfg.max_new_tokens}"
             if stream is None:

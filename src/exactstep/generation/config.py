@@ -16,7 +16,12 @@ class GenerationConfig:
     the smallest set of likeliest tokens whose probability reaches ``p`` (1 = all).
     ``max_new_tokens``: tokens drawn after the prompt, at most (a continuation ends
     earlier at its stop token). ``samples``: continuations per prompt (``K``), each
-    with its own addressed stream ``(seed, window, example, sample)``.
+    with its own addressed stream ``(seed, window, example, sample)``. ``batch_rows``:
+    rows (prompt, sample) sampled together in one batch with one key-value cache, at
+    most (``sample_window``); it bounds the cache's memory, and batch composition
+    changes a draw only where the logits' rounding moves it across a CDF boundary
+    (docs/design/generation.md#batched-sampling). ``0``: each prompt's ``K`` rows
+    alone (``sample_group``), whatever the window holds.
     """
 
     temperature: float = 1.0
@@ -24,6 +29,7 @@ class GenerationConfig:
     top_p: float = 1.0
     max_new_tokens: int = 16
     samples: int = 4
+    batch_rows: int = 64
 
     def __post_init__(self) -> None:
         check_finite("generation.temperature", self.temperature)
@@ -32,6 +38,7 @@ class GenerationConfig:
         check("generation.top_p", self.top_p, between(0.0, 1.0, low_open=True))
         check("generation.max_new_tokens", self.max_new_tokens, between(1, 1 << 20))
         check("generation.samples", self.samples, between(1, 1 << 16))
+        check("generation.batch_rows", self.batch_rows, between(0, 1 << 16))
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,7 @@
 
 Before the window is planned (``UpdateEngine(program=)``), each example of each
 micro-batch is split into prompt and reference (as the policy family splits it) and one
-free-running continuation is drawn at the window's parameters (``sample_group``:
+free-running continuation is drawn at the window's parameters (``sample_window``:
 addressed draws, eval mode, no gradients). Each example becomes two rows of a two-path
 batch: teacher-forced (prompt + reference, the reference supervised) and free-running
 (prompt + the continuation, nothing supervised); ``meta["professor"]`` says which steps
@@ -32,7 +32,7 @@ from exactstep.families.professor.config import ProfessorConfig
 from exactstep.families.professor.discriminator import Discriminator, behaviour
 from exactstep.generation.config import GenerationConfig
 from exactstep.generation.rollouts import Request, example_ids, response_batch, split_example
-from exactstep.generation.sampler import Continuation, sample_group
+from exactstep.generation.sampler import Continuation, SampleRequest, sample_window
 from exactstep.objective import microbatch_terms
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.professor import FORCED, FREE, ForcingRows
@@ -112,8 +112,10 @@ class ProfessorForcing:
         groups = [[self.request(eid) for eid in example_ids(b, m) if eid != PAD_EXAMPLE_ID]
                   for m, b in enumerate(batches)]
         out, free = [], []
+        drawn = iter(self.rollouts(model, [r for group in groups for r in group], window,
+                                   device))
         for m, group in enumerate(groups):
-            conts = [self.rollout(model, r, window, device) for r in group]
+            conts = [next(drawn) for _ in group]
             free.append(conts)
             out.append(self.two_path_batch(group, conts, m))
         seqs, lengths, path = self.behaviours(model, out, device)
@@ -191,11 +193,15 @@ class ProfessorForcing:
         return Request(example_id, prompt, reference, (),
                        None if source is None else tuple(int(t) for t in source))
 
-    def rollout(self, model: nn.Module, r: Request, window: int, device: torch.device
-                ) -> Continuation:
-        return sample_group(model, r.prompt, self.generation, seed=self.seed, window=window,
-                            example_id=r.example_id, stop_ids=self.stop_ids, device=device,
-                            samples=1, source=r.source, source_pad_id=self.source_pad_id)[0]
+    def rollouts(self, model: nn.Module, requests: Sequence[Request], window: int,
+                 device: torch.device) -> list[Continuation]:
+        """Each request's free-running continuation (sample 0 of its address), the whole
+        window in batches of ``generation.batch_rows`` rows (``sample_window``, Q1)."""
+        groups = sample_window(model, [SampleRequest(r.example_id, r.prompt, r.source)
+                                       for r in requests], self.generation, seed=self.seed,
+                               window=window, stop_ids=self.stop_ids, device=device,
+                               samples=1, source_pad_id=self.source_pad_id)
+        return [group[0] for group in groups]
 
     def two_path_batch(self, group: Sequence[Request], conts: Sequence[Continuation],
                        microbatch: int) -> Batch:

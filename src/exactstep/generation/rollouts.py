@@ -2,9 +2,9 @@
 
 Before the window is planned (``UpdateEngine(program=)``), each example of each
 micro-batch is split into its prompt and reference response; ``K`` responses are
-sampled at the window's parameters (``generation.sample_group``: addressed draws, eval
-mode, no gradients), scored by the declared reward, and given advantages by the
-declared baseline over the whole window. Each trajectory becomes one row: the prompt
+sampled at the window's parameters (``generation.sample_window``: addressed draws, the
+window's rows batched with a key-value cache, eval mode, no gradients), scored by the
+declared reward, and given advantages by the declared baseline over the whole window. Each trajectory becomes one row: the prompt
 as context, its scored tokens as targets, each with its coefficient (1 teacher-forced,
 the advantage when sampled, plus k3's term); ``objective.policy_plan`` turns those into
 the window's S / D. The baseline's state moves only when the window commits (U4).
@@ -28,9 +28,10 @@ from exactstep.generation.config import GenerationConfig
 from exactstep.generation.regressor import Regressor
 from exactstep.generation.sampler import (
     Continuation,
+    SampleRequest,
     log_softmax64,
     prompt_batch,
-    sample_group,
+    sample_window,
 )
 from exactstep.objective.policy import PolicyRows
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment, source_rows
@@ -168,8 +169,8 @@ class PolicyRollouts:
         flat = [r for group in groups for r in group]
         sampled = delta is None or delta > 0
         K = self.generation.samples if sampled else 1
-        conts = [self.rollout(model, r, window, device, K) if sampled else
-                 [Continuation((), (), True)] for r in flat]
+        conts = self.rollouts(model, flat, window, device, K) if sampled else \
+            [[Continuation((), (), True)] for _ in flat]
         rewards = np.array([[self.score(r, c, window, k) for k, c in enumerate(cs)]
                             for r, cs in zip(flat, conts, strict=True)],
                            dtype=np.float64).reshape(len(flat), K)
@@ -288,11 +289,14 @@ class PolicyRollouts:
         return Request(example_id, prompt, reference, forced,
                        None if source is None else tuple(int(t) for t in source))
 
-    def rollout(self, model: torch.nn.Module, r: Request, window: int, device: torch.device,
-                samples: int) -> list[Continuation]:
-        return sample_group(model, r.context, self.generation, seed=self.seed, window=window,
-                            example_id=r.example_id, stop_ids=self.stop_ids, device=device,
-                            samples=samples, source=r.source, source_pad_id=self.source_pad_id)
+    def rollouts(self, model: torch.nn.Module, flat: Sequence[Request], window: int,
+                 device: torch.device, samples: int) -> list[list[Continuation]]:
+        """Each request's ``samples`` continuations of its context, the whole window in
+        batches of ``generation.batch_rows`` rows (``sample_window``, Q1)."""
+        return sample_window(model, [SampleRequest(r.example_id, r.context, r.source)
+                                     for r in flat], self.generation, seed=self.seed,
+                             window=window, stop_ids=self.stop_ids, device=device,
+                             samples=samples, source_pad_id=self.source_pad_id)
 
     def score(self, r: Request, c: Continuation, window: int, k: int) -> float:
         scored = Scored(r.prompt, r.forced + c.tokens, r.reference, frozenset(self.stop_ids),

@@ -114,17 +114,26 @@ class Block(nn.Module):
 
 
 
-def step_tables(tokens: torch.Tensor, start: int, cfg: ModelConfig
+def step_tables(tokens: torch.Tensor, start: int, cfg: ModelConfig,
+                positions: torch.Tensor | None = None, keys: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """RoPE tables of ``tokens [B, n]`` at positions ``start .. start + n - 1`` and the
-    causal mask of their queries over every cached key (None for one new column)."""
+    """RoPE tables of ``tokens [B, n]`` (columns ``start .. start + n - 1`` of the rows)
+    and the mask of their queries over every cached key (None for one new column of
+    unpadded rows). ``positions [B, n]``: the tokens' positions (default their columns:
+    rows without left padding); ``keys [B, start + n]``: which columns are real tokens
+    (default all). A query sees the real keys at or before its column, and always its
+    own (a padding column's query sees itself alone: defined, and read by no one)."""
     B, n = tokens.shape
-    positions = torch.arange(start, start + n, device=tokens.device).expand(B, n)
+    if positions is None:
+        positions = torch.arange(start, start + n, device=tokens.device).expand(B, n)
     cos, sin = rope_tables(positions, cfg.d_model // cfg.n_heads, cfg.rope_theta)
-    mask = None
-    if n > 1:  # query i (position start + i) sees keys 0 .. start + i
-        keys = torch.arange(start + n, device=tokens.device)
-        mask = keys[None, :] <= (start + torch.arange(n, device=tokens.device))[:, None]
+    if keys is None and n == 1:
+        return cos, sin, None
+    columns = torch.arange(start + n, device=tokens.device)
+    queries = start + torch.arange(n, device=tokens.device)
+    mask = columns[None, :] <= queries[:, None]  # [n, T]: query i sees keys 0 .. start + i
+    if keys is not None:  # [B, 1, n, T]: only real keys, besides each query's own column
+        mask = (mask & keys[:, None, None, :].bool()) | (columns[None, :] == queries[:, None])
     return cos, sin, mask
 
 
@@ -227,19 +236,25 @@ class Decoder(nn.Module):
         return self.final_norm(x)  # [B, T, H]
 
     @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, cache: list | None = None
+    def decode_step(self, tokens: torch.Tensor, cache: list | None = None, *,
+                    positions: torch.Tensor | None = None, keys: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, list]:
         """Incremental decoding for rows of one causal segment each (the sampler's):
-        ``tokens [B, n]`` continue the rows ``cache`` holds (``None``: from position 0)
+        ``tokens [B, n]`` continue the rows ``cache`` holds (``None``: from column 0)
         and attend to every cached key and causally among themselves. Returns the new
         tokens' final-normed hidden states ``[B, n, H]`` and the cache with their keys
         and values appended (per layer, rotated keys and values ``[B, nH, T, Dh]``).
+
+        Rows of different lengths, left-padded (``sample_window``): ``positions
+        [B, n]`` are the new tokens' positions within their rows (a padded row's
+        first real token at 0) and ``keys [B, T + n]`` marks every column, cached and
+        new, that holds a real token; a query sees only real keys (``step_tables``).
 
         The same computation as ``forward`` on the whole rows, column by column
         (equal within float rounding: the matrix shapes differ); without gradients.
         """
         start = 0 if cache is None else cache[0][0].shape[2]
-        cos, sin, mask = step_tables(tokens, start, self.cfg)
+        cos, sin, mask = step_tables(tokens, start, self.cfg, positions, keys)
         x = self.embed(tokens)  # [B, n, H]
         out = []
         for i, block in enumerate(self.layers):

@@ -398,30 +398,40 @@ class EncoderDecoder(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, cache: dict | None = None, *,
-                    source: SourceSide | None = None) -> tuple[torch.Tensor, dict]:
+                    source: SourceSide | None = None, positions: torch.Tensor | None = None,
+                    keys: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """Incremental decoding for rows of one causal segment each, every row reading
-        one whole source segment without padding (the sampler's: ``K`` rows of one
-        prompt). The first call (``cache`` None) encodes ``source`` once and keeps each
-        decoder layer's cross-attention keys and values; each call runs ``tokens [B, n]``
-        against the cached self-attention keys and values. Returns the new tokens'
-        final-normed hidden states ``[B, n, H]`` and the cache.
+        one source segment (the sampler's). The first call (``cache`` None) encodes
+        ``source`` once and keeps each decoder layer's cross-attention keys and values;
+        each call runs ``tokens [B, n]`` against the cached self-attention keys and
+        values. Returns the new tokens' final-normed hidden states ``[B, n, H]`` and
+        the cache.
+
+        Sources of different lengths: right-padded (segment 0, as ``source_rows``
+        pads them), each row's queries see its own source tokens only. Decoder rows of
+        different lengths: left-padded, with ``positions`` and ``keys`` as
+        ``Decoder.decode_step`` takes them (``model.decoder.step_tables``).
 
         The same computation as ``forward`` on the whole rows, column by column (equal
         within float rounding: the matrix shapes differ); without gradients.
         """
         if cache is None:
-            if source is None or bool((source.segment_ids != 1).any()):
-                raise ModelError("decode_step needs a source of one whole segment per row "
-                                 "(no padding) on its first call")
+            if source is None or bool(((source.segment_ids != 1) & (source.segment_ids != 0))
+                                      .any()) or bool((source.segment_ids[:, 0] != 1).any()):
+                raise ModelError("decode_step needs a source of one segment per row (padding "
+                                 "after it) on its first call")
             memory = self.encode(source)  # [B, S, H]
             B, S, _ = memory.shape
             cross = [block.cross.kv(memory).view(B, S, 2, self.cfg.n_heads, self.head_dim)
                      .unbind(2) for block in self.decoder]
+            padded = bool((source.segment_ids == 0).any())
             cache = {"cross": [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in cross],
-                     "self": None}
+                     "self": None,  # [B, 1, 1, S]: each row's source tokens (None: all)
+                     "source": (source.segment_ids.to(memory.device) == 1)[:, None, None, :]
+                     if padded else None}
         past = cache["self"]
         start = 0 if past is None else past[0][0].shape[2]
-        cos, sin, mask = step_tables(tokens, start, self.cfg)
+        cos, sin, mask = step_tables(tokens, start, self.cfg, positions, keys)
         x = self.embed(tokens)  # [B, n, H]
         B, n, H = x.shape
         out = []
@@ -431,11 +441,12 @@ class EncoderDecoder(nn.Module):
             out.append(kv)
             x = x + y
             q = block.cross.q(block.cross_norm(x)).view(B, n, self.cfg.n_heads, self.head_dim)
-            k, v = cache["cross"][i]  # every source key visible: one whole segment
-            z = F.scaled_dot_product_attention(q.transpose(1, 2), k, v)  # [B, nH, n, Dh]
+            k, v = cache["cross"][i]  # each row's source keys (all, or its own tokens)
+            z = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
+                                               attn_mask=cache.get("source"))  # [B, nH, n, Dh]
             x = x + block.cross.out(z.transpose(1, 2).reshape(B, n, H))
             x = x + block.mlp(block.mlp_norm(x))
-        return self.final_norm(x), {"cross": cache["cross"], "self": out}
+        return self.final_norm(x), {**cache, "self": out}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import warnings
 from collections.abc import Iterator
@@ -268,6 +270,36 @@ class HFCausalLM(nn.Module):
                     f"(R3); lower batch.seq_len to at most {window.size}"
                     + (" or set model.attn_implementation = 'sdpa'" if per_document else "")
                 )
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: Any = None, *,
+                    positions: torch.Tensor | None = None, keys: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, Any]:
+        """Incremental decoding with HF's own key-value cache (``past_key_values``, named
+        ``cache`` by the models transformers 5 has renamed it in; a ``DynamicCache`` built from the config, so sliding and full layers each keep
+        what HF's ``generate`` keeps): ``tokens [B, n]`` continue the rows ``cache``
+        holds (None: from column 0). Rows of different lengths are left-padded as
+        ``generate`` pads them: ``keys [B, T + n]`` is HF's 2D ``attention_mask`` (1 at
+        every real column, cached and new) and ``positions [B, n]`` the new tokens'
+        positions within their rows. Returns the final hidden states ``[B, n, H]`` and
+        the cache (the same object, grown by ``n`` columns). Any HF causal LM whose
+        decoder stack takes ``past_key_values``; without gradients."""
+        from transformers import DynamicCache  # lazy: transformers is an extra
+
+        device = self.head_weight.device
+        start = 0 if cache is None else cache.get_seq_length()
+        self.check_rows(start + tokens.shape[1])
+        if cache is None:
+            cache = DynamicCache(config=self.hf.config)
+        if positions is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=device)
+            positions = positions.expand(tokens.shape[0], -1)
+        decoder = self.decoder
+        named = cache_keyword(decoder)
+        out = decoder(input_ids=tokens.to(device), position_ids=positions.to(device),
+                      attention_mask=None if keys is None else keys.to(device).long(),
+                      use_cache=True, return_dict=True, **{named: cache})
+        return hidden_states_of(out, self), cache
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
@@ -869,6 +901,17 @@ def decoder_name(model: nn.Module) -> str:
         "lm_head (neither its base_model, nor get_decoder(), nor an attribute named "
         f"{', '.join(DECODER_ATTRIBUTES)}); use a causal LM whose base_model is that module"
     )
+
+
+@functools.cache
+def cache_keyword_of(forward: Any) -> str:
+    """The keyword a decoder's ``forward`` takes its key-value cache by: ``cache`` where
+    transformers 5 has renamed it (model by model), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def cache_keyword(decoder: nn.Module) -> str:
+    return cache_keyword_of(type(decoder).forward)
 
 
 def hidden_states_of(out: Any, adapter: HFCausalLM) -> torch.Tensor:

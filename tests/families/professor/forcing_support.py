@@ -90,14 +90,15 @@ class Setup:
                                    plan=professor_plan(), program=self.program,
                                    reducer=reducer)
         self.free: dict[int, tuple[int, ...]] = {}
-        rollout = self.program.rollout
+        rollouts = self.program.rollouts
 
-        def recorded(model, r, window, device):
-            c = rollout(model, r, window, device)
-            self.free[r.example_id] = c.tokens
-            return c
+        def recorded(model, requests, window, device):
+            conts = rollouts(model, requests, window, device)
+            for r, c in zip(requests, conts, strict=True):
+                self.free[r.example_id] = c.tokens
+            return conts
 
-        self.program.rollout = recorded
+        self.program.rollouts = recorded
 
     def window(self, microbatches: Sequence[Sequence[int]], window: int = 0):
         return self.engine.run_window([prompts(ids) for ids in microbatches], window)
