@@ -29,11 +29,14 @@ class Continuation:
     """One sampled continuation: ``tokens`` drawn after the prompt (its stop token
     included, when it drew one); ``logprobs[i]``: ``log p(tokens[i])`` under the
     model's own distribution (temperature 1, untruncated), float64; ``stopped``:
-    whether it ended at a stop token (else at ``max_new_tokens``)."""
+    whether it ended at a stop token (else at ``max_new_tokens``); ``entropies[i]``:
+    the entropy of the model's own distribution the token was drawn at (float64, from
+    the same logits; empty when not recorded)."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     stopped: bool
+    entropies: tuple[float, ...] = ()
 
 
 def uniforms(seed: int, window: int, example_id: int, sample: int, n: int) -> np.ndarray:
@@ -78,6 +81,16 @@ def draw(logits: np.ndarray, u: float, cfg: GenerationConfig) -> tuple[int, floa
         cdf = np.cumsum(weights if cfg.untruncated else policy_probs(logits, cfg))
         token = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), z.size - 1))
     return token, float(shifted[token] - log_total)
+
+
+def entropy64(logits: np.ndarray) -> float:
+    """The entropy ``-sum_v p_v log p_v`` of ``softmax(logits)`` in float64 (the
+    model's own distribution at one position; ``log p = z - logsumexp(z)``)."""
+    z = logits.astype(np.float64)
+    shifted = z - z.max()
+    weights = np.exp(shifted)
+    total = weights.sum()
+    return float(np.log(total) - (weights * shifted).sum() / total)
 
 
 def log_softmax64(logits: np.ndarray) -> np.ndarray:
@@ -125,6 +138,7 @@ def sample_group(
     tokens = torch.tensor([list(prompt)] * k_rows, dtype=torch.int64, device=device)  # [K, L]
     drawn: list[list[int]] = [[] for _ in range(k_rows)]
     logps: list[list[float]] = [[] for _ in range(k_rows)]
+    ents: list[list[float]] = [[] for _ in range(k_rows)]
     done = [False] * k_rows
     inner = getattr(model, "module", model)
     cached = callable(getattr(inner, "decode_step", None))
@@ -148,6 +162,7 @@ def sample_group(
                 token, logp = draw(logits[k], float(draws[k][step]), cfg)
                 drawn[k].append(token)
                 logps[k].append(logp)
+                ents[k].append(entropy64(logits[k]))
                 done[k] = token in stops
                 column.append(token)
                 if on_token is not None:
@@ -155,8 +170,8 @@ def sample_group(
             if all(done):
                 break
             tokens = torch.cat([tokens, torch.tensor(column, device=device)[:, None]], dim=1)
-    return [Continuation(tuple(d), tuple(lp), bool(d) and d[-1] in stops)
-            for d, lp in zip(drawn, logps, strict=True)]
+    return [Continuation(tuple(d), tuple(lp), bool(d) and d[-1] in stops, tuple(e))
+            for d, lp, e in zip(drawn, logps, ents, strict=True)]
 
 
 def prompt_batch(tokens: torch.Tensor, source: Sequence[int] | None, source_pad_id: int
