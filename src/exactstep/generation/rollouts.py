@@ -328,11 +328,13 @@ class PolicyRollouts:
         return out
 
     def annotation(self, r: Request, c: Continuation, index: int, ref: list[float]) -> dict:
-        """A journal record's text and figures: the decoded prompt and completion, each
+        """A journal record's text and figures: the decoded prompt and completion (up to
+        its stop token, which ``stopped`` records), each
         reward term's value, the sum of the sampled tokens' entropies (the sampler's
         own logits) and, with ``policy.kl``, of their k1 and k3 estimates."""
         s = self.scored(r, c)
-        out: dict = {"prompt": s.decode(s.prompt), "completion": s.decode(s.response),
+        out: dict = {"prompt": s.decode(s.prompt),
+                     "completion": s.decode(s.content(s.response)),  # to the stop token
                      "rewards": {name: values[index]
                                  for name, values in self._components.items()},
                      "entropy_sum": (math.fsum(c.entropies)

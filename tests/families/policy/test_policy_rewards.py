@@ -5,7 +5,8 @@
   among its keywords). Each ``rollouts.jsonl`` record holds the decoded prompt and
   completion, every term's value and the total; the test recomputes the user's term
   from the record's own text and the example's ``answer`` (read from the data file, not
-  from the run), and the total as ``sum weight x value``. Negative controls: the same
+  from the run), and the total as ``sum weight x value``; trl's own
+  ``think_format_reward`` runs unchanged. Negative controls: the same
   records with a weight applied twice, and with another example's column, fail the
   same checks.
 - The manifest names each function, its source's SHA-256 (of the text written to the
@@ -33,7 +34,8 @@ FMT = textwrap.dedent('''
     def fmt(prompts, completions, answer, **kwargs):
         calls.append(len(completions))
         assert len(prompts) == len(answer) == len(kwargs["completion_ids"])
-        return [float(a in c) + int(a) / 64 + 0.5 * len(c) for c, a in zip(completions, answer)]
+        texts = [c[0]["content"] for c in completions]  # a chat's: trl's one message
+        return [float(a in t) + int(a) / 64 + 0.5 * len(t) for t, a in zip(texts, answer)]
 ''')
 FMT_SOURCE = FMT.split("\n", 2)[2]  # the function's own lines, as inspect reads them
 
@@ -121,6 +123,24 @@ def test_a_weighted_reward_list_sees_the_columns_and_every_term_is_journalled(tm
     assert manifest["columns"] == ["answer", "id"]
     import policy_fmt  # the function ran once per window, on the window's whole batch
     assert policy_fmt.calls == [16, 16, 16]
+
+
+def test_a_trl_reward_function_runs_unchanged(tmp_path, data):
+    """trl's own ``think_format_reward`` (conversational completions, ``**kwargs``) as a
+    term: its values are what trl's function gives the journalled completions, and a
+    planted ``<think>`` completion scores 1 (so the check is not of zeros alone)."""
+    from trl.rewards import think_format_reward
+
+    chats, _ = data
+    run = tmp_path / "run"
+    assert train(run, **{"data.source": str(chats), "policy.rewards":
+                         '[{"name": "trl.rewards:think_format_reward", "weight": 2.0}]'}) == 0
+    records = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    theirs = think_format_reward([[{"role": "assistant", "content": r["completion"]}]
+                                  for r in records])
+    assert [r["rewards"]["trl.rewards:think_format_reward"] for r in records] == theirs
+    assert [r["reward"] for r in records] == [2.0 * v for v in theirs]
+    assert think_format_reward([[{"content": "<think>x</think>y"}]]) == [1.0]
 
 
 def one_error_line(capsys) -> str:

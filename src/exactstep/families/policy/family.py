@@ -71,7 +71,8 @@ def base_reference(cfg: RunConfig) -> bool:
 def declared_rewards(cfg: RunConfig) -> Reward | Rewards:
     """``policy.rewards`` (each per batch, weighted) or the one ``policy.reward``."""
     if cfg.policy.rewards:
-        return load_rewards(cfg.policy.rewards, cfg.policy.ngram, cfg.data.columns)
+        return load_rewards(cfg.policy.rewards, cfg.policy.ngram, cfg.data.columns,
+                            conversational=cfg.policy.over == "chat")
     return load_reward(cfg.policy.reward, cfg.policy.ngram)
 
 

@@ -6,7 +6,8 @@ equals the reference), ``token_f1`` (bag-of-tokens F1 of the contents) and
 ``ngram_overlap`` (the mean over ``n = 1..N`` of clipped ``n``-gram F1). A user's
 function in ``policy.rewards`` is called once per window's batch as trl calls one
 (``f(prompts, completions, completion_ids=, references=, **columns) -> list[float]``,
-each keyword a list over the batch, the dataset's declared columns among them); the
+each keyword a list over the batch, the dataset's declared columns among them; a
+completion is its text up to the stop token, for chats trl's one assistant message); the
 one-reward form ``policy.reward`` keeps its per-sample call ``f(prompt=, completion=,
 reference=)``. ``Rewards`` sums ``weight x value`` over its terms. Each function's
 identity (name, SHA-256 of its source, weight) goes into the manifest, and a failure is
@@ -94,6 +95,7 @@ class Reward:
     identity: dict
     user: bool
     batched: bool = False
+    conversational: bool = False  # completions as trl's one assistant message each
 
     def score_batch(self, batch: Sequence[Scored], wheres: Sequence[str],
                     columns: dict[str, list] | None = None) -> tuple[list[float], dict]:
@@ -111,8 +113,10 @@ class Reward:
         if not batch:
             return []
         where = f"the batch of {wheres[0]} .. {wheres[-1]}"
+        texts = [s.decode(s.content(s.response)) for s in batch]  # up to the stop token
         kwargs = {"prompts": [s.decode(s.prompt) for s in batch],
-                  "completions": [s.decode(s.response) for s in batch],
+                  "completions": ([[{"role": "assistant", "content": t}] for t in texts]
+                                  if self.conversational else texts),
                   "completion_ids": [[int(i) for i in s.response] for s in batch],
                   "references": [s.decode(s.reference) for s in batch], **columns}
         try:
@@ -157,12 +161,13 @@ class Reward:
 
 
 def load_reward(name: str, ngram: int, *, batched: bool = False,
-                columns: Sequence[str] = ()) -> Reward:
+                columns: Sequence[str] = (), conversational: bool = False) -> Reward:
     """The reward ``name`` declares: a built-in, or ``module:function`` imported now
     (a ``ConfigError`` naming what is missing before anything is written). ``batched``:
     a user's function is called per batch (``policy.rewards``), and then every
     keyword it requires must be one it is given: the batch's own or one of the declared
-    ``columns`` (``data.columns``)."""
+    ``columns`` (``data.columns``); ``conversational``: each completion is given as
+    trl gives a chat dataset's, ``[{"role": "assistant", "content": text}]``."""
     if name == "exact_match":
         return Reward(name, exact_match, {"name": name, "kind": "built_in"}, False)
     if name == "token_f1":
@@ -189,7 +194,8 @@ def load_reward(name: str, ngram: int, *, batched: bool = False,
     if batched:
         require_keywords(name, fn, columns)
     return Reward(name, fn, {"name": name, "kind": "user", "source_sha256": digest,
-                             "call": "per_batch" if batched else "per_sample"}, True, batched)
+                             "call": "per_batch" if batched else "per_sample"},
+                  True, batched, conversational)
 
 
 #: What a batched user function is given besides the declared columns (trl's names,
@@ -239,10 +245,11 @@ class Rewards:
         return totals, components
 
 
-def load_rewards(entries: Sequence[dict], ngram: int, columns: Sequence[str] = ()) -> Rewards:
+def load_rewards(entries: Sequence[dict], ngram: int, columns: Sequence[str] = (),
+                 conversational: bool = False) -> Rewards:
     """``policy.rewards``: each ``{name, weight}`` loaded (``load_reward``, batched)."""
     terms = []
     for entry in entries:
-        terms.append((load_reward(entry["name"], ngram, batched=True, columns=columns),
-                      float(entry["weight"])))
+        terms.append((load_reward(entry["name"], ngram, batched=True, columns=columns,
+                                  conversational=conversational), float(entry["weight"])))
     return Rewards(tuple(terms))
