@@ -71,26 +71,28 @@ def draw(logits: np.ndarray, u: float, cfg: GenerationConfig) -> tuple[int, floa
     model's own distribution (float64): the argmax when greedy (the lower id on ties),
     else the inverse CDF of ``policy_probs`` over ids in order. Untruncated at
     temperature 1 the policy is the model's softmax itself, computed once for both."""
+    token, logp, _ = draw_with_entropy(logits, u, cfg)
+    return token, logp
+
+
+def draw_with_entropy(logits: np.ndarray, u: float, cfg: GenerationConfig
+                      ) -> tuple[int, float, float]:
+    """``draw``'s token and ``log p``, and the entropy ``-sum_v p_v log p_v`` of the
+    model's own distribution at this position (``log p = z - logsumexp(z)``, float64),
+    from the same exponentials: one more product and sum over the vocabulary, no
+    second softmax."""
     z = logits.astype(np.float64)
     shifted = z - z.max()
     weights = np.exp(shifted)
-    log_total = np.log(weights.sum())
+    total = weights.sum()
+    log_total = np.log(total)
     if cfg.greedy:
         token = int(np.argmax(z))
     else:
         cdf = np.cumsum(weights if cfg.untruncated else policy_probs(logits, cfg))
         token = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), z.size - 1))
-    return token, float(shifted[token] - log_total)
-
-
-def entropy64(logits: np.ndarray) -> float:
-    """The entropy ``-sum_v p_v log p_v`` of ``softmax(logits)`` in float64 (the
-    model's own distribution at one position; ``log p = z - logsumexp(z)``)."""
-    z = logits.astype(np.float64)
-    shifted = z - z.max()
-    weights = np.exp(shifted)
-    total = weights.sum()
-    return float(np.log(total) - (weights * shifted).sum() / total)
+    entropy = float(log_total - np.dot(weights, shifted) / total)
+    return token, float(shifted[token] - log_total), entropy
 
 
 def log_softmax64(logits: np.ndarray) -> np.ndarray:
@@ -159,10 +161,11 @@ def sample_group(
                 if done[k]:
                     column.append(filler)
                     continue
-                token, logp = draw(logits[k], float(draws[k][step]), cfg)
+                token, logp, entropy = draw_with_entropy(logits[k], float(draws[k][step]),
+                                                         cfg)
                 drawn[k].append(token)
                 logps[k].append(logp)
-                ents[k].append(entropy64(logits[k]))
+                ents[k].append(entropy)
                 done[k] = token in stops
                 column.append(token)
                 if on_token is not None:
