@@ -48,7 +48,8 @@ class PolicyConfig:
     subtracted from each reward) or ``k3`` (``beta * (r - log r - 1)``, ``r = pi_ref /
     pi``, a loss term per sampled token) against ``reference``, a checkpoint directory
     whose weights are the frozen reference policy (identified by its manifest's digest,
-    never trainable state). ``mixer``: MIXER's
+    never trainable state); with ``model.lora``, empty or ``"base"`` is the policy's own
+    frozen base (its adapters disabled, no second copy). ``mixer``: MIXER's
     curriculum: the last ``delta(clock)`` reference tokens are sampled and trained by
     REINFORCE, the ones before them teacher-forced; ``delta(c) = min(delta_max,
     delta_start + delta_step * floor(c / delta_every))`` on committed windows (U5);
