@@ -781,6 +781,34 @@ CASES += [  # Professor Forcing (Q5)
 ]
 
 
+def policy(*extra: str) -> tuple[str, ...]:
+    """``train`` with the policy family over the causal decoder on the text corpus."""
+    return train("--set", "objective.family=policy", "--set", "policy.over=causal",
+                 "--set", "generation.max_new_tokens=4", "--set", "policy.baseline=none",
+                 *extra)
+
+
+CASES += [  # weighted rewards, declared columns, a LoRA policy's base reference (Q2, H4)
+    Case("data-column-a-line-lacks", policy("--set", "data.columns=answer"),
+         'corpus.jsonl:1: no "answer" field, which data.columns declares'),
+    Case("data-column-the-text-field", policy("--set", "data.columns=text"),
+         "data.columns entry 'text'"),
+    Case("policy-reward-and-rewards",
+         policy("--set", "policy.reward=token_f1",
+                "--set", 'policy.rewards=[{"name": "exact_match", "weight": 1}]'),
+         "policy.reward = 'token_f1' and policy.rewards are both set"),
+    Case("policy-rewards-not-a-list", policy("--set", 'policy.rewards={"name": "x"}'),
+         "policy.rewards must be a list of tables"),
+    Case("data-columns-over-pairs",
+         policy("--set", "policy.over=encdec", "--set", "data.columns=answer"),
+         "the encoder-decoder's pairs carry none"),
+    Case("policy-reference-base-without-lora",
+         policy("--set", "policy.kl=k1", "--set", "policy.beta=0.1",
+                "--set", "policy.reference=base"),
+         'policy.reference = "base" is the frozen base of a LoRA policy'),
+]
+
+
 # --------------------------------------------------------------------------- running
 
 

@@ -331,6 +331,8 @@ def coerce(hint: Any, value: Any, key: str) -> Any:
         return coerce_table(value, key)
     if origin is tuple and typing.get_args(hint) == (str, Ellipsis):
         return coerce_names(value, key)
+    if origin is tuple and typing.get_args(hint) == (dict, Ellipsis):
+        return coerce_tables(value, key)
     if hint is int:
         return coerce_int(value, key)
     if hint is float:
@@ -359,6 +361,21 @@ def coerce_names(value: Any, key: str) -> tuple[str, ...]:
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{key} must be a list of strings; got {value!r}")
     return tuple(value)
+
+
+def coerce_tables(value: Any, key: str) -> tuple[dict[str, Any], ...]:
+    """A list of tables (``tuple[dict, ...]`` keys, e.g. ``policy.rewards``): a TOML
+    array of tables, or from ``--set`` a JSON array of objects."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else []
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{key} must be a list of tables, e.g. '[{{\"name\": "
+                              f"\"exact_match\", \"weight\": 1}}]' ({exc.msg} at "
+                              f"character {exc.pos})") from None
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{key} must be a list of tables; got {value!r}")
+    return tuple(coerce_table(v, f"{key}.{i}") for i, v in enumerate(value))
 
 
 def coerce_table(value: Any, key: str) -> dict[str, Any]:
@@ -453,7 +470,7 @@ def config_keys(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, Any,
 
 def describe(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
-        return "list of str"
+        return "list of table" if typing.get_args(hint)[0] is dict else "list of str"
     if typing.get_origin(hint) is Literal:
         return " | ".join(map(str, typing.get_args(hint)))
     if typing.get_origin(hint) in (typing.Union, types.UnionType):

@@ -35,6 +35,7 @@ from exactstep.generation.sampler import (
     SampleRequest,
     draw,
     draw_rows,
+    draw_with_entropy,
     near_tie,
     padded_prompts,
     sample_group,
@@ -314,15 +315,17 @@ def test_the_near_tie_criterion_holds_at_its_boundary():
 @pytest.mark.parametrize("cfg", [GenerationConfig(), GenerationConfig(temperature=0.0),
                                  GenerationConfig(temperature=0.7, top_k=5)])
 def test_the_row_draws_are_the_single_draws_bit_for_bit(cfg, monkeypatch):
-    """``draw_rows`` (vectorised over rows, in blocks) is ``draw`` row by row, exactly."""
+    """``draw_rows`` (vectorised over rows, in blocks) is ``draw_with_entropy`` row by
+    row, exactly: token, log-probability and entropy."""
     monkeypatch.setattr(sampler, "DRAW_ELEMENTS", 4 * 1031)  # blocks of 4 rows
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(19, 1031)).astype(np.float32) * 3
     logits[4, :] = 0.0  # all tied
     us = rng.random(19)
-    tokens, lps = draw_rows(logits, us, cfg)
+    tokens, lps, hs = draw_rows(logits, us, cfg)
     for b in range(19):
-        assert (int(tokens[b]), float(lps[b])) == draw(logits[b], float(us[b]), cfg)
+        assert (int(tokens[b]), float(lps[b]), float(hs[b])) == \
+            draw_with_entropy(logits[b], float(us[b]), cfg)
 
 
 @settings(max_examples=60, deadline=None)

@@ -59,8 +59,10 @@ class FixedRollouts(PolicyRollouts):
         group = self.window.completions[r.example_id]
         return [Continuation(tuple(c), (0.0,) * len(c), False) for c in group[:samples]]
 
-    def score(self, r, c, window, k):  # noqa: ANN001, ANN201
-        return float(self.window.rewards[r.example_id][k])
+    def score_window(self, flat, conts, window, K):  # noqa: ANN001, ANN201
+        self._components = {}
+        return np.array([[float(self.window.rewards[r.example_id][k]) for k in range(K)]
+                         for r in flat], dtype=np.float64)
 
 
 class ExactstepPolicyStep:

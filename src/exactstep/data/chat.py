@@ -212,13 +212,15 @@ class _Builder:
         )
 
 
-def load_chat_jsonl(path: str | Path, messages_field: str = "messages") -> list[Conversation]:
+def load_chat_jsonl(path: str | Path, messages_field: str = "messages",
+                    columns: tuple[str, ...] = ()) -> list[Conversation]:
     """Read ``{"messages": [...]}`` lines (the key is ``messages_field``); blank lines
     are skipped. A Parquet or Arrow file or a directory of shards is read by
     ``data.datasets_source`` into the same conversations, validated alike.
 
     A line is ``{"messages": [message, ...], "weight": w}`` (``weight`` optional, a
-    finite number ``>= 0``, L3; other top-level keys are ignored); a message is
+    finite number ``>= 0``, L3; the declared ``columns`` are kept, each required,
+    other top-level keys are ignored); a message is
     ``{"role": "system" | "user" | "assistant" | "tool", "content": "...",
     "tool_calls": [{...}]}``, ``content`` null or absent only for an assistant message
     with tool calls, ``tool_calls`` for assistant messages only; any other message key
@@ -230,8 +232,8 @@ def load_chat_jsonl(path: str | Path, messages_field: str = "messages") -> list[
     """
     path = Path(path)
     if datasets_source.is_dataset_source(path):
-        return datasets_source.read_chat_source(path, messages_field)
-    conversations = list(iter_chat_jsonl(path, messages_field))
+        return datasets_source.read_chat_source(path, messages_field, columns)
+    conversations = list(iter_chat_jsonl(path, messages_field, columns))
     if not conversations:
         raise DataError(f"chat data file {path} holds no conversation")
     return conversations

@@ -24,6 +24,8 @@ class DataConfig:
     of one format (``.jsonl``, ``.parquet`` or ``.arrow``; ``data.datasets_source``).
     ``text_field`` names the field (column) holding a text example, and
     ``messages_field`` the one holding a conversation's messages (``kind = "chat"``).
+    ``columns``: further fields (columns) each example carries from a JSONL, Parquet
+    or Arrow source, every one required (e.g. ``answer``: a policy reward sees them).
 
     ``kind``: ``text`` (documents), ``chat`` (conversations), or ``auto`` (unset): the
     kind the objective family reads (``families.resolve`` makes it explicit before the
@@ -48,6 +50,7 @@ class DataConfig:
     kind: Literal["auto", "text", "chat"] = "auto"
     text_field: str = "text"
     messages_field: str = "messages"
+    columns: tuple[str, ...] = ()
     val_fraction: float = 0.05
     max_docs: int = 0
     tokenizer: Literal["bytes", "hf"] = "bytes"
@@ -64,6 +67,13 @@ class DataConfig:
                           ("data.messages_field", self.messages_field)):
             if not name:
                 raise ConfigError(f"{key} must name a field of the data; it is empty")
+        for name in self.columns:
+            if not name or name in (self.text_field, self.messages_field, "weight"):
+                raise ConfigError(f"data.columns entry {name!r} must name a further field "
+                                  "of the data (not empty, not the text, messages or "
+                                  "weight field)")
+        if len(set(self.columns)) != len(self.columns):
+            raise ConfigError(f"data.columns names a field twice: {list(self.columns)}")
         check("data.val_fraction", self.val_fraction, between(0, 1, low_open=True, high_open=True))
         check("data.max_docs", self.max_docs, at_least(0))  # 0 = all documents
         if self.tokenizer == "bytes":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exactstep.data.jsonl import json_type, records, unicode_text
+from exactstep.data.jsonl import declared_columns, json_type, records, unicode_text
 from exactstep.data.weights import parse_weight
 from exactstep.errors import DataError
 
@@ -46,6 +46,7 @@ class Conversation:
     messages: tuple[Message, ...]
     name: str = ""
     weight: float | None = None
+    columns: dict[str, Any] | None = None  # the declared extra columns (data.columns)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"messages": [m.to_json() for m in self.messages]}
@@ -59,7 +60,8 @@ def canonical_tool_call(call: Any) -> str:
     return json.dumps(call, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def parse_conversation(obj: Any, where: str, field: str = "messages") -> Conversation:
+def parse_conversation(obj: Any, where: str, field: str = "messages",
+                       columns: tuple[str, ...] = ()) -> Conversation:
     """Validate one decoded JSON object whose ``field`` holds the messages; ``where``
     (e.g. ``file.jsonl:3``) names it in errors."""
     if not isinstance(obj, dict) or field not in obj:
@@ -70,7 +72,8 @@ def parse_conversation(obj: Any, where: str, field: str = "messages") -> Convers
         got = "an empty array" if isinstance(raw, list) else f"a JSON {json_type(raw)}"
         raise DataError(f'{where}: "{field}" must be a non-empty list of messages, got {got}')
     messages = tuple(_parse_message(m, f"{where}: message {k}") for k, m in enumerate(raw))
-    return Conversation(messages=messages, name=where, weight=parse_weight(obj, where))
+    return Conversation(messages=messages, name=where, weight=parse_weight(obj, where),
+                        columns=declared_columns(obj, where, columns))
 
 
 def _parse_message(raw: Any, where: str) -> Message:
@@ -124,14 +127,15 @@ def _parse_tool_calls(raw: Any, role: str, where: str) -> tuple[str, ...]:
     )
 
 
-def iter_chat_jsonl(path: str | Path, messages_field: str = "messages") -> Iterator[Conversation]:
+def iter_chat_jsonl(path: str | Path, messages_field: str = "messages",
+                    columns: tuple[str, ...] = ()) -> Iterator[Conversation]:
     """``load_chat_jsonl``'s conversations one line at a time (the file is checked
     before the first); the caller counts them."""
     path = Path(path)
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise DataError(f"chat data file {path} {what}; point data.source at a .jsonl file")
-    return (parse_conversation(line.value, line.where, messages_field)
+    return (parse_conversation(line.value, line.where, messages_field, columns)
             for line in records(path, strict=True))
 
 

@@ -9,6 +9,7 @@ Design and derivations: docs/design/data.md#datacorpuspy (S1, L3).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -71,7 +72,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         version = ".".join(map(str, sys.version_info[:3]))
         source = f"stdlib:python{version}"
     else:
-        fmt, named = read_source(Path(cfg.source), cfg.text_field)
+        fmt, named = read_source(Path(cfg.source), cfg.text_field, cfg.columns)
         source = f"{fmt}:{cfg.source}"
     documents, skipped = keep_non_empty(named, cfg.max_docs)
     if not documents:
@@ -117,12 +118,13 @@ def read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def read_source(path: Path, text_field: str = "text") -> tuple[str, list[Document]]:
+def read_source(path: Path, text_field: str = "text", columns: tuple[str, ...] = ()
+                ) -> tuple[str, list[Document]]:
     """(format, documents) of a data path: a JSONL file here, anything else (Parquet,
     Arrow, a directory of shards) through ``data.datasets_source``."""
     if datasets_source.is_dataset_source(path):
-        return datasets_source.read_text_source(path, text_field)
-    return "jsonl", read_jsonl(path, text_field)
+        return datasets_source.read_text_source(path, text_field, columns)
+    return "jsonl", read_jsonl(path, text_field, columns=columns)
 
 
 def keep_non_empty(documents: list[Document], max_docs: int) -> tuple[list[Document], int]:
@@ -187,6 +189,12 @@ def corpus_fingerprint(train: tuple[Document, ...], val: tuple[Document, ...]) -
         h.update(b"weights")
         for doc in train + val:
             field = b"" if doc.weight is None else repr(doc.weight).encode("ascii")
+            h.update(len(field).to_bytes(8, "big"))
+            h.update(field)
+    if any(doc.columns for doc in train + val):  # declared columns (data.columns)
+        h.update(b"columns")
+        for doc in train + val:
+            field = json.dumps(doc.columns, sort_keys=True, ensure_ascii=False).encode()
             h.update(len(field).to_bytes(8, "big"))
             h.update(field)
     return h.hexdigest()

@@ -112,7 +112,8 @@ def label_of(file: Path, source: Path) -> str:
 # --------------------------------------------------------------------------- text
 
 
-def read_text_source(path: Path, text_field: str = "text") -> tuple[str, list[Document]]:
+def read_text_source(path: Path, text_field: str = "text", columns: tuple[str, ...] = ()
+                     ) -> tuple[str, list[Document]]:
     """(format, documents) of a Parquet/Arrow file or a shard directory (S1).
 
     Shards in the Python string order of their relative paths, rows in file order; a
@@ -124,13 +125,15 @@ def read_text_source(path: Path, text_field: str = "text") -> tuple[str, list[Do
     documents: list[Document] = []
     if fmt == "jsonl":
         for file in files:
-            documents += read_jsonl(file, text_field, label=label_of(file, path))
+            documents += read_jsonl(file, text_field, label=label_of(file, path),
+                                    columns=columns)
     else:
         with columnar_reader() as read:
             for file in files:
                 table = read(file, fmt)
                 if table is not None:
-                    documents += table_documents(table, file, label_of(file, path), text_field)
+                    documents += table_documents(table, file, label_of(file, path),
+                                                 text_field, columns)
     require_rows(path, fmt, files, len(documents))
     return fmt, documents
 
@@ -155,10 +158,12 @@ def iter_text_source(path: Path, text_field: str = "text") -> Iterator[Document]
                 del table  # the next file replaces it, never joins it
 
 
-def table_documents(table: Table, file: Path, label: str, field: str) -> list[Document]:
-    """One ``Document`` per row, named ``<label>#<row>``."""
+def table_documents(table: Table, file: Path, label: str, field: str,
+                    columns: tuple[str, ...] = ()) -> list[Document]:
+    """One ``Document`` per row, named ``<label>#<row>``, with the declared columns."""
     texts = string_column(table, file, field)
     weights = weight_column(table, file)
+    extra = declared_table_columns(table, file, columns)
     documents = []
     for row, text in enumerate(texts):
         where = f"{file} row {row}"
@@ -167,7 +172,8 @@ def table_documents(table: Table, file: Path, label: str, field: str) -> list[Do
                             "string or remove the row")
         documents.append(Document(name=f"{label}#{row}",
                                   text=unicode_text(text, where, f'"{field}"'),
-                                  weight=row_weight(weights[row], where)))
+                                  weight=row_weight(weights[row], where),
+                                  columns=row_columns(extra, row)))
     return documents
 
 
@@ -185,34 +191,37 @@ def string_column(table: Table, file: Path, field: str) -> list[Any]:
 # --------------------------------------------------------------------------- chat
 
 
-def read_chat_source(path: Path, messages_field: str = "messages") -> list[Conversation]:
+def read_chat_source(path: Path, messages_field: str = "messages",
+                     columns: tuple[str, ...] = ()) -> list[Conversation]:
     """Conversations of a Parquet/Arrow file or a shard directory, validated as chat
     JSONL is (``data.conversation.parse_conversation``) once the null fields Arrow
     gives absent message and tool-call keys are dropped."""
     fmt, files = shard_files(path)
-    conversations = list(iter_chat_source(path, messages_field))
+    conversations = list(iter_chat_source(path, messages_field, columns))
     require_rows(path, fmt, files, len(conversations))
     return conversations
 
 
-def iter_chat_source(path: Path, messages_field: str = "messages") -> Iterator[Conversation]:
+def iter_chat_source(path: Path, messages_field: str = "messages",
+                     columns: tuple[str, ...] = ()) -> Iterator[Conversation]:
     """``read_chat_source``'s conversations in the same order, holding one shard file
     in memory at a time (``exactstep prepare``, P1); the caller counts them."""
     fmt, files = shard_files(path)
     if fmt == "jsonl":
         for file in files:
             for line in records(file, strict=True):
-                yield parse_conversation(line.value, line.where, messages_field)
+                yield parse_conversation(line.value, line.where, messages_field, columns)
         return
     with columnar_reader() as read:
         for file in files:
             table = read(file, fmt)
             if table is not None:
-                yield from table_conversations(table, file, messages_field)
+                yield from table_conversations(table, file, messages_field, columns)
                 del table  # the next file replaces it, never joins it
 
 
-def table_conversations(table: Table, file: Path, field: str) -> list[Conversation]:
+def table_conversations(table: Table, file: Path, field: str,
+                        columns: tuple[str, ...] = ()) -> list[Conversation]:
     """One ``Conversation`` per row, named ``<file> row <row>`` (the chat split and
     fingerprint use the content only)."""
     import pyarrow as pa
@@ -223,12 +232,14 @@ def table_conversations(table: Table, file: Path, field: str) -> list[Conversati
         raise DataError(f"data.messages_field {field!r} of {file} is a column of {kind}, not "
                         "of lists of messages; point data.messages_field at the messages column")
     weights = weight_column(table, file)
+    extra = declared_table_columns(table, file, columns)
     conversations = []
     for row, messages in enumerate(column_values(table, file, field)):
         record: dict[str, Any] = {field: without_nulls(messages)}
         if weights[row] is not None:
             record[WEIGHT_FIELD] = weights[row]
-        conversations.append(parse_conversation(record, f"{file} row {row}", field))
+        record.update(row_columns(extra, row) or {})
+        conversations.append(parse_conversation(record, f"{file} row {row}", field, columns))
     return conversations
 
 
@@ -249,6 +260,20 @@ def drop_null_fields(value: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- columns
+
+
+def declared_table_columns(table: Table, file: Path, columns: tuple[str, ...]
+                           ) -> dict[str, list[Any]]:
+    """Each declared column's values (``data.columns``); ``DataError`` listing the
+    table's columns when one is absent."""
+    for name in columns:
+        column_type(table, file, name, "data.columns entry")
+    return {name: column_values(table, file, name) for name in columns}
+
+
+def row_columns(extra: dict[str, list[Any]], row: int) -> dict[str, Any] | None:
+    """Row ``row``'s values of the declared columns, or ``None`` when none are."""
+    return {name: values[row] for name, values in extra.items()} if extra else None
 
 
 def column_type(table: Table, file: Path, field: str, key: str) -> Any:

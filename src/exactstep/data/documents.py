@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from exactstep.data.jsonl import json_type, records, unicode_text
+from exactstep.data.jsonl import declared_columns, json_type, records, unicode_text
 from exactstep.data.weights import parse_weight
 from exactstep.errors import DataError
 
@@ -25,32 +26,38 @@ class Document:
     name: str
     text: str
     weight: float | None = None
+    columns: dict[str, Any] | None = None  # the declared extra columns (data.columns)
 
 
 
-def read_jsonl(path: Path, field: str = "text", label: str | None = None) -> list[Document]:
+def read_jsonl(path: Path, field: str = "text", label: str | None = None,
+               columns: tuple[str, ...] = ()) -> list[Document]:
     """Documents from ``{field: str}`` lines (optional ``"weight"``, L3), named
     ``<label>:<line>`` (``label`` defaults to the file name); blank lines skipped.
 
-    Lines are strict UTF-8 (``data.jsonl``); other keys of a line are ignored.
+    Lines are strict UTF-8 (``data.jsonl``); the declared ``columns`` are kept (each
+    line must have them), other keys of a line are ignored.
     """
-    return list(iter_jsonl(path, field, label))
+    return list(iter_jsonl(path, field, label, columns))
 
 
-def iter_jsonl(path: Path, field: str = "text", label: str | None = None) -> Iterator[Document]:
+def iter_jsonl(path: Path, field: str = "text", label: str | None = None,
+               columns: tuple[str, ...] = ()) -> Iterator[Document]:
     """``read_jsonl`` one document at a time (the file is checked before the first)."""
     if not path.is_file():
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise DataError(
             f"data file {path} {what}; set data.source to 'stdlib' or an existing .jsonl file"
         )
-    return _documents_of(path, field, path.name if label is None else label)
+    return _documents_of(path, field, path.name if label is None else label, columns)
 
 
-def _documents_of(path: Path, field: str, label: str) -> Iterator[Document]:
+def _documents_of(path: Path, field: str, label: str, columns: tuple[str, ...]
+                  ) -> Iterator[Document]:
     for line in records(path):
         text, weight = text_of(line.value, line.where, field)
-        yield Document(name=f"{label}:{line.number}", text=text, weight=weight)
+        yield Document(name=f"{label}:{line.number}", text=text, weight=weight,
+                       columns=declared_columns(line.value, line.where, columns))
 
 
 def text_of(record: object, where: str, field: str = "text") -> tuple[str, float | None]:

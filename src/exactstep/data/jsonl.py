@@ -98,6 +98,22 @@ def json_type(value: object) -> str:
     return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
+def declared_columns(record: object, where: str, columns: tuple[str, ...]
+                     ) -> dict[str, Any] | None:
+    """The values of the declared ``columns`` (``data.columns``) of one decoded line,
+    in their declared order, or ``None`` when none are declared; ``DataError`` naming
+    the line and the column when one is absent."""
+    if not columns:
+        return None
+    out = {}
+    for name in columns:
+        if not isinstance(record, dict) or name not in record:
+            raise DataError(f'{where}: no "{name}" field, which data.columns declares; give '
+                            "every line that field or remove it from data.columns")
+        out[name] = record[name]
+    return out
+
+
 class _StrictJsonError(ValueError):
     """Raised from the parser hooks; turned into the line's ``DataError``."""
 

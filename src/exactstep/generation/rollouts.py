@@ -144,7 +144,7 @@ class PolicyRollouts:
     def __init__(self, policy: PolicyConfig, generation: GenerationConfig, *, seed: int,
                  seq_len: int, examples: Sequence[Example], reward: Reward,
                  stop_ids: Sequence[int], decode: Any, reference: torch.nn.Module | None = None,
-                 source_pad_id: int = 0) -> None:
+                 source_pad_id: int = 0, columns: Sequence[str] = ()) -> None:
         self.policy, self.generation, self.seed, self.seq_len = policy, generation, seed, seq_len
         self.examples = {e.example_id: e for e in examples}
         self.reward = reward
@@ -152,6 +152,8 @@ class PolicyRollouts:
         self.decode = decode
         self.reference = reference
         self.source_pad_id = source_pad_id  # pads encoder sides (encoder-decoder families)
+        self.columns = tuple(columns)  # the examples' declared columns a reward sees
+        self._components: dict[str, list[float]] = {}
         self.moving_average: float | None = None  # the baseline's state (S2), committed only
         self.regressor = Regressor(policy.regressor_lr) if policy.baseline == "learned" else None
         self._regression: dict = {}
@@ -171,9 +173,7 @@ class PolicyRollouts:
         K = self.generation.samples if sampled else 1
         conts = self.rollouts(model, flat, window, device, K) if sampled else \
             [[Continuation((), (), True)] for _ in flat]
-        rewards = np.array([[self.score(r, c, window, k) for k, c in enumerate(cs)]
-                            for r, cs in zip(flat, conts, strict=True)],
-                           dtype=np.float64).reshape(len(flat), K)
+        rewards = self.score_window(flat, conts, window, K)
         ref_logps = [[self.reference_logprobs(r, c, device) for c in cs]
                      for r, cs in zip(flat, conts, strict=True)]
         shaped = rewards.copy()
@@ -206,7 +206,8 @@ class PolicyRollouts:
                         adv[cursor, k], c, ref_logps[cursor][k], per_token)
                     trajectories.append((r, k, c, coeffs))
                     self.records.append(self.record(window, r, k, c, rewards[cursor, k],
-                                                    b, a))
+                                                    b, a) | self.annotation(
+                        r, c, cursor * K + k, ref_logps[cursor][k]))
                 cursor += 1
             out.append(self.trajectory_batch(trajectories, m))
         gather = getattr(reducer, "gather", None) if reducer is not None else None
@@ -219,6 +220,7 @@ class PolicyRollouts:
                 "reward_mean": math.fsum(r["reward"] for r in records) / n if n else None,
                 "advantage_abs_mean": (math.fsum(abs(r["advantage"]) for r in records) / n
                                        if n else None)}
+        info.update(self.window_figures(records, K))
         if delta is not None:
             info["delta"] = delta
         if self.policy.baseline == "moving_average":
@@ -298,11 +300,74 @@ class PolicyRollouts:
                              window=window, stop_ids=self.stop_ids, device=device,
                              samples=samples, source_pad_id=self.source_pad_id)
 
-    def score(self, r: Request, c: Continuation, window: int, k: int) -> float:
-        scored = Scored(r.prompt, r.forced + c.tokens, r.reference, frozenset(self.stop_ids),
-                        self.decode)
-        return self.reward.score(scored, f"window {window}, example {r.example_id}, "
-                                         f"sample {k}")
+    def scored(self, r: Request, c: Continuation) -> Scored:
+        """What a reward sees of one sample (an encoder-decoder's prompt: its source)."""
+        return Scored(r.prompt if r.source is None else r.source, r.forced + c.tokens,
+                      r.reference, frozenset(self.stop_ids), self.decode)
+
+    def score_window(self, flat: Sequence[Request], conts: Sequence[Sequence[Continuation]],
+                     window: int, K: int) -> np.ndarray:
+        """The window's rewards ``[P, K]`` (float64): the declared reward(s) called once
+        on this rank's batch of samples (``Rewards.score_batch``), each sample seeing its
+        example's declared columns; each term's values kept for the journal."""
+        batch, wheres, owners = [], [], []
+        for r, cs in zip(flat, conts, strict=True):
+            for k, c in enumerate(cs):
+                batch.append(self.scored(r, c))
+                wheres.append(f"window {window}, example {r.example_id}, sample {k}")
+                owners.append(r.example_id)
+        totals, self._components = self.reward.score_batch(batch, wheres,
+                                                           self.column_lists(owners))
+        return np.array(totals, dtype=np.float64).reshape(len(flat), K)
+
+    def column_lists(self, example_ids: Sequence[int]) -> dict[str, list]:
+        """Each declared column as a list over the batch (trl's keyword form)."""
+        out: dict[str, list] = {name: [] for name in self.columns}
+        for eid in example_ids:
+            values = self.examples[eid].columns or {}
+            for name in self.columns:
+                if name not in values:
+                    raise DataError(f"policy: example {eid} has no column {name!r}, which "
+                                    "data.columns declares; give every example that field")
+                out[name].append(values[name])
+        return out
+
+    def annotation(self, r: Request, c: Continuation, index: int, ref: list[float]) -> dict:
+        """A journal record's text and figures: the decoded prompt and completion (up to
+        its stop token, which ``stopped`` records), each
+        reward term's value, the sum of the sampled tokens' entropies (the sampler's
+        own logits) and, with ``policy.kl``, of their k1 and k3 estimates."""
+        s = self.scored(r, c)
+        out: dict = {"prompt": s.decode(s.prompt),
+                     "completion": s.decode(s.content(s.response)),  # to the stop token
+                     "rewards": {name: values[index]
+                                 for name, values in self._components.items()},
+                     "entropy_sum": (math.fsum(c.entropies)
+                                     if len(c.entropies) == len(c.tokens) else None)}
+        if self.policy.kl != "none":
+            out["kl_k1_sum"] = math.fsum(lp - lr for lp, lr in
+                                         zip(c.logprobs, ref, strict=True))
+            out["kl_k3_sum"] = math.fsum(math.exp(lr - lp) - (lr - lp) - 1.0 for lp, lr in
+                                         zip(c.logprobs, ref, strict=True))
+        return out
+
+    def window_figures(self, records: Sequence[dict], K: int) -> dict:
+        """The ledger's figures over every rank's records: the mean entropy and (with
+        ``policy.kl``) the mean k1 / k3 per sampled token, and how many of the window's
+        groups (each prompt's ``K`` consecutive records) have every advantage 0."""
+        tokens = sum(r["tokens"] for r in records)
+        groups = [records[i:i + K] for i in range(0, len(records), K)]
+        out: dict = {"groups": len(groups),
+                     "zero_advantage_groups": sum(all(r["advantage"] == 0.0 for r in g)
+                                                  for g in groups)}
+        known = all(r.get("entropy_sum") is not None for r in records)
+        out["entropy_mean"] = (math.fsum(r["entropy_sum"] for r in records) / tokens
+                               if tokens and known else None)
+        if self.policy.kl != "none":
+            for key in ("kl_k1", "kl_k3"):
+                out[key] = (math.fsum(r[f"{key}_sum"] for r in records) / tokens
+                            if tokens else None)
+        return out
 
     @torch.no_grad()
     def reference_logprobs(self, r: Request, c: Continuation, device: torch.device

@@ -35,11 +35,14 @@ class Continuation:
     """One sampled continuation: ``tokens`` drawn after the prompt (its stop token
     included, when it drew one); ``logprobs[i]``: ``log p(tokens[i])`` under the
     model's own distribution (temperature 1, untruncated), float64; ``stopped``:
-    whether it ended at a stop token (else at ``max_new_tokens``)."""
+    whether it ended at a stop token (else at ``max_new_tokens``); ``entropies[i]``:
+    the entropy of the model's own distribution the token was drawn at (float64, from
+    the same logits; empty when not recorded)."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     stopped: bool
+    entropies: tuple[float, ...] = ()
 
 
 def uniforms(seed: int, window: int, example_id: int, sample: int, n: int) -> np.ndarray:
@@ -74,43 +77,61 @@ def draw(logits: np.ndarray, u: float, cfg: GenerationConfig) -> tuple[int, floa
     model's own distribution (float64): the argmax when greedy (the lower id on ties),
     else the inverse CDF of ``policy_probs`` over ids in order. Untruncated at
     temperature 1 the policy is the model's softmax itself, computed once for both."""
+    token, logp, _ = draw_with_entropy(logits, u, cfg)
+    return token, logp
+
+
+def draw_with_entropy(logits: np.ndarray, u: float, cfg: GenerationConfig
+                      ) -> tuple[int, float, float]:
+    """``draw``'s token and ``log p``, and the entropy ``-sum_v p_v log p_v`` of the
+    model's own distribution at this position (``log p = z - logsumexp(z)``, float64),
+    from the same exponentials: one more product and sum over the vocabulary, no
+    second softmax."""
     z = logits.astype(np.float64)
     shifted = z - z.max()
     weights = np.exp(shifted)
-    log_total = np.log(weights.sum())
+    total = weights.sum()
+    log_total = np.log(total)
     if cfg.greedy:
         token = int(np.argmax(z))
     else:
         cdf = np.cumsum(weights if cfg.untruncated else policy_probs(logits, cfg))
         token = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), z.size - 1))
-    return token, float(shifted[token] - log_total)
+    entropy = float(log_total - np.dot(weights, shifted) / total)
+    return token, float(shifted[token] - log_total), entropy
 
 
 def draw_rows(logits: np.ndarray, us: np.ndarray, cfg: GenerationConfig
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """``draw`` for each row of ``logits`` ``[B, V]`` with its uniform ``us[b]``: the
-    tokens ``[B]`` and their ``log p`` ``[B]`` (float64), the same operations row by
-    row (vectorised over rows when greedy or untruncated, a loop otherwise)."""
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``draw_with_entropy`` for each row of ``logits`` ``[B, V]`` with its uniform
+    ``us[b]``: the tokens ``[B]``, their ``log p`` ``[B]`` and the entropies ``[B]`` of
+    the model's own distribution (float64), the same operations row by row (vectorised
+    over rows when greedy or untruncated, a loop otherwise)."""
     if not (cfg.greedy or cfg.untruncated):
-        pairs = [draw(row, float(u), cfg) for row, u in zip(logits, us, strict=True)]
-        return (np.array([t for t, _ in pairs], dtype=np.int64),
-                np.array([lp for _, lp in pairs], dtype=np.float64))
+        triples = [draw_with_entropy(row, float(u), cfg)
+                   for row, u in zip(logits, us, strict=True)]
+        return (np.array([t for t, _, _ in triples], dtype=np.int64),
+                np.array([lp for _, lp, _ in triples], dtype=np.float64),
+                np.array([h for _, _, h in triples], dtype=np.float64))
     block = max(1, DRAW_ELEMENTS // logits.shape[1])
     if logits.shape[0] > block:  # bounded float64 temporaries: [block, V] each
         parts = [draw_rows(logits[i:i + block], us[i:i + block], cfg)
                  for i in range(0, logits.shape[0], block)]
-        return np.concatenate([t for t, _ in parts]), np.concatenate([lp for _, lp in parts])
+        return tuple(np.concatenate([p[j] for p in parts]) for j in range(3))  # type: ignore[return-value]
     z = logits.astype(np.float64)
     shifted = z - z.max(axis=1, keepdims=True)
     weights = np.exp(shifted)
-    log_total = np.log(weights.sum(axis=1))
+    total = weights.sum(axis=1)
+    log_total = np.log(total)
     if cfg.greedy:
         tokens = np.argmax(z, axis=1)
     else:  # searchsorted(side="right") row by row: the count of CDF entries <= u * total
         cdf = np.cumsum(weights, axis=1)
         tokens = np.minimum((cdf <= (us * cdf[:, -1])[:, None]).sum(axis=1), z.shape[1] - 1)
     rows = np.arange(z.shape[0])
-    return tokens.astype(np.int64), shifted[rows, tokens] - log_total
+    entropies = np.array([log_total[b] - np.dot(weights[b], shifted[b]) / total[b]
+                          for b in rows], dtype=np.float64)  # draw_with_entropy's, per row
+    return tokens.astype(np.int64), shifted[rows, tokens] - log_total, entropies
 
 
 def near_tie(logits: np.ndarray, u: float, slack: float) -> bool:
@@ -176,6 +197,7 @@ def sample_group(
     tokens = torch.tensor([list(prompt)] * k_rows, dtype=torch.int64, device=device)  # [K, L]
     drawn: list[list[int]] = [[] for _ in range(k_rows)]
     logps: list[list[float]] = [[] for _ in range(k_rows)]
+    ents: list[list[float]] = [[] for _ in range(k_rows)]
     done = [False] * k_rows
     inner = getattr(model, "module", model)
     cached = callable(getattr(inner, "decode_step", None))
@@ -196,9 +218,11 @@ def sample_group(
                 if done[k]:
                     column.append(filler)
                     continue
-                token, logp = draw(logits[k], float(draws[k][step]), cfg)
+                token, logp, entropy = draw_with_entropy(logits[k], float(draws[k][step]),
+                                                         cfg)
                 drawn[k].append(token)
                 logps[k].append(logp)
+                ents[k].append(entropy)
                 done[k] = token in stops
                 column.append(token)
                 if on_token is not None:
@@ -206,8 +230,8 @@ def sample_group(
             if all(done):
                 break
             tokens = torch.cat([tokens, torch.tensor(column, device=device)[:, None]], dim=1)
-    return [Continuation(tuple(d), tuple(lp), bool(d) and d[-1] in stops)
-            for d, lp in zip(drawn, logps, strict=True)]
+    return [Continuation(tuple(d), tuple(lp), bool(d) and d[-1] in stops, tuple(e))
+            for d, lp, e in zip(drawn, logps, ents, strict=True)]
 
 
 def prompt_batch(tokens: torch.Tensor, source: Sequence[int] | None, source_pad_id: int
@@ -330,6 +354,7 @@ def sample_rows(inner: torch.nn.Module, requests: Sequence[SampleRequest], draws
         extra["source"] = side.map(lambda t: t.to(device))
     drawn: list[list[int]] = [[] for _ in range(B)]
     logps: list[list[float]] = [[] for _ in range(B)]
+    ents: list[list[float]] = [[] for _ in range(B)]
     stopped = [False] * B
     active = np.arange(B)  # the rows still in the batch, in batch order
     new, cache = ids, None
@@ -339,12 +364,13 @@ def sample_rows(inner: torch.nn.Module, requests: Sequence[SampleRequest], draws
                                           keys=keys if padded else None, **extra)
         extra = {}
         logits = inner.logits(hidden[:, -1:, :])[:, -1, :].float().cpu().numpy()  # [B', V]
-        tokens, lps = draw_rows(logits, draws[active, step], cfg)
+        tokens, lps, hs = draw_rows(logits, draws[active, step], cfg)
         keep = []
         for j, b in enumerate(active):
             token = int(tokens[j])
             drawn[b].append(token)
             logps[b].append(float(lps[j]))
+            ents[b].append(float(hs[j]))
             stopped[b] = token in stops
             if not stopped[b]:
                 keep.append(j)
@@ -358,5 +384,5 @@ def sample_rows(inner: torch.nn.Module, requests: Sequence[SampleRequest], draws
         new = torch.as_tensor(tokens, dtype=torch.int64, device=device)[:, None]
         positions = (lengths + step)[:, None]
         keys = torch.cat([keys, torch.ones_like(keys[:, :1])], dim=1)
-    return [Continuation(tuple(d), tuple(lp), s) for d, lp, s in
-            zip(drawn, logps, stopped, strict=True)]
+    return [Continuation(tuple(d), tuple(lp), s, tuple(e)) for d, lp, s, e in
+            zip(drawn, logps, stopped, ents, strict=True)]

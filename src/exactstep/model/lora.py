@@ -6,7 +6,8 @@ global RNG stream left as it was (S5). With adapters only they are trainable (U6
 and a checkpoint holds them alone (``adapter_state`` / ``load_adapter_state``, S2):
 the base is rebuilt from its source and pinned by its digest (``lora_section``, S1,
 S4). ``merged_state`` is a LoRA model's state with the adapters folded into the base
-(what a merged export writes).
+(what a merged export writes). ``BaseWithoutAdapters`` is a LoRA model's frozen base
+as a second policy (a policy's KL reference): the same weights with the adapters off.
 Design and derivations: docs/design/model.md#model-lora (H4, U6, S2, S5).
 """
 
@@ -110,6 +111,57 @@ def lora_section(model: nn.Module, base_digest: str | None) -> dict[str, Any]:
         "adapter_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "peft": import_peft().__version__,
     }
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, ``model`` computes its frozen base: an HF model's ``PeftModel`` under
+    peft's ``disable_adapter()``; an injected model with each peft LoRA layer's adapters
+    disabled (what ``disable_adapter`` does), each layer's state restored after."""
+    inner = getattr(model, "module", model)
+    peft_model = getattr(inner, "hf", None)
+    if callable(getattr(peft_model, "disable_adapter", None)):
+        with peft_model.disable_adapter():
+            yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in inner.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise ModelError("the model holds no LoRA adapters to disable; its base is the "
+                         "model itself")
+    states = [m.disable_adapters for m in layers]
+    try:
+        for m in layers:
+            m.enable_adapters(False)
+        yield
+    finally:
+        for m, disabled in zip(layers, states, strict=True):
+            m.enable_adapters(not disabled)
+
+
+class BaseWithoutAdapters:
+    """A LoRA model's frozen base seen as a model (``forward``, ``logits``): the very
+    same module with its adapters disabled for each call, holding no weights of its own
+    (never a second copy, never trainable state)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = getattr(model, "module", model)
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            return self.model(batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with adapters_disabled(self.model):  # the head takes no adapter (HEAD_TARGETED)
+            return self.model.logits(hidden)
+
+    def modules(self) -> Iterator[nn.Module]:
+        return self.model.modules()
+
+    def eval(self) -> BaseWithoutAdapters:
+        self.model.eval()
+        return self
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -183,7 +183,8 @@ def chat_example(
     report.supervised_targets += int(owned.sum())
     report.tokens += int(tokens.shape[0])
     return Example(
-        example_id=example_id, tokens=tokens.copy(), owned=owned.copy(), weight=conversation.weight
+        example_id=example_id, tokens=tokens.copy(), owned=owned.copy(), weight=conversation.weight,
+        columns=conversation.columns,
     )
 
 

@@ -35,12 +35,15 @@ class Example:
     ``weight``: the example's L3 weight (finite, >= 0) from its source, or ``None``;
     the compilers give it to every column of every piece of the example
     (``Batch.weights``).
+    ``columns``: the values of the source's declared further fields (``data.columns``),
+    or ``None``; a policy reward sees them.
     """
 
     example_id: int
     tokens: np.ndarray  # [n] int64
     owned: np.ndarray | None = None  # [n] bool
     weight: float | None = None
+    columns: dict[str, Any] | None = None  # its source's declared columns (data.columns)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -65,6 +68,7 @@ def encode_documents(docs: Sequence[Document], tokenizer: ByteTokenizer) -> list
             example_id=i,
             tokens=np.concatenate([head, tokenizer.encode_array(d.text), tail]),
             weight=d.weight,
+            columns=d.columns,
         )
         for i, d in enumerate(docs)
     ]

@@ -21,6 +21,7 @@ from exactstep.data.conversation import Conversation
 from exactstep.data.corpus import check_split, load_corpus
 from exactstep.data.prepared import is_prepared
 from exactstep.data.tokenizer import Tokenizer
+from exactstep.errors import ConfigError
 from exactstep.rows.chat import ChatPolicy, chat_examples
 from exactstep.rows.config import run_section
 from exactstep.rows.example import DataBundle, encode_documents
@@ -34,6 +35,9 @@ def conversations_digest(conversations: Sequence[Conversation]) -> str:
     h = hashlib.sha256()
     for conversation in conversations:
         h.update(json.dumps(conversation.to_json(), sort_keys=True, ensure_ascii=False).encode())
+        if conversation.columns is not None:  # declared columns (data.columns)
+            h.update(json.dumps(conversation.columns, sort_keys=True,
+                                ensure_ascii=False).encode())
         h.update(b"\n")
     return h.hexdigest()
 
@@ -57,7 +61,8 @@ def split_conversations(
         heldout = arith_conversations(cfg.seed, spec.n_heldout, split="heldout", spec=spec)
         rule = "arith: problem hash bucket 0 of 10 is held out; val = held-out conversations"
         return train, heldout, rule, heldout
-    conversations = load_chat_jsonl(data.source, messages_field=data.messages_field)
+    conversations = load_chat_jsonl(data.source, messages_field=data.messages_field,
+                                    columns=data.columns)
     if data.max_docs:
         conversations = conversations[: data.max_docs]
     train = [c for c in conversations if not is_val(c, data.val_fraction)]
@@ -81,6 +86,11 @@ def load_bundle(cfg: Any, tokenizer: Tokenizer, *, share: tuple[int, int] = (0, 
     examples without a ``weight`` (L3), before anything is written. ``share``: which
     prepared files this process hashes (``open_family``).
     """
+    if cfg.data.columns and (cfg.data.source in (ARITH_SOURCE, "stdlib")
+                             or is_prepared(cfg.data.source)):
+        raise ConfigError(f"data.columns reads further fields of a JSONL, Parquet or Arrow "
+                          f"source; data.source {cfg.data.source!r} has none: drop "
+                          "data.columns or point data.source at such a file")
     if is_prepared(cfg.data.source):  # a directory written by ``exactstep prepare`` (P2)
         template = template_for(tokenizer) if cfg.data.kind == "chat" else None
         return load_prepared_bundle(cfg, tokenizer, representation_of(tokenizer, template),

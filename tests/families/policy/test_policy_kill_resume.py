@@ -2,8 +2,8 @@
 ``exactstep train --set objective.family=policy`` straight, against the same run
 SIGKILLed inside a window (after its update, before its ledger line) and again from
 outside while a later window runs, resumed each time. The final checkpoints, the ledger,
-the manifest and the rollout journal (every sampled response's length, reward,
-baseline and advantage) are byte-identical: a resumed run samples the same tokens.
+the manifest and the rollout journal (every sampled response's decoded prompt and
+completion, length, reward, baseline and advantage) are byte-identical: a resumed run samples the same tokens.
 The baseline is the moving average at one thread and MIXER's learned regressor at two,
 whose checkpointed states (the average; the regressor's weights and Adam moments) must
 survive too.
@@ -47,6 +47,10 @@ def test_a_killed_policy_run_resumes_bitwise_with_the_same_samples(threads, base
     assert rollouts == (killed / "rollouts.jsonl").read_bytes()
     ledger = [json.loads(x) for x in (straight / "ledger.jsonl").read_text().splitlines()]
     assert rollouts.count(b"\n") == sum(r["inputs"]["samples"] for r in ledger) > 0
+    records = [json.loads(x) for x in rollouts.splitlines()]  # each with its text (Q2)
+    assert all(isinstance(r["prompt"], str) and r["prompt"] and isinstance(r["completion"], str)
+               and set(r["rewards"]) == {"policy_rewards:length"} for r in records)
+    assert all(r["rewards"]["policy_rewards:length"] == r["reward"] for r in records)
     assert sum(r["disposition"] == "COMMITTED" for r in ledger) >= 5  # the draws trained
     assert manifest["environment"]["threads"] == threads
     assert manifest["objective"]["policy"]["baseline"] == baseline

@@ -2,7 +2,8 @@
 each) samples the same tokens and steps with the same gradient as the same window in
 one process, within twice the one-process fp32 gradient's distance from the same window
 in float64 (the tolerance of ``test_policy_run``'s micro-batch splits); rank 0's
-journal records holds both ranks' samples, and the ledger's figures count them all.
+journal records holds both ranks' samples, and the ledger's figures (samples, entropy,
+groups and zero-advantage groups) count them all (negative control: one rank's share).
 Negative control: a rank that normalised by its own share of the window (D local,
 the bug of public trainers under data parallelism) is outside the tolerance.
 
@@ -112,6 +113,13 @@ def test_two_ranks_sample_and_step_as_one_process(tmp_path):
     # the journal and the ledger count the whole window on every rank
     assert results[0]["records"] == results[1]["records"] == program.records
     assert results[0]["info"]["samples"] == 16
+    # the entropy and zero-advantage figures are of the whole window, summed over ranks
+    figures = program.window_figures(program.records, 2)
+    for rank in (0, 1):
+        assert {k: results[rank]["info"][k] for k in figures} == figures
+    assert figures["groups"] == 8
+    local = program.window_figures([r for r in program.records if r["example"] in IDS[0]], 2)
+    assert local["groups"] == 4 and local != figures  # negative control: one rank's share
     # Q4, D5: the synchronised gradient is the one-process gradient
     exact, _ = one_window(cfg, parts, model, [IDS[0] + IDS[1]],
                           program=Replay([b.map(lambda t: t) for b in batches]),

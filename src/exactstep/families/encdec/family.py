@@ -49,7 +49,11 @@ def encdec_objective(cfg: RunConfig) -> dict[str, Any]:
 
 def load_pairs(cfg: RunConfig, tokenizer: Any, *, share: tuple[int, int] = (0, 1)
                ) -> DataBundle:
-    """Both splits of the run's pairs, read with its ``encdec`` section."""
+    """Both splits of the run's pairs, read with its ``encdec`` section; pairs carry no
+    further columns (``data.columns`` is refused)."""
+    if cfg.data.columns:
+        raise ConfigError("data.columns reads further fields of text or chat sources; the "
+                          "encoder-decoder's pairs carry none: drop data.columns")
     return load_pair_bundle(cfg, cfg.encdec, tokenizer, share=share)
 
 

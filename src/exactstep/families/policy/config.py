@@ -90,7 +90,9 @@ class PolicyConfig:
     from ``BOS`` given the source, the pair's target the reference).
     ``reward``: ``exact_match``, ``token_f1``, ``ngram_overlap`` (up to ``ngram``-grams)
     or ``module:function`` (a user's function, its name and source hash in the
-    manifest). ``baseline``: ``none``, ``moving_average`` (``decay`` per committed
+    manifest, called per sample). ``rewards``: instead, a list of ``{name, weight}``
+    tables, each a built-in or ``module:function`` (called per batch, trl's form),
+    the reward being ``sum weight x value`` (``reward`` then stays at its default). ``baseline``: ``none``, ``moving_average`` (``decay`` per committed
     window, in the checkpoint), ``leave_one_out`` (the mean of the prompt's other
     ``K - 1`` samples), ``learned`` (MIXER's regressor ``b_t = w . h_t + c`` on the
     policy's stop-gradient state before each sampled token, trained on its own squared
@@ -107,7 +109,8 @@ class PolicyConfig:
     the importance ratio: KL(pi || pi_ref)'s per-token gradient; ``KL_ESTIMATORS``)
     against ``reference``, a checkpoint directory
     whose weights are the frozen reference policy (identified by its manifest's digest,
-    never trainable state). ``mixer``: MIXER's
+    never trainable state); with ``model.lora``, empty or ``"base"`` is the policy's own
+    frozen base (its adapters disabled, no second copy). ``mixer``: MIXER's
     curriculum: the last ``delta(clock)`` reference tokens are sampled and trained by
     REINFORCE, the ones before them teacher-forced; ``delta(c) = min(delta_max,
     delta_start + delta_step * floor(c / delta_every))`` on committed windows (U5);
@@ -124,6 +127,7 @@ class PolicyConfig:
 
     over: Literal["chat", "causal", "encdec"] = "chat"
     reward: str = "exact_match"
+    rewards: tuple[dict, ...] = ()
     ngram: int = 4
     baseline: Literal["none", "moving_average", "leave_one_out", "learned",
                       "group_mean_with_self", "group_normalized"] = "leave_one_out"
@@ -167,6 +171,7 @@ class PolicyConfig:
             raise ConfigError(
                 f"policy.reward must be one of {', '.join(BUILT_IN_REWARDS)} or "
                 f"'module:function'; got {self.reward!r}")
+        self.check_rewards()
         if self.kl != "none" and self.beta == 0.0:
             raise ConfigError(f"policy.kl = {self.kl!r} needs policy.beta > 0 (its "
                               "coefficient); set policy.beta, or policy.kl = \"none\"")
@@ -175,6 +180,35 @@ class PolicyConfig:
     def clip_high(self) -> float:
         """The upper clip ``epsilon_high`` (``clip_ratio`` unless set)."""
         return self.clip_ratio_high or self.clip_ratio
+
+    def check_rewards(self) -> None:
+        """``policy.rewards``: tables of a reward ``name`` and a finite ``weight``, each
+        name once, never beside a ``policy.reward`` of its own."""
+        if not self.rewards:
+            return
+        if self.reward != "exact_match":
+            raise ConfigError(
+                f"policy.reward = {self.reward!r} and policy.rewards are both set; give "
+                f"one reward as policy.rewards = [{{name = {self.reward!r}, weight = 1.0}}] "
+                "or drop policy.rewards")
+        seen: set[str] = set()
+        for i, entry in enumerate(self.rewards):
+            key = f"policy.rewards.{i}"
+            extra = sorted(set(entry) - {"name", "weight"})
+            if extra or "name" not in entry or "weight" not in entry:
+                raise ConfigError(f"{key} must be a table {{name = ..., weight = ...}}; "
+                                  f"got keys {', '.join(sorted(entry)) or 'none'}")
+            name, weight = entry["name"], entry["weight"]
+            if not isinstance(name, str) or (name not in BUILT_IN_REWARDS and ":" not in name):
+                raise ConfigError(f"{key}.name must be one of {', '.join(BUILT_IN_REWARDS)} "
+                                  f"or 'module:function'; got {name!r}")
+            if isinstance(weight, bool) or not isinstance(weight, int | float):
+                raise ConfigError(f"{key}.weight must be a number; got {weight!r}")
+            check_finite(f"{key}.weight", float(weight))
+            if name in seen:
+                raise ConfigError(f"{key}: reward {name!r} is listed twice; give it once with "
+                                  "the sum of its weights")
+            seen.add(name)
 
     def delta(self, clock: int) -> int:
         """MIXER's sampled suffix length after ``clock`` committed windows."""

@@ -17,10 +17,11 @@ from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.families.encdec.compiler import source_pad_of
 from exactstep.families.policy.config import BIASED
-from exactstep.families.policy.rewards import load_reward
+from exactstep.families.policy.rewards import Reward, Rewards, load_reward, load_rewards
 from exactstep.families.registry import Family, family_of
 from exactstep.generation.clipped import ClippedRollouts
 from exactstep.generation.rollouts import PolicyRollouts
+from exactstep.model.lora import BaseWithoutAdapters
 from exactstep.objective.policy import policy_plan
 from exactstep.state.checkpointer import load_weights
 
@@ -58,9 +59,32 @@ def check(cfg: RunConfig) -> None:
                           "parameters, "
                           "stale after the window's first step: with policy.epochs > 1 use "
                           "policy.kl = 'k1' (in the reward) or policy.epochs = 1")
-    if policy.kl != "none" and not policy.reference:
+    lora = cfg.model.lora.enabled
+    if policy.kl != "none" and not policy.reference and not lora:
         raise ConfigError(f"policy.kl = {policy.kl!r} needs policy.reference: the checkpoint "
-                          "directory of the frozen reference policy")
+                          "directory of the frozen reference policy (or, with model.lora, "
+                          "\"base\": the frozen base without the adapters)")
+    if policy.reference == BASE and not lora:
+        raise ConfigError("policy.reference = \"base\" is the frozen base of a LoRA policy: "
+                          "set model.lora (model.lora.r > 0), or give a checkpoint directory")
+
+
+#: ``policy.reference`` naming a LoRA policy's own frozen base (the default with LoRA).
+BASE = "base"
+
+
+def base_reference(cfg: RunConfig) -> bool:
+    """The reference is the LoRA policy's base with its adapters off (no second copy)."""
+    return cfg.policy.kl != "none" and cfg.model.lora.enabled and \
+        cfg.policy.reference in ("", BASE)
+
+
+def declared_rewards(cfg: RunConfig) -> Reward | Rewards:
+    """``policy.rewards`` (each per batch, weighted) or the one ``policy.reward``."""
+    if cfg.policy.rewards:
+        return load_rewards(cfg.policy.rewards, cfg.policy.ngram, cfg.data.columns,
+                            conversational=cfg.policy.over == "chat")
+    return load_reward(cfg.policy.reward, cfg.policy.ngram)
 
 
 def reference_identity(path: str) -> dict[str, Any]:
@@ -84,22 +108,28 @@ def family(cfg: RunConfig) -> Family:
                "estimator": "REINFORCE with a baseline (sequence-level policy training; "
                             "not teacher-forced maximum likelihood)",
                "policy": cfg.policy.describe(),
-               "reward": load_reward(cfg.policy.reward, cfg.policy.ngram).identity,
+               "reward": declared_rewards(cfg).identity,
                "generation": asdict(cfg.generation)}
-        if cfg.policy.kl != "none":
+        if base_reference(cfg):
+            out["reference"] = "base_without_adapters"
+        elif cfg.policy.kl != "none":
             out["reference"] = reference_identity(cfg.policy.reference)
+        if cfg.data.columns:
+            out["columns"] = list(cfg.data.columns)
         return out
 
     def program(cfg: RunConfig, parts: Any, model: Any, device: Any) -> PolicyRollouts:
         check(cfg)
         reference = None
-        if cfg.policy.kl != "none":
+        if base_reference(cfg):  # the same weights, adapters disabled per call
+            reference = BaseWithoutAdapters(model)
+        elif cfg.policy.kl != "none":
             reference = load_reference(cfg, parts, device)
         tokenizer = parts.tokenizer
         rollouts = ClippedRollouts if cfg.policy.epochs > 1 else PolicyRollouts
         return rollouts(cfg.policy, cfg.generation, seed=cfg.seed,
                               seq_len=cfg.batch.seq_len, examples=parts.data.train,
-                              reward=load_reward(cfg.policy.reward, cfg.policy.ngram),
+                              reward=declared_rewards(cfg), columns=cfg.data.columns,
                               stop_ids=(tokenizer.eos_id,), decode=tokenizer.decode,
                               reference=reference,
                               source_pad_id=(source_pad_of(cfg.encdec, tokenizer)

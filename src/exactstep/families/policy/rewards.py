@@ -1,12 +1,17 @@
 """Rewards as declared functions (Q2): built in, or a user's ``module:function``.
 
-A reward scores one sampled response against the example's reference response. The
+A reward scores a sampled response against the example's reference response. The
 built-in ones read token ids: ``exact_match`` (the response, stop token included,
 equals the reference), ``token_f1`` (bag-of-tokens F1 of the contents) and
 ``ngram_overlap`` (the mean over ``n = 1..N`` of clipped ``n``-gram F1). A user's
-function is called with the decoded ``prompt``, ``completion`` and ``reference`` as
-keywords and must return a finite number; its identity (name, SHA-256 of its source)
-goes into the manifest, and a failure is one ``error:`` line naming the sample.
+function in ``policy.rewards`` is called once per window's batch as trl calls one
+(``f(prompts, completions, completion_ids=, references=, **columns) -> list[float]``,
+each keyword a list over the batch, the dataset's declared columns among them; a
+completion is its text up to the stop token, for chats trl's one assistant message); the
+one-reward form ``policy.reward`` keeps its per-sample call ``f(prompt=, completion=,
+reference=)``. ``Rewards`` sums ``weight x value`` over its terms. Each function's
+identity (name, SHA-256 of its source, weight) goes into the manifest, and a failure is
+one ``error:`` line naming the sample.
 Design: docs/design/families.md#familiespolicyrewardspy (Q2).
 """
 
@@ -82,12 +87,64 @@ def _f1(got: Counter, want: Counter) -> float:
 
 @dataclass(frozen=True)
 class Reward:
-    """A declared reward: ``score(scored, where)`` and its manifest ``identity``."""
+    """A declared reward: ``score(scored, where)`` and its manifest ``identity``;
+    ``batched``: a user's function called once per batch with lists (trl's form)."""
 
     name: str
     fn: Callable[[Scored], Any]
     identity: dict
     user: bool
+    batched: bool = False
+    conversational: bool = False  # completions as trl's one assistant message each
+
+    def score_batch(self, batch: Sequence[Scored], wheres: Sequence[str],
+                    columns: dict[str, list] | None = None) -> tuple[list[float], dict]:
+        """``(totals, components)`` of a batch: this reward alone, weight 1 (the
+        one-reward form of ``Rewards.score_batch``)."""
+        values = self.values(batch, wheres, columns or {})
+        return values, {self.name: values}
+
+    def values(self, batch: Sequence[Scored], wheres: Sequence[str],
+               columns: dict[str, list]) -> list[float]:
+        """One finite float per sample of ``batch`` (``wheres[i]`` names sample ``i``:
+        window, example, sample); ``RewardError`` naming the first bad one."""
+        if not self.batched:
+            return [self.score(s, w) for s, w in zip(batch, wheres, strict=True)]
+        if not batch:
+            return []
+        where = f"the batch of {wheres[0]} .. {wheres[-1]}"
+        texts = [s.decode(s.content(s.response)) for s in batch]  # up to the stop token
+        kwargs = {"prompts": [s.decode(s.prompt) for s in batch],
+                  "completions": ([[{"role": "assistant", "content": t}] for t in texts]
+                                  if self.conversational else texts),
+                  "completion_ids": [[int(i) for i in s.response] for s in batch],
+                  "references": [s.decode(s.reference) for s in batch], **columns}
+        try:
+            out = self.fn(**kwargs)
+        except Exception as exc:  # a user's function: any failure is theirs to see
+            raise RewardError(f"policy.rewards {self.name!r} raised {type(exc).__name__}: "
+                              f"{exc} on {where}; fix the function (nothing was committed "
+                              "for this window)") from None
+        if isinstance(out, str | bytes) or not hasattr(out, "__len__") \
+                or len(out) != len(batch):
+            got = f"{len(out)} values" if hasattr(out, "__len__") and not isinstance(
+                out, str | bytes) else f"{type(out).__name__}"
+            raise RewardError(f"policy.rewards {self.name!r} returned {got} for a batch of "
+                              f"{len(batch)} on {where}; return one finite number per "
+                              "completion")
+        return [self.finite(v, w) for v, w in zip(list(out), wheres, strict=True)]
+
+    def finite(self, value: Any, where: str) -> float:
+        """``value`` as a float, or ``RewardError`` naming ``where``."""
+        key = "policy.rewards" if self.batched else "policy.reward"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardError(f"{key} {self.name!r} returned {type(value).__name__} "
+                              f"{value!r:.60} on {where}; a reward is one finite number per "
+                              "sample")
+        if not math.isfinite(float(value)):
+            raise RewardError(f"{key} {self.name!r} returned {value} on {where}; a "
+                              "reward must be finite")
+        return float(value)
 
     def score(self, s: Scored, where: str) -> float:
         """The reward of one sample, a finite float; ``RewardError`` (naming ``where``:
@@ -100,19 +157,17 @@ class Reward:
             raise RewardError(f"policy.reward {self.name!r} raised {type(exc).__name__}: "
                               f"{exc} on {where}; fix the function (nothing was committed "
                               "for this window)") from None
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise RewardError(f"policy.reward {self.name!r} returned {type(value).__name__} "
-                              f"{value!r:.60} on {where}; a reward is one finite number per "
-                              "sample")
-        if not math.isfinite(float(value)):
-            raise RewardError(f"policy.reward {self.name!r} returned {value} on {where}; a "
-                              "reward must be finite")
-        return float(value)
+        return self.finite(value, where)
 
 
-def load_reward(name: str, ngram: int) -> Reward:
+def load_reward(name: str, ngram: int, *, batched: bool = False,
+                columns: Sequence[str] = (), conversational: bool = False) -> Reward:
     """The reward ``name`` declares: a built-in, or ``module:function`` imported now
-    (a ``ConfigError`` naming what is missing before anything is written)."""
+    (a ``ConfigError`` naming what is missing before anything is written). ``batched``:
+    a user's function is called per batch (``policy.rewards``), and then every
+    keyword it requires must be one it is given: the batch's own or one of the declared
+    ``columns`` (``data.columns``); ``conversational``: each completion is given as
+    trl gives a chat dataset's, ``[{"role": "assistant", "content": text}]``."""
     if name == "exact_match":
         return Reward(name, exact_match, {"name": name, "kind": "built_in"}, False)
     if name == "token_f1":
@@ -136,4 +191,65 @@ def load_reward(name: str, ngram: int) -> Reward:
         raise ConfigError(f"policy.reward {name!r}: its source cannot be read, so its "
                           "identity cannot be recorded; define it in a .py file") from None
     digest = hashlib.sha256(source.encode("utf-8")).hexdigest()
-    return Reward(name, fn, {"name": name, "kind": "user", "source_sha256": digest}, True)
+    if batched:
+        require_keywords(name, fn, columns)
+    return Reward(name, fn, {"name": name, "kind": "user", "source_sha256": digest,
+                             "call": "per_batch" if batched else "per_sample"},
+                  True, batched, conversational)
+
+
+#: What a batched user function is given besides the declared columns (trl's names,
+#: and the reference response).
+BATCH_KEYWORDS = ("prompts", "completions", "completion_ids", "references")
+
+
+def require_keywords(name: str, fn: Callable, columns: Sequence[str]) -> None:
+    """``ConfigError`` when ``fn`` requires a keyword it will not be given: a column
+    the data does not declare (``data.columns``), named with what to change."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    given = set(BATCH_KEYWORDS) | set(columns)
+    for p in parameters:
+        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) or p.default is not p.empty:
+            continue
+        if p.name not in given:
+            declared = ", ".join(columns) or "none"
+            raise ConfigError(
+                f"policy.rewards {name!r} asks for {p.name!r}, which is neither one of "
+                f"{', '.join(BATCH_KEYWORDS)} nor a declared column (data.columns: "
+                f"{declared}); add {p.name!r} to data.columns or give the parameter a "
+                "default")
+
+
+@dataclass(frozen=True)
+class Rewards:
+    """A weighted list of rewards: the total is ``sum_j weight_j x value_j`` per
+    sample; ``components`` keeps each term's own value (``rollouts.jsonl``)."""
+
+    terms: tuple[tuple[Reward, float], ...]
+
+    @property
+    def identity(self) -> list[dict]:
+        return [{**reward.identity, "weight": weight} for reward, weight in self.terms]
+
+    def score_batch(self, batch: Sequence[Scored], wheres: Sequence[str],
+                    columns: dict[str, list] | None = None) -> tuple[list[float], dict]:
+        """``(totals, components)``: each term called once on the batch, the totals
+        summed in the declared order (``math.fsum`` of the weighted values)."""
+        components = {reward.name: reward.values(batch, wheres, columns or {})
+                      for reward, _ in self.terms}
+        totals = [math.fsum(weight * components[reward.name][i]
+                            for reward, weight in self.terms) for i in range(len(batch))]
+        return totals, components
+
+
+def load_rewards(entries: Sequence[dict], ngram: int, columns: Sequence[str] = (),
+                 conversational: bool = False) -> Rewards:
+    """``policy.rewards``: each ``{name, weight}`` loaded (``load_reward``, batched)."""
+    terms = []
+    for entry in entries:
+        terms.append((load_reward(entry["name"], ngram, batched=True, columns=columns,
+                                  conversational=conversational), float(entry["weight"])))
+    return Rewards(tuple(terms))
