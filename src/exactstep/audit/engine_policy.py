@@ -55,9 +55,9 @@ class FixedRollouts(PolicyRollouts):
 
     window: PolicyWindow
 
-    def rollout(self, model, r, window, device, samples):  # noqa: ANN001, ANN201
-        group = self.window.completions[r.example_id]
-        return [Continuation(tuple(c), (0.0,) * len(c), False) for c in group[:samples]]
+    def rollouts(self, model, flat, window, device, samples):  # noqa: ANN001, ANN201
+        return [[Continuation(tuple(c), (0.0,) * len(c), False)
+                 for c in self.window.completions[r.example_id][:samples]] for r in flat]
 
     def score_window(self, flat, conts, window, K):  # noqa: ANN001, ANN201
         self._components = {}
