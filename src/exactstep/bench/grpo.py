@@ -97,7 +97,7 @@ def summarise(spec: dict, exact: dict, trl: dict) -> dict:
                            "same_prompts": exact["prompt_ids"] == trl["prompt_ids"]}
     for name, side in (("exactstep", exact), ("trl", trl)):
         for key in ("completions", "completion_tokens", "updates", "rollout_s", "update_s",
-                    "peak_rss_mib", "built_rss_mib", "import_rss_mib", "trainable_parameters",
+                    "rollout_cpu_s", "update_cpu_s", "peak_rss_mib", "built_rss_mib", "import_rss_mib", "trainable_parameters",
                     "trainable_non_adapter", "reward_mean"):
             out[f"{name}_{key}"] = side[key]
         tokens = side["completion_tokens"]
@@ -105,8 +105,14 @@ def summarise(spec: dict, exact: dict, trl: dict) -> dict:
         out[f"{name}_update_tokens_per_s"] = tokens / side["update_s"]
         out[f"{name}_step_tokens_per_s"] = tokens / (side["rollout_s"] + side["update_s"])
         out[f"{name}_rollout_share"] = side["rollout_s"] / (side["rollout_s"] + side["update_s"])
+        # per CPU second: what the side computed, whatever else the machine ran
+        out[f"{name}_rollout_tokens_per_cpu_s"] = tokens / side["rollout_cpu_s"]
+        out[f"{name}_update_tokens_per_cpu_s"] = tokens / side["update_cpu_s"]
+        out[f"{name}_step_tokens_per_cpu_s"] = tokens / (side["rollout_cpu_s"]
+                                                         + side["update_cpu_s"])
     for figure in ("rollout_tokens_per_s", "update_tokens_per_s", "step_tokens_per_s",
-                   "peak_rss_mib"):
+                   "rollout_tokens_per_cpu_s", "update_tokens_per_cpu_s",
+                   "step_tokens_per_cpu_s", "peak_rss_mib"):
         out[f"{figure}_ratio"] = out[f"exactstep_{figure}"] / out[f"trl_{figure}"]
     return out
 
@@ -231,26 +237,28 @@ def exactstep_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -
                           device="cpu", pad_id=parts.tokenizer.pad_id,
                           plan=parts.family.plan(cfg, 0), program=program)
     built_rss = status_kib("VmRSS")
-    prepare, sampling = program.prepare, [0.0]
+    prepare, sampling = program.prepare, [0.0, 0.0]
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = prepare(*args, **kwargs)
         sampling[0] += time.perf_counter() - t0
+        sampling[1] += time.process_time() - c0
         return out
 
     program.prepare = timed
     stream = iter(RowStream(parts.data.train, cfg.batch, pad_id=parts.tokenizer.pad_id,
                             seed=cfg.seed, compiler=parts.compiler))
     warm = spec["work"]["warmup_steps"]
-    figures = {"completions": 0, "completion_tokens": 0, "rollout_s": 0.0, "update_s": 0.0}
+    figures = {"completions": 0, "completion_tokens": 0, "rollout_s": 0.0, "update_s": 0.0,
+               "rollout_cpu_s": 0.0, "update_cpu_s": 0.0}
     rewards, committed, prompt_ids = [], 0, []
     for w in range(len(windows)):
         batch = next(stream)
-        sampling[0] = 0.0
-        t0 = time.perf_counter()
+        sampling[:] = [0.0, 0.0]
+        t0, c0 = time.perf_counter(), time.process_time()
         disposition = engine.run_window([batch], w)
-        total = time.perf_counter() - t0
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
         info = disposition.inputs or {}
         committed += disposition.outcome.value == "COMMITTED"
         if w < warm:
@@ -260,6 +268,8 @@ def exactstep_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -
         figures["completion_tokens"] += info.get("sampled_tokens", 0)
         figures["rollout_s"] += sampling[0]
         figures["update_s"] += total - sampling[0]
+        figures["rollout_cpu_s"] += sampling[1]
+        figures["update_cpu_s"] += cpu - sampling[1]
         rewards.append(info.get("reward_mean"))
     return {**figures, "updates": committed - min(committed, warm),
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
@@ -329,10 +339,11 @@ def trl_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -> dict
         seen: list[dict] = []
 
         def timed(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = generate(*a, **kw)
             mask = out["completion_mask"]
             seen.append({"rollout_s": time.perf_counter() - t0,
+                         "rollout_cpu_s": time.process_time() - c0,
                          "completions": int(mask.shape[0]),
                          "completion_tokens": int(mask.sum()),
                          "prompt_ids": [row[m.bool()].tolist() for row, m in
@@ -350,10 +361,13 @@ def trl_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -> dict
     measured = seen[warm:]
     rollout = sum(s["rollout_s"] for s in measured)
     whole = sum(clock.steps[warm:])
+    rollout_cpu = sum(s["rollout_cpu_s"] for s in measured)
+    whole_cpu = sum(clock.cpu[warm:])
     k = work["samples"]
     return {"completions": sum(s["completions"] for s in measured),
             "completion_tokens": sum(s["completion_tokens"] for s in measured),
             "rollout_s": rollout, "update_s": whole - rollout,
+            "rollout_cpu_s": rollout_cpu, "update_cpu_s": whole_cpu - rollout_cpu,
             "updates": output.global_step - warm,
             "reward_mean": sum(s["reward_mean"] for s in measured) / len(measured),
             # trl repeats each prompt K times in a row; one copy each, as exactstep's
@@ -363,17 +377,20 @@ def trl_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -> dict
 
 class StepClock:
     """A ``TrainerCallback`` timing each optimizer step, ``on_step_begin`` (before the
-    step's generation) to ``on_step_end`` (after its update)."""
+    step's generation) to ``on_step_end`` (after its update): wall and process CPU
+    seconds."""
 
     def __init__(self) -> None:
-        self.started = 0.0
+        self.started = self.started_cpu = 0.0
         self.steps: list[float] = []
+        self.cpu: list[float] = []
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.started = time.perf_counter()
+        self.started, self.started_cpu = time.perf_counter(), time.process_time()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.steps.append(time.perf_counter() - self.started)
+        self.cpu.append(time.process_time() - self.started_cpu)
 
     def __getattr__(self, name: str) -> Any:  # every other event: nothing to do
         if name.startswith("on_"):
