@@ -35,11 +35,15 @@ TINY_WORK = {"steps": 2, "prompts": 2, "samples": 2, "new_tokens": 4, "warmup_st
 SIDE_FIGURES = ("completions", "completion_tokens", "updates", "rollout_s", "update_s",
                 "peak_rss_mib", "built_rss_mib", "import_rss_mib", "trainable_parameters",
                 "trainable_non_adapter", "reward_mean", "rollout_tokens_per_s",
-                "update_tokens_per_s", "step_tokens_per_s", "rollout_share")
+                "update_tokens_per_s", "step_tokens_per_s", "rollout_share", "rollout_cpu_s",
+                "update_cpu_s", "rollout_tokens_per_cpu_s", "update_tokens_per_cpu_s",
+                "step_tokens_per_cpu_s")
 EXPECTED_KEYS = {"bench", "quick", "threads", "model", "lora", "optimizer", "steps",
                  "prompts_per_step", "samples_per_prompt", "max_new_tokens", "warmup_steps",
                  "same_prompts", "rollout_tokens_per_s_ratio", "update_tokens_per_s_ratio",
                  "step_tokens_per_s_ratio", "peak_rss_mib_ratio",
+                 "rollout_tokens_per_cpu_s_ratio", "update_tokens_per_cpu_s_ratio",
+                 "step_tokens_per_cpu_s_ratio",
                  *(f"{side}_{f}" for side in bench.SIDES for f in SIDE_FIGURES)}
 
 

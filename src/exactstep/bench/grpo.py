@@ -29,6 +29,9 @@ from exactstep.bench.finetune import QWEN2, status_kib
 #: the run: ``steps`` optimizer steps a side, each on ``prompts`` prompts x ``samples``
 #: completions of at most ``new_tokens`` tokens
 FULL = {"steps": 3, "prompts": 2, "samples": 4, "new_tokens": 16, "warmup_steps": 1}
+#: the work at Qwen2.5-0.5B's own shape (``python -m exactstep.bench.grpo --qwen2.5-0.5b``):
+#: what two cores do in minutes
+REAL = {"steps": 1, "prompts": 1, "samples": 4, "new_tokens": 8, "warmup_steps": 1}
 QUICK = {"steps": 1, "prompts": 2, "samples": 2, "new_tokens": 4, "warmup_steps": 0}
 #: the adapters of both sides (``configs/qwen2_0p5b_lora.toml``'s)
 LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
@@ -78,11 +81,24 @@ def answer_reward(completion: Sequence[int], reference: Sequence[int], stop_ids:
 
 
 def run(quick: bool) -> dict:
-    work = dict(QUICK if quick else FULL)
-    spec = {"model": dict(QWEN2), "lora": dict(LORA), "optim": dict(OPTIM), "work": work,
+    return compare(dict(QWEN2), dict(QUICK if quick else FULL))
+
+
+def compare(model: dict, work: dict) -> dict:
+    """Both sides on the model table ``model`` doing ``work``; the figures."""
+    spec = {"model": model, "lora": dict(LORA), "optim": dict(OPTIM), "work": work,
             "threads": THREADS}
     sides = {side: child({**spec, "side": side}) for side in SIDES}
     return summarise(spec, sides["exactstep"], sides["trl"])
+
+
+def qwen_0p5b() -> dict:
+    """Qwen2.5-0.5B's own shape: ``configs/qwen2_0p5b_lora.toml``'s model table
+    (24 layers, hidden 896, 14 query / 2 key-value heads, 494M parameters)."""
+    import tomllib
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "qwen2_0p5b_lora.toml"
+    return dict(tomllib.loads(config.read_text(encoding="utf-8"))["model"]["hf_config"])
 
 
 def summarise(spec: dict, exact: dict, trl: dict) -> dict:
@@ -399,4 +415,8 @@ class StepClock:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(json.loads(sys.argv[1]))))
+    if sys.argv[1:2] == ["--qwen2.5-0.5b"]:  # the whole comparison at Qwen2.5-0.5B's shape
+        print(json.dumps(compare(qwen_0p5b(), json.loads(sys.argv[2]) if sys.argv[2:]
+                                 else dict(REAL)), indent=2))
+    else:  # one side (``child``)
+        print(json.dumps(measure(json.loads(sys.argv[1]))))
