@@ -12,7 +12,8 @@ reward is checked against values worked by hand.
 Negative controls: the declared-work check rejects a side that generated one group
 fewer or made one update fewer, and the prompt comparison rejects trl's prompts once
 their ``<bos>`` is dropped (what tokenizing the decoded prompt with special tokens
-skipped gives); the reward's hand values reject a reward that ignores the stop token.
+skipped gives) or in another window order (a shuffled dataset); the reward's hand
+values reject a reward that ignores the stop token.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def test_quick_json_both_sides_did_the_declared_work(monkeypatch, capsys) -> Non
     skipped = {**figures, "exactstep_updates": figures["exactstep_updates"] - 1}
     assert any("exactstep made" in p for p in declared_work_problems(skipped, TINY_WORK))
     assert [[p[1:] for p in w] for w in trl] != exact
+    assert trl[::-1] != exact  # trl given the windows in another order (a shuffle) is caught
 
 
 def test_answer_reward_hand_values() -> None:
