@@ -247,6 +247,11 @@ def exactstep_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -
     program.reward = Reward("answer_reward",
                             lambda s: answer_reward(s.response, s.reference, s.stop_ids, vocab),
                             {"name": "answer_reward", "kind": "bench"}, False)
+    # the journal's text: ids past the tokenizer's (the model's padded rows, which a
+    # random model draws) decode to nothing, as trl's tokenizer decodes them
+    tokenizer = parts.tokenizer
+    program.decode = lambda ids: tokenizer.decode([i for i in ids
+                                                   if int(i) < tokenizer.vocab_size])
     optimizer, _ = build_optimizer(model, cfg.update)
     engine = UpdateEngine(model, optimizer, build_schedule(cfg.update, len(windows)),
                           Precision(cfg.numerics, "cpu"), cfg.update, cfg.objective,
