@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 # every benchmark the package ships, written out (independent of the discovery code)
 EXPECTED_BENCHMARKS = ["attention", "checkpoint", "ddp", "default", "denormals", "families",
-                       "finetune", "hf", "loader", "loss", "packing", "prepare", "rollout",
-                       "step"]
+                       "finetune", "grpo", "hf", "loader", "loss", "packing", "prepare",
+                       "rollout", "step"]
 # the quickest benchmark (about 2 s with --quick) and every figure it reports
 QUICK_BENCH = "packing"
 PACKING_FIGURES = {
