@@ -245,3 +245,39 @@ def test_a_lora_policy_refers_to_its_own_base_without_a_second_copy(parity):
             2.0 ** -40  # float64 log-softmax of the same fp32 logits
         moved += int(not torch.allclose(own, want, atol=1e-6, rtol=0))  # negative control
     assert moved > 0
+
+
+# ------------------------------------------------------- a head wider than the tokenizer
+
+
+def test_a_head_wider_than_the_tokenizer_samples_its_padded_rows_and_journals_them(parity):
+    """An HF model whose vocabulary (1,024 rows) is padded past the byte tokenizer's
+    259 ids (as the Qwen-shaped demo's 151,936) samples from its own softmax over every
+    row; the window trains, and a padded id reaches the reward and the journal as
+    ``<id:N>`` text, never dropped (the journal's ids stay the drawn ones). Negative
+    control: the tokenizer's own decode refuses those ids."""
+    from exactstep.errors import DataError
+
+    wide = {"model.source": "hf", "model.hf_config": json.dumps(
+        hf_config("llama", vocab_size=1024, max_position_embeddings=256))}
+    cfg, parts, model = setup({**wide, "policy.reward": parity, "policy.baseline": "none"})
+    program = parts.family.program(cfg, parts, model, CPU)
+    optimizer, _ = build_optimizer(model, cfg.update)
+    engine = UpdateEngine(model, optimizer, build_schedule(cfg.update, 1),
+                          Precision(cfg.numerics, "cpu"), cfg.update, cfg.objective,
+                          device="cpu", pad_id=parts.tokenizer.pad_id,
+                          plan=parts.family.plan(cfg, 0), program=program)
+    seen = []
+    prepare = program.prepare
+    program.prepare = lambda *a, **kw: seen.append(prepare(*a, **kw)) or seen[-1]
+    disposition = engine.run_window(window_of(parts, [[0, 1]]), 0)
+    assert disposition.outcome in (Outcome.COMMITTED, Outcome.NO_OBJECTIVE)
+    batches, _ = seen[0]
+    drawn = [int(t) for b in batches for t in b.labels[b.meta["policy"].sampled].tolist()]
+    padded = [t for t in drawn if t >= parts.tokenizer.vocab_size]
+    assert padded, "a random 1,024-row head draws its padded rows"
+    text = "".join(r["completion"] for r in program.records)
+    assert all(f"<id:{t}>" in text for t in padded)
+    assert text.count("<id:") == len(padded)  # one per drawn padded id (stop ids excluded)
+    with pytest.raises(DataError):
+        parts.tokenizer.decode(padded[:1])

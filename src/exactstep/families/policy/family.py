@@ -17,7 +17,13 @@ from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.families.encdec.compiler import source_pad_of
 from exactstep.families.policy.config import BIASED
-from exactstep.families.policy.rewards import Reward, Rewards, load_reward, load_rewards
+from exactstep.families.policy.rewards import (
+    Reward,
+    Rewards,
+    load_reward,
+    load_rewards,
+    sampled_text,
+)
 from exactstep.families.registry import Family, family_of
 from exactstep.generation.clipped import ClippedRollouts
 from exactstep.generation.rollouts import PolicyRollouts
@@ -130,7 +136,8 @@ def family(cfg: RunConfig) -> Family:
         return rollouts(cfg.policy, cfg.generation, seed=cfg.seed,
                               seq_len=cfg.batch.seq_len, examples=parts.data.train,
                               reward=declared_rewards(cfg), columns=cfg.data.columns,
-                              stop_ids=(tokenizer.eos_id,), decode=tokenizer.decode,
+                              stop_ids=(tokenizer.eos_id,),
+                              decode=sampled_text(tokenizer.decode, tokenizer.vocab_size),
                               reference=reference,
                               source_pad_id=(source_pad_of(cfg.encdec, tokenizer)
                                              if cfg.policy.over == "encdec" else 0))

@@ -253,3 +253,29 @@ def load_rewards(entries: Sequence[dict], ngram: int, columns: Sequence[str] = (
         terms.append((load_reward(entry["name"], ngram, batched=True, columns=columns,
                                   conversational=conversational), float(entry["weight"])))
     return Rewards(tuple(terms))
+
+
+def sampled_text(decode: Callable[[Sequence[int]], str], vocab_size: int
+                 ) -> Callable[[Sequence[int]], str]:
+    """``decode`` for sampled ids: a model whose vocabulary is padded past the
+    tokenizer's (a 151,936-row head over a smaller tokenizer) draws those rows too, as
+    its own distribution says; they have no text, so each is written ``<id:N>`` in the
+    prompt, completion and reference a reward and the journal see, never dropped and
+    never an error (the ids themselves are what the objective trains)."""
+
+    def text(ids: Sequence[int]) -> str:
+        out, run = [], []
+        for i in ids:
+            if 0 <= int(i) < vocab_size:
+                run.append(int(i))
+                continue
+            if run:
+                out.append(decode(run))
+                run = []
+            out.append(f"<id:{int(i)}>")
+        if run:
+            out.append(decode(run))
+        return "".join(out)
+
+    return text
+
