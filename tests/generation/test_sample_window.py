@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from run_support import TINY_MODEL
 
 import exactstep.generation.sampler as sampler
+from exactstep.bench.common import whole_rows
 from exactstep.generation.config import GenerationConfig
 from exactstep.generation.sampler import (
     SampleRequest,
@@ -54,18 +55,6 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-class WholeRows(torch.nn.Module):
-    """A model seen without its cache: ``sample_group`` reruns whole rows each step."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = model
-
-    def forward(self, batch):
-        return self.inner(batch)
-
-    def logits(self, hidden):
-        return self.inner.logits(hidden)
 
 
 def recording(model: torch.nn.Module) -> list[np.ndarray]:
@@ -108,7 +97,7 @@ def build(kind: str) -> torch.nn.Module:
 def reference(model, requests, whole: bool):
     """``sample_group`` per request (cached, or on whole rows) and each row's logits
     per step ``{(i, k): [steps, V]}``."""
-    view = WholeRows(model) if whole else model
+    view = whole_rows(model) if whole else model
     calls = recording(view if whole else model)
     out, logits = [], {}
     for i, r in enumerate(requests):

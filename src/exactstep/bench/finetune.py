@@ -11,13 +11,13 @@ Design and derivations: docs/design/bench.md#benchfinetunepy (H1, H4, H5, L1).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from exactstep.bench.common import run_child
 
 #: the model: Qwen2.5's vocabulary and tied head, GQA heads 4:1, depth and width
 #: reduced so a pass fits in minutes on two CPU cores; random init from the config
@@ -108,13 +108,7 @@ def summarise(variant: str, exact: list[dict], hf: list[dict]) -> dict:
 def child(spec: dict) -> dict:
     """One side's pass in a fresh interpreter (``python -m exactstep.bench.finetune``),
     so its ``VmHWM`` is its own: imports, model build, data and training."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
-           "MKL_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-m", CHILD_MODULE, json.dumps(spec)],
-                          capture_output=True, text=True, check=False, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench finetune child {spec['side']} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(CHILD_MODULE, spec, "finetune")
 
 
 # ------------------------------------------------------------------------------- data

@@ -14,8 +14,6 @@ Design and derivations: docs/design/bench.md#benchgrpopy (Q1-Q4, H4).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from exactstep.bench.common import run_child
 from exactstep.bench.finetune import QWEN2, status_kib
 
 #: the run: ``steps`` optimizer steps a side, each on ``prompts`` prompts x ``samples``
@@ -136,13 +135,7 @@ def summarise(spec: dict, exact: dict, trl: dict) -> dict:
 def child(spec: dict) -> dict:
     """One side in a fresh interpreter (``python -m exactstep.bench.grpo``), so its
     ``VmHWM`` is its own: imports, model build, data, rollouts and updates."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
-           "MKL_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-m", CHILD_MODULE, json.dumps(spec)],
-                          capture_output=True, text=True, check=False, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench grpo child {spec['side']} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(CHILD_MODULE, spec, "grpo")
 
 
 # ----------------------------------------------------------------------- both sides

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from exactstep.bench.common import interleaved_times, median
+from exactstep.bench.common import interleaved_times, median, whole_rows
 
 FULL = {"prompts": 8, "samples": 4, "tokens": 8, "repeats": 5, "windows": 4}
 QUICK = {"prompts": 2, "samples": 2, "tokens": 4, "repeats": 2, "windows": 1}
@@ -219,18 +219,8 @@ def hf_side(spec: dict) -> dict:
     requests = [SampleRequest(i, tuple(p)) for i, p in enumerate(prompts)]
     side = spec["side"]
 
-    class WholeRows(torch.nn.Module):  # the adapter without its cache: whole rows a step
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = adapter
 
-        def forward(self, batch):
-            return self.inner(batch)
-
-        def logits(self, hidden):
-            return self.inner.logits(hidden)
-
-    whole = WholeRows()
+    whole = whole_rows(adapter)  # the adapter without its cache: whole rows a step
 
     @torch.no_grad()
     def generate() -> int:  # the rows left-padded, as generate pads a batch
@@ -292,16 +282,6 @@ def encdec_sampling(shape: dict) -> dict:
                 for e in parts.data.train[:shape["prompts"]]]
     gen = cfg.generation
 
-    class WholeRows(torch.nn.Module):  # the model without its cache: whole rows a step
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = model
-
-        def forward(self, batch):
-            return self.inner(batch)
-
-        def logits(self, hidden):
-            return self.inner.logits(hidden)
 
     def sampler(m):
         def go() -> list[tuple[int, ...]]:
@@ -310,7 +290,7 @@ def encdec_sampling(shape: dict) -> dict:
                                           stop_ids=(-1,), source=src, source_pad_id=pad)]
         return go
 
-    cached, whole = sampler(model), sampler(WholeRows())
+    cached, whole = sampler(model), sampler(whole_rows(model))
     same = cached() == whole()  # the same draws either way (rounding could flip one)
     tokens_each = len(requests) * gen.samples * gen.max_new_tokens
     cand, base = interleaved_times(lambda: cached(), lambda: whole(), repeats=shape["repeats"])
