@@ -37,7 +37,7 @@ import signal
 import numpy as np
 import pytest
 import torch
-from families.policy.test_policy_gradient import TabularPolicy, reward
+from families.policy.test_policy_gradient import TabularPolicy, one_token_prompts, reward
 from families.policy.test_policy_kill_resume import POLICY, REWARD
 from families.policy.test_policy_run import (  # noqa: F401 (rewards: a fixture)
     TINY_POLICY,
@@ -60,7 +60,7 @@ from exactstep.generation.config import GenerationConfig
 from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.policy import policy_plan
-from exactstep.rows.batch import Batch, Segment
+from exactstep.rows.batch import Batch
 from exactstep.rows.example import Example
 from exactstep.state.compare import state_differences
 from exactstep.update.config import NumericsConfig, UpdateConfig
@@ -125,13 +125,6 @@ def tabular_engine(epochs: int, *, lr: float, high: float = 0.0, program=Recordi
     return model, rollouts, engine
 
 
-def prompts() -> list[Batch]:
-    return [Batch(input_ids=torch.zeros((P, 1), dtype=torch.int64),
-                  labels=torch.full((P, 1), -100, dtype=torch.int64),
-                  position_ids=torch.zeros((P, 1), dtype=torch.int64),
-                  segment_ids=torch.ones((P, 1), dtype=torch.int32),
-                  segments=tuple((Segment(i, 0, 0, 0, 1),) for i in range(P)))]
-
 
 def reference_trajectories(batches: list[Batch]) -> list[reference.Trajectory]:
     """The sampled tokens of the window, with advantages recomputed from the rewards
@@ -170,7 +163,7 @@ def fp32_bound(embed0, pos0, masses, lr: float, n_terms: int, zmax: float) -> fl
 def run_reference_case(epochs: int, lr: float, high: float, program=Recording):
     model, rollouts, engine = tabular_engine(epochs, lr=lr, high=high, program=program)
     embed0, pos0 = model.embed.detach().double().tolist(), model.pos.detach().double().tolist()
-    d = engine.run_window(prompts(), 0)
+    d = engine.run_window([one_token_prompts(P)], 0)
     trajectories = reference_trajectories(rollouts.prepared)
     want = reference.tabular_clipped_sgd(
         embed0, pos0, trajectories, epochs=epochs, lr=lr,

@@ -136,11 +136,7 @@ def estimated_gradients(baseline: str) -> tuple[TabularPolicy, list[dict[str, np
                           Precision(NumericsConfig(precision="fp32"), "cpu"), cfg,
                           ObjectiveConfig(chunk_rows=0), device="cpu", pad_id=0,
                           plan=policy_plan("constant", float(P * K)), program=program)
-    prompts = Batch(input_ids=torch.zeros((P, 1), dtype=torch.int64),
-                    labels=torch.full((P, 1), -100, dtype=torch.int64),
-                    position_ids=torch.zeros((P, 1), dtype=torch.int64),
-                    segment_ids=torch.ones((P, 1), dtype=torch.int32),
-                    segments=tuple((Segment(i, 0, 0, 0, 1),) for i in range(P)))
+    prompts = one_token_prompts(P)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for window in range(W):
         if engine.run_window([prompts], window).outcome is Outcome.NO_OBJECTIVE:
@@ -184,3 +180,14 @@ def test_negative_control_the_group_mean_with_the_sample_is_biased_by_k_minus_1_
 def test_negative_control_a_learned_baseline_that_sees_the_action_is_biased():
     model, grads = estimated_gradients("learned_leaky")
     assert far_from(grads, exact_gradient(model)) != []
+
+
+def one_token_prompts(n: int) -> Batch:
+    """A micro-batch of examples ``0..n-1``, each the one-token prompt ``(0,)`` in a row
+    of its own (the tabular policies' window)."""
+    return Batch(input_ids=torch.zeros((n, 1), dtype=torch.int64),
+                 labels=torch.full((n, 1), -100, dtype=torch.int64),
+                 position_ids=torch.zeros((n, 1), dtype=torch.int64),
+                 segment_ids=torch.ones((n, 1), dtype=torch.int32),
+                 segments=tuple((Segment(i, 0, 0, 0, 1),) for i in range(n)))
+

@@ -30,8 +30,7 @@ import math
 
 import numpy as np
 import pytest
-import torch
-from families.policy.test_policy_gradient import TARGET, TabularPolicy, V, reward
+from families.policy.test_policy_gradient import TARGET, TabularPolicy, V, one_token_prompts, reward
 
 from exactstep.families.policy import reference
 from exactstep.families.policy.config import PolicyConfig
@@ -40,7 +39,7 @@ from exactstep.generation.config import GenerationConfig
 from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.policy import policy_plan
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+from exactstep.rows.batch import IGNORE_INDEX
 from exactstep.rows.example import Example
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.disposition import Outcome
@@ -58,13 +57,6 @@ def scored_reward(y) -> float:
     y = tuple(y)
     return reward(y + (0,) * (2 - len(y))) + 0.5 * (len(y) == 1)
 
-
-def prompts() -> Batch:
-    return Batch(input_ids=torch.zeros((P, 1), dtype=torch.int64),
-                 labels=torch.full((P, 1), IGNORE_INDEX, dtype=torch.int64),
-                 position_ids=torch.zeros((P, 1), dtype=torch.int64),
-                 segment_ids=torch.ones((P, 1), dtype=torch.int32),
-                 segments=tuple((Segment(i, 0, 0, 0, 1),) for i in range(P)))
 
 
 def engine_window(kl: str, normalizer: str = "token_mean", seed: int = 11):
@@ -97,7 +89,7 @@ def engine_window(kl: str, normalizer: str = "token_mean", seed: int = 11):
                           Precision(NumericsConfig(precision="fp32"), "cpu"), cfg,
                           ObjectiveConfig(chunk_rows=0), device="cpu", pad_id=0,
                           plan=policy_plan(normalizer, 1.0), program=program)
-    assert engine.run_window([prompts()], 0).outcome is Outcome.COMMITTED
+    assert engine.run_window([one_token_prompts(P)], 0).outcome is Outcome.COMMITTED
     (batches,), _ = seen[0]
     responses = [batches.labels[b][batches.labels[b] != IGNORE_INDEX].tolist()
                  for b in range(batches.labels.shape[0])]

@@ -20,8 +20,7 @@ apart by this schedule).
 from __future__ import annotations
 
 import numpy as np
-import torch
-from families.policy.test_policy_gradient import TabularPolicy
+from families.policy.test_policy_gradient import TabularPolicy, one_token_prompts
 
 from exactstep.families.policy import reference
 from exactstep.families.policy.config import PolicyConfig
@@ -30,7 +29,7 @@ from exactstep.generation.config import GenerationConfig
 from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.policy import policy_plan
-from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
+from exactstep.rows.batch import IGNORE_INDEX
 from exactstep.rows.example import Example
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.disposition import Outcome
@@ -43,13 +42,6 @@ P, K, WINDOWS, SKIPPED = 4, 2, 5, 1
 REFERENCE = (1, 2, 1, 2)  # each example's reference response, after the prompt (0,)
 CURRICULUM = dict(start=1, step=1, every=1, most=4)
 
-
-def prompts() -> Batch:
-    return Batch(input_ids=torch.zeros((P, 1), dtype=torch.int64),
-                 labels=torch.full((P, 1), IGNORE_INDEX, dtype=torch.int64),
-                 position_ids=torch.zeros((P, 1), dtype=torch.int64),
-                 segment_ids=torch.ones((P, 1), dtype=torch.int32),
-                 segments=tuple((Segment(i, 0, 0, 0, 1),) for i in range(P)))
 
 
 def mixer_run():
@@ -77,7 +69,7 @@ def mixer_run():
                           Precision(NumericsConfig(precision="fp32"), "cpu"), cfg,
                           ObjectiveConfig(chunk_rows=0), device="cpu", pad_id=0,
                           plan=policy_plan("token_mean", 1.0), program=program)
-    dispositions = [engine.run_window([prompts()], w) for w in range(WINDOWS)]
+    dispositions = [engine.run_window([one_token_prompts(P)], w) for w in range(WINDOWS)]
     rows = []
     for (batch,), _ in seen:
         plan = policy_plan("token_mean", 1.0)([batch], ObjectiveConfig(), allow_empty=True)
