@@ -151,7 +151,8 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                           precision.autocast, tokenizer.byte_lengths(), parts.compiler)
     checkpointer = Checkpointer(out_dir / "checkpoints", keep=cfg.checkpoint.keep, model=model,
                                 engine=engine, stream=stream, ctx=ctx,
-                                manifest_digest=manifest.digest, multi_rank=DcpFormat(ctx),
+                                manifest_digest=manifest.digest,
+                                multi_rank=DcpFormat(ctx, cfg.parallel.strategy),
                                 environment=env)
     return Run(cfg, out_dir, tokenizer, data, stream, model, engine, validator, checkpointer,
                manifest, ctx, parts, env)

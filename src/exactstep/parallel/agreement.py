@@ -9,6 +9,7 @@ Design and derivations: docs/design/parallel.md#parallelagreementpy (D1, D2, U1)
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from itertools import islice
 
@@ -17,7 +18,7 @@ import torch
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import DistContext
 from exactstep.parallel.reducer import DDPReducer
-from exactstep.parallel.wrap import wrap_train_module
+from exactstep.parallel.wrap import shard_optimizer, wrap_train_module
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 
 PAD_EXAMPLE_ID = -1  # row address of a padding microbatch's rows (R6)
@@ -27,12 +28,19 @@ def distribute_engine(engine, ctx: DistContext, cfg: ParallelConfig):
     """Make ``engine`` one rank of the job (no-op for a single process); returns it.
 
     Must run before the first window. The engine's parameters are the model's own
-    (DDP shares them), so optimizer, clipping and checkpoints are unaffected.
+    (DDP shares them), so clipping and checkpoints are unaffected; under ``zero1`` the
+    optimizer becomes a ``ShardedOptimizer`` over the same groups (its state empty
+    until the first step).
     """
     if not ctx.distributed:
+        if cfg.strategy == "zero1":
+            print("exactstep: parallel.strategy = zero1 in one process: the optimizer state "
+                  "is not sharded (all of it here); launch several processes (--nproc, "
+                  "torchrun) to shard", file=sys.stderr)
         return engine
     engine.reducer = DDPReducer(ctx)
     engine.train_module = wrap_train_module(engine.train_module, ctx, cfg)
+    engine.optimizer = shard_optimizer(engine.optimizer, ctx, cfg)
     return engine
 
 

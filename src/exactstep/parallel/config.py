@@ -14,17 +14,20 @@ MAX_TIMEOUT_S = 1e9
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """``strategy``: ``ddp`` (replicated) or ``fsdp`` (FSDP2 ``fully_shard`` per decoder
-    layer, built-in and HF models; gloo on CPU, NCCL on CUDA; one process runs
-    unsharded). World size comes from the launcher (torchrun), not from the
-    configuration.
+    """``strategy``: ``ddp`` (replicated); ``zero1`` (DDP with the optimizer state
+    sharded by ``ZeroRedundancyOptimizer``); ``zero2`` (gradients and optimizer state
+    sharded: FSDP2 ``fully_shard(reshard_after_forward=False)``, parameters kept
+    gathered from forward to backward); ``fsdp`` (ZeRO-3: FSDP2 ``fully_shard`` per
+    decoder layer, built-in and HF models). FSDP2 runs on gloo on CPU, NCCL on CUDA;
+    one process runs every strategy unsharded. World size comes from the launcher
+    (torchrun), not from the configuration.
 
     ``timeout_s`` bounds every collective: when a peer dies or stalls, the surviving
     ranks fail with a ``DistributedError`` within this many seconds instead of hanging.
     ``bucket_mb`` is DDP's gradient bucket size.
     """
 
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    strategy: Literal["ddp", "fsdp", "zero1", "zero2"] = "ddp"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 300.0
     bucket_mb: int = 25

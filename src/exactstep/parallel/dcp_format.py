@@ -3,8 +3,10 @@
 Every rank writes its shards, RNG streams and data cursor into one temporary
 directory; rank 0 commits it through ``state.store`` between two host barriers, so
 ``LATEST`` always names a complete checkpoint (S3). Loading on another world size is
-a declared migration (``reshard``), never a silent load (S7). The model part holds
-what a one-process checkpoint holds: with LoRA the adapters only (H4, S2).
+a declared migration (``reshard``), never a silent load (S7); on another
+``parallel.strategy`` it is refused. The model part holds what a one-process
+checkpoint holds: with LoRA the adapters only (H4, S2); a ``zero1`` run's optimizer
+state is written flattened per parameter, each shard by the rank that owns it.
 Design and derivations: docs/design/parallel.md#paralleldcp_formatpy (S7, S2, S3, D3).
 """
 
@@ -12,13 +14,14 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from exactstep.durable import fsync_path
 from exactstep.errors import CheckpointError, DistributedError, ModelError
@@ -70,6 +73,41 @@ def load_options(held: dict[str, Any], whole: dict[str, Any]):
     return StateDictOptions(strict=len(held) == len(whole))
 
 
+def optimizer_view(optimizer: torch.optim.Optimizer, strategy: str
+                   ) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer DCP reads and writes for ``optimizer`` under ``strategy``, and the
+    state-dict options to use (``strict`` added by the caller where it loads).
+
+    ``zero1``: a ``ZeroRedundancyOptimizer``'s local optimizer (the parameters this
+    rank owns), its state flattened to one key per parameter and value
+    (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): every key lives on the one
+    rank that owns it, so each rank writes its own shard, and a load on any world
+    (one process after ``--reshard`` included) reads the keys its optimizer holds.
+    Every other strategy: the optimizer itself, grouped as PyTorch writes it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return local, StateDictOptions(flatten_optimizer_state_dict=strategy == "zero1")
+
+
+def check_strategy(path: Path, manifest: dict[str, Any], strategy: str) -> None:
+    """Refuse to resume a checkpoint's optimizer under another ``parallel.strategy``:
+    its state's layout (one shard per rank, flattened, under ``zero1``; sharded
+    tensors under ``fsdp`` / ``zero2``) is the strategy's. A checkpoint from before
+    strategies were recorded was written under one of ``ddp`` / ``fsdp``."""
+    saved = manifest.get("strategy")
+    if saved == strategy or (saved is None and strategy != "zero1"):
+        return
+    was = f"parallel.strategy = '{saved}'" if saved else "a strategy other than zero1"
+    again = f"parallel.strategy = '{saved}'" if saved else "its own parallel.strategy"
+    raise DistributedError(
+        f"checkpoint {path.name} was written under {was} but this run has "
+        f"parallel.strategy = '{strategy}' (the optimizer state is laid out per strategy); "
+        f"resume it with {again}, or warm-start a new run from its weights "
+        "(exactstep resume RUN --warm-start DIR)")
+
+
 def require_held(path: Path, held: dict[str, Any], whole: dict[str, Any]) -> None:
     """Refuse, before loading, a checkpoint that lacks model tensors ``held`` names:
     with LoRA and no adapter at all (a run without LoRA, e.g. a warm start's parent)
@@ -103,12 +141,15 @@ def save_distributed_checkpoint(
     rank_state: dict[str, Any],
     ctx: DistContext,
     keep: int,
+    strategy: str = "ddp",
 ) -> Path:
     """Every rank calls this at the same window; returns ``root/<name>`` once committed.
 
     ``model`` is the unwrapped model (DDP shares its parameters; FSDP2 shards them),
     ``common`` the rank-independent parts (rank 0's copy is written), ``rank_state``
-    this rank's RNG streams and data cursor. Collective: all ranks must call it.
+    this rank's RNG streams and data cursor; ``strategy`` (``parallel.strategy``) is
+    recorded and lays out the optimizer's state (``optimizer_view``). Collective: all
+    ranks must call it.
     Rank 0 owns the ``Publication`` (S3); the others write into its directory.
     """
     import torch.distributed.checkpoint as dcp
@@ -120,7 +161,8 @@ def save_distributed_checkpoint(
     with owner as publication:
         _barrier(ctx)  # the directory exists before any rank writes into it
         names = held_names(model)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        local, options = optimizer_view(optimizer, strategy)
+        model_sd, optim_sd = get_state_dict(model, local, options=options)
         whole = len(model_sd)
         model_sd = held_part(model_sd, names)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
@@ -133,7 +175,8 @@ def save_distributed_checkpoint(
         if publication is not None:
             parts = part_labels(ctx.world_size, adapters_only=len(model_sd) < whole)
             publication.commit(format=DIST_FORMAT, parts=parts,
-                               fields={"world_size": ctx.world_size}, keep=keep)
+                               fields={"world_size": ctx.world_size, "strategy": strategy},
+                               keep=keep)
     _barrier(ctx)
     return root / name
 
@@ -184,13 +227,16 @@ def load_distributed_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     ctx: DistContext,
     reshard: bool = False,
+    strategy: str = "ddp",
 ) -> DistributedState | None:
     """Load weights (and optimizer) into ``model``/``optimizer``, return the rest (S7).
 
-    With ``optimizer=None`` only the weights are loaded (evaluation, warm start) and
-    ``None`` is returned. Raises ``DistributedError`` when the checkpoint was written
-    by another world size and ``reshard`` is False, ``CheckpointError`` (naming the
-    file) on a missing or corrupted file. Collective when ``ctx`` is distributed.
+    With ``optimizer=None`` only the weights are loaded (evaluation, warm start, any
+    strategy) and ``None`` is returned. Raises ``DistributedError`` when the
+    checkpoint was written by another world size and ``reshard`` is False, or under
+    another ``strategy`` (``check_strategy``), before anything is loaded;
+    ``CheckpointError`` (naming the file) on a missing or corrupted file. Collective
+    when ``ctx`` is distributed.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -215,6 +261,7 @@ def load_distributed_checkpoint(
         dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
         set_model_state_dict(model, state["model"], options=options)
         return None
+    check_strategy(path, manifest, strategy)
     if saved_world != ctx.world_size and not reshard:
         raise DistributedError(
             f"checkpoint {path.name} was written by {saved_world} ranks but this job has "
@@ -225,12 +272,13 @@ def load_distributed_checkpoint(
     mine = [rank_file(ctx.rank % saved_world)] if not reshard else old_ranks
     check_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
     _barrier(ctx)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    local, view = optimizer_view(optimizer, strategy)
+    model_sd, optim_sd = get_state_dict(model, local, options=view)
     state = {"model": held_part(model_sd, names), "optim": optim_sd}
-    options = load_options(state["model"], model_sd)
+    options = replace(view, strict=load_options(state["model"], model_sd).strict)
     require_held(path, state["model"], model_sd)
     dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
+    set_state_dict(model, local, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=options)
     common = torch.load(path / COMMON_FILE, weights_only=True)
     olds = [torch.load(path / f, weights_only=True) for f in mine]
@@ -279,20 +327,22 @@ class DcpFormat:
 
     format = DIST_FORMAT
 
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(self, ctx: DistContext, strategy: str = "ddp") -> None:
         self.ctx = ctx
+        self.strategy = strategy  # parallel.strategy: recorded, and checked on resume
 
     def save(self, root: Path, name: str, *, model: nn.Module,
              optimizer: torch.optim.Optimizer, common: dict[str, Any],
              rank_state: dict[str, Any], keep: int) -> Path:
         return save_distributed_checkpoint(root, name, model=model, optimizer=optimizer,
                                            common=common, rank_state=rank_state,
-                                           ctx=self.ctx, keep=keep)
+                                           ctx=self.ctx, keep=keep, strategy=self.strategy)
 
     def load(self, path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
              reshard: bool) -> DistributedState | None:
         return load_distributed_checkpoint(path, model=model, optimizer=optimizer,
-                                           ctx=self.ctx, reshard=reshard)
+                                           ctx=self.ctx, reshard=reshard,
+                                           strategy=self.strategy)
 
     @staticmethod
     def read_progress(path: Path) -> dict[str, Any]:

@@ -1,33 +1,42 @@
-"""Wrapping for many processes: DDP (replicated) or FSDP2 (sharded) (D1, D4).
+"""Wrapping for many processes: DDP, ZeRO-1, ZeRO-2 or FSDP2 (ZeRO-3) (D1, D4).
 
 ``wrap_train_module`` puts the update engine's ``TrainModule`` (loss included) under
-DDP so ``no_sync`` covers forward and backward (D1); ``shard_model`` applies FSDP2
-``fully_shard`` per block (the built-in decoder's layers, an HF model's decoder
-layers, LoRA adapters included) and at the root, before the optimizer is built (D4).
-Design and derivations: docs/design/parallel.md#parallelwrappy (D1, D4, U2).
+DDP so ``no_sync`` covers forward and backward (``ddp`` and ``zero1``, D1);
+``shard_optimizer`` replaces a ``zero1`` run's optimizer by PyTorch's
+``ZeroRedundancyOptimizer`` over the same groups (optimizer state sharded);
+``shard_model`` applies FSDP2 ``fully_shard`` per block (the built-in decoder's layers,
+an HF model's decoder layers, LoRA adapters included) and at the root, before the
+optimizer is built (``fsdp``; ``zero2`` keeps parameters gathered from forward to
+backward, D4). Design: docs/design/parallel.md#parallelwrappy (D1, D4, U2, U4, U6).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from exactstep.errors import DistributedError
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import DistContext
 
+REPLICATED = ("ddp", "zero1")  # every rank holds every parameter: DDP wraps the module
+SHARDED = ("fsdp", "zero2")  # FSDP2 shards the parameters (and gradients, state)
+
 
 def wrap_train_module(module: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> nn.Module:
-    """DDP around ``module`` for a replicated (``ddp``) run; unchanged otherwise.
+    """DDP around ``module`` for a replicated (``ddp``, ``zero1``) run; unchanged otherwise.
 
-    A single process, or an ``fsdp`` run (sharded by ``shard_model`` beforehand),
-    returns ``module`` as it is. DDP broadcasts rank 0's parameters at construction,
-    so every replica starts from the same weights.
+    A single process, or an ``fsdp`` / ``zero2`` run (sharded by ``shard_model``
+    beforehand), returns ``module`` as it is. DDP broadcasts rank 0's parameters at
+    construction, so every replica starts from the same weights.
     """
-    if not ctx.distributed or cfg.strategy != "ddp":
+    if not ctx.distributed or cfg.strategy not in REPLICATED:
         return module
     return DistributedDataParallel(
         module,
@@ -40,6 +49,68 @@ def wrap_train_module(module: nn.Module, ctx: DistContext, cfg: ParallelConfig) 
 def unwrap(module: nn.Module) -> nn.Module:
     """The module DDP wraps (or ``module`` itself)."""
     return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+class ShardedOptimizer(ZeroRedundancyOptimizer):
+    """PyTorch's ``ZeroRedundancyOptimizer`` whose ``state_dict`` is this rank's shard.
+
+    ``param_groups`` are the whole groups (every parameter, the engine's clip set and
+    its per-group ``lr``, synced into the shard's optimizer at each ``step``); ``optim``
+    is the local optimizer over the parameters this rank owns. ``state_dict`` /
+    ``load_state_dict`` are the local optimizer's (no collective): what the engine's
+    snapshot of a window of several steps round-trips; a checkpoint writes every
+    rank's shard through DCP (``dcp_format``), never a consolidated copy.
+    """
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.optim.load_state_dict(state_dict)
+        self._sync_param_groups(self.optim.param_groups, self.param_groups)
+
+    def shard_params(self) -> list[nn.Parameter]:
+        """The parameters whose state this rank keeps (and steps), group by group."""
+        return [p for group in self.optim.param_groups for p in group["params"]]
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, ctx: DistContext,
+                    cfg: ParallelConfig) -> torch.optim.Optimizer:
+    """ZeRO-1: ``optimizer``'s class, groups and hyperparameters as a ``ShardedOptimizer``
+    (``zero1`` with several processes); ``optimizer`` itself otherwise.
+
+    Call it before the first step (the state is empty). Each group keeps its
+    ``name`` and ``weight_decay`` (U6); ``ZeroRedundancyOptimizer`` gives each
+    parameter to one rank (largest first, to the least loaded rank) and, after the
+    rank steps its shard with the whole averaged gradient, broadcasts it from there,
+    so every replica holds the same bits. Raises ``DistributedError`` when the
+    optimizer's defaults cannot be rebuilt by its class's constructor.
+    """
+    if not ctx.distributed or cfg.strategy != "zero1":
+        return optimizer
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    groups = [dict(group) for group in optimizer.param_groups]
+    sharded = ShardedOptimizer(groups, optimizer_class=cls, **kwargs)
+    if sharded.optim.defaults != optimizer.defaults:
+        raise DistributedError(
+            f"parallel.strategy = 'zero1' could not rebuild {cls.__name__} with the same "
+            "hyperparameters on each shard; use parallel.strategy = 'ddp'")
+    return sharded
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer state this rank holds: every tensor of its ``state``
+    (a ``ShardedOptimizer``'s shard; an FSDP2 run's local shards of DTensor state)."""
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    total = 0
+    for state in local.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                value = value.to_local() if hasattr(value, "to_local") else value
+                total += value.numel() * value.element_size()
+    return total
 
 
 def fsdp_mixed_precision(precision: str):
@@ -85,6 +156,12 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
                 precision: str = "fp32") -> nn.Module:
     """FSDP2: ``fully_shard`` every block of ``shard_blocks(model)``, then ``model`` (D4).
 
+    ``fsdp`` (ZeRO-3) reshards each block's parameters after its forward and gathers
+    them again for its backward; ``zero2`` (``reshard_after_forward=False``, FSDP1's
+    ``SHARD_GRAD_OP``) keeps them gathered from a block's forward to its backward (one
+    all-gather per microbatch, not two). Both reduce-scatter the gradients and keep
+    sharded gradients, optimizer state and, between windows, parameters.
+
     ``precision`` is the run's resolved ``numerics.precision``
     (``fsdp_mixed_precision``). A single process (e.g. a 2 -> 1 ``--reshard``)
     holds every parameter itself: ``model`` is returned unsharded, as ``ddp`` runs
@@ -97,12 +174,12 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
     ``DTensor``s. Its mesh is the default process group, so every collective keeps the
     ``parallel.timeout_s`` bound.
     """
-    if cfg.strategy != "fsdp":
+    if cfg.strategy not in SHARDED:
         return model
     if not ctx.distributed:
-        print("exactstep: parallel.strategy = fsdp in one process: the model runs unsharded "
-              "(every parameter here); launch several processes (--nproc, torchrun) to shard",
-              file=sys.stderr)
+        print(f"exactstep: parallel.strategy = {cfg.strategy} in one process: the model runs "
+              "unsharded (every parameter here); launch several processes (--nproc, "
+              "torchrun) to shard", file=sys.stderr)
         return model
     if ctx.device.type != "cuda" and ctx.backend != "gloo":
         raise DistributedError("FSDP2 on CPU needs the gloo backend; set parallel.backend = 'gloo'")
@@ -115,8 +192,9 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
         # the job's timeout when CUDA is visible but the job runs on gloo
         mesh = DeviceMesh.from_group(dist.group.WORLD, ctx.device.type)
         policy = fsdp_mixed_precision(precision)
+        keep = cfg.strategy == "zero2"  # parameters gathered from forward to backward
         for block in shard_blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
         fully_shard(model, mesh=mesh, mp_policy=policy)
     except (RuntimeError, NotImplementedError, AssertionError) as exc:
         raise DistributedError(

@@ -51,10 +51,14 @@ def check(cfg: RunConfig) -> None:
     if cfg.objective.label_smoothing:
         raise ConfigError("objective.family = 'policy' trains -log pi of each scored token: "
                           "set objective.label_smoothing = 0")
-    if cfg.parallel.strategy == "fsdp":
+    if cfg.parallel.strategy in ("fsdp", "zero2"):
         raise ConfigError("objective.family = 'policy' samples with each rank's whole model: "
                           "use parallel.strategy = 'ddp' (FSDP's gathered forwards would "
                           "need every rank to sample in lockstep)")
+    if cfg.parallel.strategy == "zero1":
+        raise ConfigError("objective.family = 'policy' is offered under DDP only: use "
+                          "parallel.strategy = 'ddp' (its windows of several steps are not "
+                          "proven under a sharded optimizer)")
     if policy.epochs > 1 and policy.mixer:
         raise ConfigError("policy.epochs > 1 trains sampled tokens by their clipped "
                           "importance ratio; MIXER's teacher-forced tokens have none and its "

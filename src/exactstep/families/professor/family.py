@@ -33,9 +33,10 @@ def check(cfg: RunConfig) -> None:
             "objective.family = 'professor' normalizes by the window's examples "
             f"(professor.nll); leave objective.reduction at token_mean (got "
             f"{cfg.objective.reduction!r})")
-    if cfg.parallel.strategy == "fsdp":
+    if cfg.parallel.strategy != "ddp":  # fsdp, zero2: sharded; zero1: one optimizer of two
         raise ConfigError("objective.family = 'professor' samples with each rank's whole "
-                          "model: use parallel.strategy = 'ddp'")
+                          "model and trains its discriminator beside it: use "
+                          "parallel.strategy = 'ddp'")
 
 
 def family(cfg: RunConfig) -> Family:
