@@ -122,6 +122,18 @@ def test_groups_keep_their_decay_and_the_engines_lr(job) -> None:
         assert groups == rank["ddp"]["groups"]
 
 
+def test_zero2_keeps_a_blocks_parameters_gathered_from_forward_to_backward(job) -> None:
+    """D4: once a block's forward has ended, under zero2 its weight is the whole
+    gathered tensor (kept for the backward); control: under fsdp (ZeRO-3) it is this
+    rank's row shard again (gathered anew for the backward)."""
+    whole = [3 * MODEL.d_model, MODEL.d_model]  # the qkv projection's weight
+    for rank in job:
+        assert rank["zero2"]["after_forward"] and rank["fsdp"]["after_forward"]
+        assert all(shape == whole for shape in rank["zero2"]["after_forward"])
+        assert all(shape == [whole[0] // WORLD, whole[1]]
+                   for shape in rank["fsdp"]["after_forward"])
+
+
 def moment_bytes(shape: list[int]) -> int:
     return 4 * (1 if not shape else int(torch.Size(shape).numel()))
 

@@ -55,6 +55,7 @@ LAYOUTS = {  # name -> (strategy, engine class, planted change)
     "ddp": ("ddp", UpdateEngine, None),
     "zero1": ("zero1", UpdateEngine, None),
     "zero2": ("zero2", UpdateEngine, None),
+    "fsdp": ("fsdp", UpdateEngine, None),
     "zero1_shard_norm": ("zero1", ShardNormEngine, None),
     "zero1_ungathered": ("zero1", UpdateEngine, ungathered),
     "zero2_local_norm": ("zero2", LocalShardNormEngine, None),
@@ -95,6 +96,12 @@ def run_layout(ctx, rank: int, name: str, windows) -> dict:
     engine = engine_for(ctx, strategy, cls)
     if planted is not None:
         planted(engine)
+    held: list[list[int]] = []  # a block's weight as it stands once the block's forward ended
+    engine.model.layers[0].register_forward_hook(
+        lambda module, args, output: held.append(list(module.attn.qkv.weight.shape) if not
+                                                 hasattr(module.attn.qkv.weight, "to_local")
+                                                 else list(module.attn.qkv.weight.to_local()
+                                                           .shape)))
     ledger, params = [], {}
     for w, batches in enumerate(windows[rank]):
         ledger.append(engine.run_window(list(batches), w).ledger_record())
@@ -102,7 +109,7 @@ def run_layout(ctx, rank: int, name: str, windows) -> dict:
             params[w + 1] = full_params(engine)
     return {"params": params, "ledger": ledger, "state": state_layout(engine),
             "state_bytes": optimizer_state_bytes(engine.optimizer),
-            "optimizer": type(engine.optimizer).__name__,
+            "optimizer": type(engine.optimizer).__name__, "after_forward": held,
             "groups": [{k: v for k, v in g.items() if k != "params"}
                        for g in engine.optimizer.param_groups]}
 
