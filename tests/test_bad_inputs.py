@@ -809,6 +809,15 @@ CASES += [  # weighted rewards, declared columns, a LoRA policy's base reference
 ]
 
 
+CASES += [  # a sharded optimizer the sampling families are not offered under (D4)
+    Case("policy-under-zero1", policy("--set", "parallel.strategy=zero1"),
+         "objective.family = 'policy' is offered under DDP only"),
+    Case("professor-under-zero1", professor("--set", "parallel.strategy=zero1"),
+         "use parallel.strategy = 'ddp'"),
+    Case("strategy-unknown", train("--set", "parallel.strategy=zero3"), "parallel.strategy"),
+]
+
+
 # --------------------------------------------------------------------------- running
 
 

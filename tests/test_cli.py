@@ -138,7 +138,7 @@ def test_bench_list_is_exactly_the_shipped_benchmarks(capsys) -> None:
     assert code == 0
     assert out.split() == ["attention", "checkpoint", "ddp", "default", "denormals",
                            "families", "finetune", "grpo", "hf", "loader", "loss",
-                           "packing", "prepare", "rollout", "step"]
+                           "packing", "parallel", "prepare", "rollout", "step"]
 
 
 def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
@@ -146,7 +146,7 @@ def test_unknown_benchmark_names_the_available_ones(capsys) -> None:
     assert code == 2
     assert err.strip() == ("error: unknown benchmark 'nosuch'; available: "
                            "attention, checkpoint, ddp, default, denormals, families, "
-                           "finetune, grpo, hf, loader, loss, packing, prepare, rollout, "
+                           "finetune, grpo, hf, loader, loss, packing, parallel, prepare, rollout, "
                            "step")
 
 

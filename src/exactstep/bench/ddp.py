@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from exactstep.bench.common import spawn_ranks
+
 VOCAB = 32
 PAD_ID = 0
 
@@ -66,26 +68,6 @@ def _engine():
     return UpdateEngine(model, optimizer, build_schedule(update, total_windows=100),
                         Precision(NumericsConfig(), "cpu"), update, ObjectiveConfig(),
                         device=torch.device("cpu"), pad_id=PAD_ID)
-
-
-def _spawn(world: int, out: Path, job: dict, *, deadline_s: float) -> list[int | None]:
-    """Start ``world`` ranks of ``_rank``, join them by ``deadline_s``, kill stragglers."""
-    from exactstep.parallel.process_group import free_port
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(out), job), daemon=True)
-             for r in range(world)]
-    start = time.monotonic()
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.0, deadline_s - (time.monotonic() - start)))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    return [p.exitcode for p in procs]
 
 
 def _plain_window(module, optimizer, batches, plan_window, cfg, clip: float) -> None:
@@ -247,7 +229,7 @@ def node_layouts(job: dict, rounds: int) -> dict:
 def run(quick: bool) -> dict:
     job = {"accum": 4, "windows": 10 if quick else 40}
     with tempfile.TemporaryDirectory() as tmp:
-        codes = _spawn(2, Path(tmp), job, deadline_s=600)
+        codes = spawn_ranks(_rank, 2, (tmp, job), deadline_s=600)
         file = Path(tmp) / "times.pt"
         if not file.exists():
             raise RuntimeError(f"bench ddp: ranks exited with {codes} and wrote no timings")

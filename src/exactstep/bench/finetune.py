@@ -14,10 +14,9 @@ import json
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from exactstep.bench.common import run_child
+from exactstep.bench.common import run_child, status_kib
 
 #: the model: Qwen2.5's vocabulary and tied head, GQA heads 4:1, depth and width
 #: reduced so a pass fits in minutes on two CPU cores; random init from the config
@@ -156,13 +155,6 @@ def expected_targets(examples: list) -> int:
 
 
 # -------------------------------------------------------------------------- child side
-
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def measure(spec: dict, check: bool = False) -> dict:

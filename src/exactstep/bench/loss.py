@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from exactstep.bench.common import status_kib
+
 FULL = {"rows": 8192, "vocab": 32000, "hidden": 512, "chunk_rows": 1024, "repeats": 3}
 QUICK = {"rows": 1024, "vocab": 8000, "hidden": 128, "chunk_rows": 256, "repeats": 3}
 TRAIN_SHAPE = {"rows": 4096, "vocab": 259, "hidden": 256, "chunk_rows": 1024}
@@ -132,13 +134,6 @@ def make_step(mode: str, hidden, weight, labels, C: int):
         step()
 
     return clean_step
-
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def can_reset_peak() -> bool:

@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from exactstep.bench.common import interleaved_times, median, whole_rows
+from exactstep.bench.common import (
+    cpu_model,
+    interleaved_times,
+    median,
+    reset_peak,
+    status_kib,
+    whole_rows,
+)
 
 FULL = {"prompts": 8, "samples": 4, "tokens": 8, "repeats": 5, "windows": 4}
 QUICK = {"prompts": 2, "samples": 2, "tokens": 4, "repeats": 2, "windows": 1}
@@ -149,19 +156,6 @@ def hf_sampling(quick: bool) -> dict:
     return figures
 
 
-def cpu_model() -> str:
-    """The CPU's model name as ``/proc/cpuinfo`` gives it, and the cores this process
-    may use."""
-    name = "unknown"
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        for line in info.read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"{name}, {len(os.sched_getaffinity(0))} cores"
-
-
 def child(spec: dict) -> dict:
     """One side in a fresh interpreter (``python -m exactstep.bench.rollout``), so its
     ``VmHWM`` is its own."""
@@ -172,22 +166,6 @@ def child(spec: dict) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"bench rollout child {spec['side']} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def reset_peak() -> None:
-    """Reset this process's peak resident set (``VmHWM``) to its current one (Linux's
-    ``clear_refs`` 5); where that is refused the peak keeps the build's."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def hf_side(spec: dict) -> dict:
