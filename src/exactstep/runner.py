@@ -117,8 +117,9 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     apply_fp32_matmul(cfg.numerics, ctx.device)
     parts = open_family(cfg, share=(ctx.rank, ctx.world_size))  # each rank hashes a share
     tokenizer, data = parts.tokenizer, parts.data
+    layout = ctx.layout  # the data shard is the replica's: every shard of it reads it (D3)
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
-                       vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size,
+                       vocab_size=tokenizer.vocab_size, rank=layout.dp_rank, world=layout.dp,
                        compiler=parts.compiler)
     if cfg.train.prefetch:  # the same batches and cursor, prepared ahead (P3)
         ahead = LoaderProcess if cfg.train.loader == "process" else BackgroundStream
@@ -139,11 +140,12 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     precision = Precision(cfg.numerics, ctx.device)
     engine = UpdateEngine(model, optimizer, schedule, precision, cfg.update, cfg.objective,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),
-                          inputs=parts.family.inputs(cfg), plan=parts.family.plan(cfg, ctx.rank),
+                          inputs=parts.family.inputs(cfg),
+                          plan=parts.family.plan(cfg, layout.dp_rank),
                           program=parts.family.program(cfg, parts, model, ctx.device))
     distribute_engine(engine, ctx, cfg.parallel)
     env = environment.capture(ctx.device, compiled=cfg.train.compile)
-    manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent,
+    manifest = build_manifest(run_sections(cfg, data, groups.digest, layout.section(), parent,
                                            model_section(model), parts.family.objective(cfg),
                                            env))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,

@@ -79,20 +79,24 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, ctx: DistContext,
     """ZeRO-1: ``optimizer``'s class, groups and hyperparameters as a ``ShardedOptimizer``
     (``zero1`` with several processes); ``optimizer`` itself otherwise.
 
-    Call it before the first step (the state is empty). Each group keeps its
+    The state is sharded over the data replicas (``ctx.layout``'s ``dp`` axis); a job
+    of one replica keeps ``optimizer``. Call it before the first step (the state is
+    empty). Each group keeps its
     ``name`` and ``weight_decay`` (U6); ``ZeroRedundancyOptimizer`` gives each
     parameter to one rank (largest first, to the least loaded rank) and, after the
     rank steps its shard with the whole averaged gradient, broadcasts it from there,
     so every replica holds the same bits. Raises ``DistributedError`` when the
     optimizer's defaults cannot be rebuilt by its class's constructor.
     """
-    if not ctx.distributed or cfg.strategy != "zero1":
-        return optimizer
+    if not ctx.distributed or cfg.strategy != "zero1" or ctx.layout.dp == 1:
+        return optimizer  # one data replica: nothing to shard the state over
+    # over the data replicas (the job's default group when every rank is one)
+    group = None if ctx.layout.only_data else ctx.layout.group("dp")
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(group) for group in optimizer.param_groups]
-    sharded = ShardedOptimizer(groups, optimizer_class=cls, **kwargs)
+    sharded = ShardedOptimizer(groups, optimizer_class=cls, process_group=group, **kwargs)
     if sharded.optim.defaults != optimizer.defaults:
         raise DistributedError(
             f"parallel.strategy = 'zero1' could not rebuild {cls.__name__} with the same "
