@@ -4,7 +4,8 @@ running back up the floors written down in ``FLOORS`` (the one place they are).
 A room is a top-level module or a sub-package of ``exactstep``; a family's folder
 (``families/<name>/``) stands on two floors: its compiler, config section and
 reference in the room ``families/<name>``, below ``config`` (which reads the section),
-its glue (``family.py``) in ``families``. A room may import rooms on lower floors only
+its glue (``family.py``) and its window program (``UPPER``) in ``families``, above
+``generation``, which knows no family. A room may import rooms on lower floors only
 (inside one room, modules import each other freely, but never in a loop).
 Function-local imports count like any other, except in the rooms that load lazily on
 purpose (``LAZY``: the command line, benchmarks, the audit).
@@ -45,9 +46,11 @@ FLOORS = {
 FACE = "__init__"
 #: Rooms whose function-local imports are there to keep start-up light.
 LAZY = {"cli", "bench", "smoke", "audit"}
-#: A family folder's glue, on the ``families`` floor; the rest of the folder is the
-#: room ``families/<name>`` (rows-floor code only that family uses).
-GLUE = "family"
+#: A family folder's glue and its window program (the ``WindowProgram`` over the
+#: sampler: policy's rollouts, clipped epochs and learned baseline; Professor Forcing's
+#: two paths), on the ``families`` floor; the rest of the folder is the room
+#: ``families/<name>`` (rows-floor code only that family uses).
+UPPER = {"family", "rollouts", "clipped", "regressor", "forcing"}
 FAMILY_FOLDERS = {p.parent.name for p in (PACKAGE / "families").glob("*/__init__.py")}
 
 
@@ -61,7 +64,7 @@ def room_of(module: str) -> str:
     if len(parts) == 1:
         return FACE
     if parts[1:2] == ["families"] and len(parts) > 2 and parts[2] in FAMILY_FOLDERS:
-        return "families" if parts[3:] == [GLUE] else "families/<name>"
+        return "families" if len(parts) == 4 and parts[3] in UPPER else "families/<name>"
     return parts[1]
 
 
@@ -210,6 +213,10 @@ def test_the_checks_can_fail():
     assert runs_up("exactstep.families.mlm.compiler", "exactstep.families.registry")
     assert runs_up("exactstep.model.encdec", "exactstep.model.attention") is False
     assert runs_up("exactstep.families.mlm.family", "exactstep.families.mlm.compiler") is False
+    # the generation stage knows no family: a family's window program stands above it
+    assert runs_up("exactstep.generation.sampler", "exactstep.families.policy.rollouts")
+    assert runs_up("exactstep.families.policy.config", "exactstep.families.policy.rollouts")
+    assert runs_up("exactstep.families.professor.forcing", "exactstep.generation.prompts") is False
     assert runs_up("exactstep.families.span.config", "exactstep.config")
     assert runs_up("exactstep.config", "exactstep.families.span.config") is False
     assert runs_up("exactstep.report", "exactstep.config")  # one floor: not below
