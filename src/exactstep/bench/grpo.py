@@ -226,8 +226,8 @@ def exactstep_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -
     import torch
 
     from exactstep.families.policy.rewards import Reward
-    from exactstep.host_memory import pin_mmap_threshold
     from exactstep.rows.stream import RowStream
+    from exactstep.run.host_memory import pin_mmap_threshold
     from exactstep.update.groups import build_optimizer
     from exactstep.update.precision import Precision
     from exactstep.update.schedule import build_schedule
@@ -303,8 +303,8 @@ def trl_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -> dict
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from exactstep.artifacts.export import byte_tokenizer_hf
     from exactstep.bench.finetune import build_trainer_model
-    from exactstep.export import byte_tokenizer_hf
     from exactstep.generation.prompts import split_example
 
     work, optim = spec["work"], spec["optim"]

@@ -23,8 +23,8 @@ import torch
 from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.objective.policy import PolicyRows
 from exactstep.rows.batch import IGNORE_INDEX, Batch
+from exactstep.rows.transfer import batch_to_device
 from exactstep.state.rng import isolated
-from exactstep.transfer import batch_to_device
 
 #: Scored rows whose log-probabilities are computed per head product (memory: rows x V).
 CHUNK_ROWS = 512
