@@ -2,7 +2,7 @@
 
 Each layout (``ddp``, ``fsdp``, ``zero1``, ``zero2``; one entry of ``LAYOUTS`` each,
 ``--set`` keys of the run, so a new layout is one more row) trains the same built-in
-decoder on the same batches as a real run does (``runner.build_run`` on every rank),
+decoder on the same batches as a real run does (``run.runner.build_run`` on every rank),
 two spawned gloo ranks on this CPU, one thread each. ``exactstep bench parallel``
 reports per shape and layout ``tokens_per_s``, per-rank peak RSS and the parameter,
 gradient and optimizer-state bytes a rank holds, and their ratios to DDP's.
@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
     from exactstep.config import load_config
     from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
     from exactstep.parallel.wrap import optimizer_state_bytes
-    from exactstep.runner import build_run
+    from exactstep.run.runner import build_run
 
     torch.set_num_threads(1)
     cfg = load_config(None, list(job["settings"]))
