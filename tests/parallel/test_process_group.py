@@ -87,6 +87,27 @@ def test_fsdp_in_one_process_says_in_one_line_that_it_runs_unsharded(capsys) -> 
     assert "parallel.strategy = fsdp" in err and "unsharded" in err
 
 
+def test_zero1_and_zero2_in_one_process_say_in_one_line_that_nothing_is_sharded(capsys
+                                                                               ) -> None:
+    """D4: one process under ``zero2`` runs the model unsharded, under ``zero1`` keeps
+    its optimizer whole (no ``ZeroRedundancyOptimizer``), each saying so in one line."""
+    from workers import build_engine
+
+    from exactstep.parallel.agreement import distribute_engine
+
+    ctx = init_distributed(ParallelConfig(), "cpu", env={})
+    module = torch.nn.Linear(2, 2)
+    assert shard_model(module, ctx, ParallelConfig(strategy="zero2")) is module
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel.strategy = zero2" in err and "unsharded" in err
+    engine = build_engine()
+    optimizer = engine.optimizer
+    assert distribute_engine(engine, ctx, ParallelConfig(strategy="zero1")).optimizer is optimizer
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel.strategy = zero1" in err
+    assert "not sharded" in err
+
+
 def test_empty_microbatch_supervises_nothing_and_keeps_attention_finite() -> None:
     """Padding microbatches add 0 to D and a finite zero gradient (D1)."""
     from workers import MODEL, OBJECTIVE, PAD_ID, VOCAB
