@@ -134,6 +134,19 @@ def test_zero2_keeps_a_blocks_parameters_gathered_from_forward_to_backward(job) 
                    for shape in rank["fsdp"]["after_forward"])
 
 
+def test_zero2_gathers_each_block_once_per_microbatch_fsdp_twice(job) -> None:
+    """D4: per microbatch the root unit is gathered once (it stays gathered for the
+    backward under both) and each of the L blocks once under zero2, twice under fsdp
+    (again for its backward): K (1 + L) against K (1 + 2 L) all-gathers a window."""
+    layers = MODEL.n_layers
+    for rank in job:
+        for w, window in enumerate(WINDOWS[0]):
+            k = len(window)
+            assert rank["zero2"]["all_gathers"][w] == k * (1 + layers)
+            assert rank["fsdp"]["all_gathers"][w] == k * (1 + 2 * layers)
+        assert rank["ddp"]["all_gathers"] == [0] * len(WINDOWS[0])
+
+
 def moment_bytes(shape: list[int]) -> int:
     return 4 * (1 if not shape else int(torch.Size(shape).numel()))
 

@@ -10,6 +10,8 @@ the elements of its local tensors).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -84,6 +86,25 @@ def local_state(engine: UpdateEngine) -> dict[str, dict[str, torch.Tensor]]:
             for p, s in local.state.items()}
 
 
+@contextlib.contextmanager
+def counted_all_gathers() -> Iterator[list[int]]:
+    """Inside, every all-gather FSDP2 issues for a parameter group (one unshard of one
+    ``fully_shard`` unit) is recorded."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as groups
+
+    original, calls = groups.foreach_all_gather, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    groups.foreach_all_gather = counting
+    try:
+        yield calls
+    finally:
+        groups.foreach_all_gather = original
+
+
 def engine_for(ctx, strategy: str, cls=UpdateEngine) -> UpdateEngine:
     return build_rank_engine(ctx, ParallelConfig(strategy=strategy, timeout_s=30.0),
                              UPDATE, cls)
@@ -102,14 +123,17 @@ def run_layout(ctx, rank: int, name: str, windows) -> dict:
                                                  hasattr(module.attn.qkv.weight, "to_local")
                                                  else list(module.attn.qkv.weight.to_local()
                                                            .shape)))
-    ledger, params = [], {}
+    ledger, params, gathers = [], {}, []
     for w, batches in enumerate(windows[rank]):
-        ledger.append(engine.run_window(list(batches), w).ledger_record())
+        with counted_all_gathers() as calls:
+            ledger.append(engine.run_window(list(batches), w).ledger_record())
+        gathers.append(len(calls))
         if w in AFTER:
             params[w + 1] = full_params(engine)
     return {"params": params, "ledger": ledger, "state": state_layout(engine),
             "state_bytes": optimizer_state_bytes(engine.optimizer),
             "optimizer": type(engine.optimizer).__name__, "after_forward": held,
+            "all_gathers": gathers,
             "groups": [{k: v for k, v in g.items() if k != "params"}
                        for g in engine.optimizer.param_groups]}
 
