@@ -112,6 +112,21 @@ def test_zero1_is_ddp_bit_for_bit(job) -> None:
         assert rank["zero1"]["ledger"] == rank["ddp"]["ledger"]
 
 
+def test_zero1_steps_with_the_lr_the_schedule_sets(job) -> None:
+    """U5, U6: under a warm-up the engine sets a new lr on the groups every window;
+    zero1 stays DDP bit for bit. Control: a shard's optimizer that never receives the
+    groups' lr steps with its first one and leaves DDP."""
+    for rank in job:
+        assert [r["lr"] for r in rank["ddp_warmup"]["ledger"]] != [UPDATE.lr] * 3
+        assert len({r["lr"] for r in rank["ddp_warmup"]["ledger"]}) == 3
+        for after in (1, 3):
+            ddp = rank["ddp_warmup"]["params"][after]
+            right, wrong = (rank[name]["params"][after]
+                            for name in ("zero1_warmup", "zero1_unsynced_lr"))
+            assert all(torch.equal(ddp[k], right[k]) for k in ddp)
+            assert not all(torch.equal(ddp[k], wrong[k]) for k in ddp)
+
+
 def test_groups_keep_their_decay_and_the_engines_lr(job) -> None:
     """U6: ZeRO-1's groups are the engine's (name, weight decay), lr set by the engine."""
     for rank in job:

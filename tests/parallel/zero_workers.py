@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,14 +54,27 @@ def ungathered(engine: UpdateEngine) -> UpdateEngine:
     return engine
 
 
-LAYOUTS = {  # name -> (strategy, engine class, planted change)
-    "ddp": ("ddp", UpdateEngine, None),
-    "zero1": ("zero1", UpdateEngine, None),
-    "zero2": ("zero2", UpdateEngine, None),
-    "fsdp": ("fsdp", UpdateEngine, None),
-    "zero1_shard_norm": ("zero1", ShardNormEngine, None),
-    "zero1_ungathered": ("zero1", UpdateEngine, ungathered),
-    "zero2_local_norm": ("zero2", LocalShardNormEngine, None),
+def unsynced_lr(engine: UpdateEngine) -> UpdateEngine:
+    """Deliberately wrong (negative control for the engine's lr under ZeRO-1): the
+    exposed groups' attributes never reach the shard's optimizer, so each shard steps
+    with the lr it was built with while the schedule warms up."""
+    engine.optimizer._sync_param_groups = lambda src, dst: None
+    return engine
+
+
+WARMUP = replace(UPDATE, warmup=3, schedule="cosine")  # the lr changes every window
+
+LAYOUTS = {  # name -> (strategy, engine class, planted change, update settings)
+    "ddp": ("ddp", UpdateEngine, None, UPDATE),
+    "zero1": ("zero1", UpdateEngine, None, UPDATE),
+    "zero2": ("zero2", UpdateEngine, None, UPDATE),
+    "fsdp": ("fsdp", UpdateEngine, None, UPDATE),
+    "zero1_shard_norm": ("zero1", ShardNormEngine, None, UPDATE),
+    "zero1_ungathered": ("zero1", UpdateEngine, ungathered, UPDATE),
+    "zero2_local_norm": ("zero2", LocalShardNormEngine, None, UPDATE),
+    "ddp_warmup": ("ddp", UpdateEngine, None, WARMUP),
+    "zero1_warmup": ("zero1", UpdateEngine, None, WARMUP),
+    "zero1_unsynced_lr": ("zero1", UpdateEngine, unsynced_lr, WARMUP),
 }
 
 
@@ -105,16 +119,16 @@ def counted_all_gathers() -> Iterator[list[int]]:
         groups.foreach_all_gather = original
 
 
-def engine_for(ctx, strategy: str, cls=UpdateEngine) -> UpdateEngine:
+def engine_for(ctx, strategy: str, cls=UpdateEngine, update=UPDATE) -> UpdateEngine:
     return build_rank_engine(ctx, ParallelConfig(strategy=strategy, timeout_s=30.0),
-                             UPDATE, cls)
+                             update, cls)
 
 
 def run_layout(ctx, rank: int, name: str, windows) -> dict:
     from exactstep.parallel.wrap import optimizer_state_bytes
 
-    strategy, cls, planted = LAYOUTS[name]
-    engine = engine_for(ctx, strategy, cls)
+    strategy, cls, planted, update = LAYOUTS[name]
+    engine = engine_for(ctx, strategy, cls, update)
     if planted is not None:
         planted(engine)
     held: list[list[int]] = []  # a block's weight as it stands once the block's forward ended
