@@ -6,10 +6,12 @@ the update one process gives over the same global windows, after one window and
 after three: ``|layout - f64| <= 2 |one-process fp32 - f64| + one fp32 ulp of the
 largest value``, per parameter, where f64 is the same one-process run in float64.
 Negative controls in the same job: a rank that clips by its own shard's norm
-(zero1, zero2) and ranks that step their shards but never broadcast them (zero1).
-The memory claim is measured from the state tensors each rank holds, against an
-expectation from the parameters' shapes. Resume: in-process round trips bitwise,
-then ``torchrun --max-restarts 1`` with a worker SIGKILLed, ``train --resume auto``.
+(zero1, zero2), ranks that step their shards but never broadcast them (zero1), shards
+whose optimizer never receives the schedule's lr (zero1), fsdp's resharding after the
+forward (against zero2's kept weights and its all-gather count). The memory claim is
+measured from the state tensors each rank holds, against an expectation from the
+parameters' shapes. Resume: in-process round trips bitwise, then ``torchrun
+--max-restarts 1`` with a worker SIGKILLed, ``train --resume auto``.
 """
 
 from __future__ import annotations
