@@ -80,11 +80,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vis: Visibility
     ) -> torch.Tensor:
-        B, T, H = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)  # [B, T, 3, nH, Dh]
+        B, T, _ = x.shape
+        # nH: this rank's heads (all of them, or n_heads / tp under tensor parallel, D6)
+        qkv = self.qkv(x).view(B, T, 3, -1, self.head_dim)  # [B, T, 3, nH, Dh]
         qkv = apply_rope(qkv, cos, sin)  # [B, T, 3, nH, Dh]; values unchanged
         y = attend_fused(qkv, vis)  # [B, T, nH, Dh]
-        return self.out(y.reshape(B, T, H))  # [B, T, H]
+        return self.out(y.reshape(B, T, -1))  # [B, T, H]
 
 
 class SwiGLU(nn.Module):

@@ -156,9 +156,13 @@ class TrainModule(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(batch)  # [B, T, H]
         extra = {} if rows_index is None else {"rows_index": rows_index}
+        weight = self.model.head_weight  # [V, H]
+        full_tensor = getattr(weight, "full_tensor", None)
+        if full_tensor is not None:  # tensor parallel (D6): the sharded head gathered whole
+            weight = full_tensor()
         return self.terms(
             hidden,
-            self.model.head_weight,
+            weight,
             batch.labels,
             coeff,
             self.objective_cfg,
