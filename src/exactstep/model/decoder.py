@@ -81,7 +81,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vis: Visibility
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        # nH: this rank's heads (all of them, or n_heads / tp under tensor parallel, D6)
+        # nH: this rank's heads (all of them, or n_heads / tp under tensor parallel, D5)
         qkv = self.qkv(x).view(B, T, 3, -1, self.head_dim)  # [B, T, 3, nH, Dh]
         qkv = apply_rope(qkv, cos, sin)  # [B, T, 3, nH, Dh]; values unchanged
         y = attend_fused(qkv, vis)  # [B, T, nH, Dh]

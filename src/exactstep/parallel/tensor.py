@@ -1,16 +1,16 @@
-"""Tensor and sequence parallel through DTensor: a sharded operator is the dense one (D6, D7).
+"""Tensor and sequence parallel through DTensor: a sharded operator is the dense one (D4, D5, U3).
 
 ``parallelize`` splits a replica's model over the layout's ``tp`` mesh with PyTorch's
 ``parallelize_module``: attention and MLP input projections column-sharded, their
 output projections row-sharded, the norms sequence-parallel (the residual stream is
 split over token rows between blocks, and a norm's weight gradient is summed over
-every row by DTensor, D7). The built-in decoder's fused ``qkv`` and ``gate_up`` keep
+every row by DTensor, U3). The built-in decoder's fused ``qkv`` and ``gate_up`` keep
 their names and shapes; each is sharded *strided* so every rank holds whole heads of
 q, k and v (and matching gate and up rows). The vocabulary tables are sharded by row
 and gathered for the loss, which sees the whole head and the whole hidden states
 (L1). ``gathered_state`` / ``scattered_state`` put strided tensors through
 ``torch.distributed.checkpoint`` by their logical names (S7).
-Design and derivations: docs/design/parallel.md#paralleltensorpy (D6, D7, U5, S7).
+Design and derivations: docs/design/parallel.md#paralleltensorpy (D4, D5, U3, S7).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def is_builtin_decoder(model: nn.Module) -> bool:
 
 def check_divisible(model: nn.Module, tp: int) -> None:
     """Refuse, naming ``parallel.tp``, a model whose heads or MLP width ``tp`` does not
-    divide (a rank must hold whole heads, D6), or one this module cannot split."""
+    divide (a rank must hold whole heads, D4), or one this module cannot split."""
     if is_builtin_decoder(model):
         cfg = model.cfg
         sizes = {"model.n_heads": cfg.n_heads, "model.d_ff": cfg.d_ff}
@@ -184,11 +184,19 @@ def shard_head(model: nn.Module, mesh) -> None:
     head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
 
 
+def tied_head(model: nn.Module) -> bool:
+    """Whether an HF model's head is its input embedding's Parameter (the built-in
+    decoder's tied head is no module: ``head_weight`` reads the embedding)."""
+    if not hasattr(model, "hf"):
+        return False
+    return model.hf.get_output_embeddings().weight is model.hf.get_input_embeddings().weight
+
+
 def parallelize(model: nn.Module, mesh) -> nn.Module:
-    """Split ``model`` over the one-dimensional ``tp`` mesh ``mesh`` in place (D6, D7).
+    """Split ``model`` over the one-dimensional ``tp`` mesh ``mesh`` in place (D4, D5, U3).
 
     Every parameter becomes a ``DTensor`` on ``mesh`` (sharded, or replicated for the
-    norms), so the engine's clip norm counts each logical parameter once (U5). The
+    norms), so the engine's clip norm counts each logical parameter once (U3, D4). The
     model's output is the whole final-normed hidden states ``[B, T, H]`` on every rank
     and ``head_weight`` a ``DTensor`` the loss gathers. Call it before the optimizer is
     built (and before FSDP2 on the ``dp`` mesh dimension)."""
@@ -199,7 +207,10 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
     if is_builtin_decoder(model):
         parallelize_module(model, mesh, decoder_plan(model))
     else:
+        tied = tied_head(model)
         parallelize_module(model.decoder, mesh, llama_plan(model.decoder))
+        if tied:  # the embedding's new (sharded) Parameter is the head's again (U6)
+            model.hf.get_output_embeddings().weight = model.hf.get_input_embeddings().weight
     shard_head(model, mesh)
     return model
 

@@ -158,7 +158,7 @@ class TrainModule(nn.Module):
         extra = {} if rows_index is None else {"rows_index": rows_index}
         weight = self.model.head_weight  # [V, H]
         full_tensor = getattr(weight, "full_tensor", None)
-        if full_tensor is not None:  # tensor parallel (D6): the sharded head gathered whole
+        if full_tensor is not None:  # tensor parallel (L1, D5): the sharded head gathered whole
             weight = full_tensor()
         return self.terms(
             hidden,

@@ -1,0 +1,167 @@
+"""Spawned ranks for the tensor-parallel proofs (D4, D5, U3): tiny models, gloo, one thread.
+
+A rank builds the model from the seed, splits it over the layout's ``tp`` mesh
+(``exactstep.parallel.tensor.parallelize``, or a planted wrong variant), runs the
+job's windows through the update engine and writes every parameter gathered whole
+after each window, with the ledger. The one-process runs the parent compares with
+are built here too (``reference_run``), in fp32 and in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from workers import MODEL, OBJECTIVE, PAD_ID, VOCAB, run_rank
+
+from exactstep.model.config import ModelConfig
+from exactstep.model.decoder import build_model
+from exactstep.parallel.config import ParallelConfig
+from exactstep.update.config import NumericsConfig, UpdateConfig
+from exactstep.update.precision import Precision
+from exactstep.update.schedule import build_schedule
+from exactstep.update.window import UpdateEngine
+
+#: two blocks, four heads (two a rank at tp = 2), an untied head
+BUILTIN = replace(MODEL, n_layers=2, n_heads=4, tie_embeddings=False)
+#: a tiny Llama: grouped-query attention (4 query heads, 2 key/value heads), tied head
+LLAMA = ModelConfig(source="hf", attn_implementation="sdpa", hf_config={
+    "model_type": "llama", "hidden_size": 16, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 32,
+    "tie_word_embeddings": True, "max_position_embeddings": 64})
+MODELS = {"builtin": BUILTIN, "llama": LLAMA}
+#: SGD: an update linear in the clipped gradient, so a wrong norm or a wrong gradient
+#: shows in the parameters after one window (Adam's first step is about lr * sign(g));
+#: clip 0.5 below every window's norm, so the clip acts every time
+UPDATE = UpdateConfig(accum=2, optimizer="sgd", lr=0.1, momentum=0.9, warmup=0,
+                      schedule="constant", clip=0.5, weight_decay=0.1)
+
+
+def build_engine(model: nn.Module, engine_cls=UpdateEngine, reducer=None) -> UpdateEngine:
+    from exactstep.update.groups import build_optimizer
+
+    optimizer, _ = build_optimizer(model, UPDATE)
+    return engine_cls(model, optimizer, build_schedule(UPDATE, total_windows=100),
+                      Precision(NumericsConfig(), "cpu"), UPDATE, OBJECTIVE,
+                      device=torch.device("cpu"), pad_id=PAD_ID, reducer=reducer)
+
+
+def whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole, by its logical name."""
+    out = {}
+    for name, value in model.state_dict().items():
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        out[name] = value.detach().clone().double()
+    return out
+
+
+def run(engine: UpdateEngine, windows) -> tuple[list[dict], list[dict]]:
+    """Each window's ledger record and the parameters after it."""
+    ledger, params = [], []
+    for w, batches in enumerate(windows):
+        ledger.append(engine.run_window(list(batches), w).ledger_record())
+        params.append(whole(engine.model))
+    return ledger, params
+
+
+def reference_run(name: str, windows, dtype: torch.dtype) -> dict:
+    """The one-process run of the same model and windows, in ``dtype``."""
+    model = build_model(MODELS[name], VOCAB, seed=0).to(dtype)
+    ledger, params = run(build_engine(model), windows)
+    return {"ledger": ledger, "params": params}
+
+
+# ---------------------------------------------------------------- planted wrong variants
+
+
+class NormsCountedTwiceEngine(UpdateEngine):
+    """Deliberately wrong (negative control for U3/D4): the clip norm sums every
+    rank's local squared norms over the ``tp`` group, so a replicated parameter (the
+    norms' weights) is counted once per rank."""
+
+    def _grad_norm(self) -> torch.Tensor:
+        local = sum(g.to_local().double().pow(2).sum() for g in self._grads())
+        dist.all_reduce(local, group=self.tp_group)
+        return local.sqrt().float()
+
+
+def unreduced_norms(model: nn.Module, mesh) -> None:
+    """Deliberately wrong (negative control for sequence parallel): after the right
+    split, each block's norms run on this rank's token rows with the local weight, and
+    their weight gradient is declared replicated without the sum over the other ranks'
+    rows (``to_local`` with its default gradient placement)."""
+    from torch.distributed.tensor import Shard
+
+    norms = ([m for b in model.layers for m in (b.attn_norm, b.mlp_norm)]
+             if hasattr(model, "layers") else
+             [m for b in model.decoder.layers
+              for m in (b.input_layernorm, b.post_attention_layernorm)])
+    for norm in norms:
+        norm._forward_pre_hooks.clear()
+        norm._forward_hooks.clear()
+        rms = isinstance(norm, nn.RMSNorm)
+
+        def forward(x, norm=norm, rms=rms):
+            x = x.to_local() if hasattr(x, "to_local") else x  # this rank's rows
+            w = norm.weight.to_local()  # grad declared Replicate: never summed over rows
+            if rms:
+                y = F.rms_norm(x, norm.normalized_shape, w, norm.eps)
+            else:
+                y = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                         + norm.variance_epsilon))
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(y, mesh, [Shard(1)], run_check=False)
+
+        norm.forward = forward
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def tp_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """``job``: ``model`` (builtin | llama), ``tp``, ``windows[dp_rank]``, ``variants``
+    (right | norms_twice | unreduced_norms), ``strategy``. Writes, per variant, the
+    ledger and the gathered parameters after each window."""
+    from exactstep.parallel.tensor import parallelize
+
+    cfg = ParallelConfig(timeout_s=60.0, strategy=job.get("strategy", "ddp"))
+
+    def body(ctx, result: dict) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
+        for variant in job["variants"]:
+            model = parallelize(build_model(MODELS[job["model"]], VOCAB, seed=0), mesh)
+            if variant == "unreduced_norms":
+                unreduced_norms(model, mesh)
+            cls = NormsCountedTwiceEngine if variant == "norms_twice" else UpdateEngine
+            engine = build_engine(model, cls, reducer=_ShimReducer(ctx))
+            engine.tp_group = dist.group.WORLD
+            ledger, params = run(engine, job["windows"][0])
+            result[variant] = {"ledger": ledger, "params": params}
+
+    run_rank(rank, world, port, out, cfg, body)
+
+
+class _ShimReducer(DDPReducerBase := object):
+    def __init__(self, ctx):
+        self.world_size = 1
+        self.loss_owner = ctx.rank == 0
+        self.collectives = 0
+
+    def sum(self, values):
+        return values.clone()
+
+    def agree(self, values):
+        out = values.detach().clone()
+        dist.all_reduce(out)
+        return out
+
+    def no_sync(self, module, is_last):
+        import contextlib
+        return contextlib.nullcontext()
