@@ -165,3 +165,65 @@ class _ShimReducer(DDPReducerBase := object):
     def no_sync(self, module, is_last):
         import contextlib
         return contextlib.nullcontext()
+
+
+def plain_fused_shards(model: nn.Module, mesh) -> None:
+    """Deliberately wrong (negative control for whole heads): the fused ``qkv`` and
+    ``gate_up`` column-sharded as plain linears (``Shard(0)``): rank 0 gets every query
+    row and half the key rows, never a head's q, k and v together."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from exactstep.parallel.tensor import decoder_plan, shard_head
+
+    plan = decoder_plan(model)
+    for name in plan:
+        if name.endswith((".qkv", ".gate_up")):
+            plan[name] = ColwiseParallel()
+    parallelize_module(model, mesh, plan)
+    shard_head(model, mesh)
+
+
+def heads_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """Forward + backward of one batch through the built-in decoder split over ``tp``
+    (``right``) and with plainly sharded fused weights (``plain``): the local fused
+    weights, the head count the attention kernel saw, the hidden states and the
+    numerator's gradients gathered whole."""
+    import exactstep.model.decoder as decoder_module
+    from exactstep.parallel.tensor import parallelize
+    from exactstep.update.window import TrainModule
+
+    cfg = ParallelConfig(timeout_s=60.0)
+
+    def body(ctx, result: dict) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
+        seen: list[tuple[int, ...]] = []
+        kernel = decoder_module.attend_fused
+
+        def recording(qkv, vis):
+            seen.append(tuple(qkv.shape))
+            return kernel(qkv, vis)
+
+        decoder_module.attend_fused = recording
+        batch = job["batch"]
+        for variant in ("right", "plain"):
+            seen.clear()
+            model = build_model(BUILTIN, VOCAB, seed=0)
+            if variant == "right":
+                parallelize(model, mesh)
+            else:
+                plain_fused_shards(model, mesh)
+            module = TrainModule(model, OBJECTIVE, pad_id=PAD_ID)
+            numerator, _ = module(batch, (batch.labels != -100).float())
+            numerator.backward()
+            block = model.layers[0]
+            result[variant] = {
+                "qkv": block.attn.qkv.weight.to_local().detach().clone(),
+                "gate_up": block.mlp.gate_up.weight.to_local().detach().clone(),
+                "kernel_shapes": list(seen),
+                "hidden": model(batch).detach().double(),
+                "grads": {n: p.grad.full_tensor().double() for n, p in model.named_parameters()},
+            }
+
+    run_rank(rank, world, port, out, cfg, body)

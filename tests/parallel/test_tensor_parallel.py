@@ -6,7 +6,10 @@ one-process run, after one window and after three, within the derived tolerance
 ``|tp - f64| <= 2 |fp32 - f64| + 2 u |f64|`` per tensor (docs/design/parallel.md
 #tolerance-of-a-layout). Negative controls, caught by the same check: a clip norm
 that counts the replicated norm weights once per rank, and sequence-parallel norms
-whose weight gradient is not summed over the other ranks' token rows.
+whose weight gradient is not summed over the other ranks' token rows. Whole heads:
+each rank's share of the fused weights is its heads' q, k and v rows, the attention
+kernel sees those heads, and the split model's hidden states and gradients are the
+dense model's (negative control: a plain ``Shard(0)`` of the fused weights).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 from equivalence import FP32_UNIT
-from tensor_workers import reference_run, tp_main
-from workers import shards, spawn_ranks
+from tensor_workers import BUILTIN, heads_main, reference_run, tp_main
+from workers import OBJECTIVE, PAD_ID, VOCAB, make_batch, shards, spawn_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -81,3 +84,47 @@ def test_tp2_trains_to_the_one_process_run(tmp_path, model) -> None:
     for variant in variants[1:]:
         gap, where = excess(results[0][variant], fp32, f64, 0)
         assert gap > 0, f"{variant} passed the check"
+
+
+def dense_side(batch, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    """The one-process model's hidden states and numerator gradients in ``dtype``."""
+    from exactstep.model.decoder import build_model
+    from exactstep.update.window import TrainModule
+
+    model = build_model(BUILTIN, VOCAB, seed=0).to(dtype)
+    numerator, _ = TrainModule(model, OBJECTIVE, pad_id=PAD_ID)(
+        batch, (batch.labels != -100).float())
+    numerator.backward()
+    return (model(batch).detach().double(),
+            {n: p.grad.double() for n, p in model.named_parameters()})
+
+
+def test_fused_weights_keep_whole_heads_on_each_rank(tmp_path) -> None:
+    batch = make_batch(5, rows=2, seq_len=8, supervised=12)
+    results = spawn_ranks(heads_main, 2, tmp_path, {"batch": batch}, deadline_s=120)[0]
+    for result in results:
+        assert result is not None and "error" not in result, result and result.get("traceback")
+    from exactstep.model.decoder import build_model
+
+    dense = build_model(BUILTIN, VOCAB, seed=0)
+    d, f = BUILTIN.d_model, BUILTIN.d_ff
+    qkv, gate_up = dense.layers[0].attn.qkv.weight, dense.layers[0].mlp.gate_up.weight
+    hidden32, grads32 = dense_side(batch, torch.float32)
+    hidden64, grads64 = dense_side(batch, torch.float64)
+    head_dim = d // BUILTIN.n_heads
+    for r, result in enumerate(results):
+        right = result["right"]
+        # rank r holds heads 2r, 2r+1 of q, of k and of v, in that order (whole heads)
+        rows = [slice(part * d + r * d // 2, part * d + (r + 1) * d // 2) for part in range(3)]
+        assert torch.equal(right["qkv"], torch.cat([qkv[s] for s in rows]))
+        rows = [slice(part * f + r * f // 2, part * f + (r + 1) * f // 2) for part in range(2)]
+        assert torch.equal(right["gate_up"], torch.cat([gate_up[s] for s in rows]))
+        # the attention kernel saw this rank's two heads of the whole rows
+        assert set(right["kernel_shapes"]) == {(2, 8, 3, BUILTIN.n_heads // 2, head_dim)}
+        assert (right["hidden"] - hidden64).abs().max() <= tolerance(hidden32, hidden64)
+        for name, exact in grads64.items():
+            gap = (right["grads"][name] - exact).abs().max()
+            assert gap <= tolerance(grads32[name], exact), name
+        # negative control: plain Shard(0) of the fused weights mixes q, k and v rows
+        plain = result["plain"]
+        assert (plain["hidden"] - hidden64).abs().max() > tolerance(hidden32, hidden64)
