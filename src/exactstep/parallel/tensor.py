@@ -219,9 +219,13 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
 
 
 def _strided(value: Any) -> bool:
+    """A ``DTensor`` strided on its last (``tp``) mesh dimension: a fused weight's
+    shard. (FSDP2's own strided shards, on ``dp`` over a ``tp`` shard, are one block
+    of the logical tensor, which the checkpoint describes as it is.)"""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return any(isinstance(p, _StridedShard) for p in getattr(value, "placements", ()))
+    placements = getattr(value, "placements", ())
+    return bool(placements) and isinstance(placements[-1], _StridedShard)
 
 
 def gathered_state(state: Any) -> Any:
