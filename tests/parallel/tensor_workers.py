@@ -10,6 +10,7 @@ are built here too (``reference_run``), in fp32 and in float64.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -142,10 +143,55 @@ def tp_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
             cls = NormsCountedTwiceEngine if variant == "norms_twice" else UpdateEngine
             engine = build_engine(model, cls, reducer=_ShimReducer(ctx))
             engine.tp_group = dist.group.WORLD
+            if variant == "checkpoint":
+                result[variant] = checkpointed(engine, job, ctx, mesh)
+                continue
             ledger, params = run(engine, job["windows"][0])
             result[variant] = {"ledger": ledger, "params": params}
 
     run_rank(rank, world, port, out, cfg, body)
+
+
+#: what a checkpoint's per-rank part holds besides the RNG: a data cursor at epoch 0
+#: (the engine-level runs here feed their windows by hand)
+NO_DATA = {"planner": {"epoch": 0, "pending": []}}
+
+
+def checkpointed(engine: UpdateEngine, job: dict, ctx, mesh) -> dict:
+    """Two windows, a checkpoint (``job['root']``), the third window (``straight``);
+    then a fresh model from another seed, split the same way, loads the checkpoint and
+    runs the third window (``resumed``)."""
+    from workers import common_state, load_common
+
+    from exactstep.parallel.dcp_format import (
+        load_distributed_checkpoint,
+        save_distributed_checkpoint,
+    )
+    from exactstep.parallel.tensor import parallelize
+
+    windows = job["windows"][0]
+    first, _ = run(engine, windows[:2])
+    save_distributed_checkpoint(Path(job["root"]), "window-00000002", model=engine.model,
+                                optimizer=engine.optimizer, common=common_state(engine),
+                                rank_state={"data": NO_DATA}, ctx=ctx, keep=2)
+    straight = engine.run_window(list(windows[2]), 2).ledger_record()
+    out = {"straight": {"ledger": first + [straight], "params": whole(engine.model)}}
+    model = parallelize(build_model(MODELS[job["model"]], VOCAB, seed=7), mesh)
+    fresh = build_engine(model, reducer=engine.reducer)
+    state = load_distributed_checkpoint(Path(job["root"]) / "window-00000002", model=model,
+                                        optimizer=fresh.optimizer, ctx=ctx)
+    load_common(fresh, state.common)
+    resumed = fresh.run_window(list(windows[2]), 2).ledger_record()
+    out["resumed"] = {"ledger": first + [resumed], "params": whole(model)}
+    # negative control: the weights alone (a fresh optimizer, no momentum)
+    model = parallelize(build_model(MODELS[job["model"]], VOCAB, seed=7), mesh)
+    control = build_engine(model, reducer=engine.reducer)
+    load_distributed_checkpoint(Path(job["root"]) / "window-00000002", model=model,
+                                optimizer=None, ctx=ctx)
+    load_common(control, state.common)
+    control.run_window(list(windows[2]), 2)
+    out["control"] = {"params": whole(model)}
+    return out
 
 
 class _ShimReducer(DDPReducerBase := object):

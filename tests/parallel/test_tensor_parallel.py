@@ -128,3 +128,49 @@ def test_fused_weights_keep_whole_heads_on_each_rank(tmp_path) -> None:
         # negative control: plain Shard(0) of the fused weights mixes q, k and v rows
         plain = result["plain"]
         assert (plain["hidden"] - hidden64).abs().max() > tolerance(hidden32, hidden64)
+
+
+def test_tp2_checkpoint_resumes_bitwise_and_loads_at_tp1_only_declared(tmp_path) -> None:
+    """S7 at tp = 2: a checkpoint written by the split model resumes it bit for bit;
+    one process (tp = 1) reads the same checkpoint by its logical names only as a
+    declared migration (``reshard``), and continues within the layout's tolerance."""
+    from tensor_workers import MODELS, build_engine
+    from workers import load_common
+
+    from exactstep.errors import DistributedError
+    from exactstep.model.decoder import build_model
+    from exactstep.parallel.dcp_format import load_distributed_checkpoint
+    from exactstep.parallel.process_group import single_process
+
+    root = tmp_path / "checkpoints"
+    job = {"model": "builtin", "tp": 2, "windows": shards(COUNTS), "variants": ["checkpoint"],
+           "root": str(root)}
+    results = spawn(tmp_path, job, world=2)
+    for rank in results:
+        straight, resumed = rank["checkpoint"]["straight"], rank["checkpoint"]["resumed"]
+        assert straight["ledger"] == resumed["ledger"]
+        for name, value in straight["params"].items():
+            assert torch.equal(value, resumed["params"][name]), name
+        # negative control: without the optimizer's momentum the same check fails
+        control = rank["checkpoint"]["control"]["params"]
+        assert any(not torch.equal(v, control[k]) for k, v in straight["params"].items())
+    # tp = 1: the same checkpoint, refused unless declared
+    engine = build_engine(build_model(MODELS["builtin"], VOCAB, seed=7))
+    ctx = single_process(torch.device("cpu"))
+    path = root / "window-00000002"
+    with pytest.raises(DistributedError, match="--reshard"):
+        load_distributed_checkpoint(path, model=engine.model, optimizer=engine.optimizer,
+                                    ctx=ctx)
+    state = load_distributed_checkpoint(path, model=engine.model, optimizer=engine.optimizer,
+                                        ctx=ctx, reshard=True)
+    assert state.reshard["old_world_size"] == 2 and state.reshard["new_world_size"] == 1
+    load_common(engine, state.common)
+    record = engine.run_window(windows_of(COUNTS)[2], 2).ledger_record()
+    params = {k: v.detach().double() for k, v in engine.model.state_dict().items()}
+    windows = windows_of(COUNTS)
+    fp32 = reference_run("builtin", windows, torch.float32)
+    f64 = reference_run("builtin", windows, torch.float64)
+    migrated = {"params": [None, None, params],
+                "ledger": results[0]["checkpoint"]["straight"]["ledger"][:2] + [record]}
+    gap, where = excess(migrated, fp32, f64, 2)
+    assert gap <= 0, f"{where} exceeds the tolerance by {gap:.3g}"
