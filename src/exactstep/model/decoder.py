@@ -32,6 +32,7 @@ from exactstep.model.lora import (
     lora_section,
 )
 from exactstep.rows.batch import Batch
+from exactstep.update.window import head_for_loss
 
 
 def rope_tables(
@@ -268,7 +269,7 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
-        return F.linear(hidden, self.head_weight)
+        return F.linear(hidden, head_for_loss(self))  # a tensor-parallel head gathered
 
     def num_parameters(self) -> int:
         """Unique parameters; a tied embedding/head is counted once."""

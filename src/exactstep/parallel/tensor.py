@@ -72,10 +72,13 @@ def _styles():
 
 
 def is_builtin_decoder(model: nn.Module) -> bool:
-    """The built-in decoder (fused ``qkv`` / ``gate_up``), recognised by its structure."""
-    layers = getattr(model, "layers", None)
-    return layers is not None and all(hasattr(b, "attn") and hasattr(b.attn, "qkv")
-                                      for b in layers)
+    """The built-in decoder itself (fused ``qkv`` / ``gate_up``), not a model built on
+    its blocks with another forward (the two-stream decoder, the encoder-decoder)."""
+    return type(model).__name__ == "Decoder" and hasattr(model, "layers")
+
+
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    return type(model).__name__ == "HFCausalLM" and hasattr(model, "hf")
 
 
 def check_divisible(model: nn.Module, tp: int) -> None:
@@ -84,7 +87,7 @@ def check_divisible(model: nn.Module, tp: int) -> None:
     if is_builtin_decoder(model):
         cfg = model.cfg
         sizes = {"model.n_heads": cfg.n_heads, "model.d_ff": cfg.d_ff}
-    elif hasattr(model, "hf") and hasattr(model.decoder, "layers"):
+    elif is_hf_causal_lm(model) and hasattr(model.decoder, "layers"):
         c = model.hf.config
         sizes = {"num_attention_heads": c.num_attention_heads,
                  "num_key_value_heads": getattr(c, "num_key_value_heads", None)
@@ -105,7 +108,8 @@ def check_divisible(model: nn.Module, tp: int) -> None:
                 "parallel.tp = 1")
     else:
         raise ConfigError(f"parallel.tp = {tp}: tensor parallel splits the built-in decoder "
-                          "and Llama-family Hugging Face models only; set parallel.tp = 1")
+                          f"and Llama-family Hugging Face models only, not {type(model).__name__}"
+                          "; set parallel.tp = 1")
     for name, size in sizes.items():
         if size % tp:
             raise ConfigError(f"parallel.tp = {tp} does not divide {name} = {size} (each "
