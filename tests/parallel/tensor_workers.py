@@ -81,12 +81,12 @@ def reference_run(name: str, windows, dtype: torch.dtype) -> dict:
 
 class NormsCountedTwiceEngine(UpdateEngine):
     """Deliberately wrong (negative control for U3/D4): the clip norm sums every
-    rank's local squared norms over the ``tp`` group, so a replicated parameter (the
-    norms' weights) is counted once per rank."""
+    rank's local squared norms over all ranks, so a parameter replicated over ``tp``
+    (the norms' weights) is counted once per tensor shard."""
 
     def _grad_norm(self) -> torch.Tensor:
         local = sum(g.to_local().double().pow(2).sum() for g in self._grads())
-        dist.all_reduce(local, group=self.tp_group)
+        dist.all_reduce(local)
         return local.sqrt().float()
 
 
@@ -128,25 +128,26 @@ def tp_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     """``job``: ``model`` (builtin | llama), ``tp``, ``windows[dp_rank]``, ``variants``
     (right | norms_twice | unreduced_norms), ``strategy``. Writes, per variant, the
     ledger and the gathered parameters after each window."""
+    from exactstep.parallel.agreement import distribute_engine
     from exactstep.parallel.tensor import parallelize
+    from exactstep.parallel.wrap import shard_model
 
-    cfg = ParallelConfig(timeout_s=60.0, strategy=job.get("strategy", "ddp"))
+    cfg = ParallelConfig(timeout_s=60.0, tp=job["tp"], strategy=job.get("strategy", "ddp"))
 
     def body(ctx, result: dict) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
+        layout = ctx.layout
+        mesh = layout.submesh("tp")
         for variant in job["variants"]:
             model = parallelize(build_model(MODELS[job["model"]], VOCAB, seed=0), mesh)
             if variant == "unreduced_norms":
                 unreduced_norms(model, mesh)
+            model = shard_model(model, ctx, cfg)  # FSDP2 over dp (strategy fsdp)
             cls = NormsCountedTwiceEngine if variant == "norms_twice" else UpdateEngine
-            engine = build_engine(model, cls, reducer=_ShimReducer(ctx))
-            engine.tp_group = dist.group.WORLD
+            engine = distribute_engine(build_engine(model, cls), ctx, cfg)
             if variant == "checkpoint":
                 result[variant] = checkpointed(engine, job, ctx, mesh)
                 continue
-            ledger, params = run(engine, job["windows"][0])
+            ledger, params = run(engine, job["windows"][layout.dp_rank])
             result[variant] = {"ledger": ledger, "params": params}
 
     run_rank(rank, world, port, out, cfg, body)
@@ -177,7 +178,7 @@ def checkpointed(engine: UpdateEngine, job: dict, ctx, mesh) -> dict:
     straight = engine.run_window(list(windows[2]), 2).ledger_record()
     out = {"straight": {"ledger": first + [straight], "params": whole(engine.model)}}
     model = parallelize(build_model(MODELS[job["model"]], VOCAB, seed=7), mesh)
-    fresh = build_engine(model, reducer=engine.reducer)
+    fresh = build_engine(model, reducer=engine.reducer)  # tp only: no wrapper to copy
     state = load_distributed_checkpoint(Path(job["root"]) / "window-00000002", model=model,
                                         optimizer=fresh.optimizer, ctx=ctx)
     load_common(fresh, state.common)
@@ -192,25 +193,6 @@ def checkpointed(engine: UpdateEngine, job: dict, ctx, mesh) -> dict:
     control.run_window(list(windows[2]), 2)
     out["control"] = {"params": whole(model)}
     return out
-
-
-class _ShimReducer(DDPReducerBase := object):
-    def __init__(self, ctx):
-        self.world_size = 1
-        self.loss_owner = ctx.rank == 0
-        self.collectives = 0
-
-    def sum(self, values):
-        return values.clone()
-
-    def agree(self, values):
-        out = values.detach().clone()
-        dist.all_reduce(out)
-        return out
-
-    def no_sync(self, module, is_last):
-        import contextlib
-        return contextlib.nullcontext()
 
 
 def plain_fused_shards(model: nn.Module, mesh) -> None:
@@ -238,12 +220,10 @@ def heads_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     from exactstep.parallel.tensor import parallelize
     from exactstep.update.window import TrainModule
 
-    cfg = ParallelConfig(timeout_s=60.0)
+    cfg = ParallelConfig(timeout_s=60.0, tp=2)
 
     def body(ctx, result: dict) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("tp",))
+        mesh = ctx.layout.submesh("tp")
         seen: list[tuple[int, ...]] = []
         kernel = decoder_module.attend_fused
 

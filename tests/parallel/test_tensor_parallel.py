@@ -99,6 +99,28 @@ def dense_side(batch, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
             {n: p.grad.double() for n, p in model.named_parameters()})
 
 
+# two data replicas, unequal microbatches, one of them empty on one replica
+COUNTS_DP2 = [[[12, 3], [0, 16], [5, 14]], [[4, 9], [11, 7], [0, 2]]]
+
+
+def test_dp2_tp2_fsdp_trains_to_the_one_process_run(tmp_path) -> None:
+    """dp 2 x tp 2 (4 processes): FSDP2 on the mesh's dp dimension over the tensor
+    shards (2-D DTensor parameters); the denominator is summed over the replicas only,
+    the reported loss over the loss owners only (D1, D5, U3)."""
+    results = spawn(tmp_path, {"model": "builtin", "tp": 2, "strategy": "fsdp",
+                               "windows": shards(COUNTS_DP2),
+                               "variants": ["right", "norms_twice"]}, world=4)
+    windows = windows_of(COUNTS_DP2)
+    fp32 = reference_run("builtin", windows, torch.float32)
+    f64 = reference_run("builtin", windows, torch.float64)
+    for rank in results:
+        for window in (0, 2):
+            gap, where = excess(rank["right"], fp32, f64, window)
+            assert gap <= 0, f"window {window}: {where} exceeds the tolerance by {gap:.3g}"
+    gap, where = excess(results[0]["norms_twice"], fp32, f64, 0)
+    assert gap > 0, "norms counted per tensor shard passed the check"
+
+
 def test_fused_weights_keep_whole_heads_on_each_rank(tmp_path) -> None:
     batch = make_batch(5, rows=2, seq_len=8, supervised=12)
     results = spawn_ranks(heads_main, 2, tmp_path, {"batch": batch}, deadline_s=120)[0]

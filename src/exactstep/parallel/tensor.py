@@ -258,9 +258,22 @@ def scattered_state(loaded: Any, template: Any) -> Any:
     return loaded
 
 
-def refuse_tensor_parallel(tp: int, *, family: str, lora: bool) -> None:
+def fsdp_placement(param: torch.Tensor):
+    """FSDP2's ``shard_placement_fn`` over a split model (2-D ``dp x tp``): a fused
+    weight, strided over ``tp`` on dim 0, is sharded over ``dp`` on dim 1. FSDP2's
+    default dim 0 would nest a second stride inside the first, a layout ``DTensor``
+    describes wrongly (its ``full_tensor`` and the checkpoint's offsets would permute
+    rows; training itself gathers locally and is unaffected). Others: FSDP2's default."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if _strided(param) else None
+
+
+def refuse_tensor_parallel(tp: int, *, family: str, lora: bool, compiled: bool,
+                           strategy: str, dp: int) -> None:
     """``ConfigError`` for what tensor parallel does not run, before anything is written:
-    a family that generates with the model, and LoRA adapters."""
+    a family that generates with the model, LoRA adapters, ``train.compile``, and DDP
+    replicas of a split model (PyTorch's DDP takes no DTensor parameters)."""
     if tp == 1:
         return
     if family in ROLLOUT_FAMILIES:
@@ -270,6 +283,25 @@ def refuse_tensor_parallel(tp: int, *, family: str, lora: bool) -> None:
         raise ConfigError(f"parallel.tp = {tp} does not shard LoRA adapters (peft's layers "
                           "are not split by the tensor-parallel plan); set parallel.tp = 1 "
                           "or model.lora.r = 0")
+    if compiled:
+        raise ConfigError(f"parallel.tp = {tp} does not run a compiled model (the split "
+                          "model's collectives are not compiled here); set train.compile = "
+                          "false or parallel.tp = 1")
+    if strategy == "ddp" and dp > 1:
+        raise ConfigError(f"parallel.tp = {tp} with {dp} DDP replicas: PyTorch's DDP does not "
+                          "replicate tensor-parallel (DTensor) parameters; set "
+                          "parallel.strategy = 'fsdp' (FSDP2 over the replicas)")
+
+
+def split_model(model: nn.Module, layout, *, family: str, lora: bool, compiled: bool,
+                strategy: str) -> nn.Module:
+    """``model`` split over ``layout``'s ``tp`` ranks (``parallelize``), after the
+    refusals; unchanged when ``layout.tp == 1``."""
+    refuse_tensor_parallel(layout.tp, family=family, lora=lora, compiled=compiled,
+                           strategy=strategy, dp=layout.dp)
+    if layout.tp == 1:
+        return model
+    return parallelize(model, layout.submesh("tp"))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
