@@ -196,3 +196,123 @@ def test_tp2_checkpoint_resumes_bitwise_and_loads_at_tp1_only_declared(tmp_path)
                 "ledger": results[0]["checkpoint"]["straight"]["ledger"][:2] + [record]}
     gap, where = excess(migrated, fp32, f64, 2)
     assert gap <= 0, f"{where} exceeds the tolerance by {gap:.3g}"
+
+
+# ------------------------------------------------------------------ the command line
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory) -> dict:
+    """``train --set parallel.tp=2`` over 2 processes: straight; under ``torchrun
+    --max-restarts 1`` with rank 1 SIGKILLed in window 3 (``--resume auto``); killed
+    in window 3 and resumed in one process at ``tp = 1`` (without, then with
+    ``--reshard``); with LoRA (refused)."""
+    import sys
+
+    import process_server
+    from test_resume_auto import TORCHRUN, Cli, committed
+
+    root = tmp_path_factory.mktemp("tensor_cli")
+    cli = Cli(root)
+    out: dict = {"root": root}
+    out["straight"] = cli.train(root / "straight", "--nproc", "2", parallel__tp=2)
+    out["restarted"] = cli.train(root / "restarted", launcher=TORCHRUN, kill_once="1:3",
+                                 parallel__tp=2)
+    migrated = root / "migrated"
+    out["migrated_first"] = cli.train(migrated, "--nproc", "2", kill_once="0:3",
+                                      parallel__tp=2)
+
+    def resume(*extra: str) -> tuple[int, str]:
+        command = [sys.executable, "-m", "exactstep", "resume", str(migrated), "--no-progress",
+                   "--set", "parallel.tp=1", *extra]
+        proc = process_server.run(command, cwd=root, env=cli.env(), capture_output=True,
+                                  text=True, timeout=150)
+        return proc.returncode, proc.stderr
+
+    before = committed(migrated)  # the killed attempt's lock file aside
+    out["undeclared"] = resume()
+    out["undeclared_unchanged"] = committed(migrated) == before
+    out["declared"] = resume("--reshard")
+    out["lora"] = cli.train(root / "lora", "--nproc", "2", parallel__tp=2, model__lora__r=4)
+    return out
+
+
+def test_cli_tp2_restart_after_a_killed_worker_ends_bitwise_equal(cli_runs) -> None:
+    """S10, S5, S7 at tp = 2: the restarted workers resume from window-00000002 and end
+    with the straight run's model, optimizer, per-rank RNG and cursor, and ledger."""
+    from run_support import multi_rank_state
+    from test_resume_auto import ledger_text, said
+
+    from exactstep.state.compare import state_differences
+
+    root = cli_runs["root"]
+    assert cli_runs["straight"][0] == 0, cli_runs["straight"][1][-3000:]
+    rc, err = cli_runs["restarted"]
+    assert rc == 0, err[-3000:]
+    assert (root / "restarted.killed").exists(), "the worker was never killed"
+    assert said(err, "resuming") == [f"exactstep: resuming {root / 'restarted'} at window 2 "
+                                     "from window-00000002"], err[-3000:]
+    a, b = multi_rank_state(root / "straight"), multi_rank_state(root / "restarted")
+    assert a["name"] == b["name"] == "window-00000006"
+    assert state_differences(a, b) == []
+    assert ledger_text(root / "restarted") == ledger_text(root / "straight")
+
+
+def test_cli_tp2_checkpoint_continues_at_tp1_only_declared(cli_runs) -> None:
+    """S7: a tp = 2 run resumed by one process at tp = 1 is refused in one line naming
+    the layout and ``--reshard``, the run directory unchanged; with ``--reshard`` it
+    continues (a RESHARD line in the ledger) to the last window."""
+    import json
+
+    from test_resume_auto import error_lines
+
+    root = cli_runs["root"]
+    assert cli_runs["migrated_first"][0] != 0
+    rc, err = cli_runs["undeclared"]
+    lines = error_lines(err)
+    assert rc != 0 and len(lines) == 1, err
+    assert "parallel.tp" in lines[0] and "--reshard" in lines[0]
+    assert cli_runs["undeclared_unchanged"]
+    rc, err = cli_runs["declared"]
+    assert rc == 0, err[-3000:]
+    records = [json.loads(line) for line in (root / "migrated" / "ledger.jsonl")
+               .read_text().splitlines()]
+    events = [r for r in records if r.get("event") == "RESHARD"]
+    assert len(events) == 1 and events[0]["new_world_size"] == 1
+    assert [r["window"] for r in records if "window" in r] == list(range(6))
+
+
+def test_cli_tp_with_lora_is_refused_before_anything_is_written(cli_runs) -> None:
+    from test_resume_auto import error_lines
+
+    rc, err = cli_runs["lora"]
+    lines = error_lines(err)
+    assert rc != 0 and len(lines) == 1, err
+    assert "parallel.tp = 2" in lines[0] and "model.lora.r" in lines[0]
+    assert not (cli_runs["root"] / "lora" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("family", ["policy", "professor", "scheduled_sampling"])
+def test_tp_refuses_the_rollout_families_in_one_line(family) -> None:
+    from exactstep.errors import ConfigError
+    from exactstep.parallel.tensor import refuse_tensor_parallel
+
+    with pytest.raises(ConfigError) as info:
+        refuse_tensor_parallel(2, family=family, lora=False, compiled=False,
+                               strategy="ddp", dp=1)
+    assert "\n" not in str(info.value) and family in str(info.value)
+    assert "parallel.tp = 1" in str(info.value)
+    # control: the same layout with a family that does not generate is not refused
+    refuse_tensor_parallel(2, family="causal", lora=False, compiled=False, strategy="ddp",
+                           dp=1)
+
+
+def test_tp_with_ddp_replicas_is_refused_naming_the_strategy() -> None:
+    from exactstep.errors import ConfigError
+    from exactstep.parallel.tensor import refuse_tensor_parallel
+
+    with pytest.raises(ConfigError, match="parallel.strategy = 'fsdp'"):
+        refuse_tensor_parallel(2, family="causal", lora=False, compiled=False,
+                               strategy="ddp", dp=2)
+    refuse_tensor_parallel(2, family="causal", lora=False, compiled=False, strategy="fsdp",
+                           dp=2)
