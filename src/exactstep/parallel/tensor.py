@@ -303,8 +303,3 @@ def split_model(model: nn.Module, layout, *, family: str, lora: bool, compiled: 
         return model
     return parallelize(model, layout.submesh("tp"))
 
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A ``DTensor``'s local shard, or ``t`` itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
