@@ -316,3 +316,24 @@ def test_tp_with_ddp_replicas_is_refused_naming_the_strategy() -> None:
                                strategy="ddp", dp=2)
     refuse_tensor_parallel(2, family="causal", lora=False, compiled=False, strategy="fsdp",
                            dp=2)
+
+
+@pytest.mark.parametrize(("changes", "named"), [({"n_heads": 4}, None),
+                                                ({"n_heads": 3, "d_model": 18}, "model.n_heads"),
+                                                ({"d_ff": 33}, "model.d_ff")])
+def test_tp_must_divide_the_heads_and_the_mlp_width(changes, named) -> None:
+    """A rank holds whole heads and whole MLP columns: a tp that does not divide them is
+    one ``ConfigError`` naming the size (control: 4 heads, d_ff 32 at tp = 2 pass)."""
+    from dataclasses import replace
+
+    from exactstep.errors import ConfigError
+    from exactstep.model.decoder import build_model
+    from exactstep.parallel.tensor import check_divisible
+
+    model = build_model(replace(BUILTIN, **changes), VOCAB, seed=0)
+    if named is None:
+        check_divisible(model, 2)
+        return
+    with pytest.raises(ConfigError, match=named) as info:
+        check_divisible(model, 2)
+    assert "\n" not in str(info.value)
