@@ -43,7 +43,13 @@ from exactstep.state.checkpointer import (
     recorded_environment,
 )
 from exactstep.state.durable import Journal
-from exactstep.state.manifest import MANIFEST_FILE, Manifest, diff_manifests, read_manifest
+from exactstep.state.manifest import (
+    MANIFEST_FILE,
+    MODEL_AXIS_KEYS,
+    Manifest,
+    diff_manifests,
+    read_manifest,
+)
 from exactstep.state.resume import (
     check_journals,
     check_progress_digest,
@@ -267,13 +273,33 @@ def overridden(overrides: Sequence[str], key: str) -> bool:
     return any(item.partition("=")[0].strip() == key for item in overrides)
 
 
+#: the manifest fields a declared migration (``--reshard``) may change (S7): the world
+#: size and the axes a replica is split along, as the config and the layout record them
+RESHARD_FIELDS = frozenset({"parallel.world_size", "parallel.layout",
+                            *(f"{where}parallel.{axis}" for where in ("", "config.")
+                              for axis in MODEL_AXIS_KEYS)})
+
+
 def keep_run_manifest(run: Run, old: Manifest, reshard: bool) -> None:
     """Keep the run's own manifest when the rebuilt one differs only where a resume
     may differ: the numerics environment (a declared continuation, S9) and, with
-    ``reshard``, the world size (a declared migration, S7)."""
-    allowed = {"parallel.world_size"} if reshard else set()
+    ``reshard``, the world size and the layout's axes (``parallel.tp``: a checkpoint
+    loaded by its logical names, a declared migration, S7)."""
+    def migrated(field: str) -> bool:
+        return field in RESHARD_FIELDS or field.startswith("parallel.layout.")
+
+    def allowed(field: str) -> bool:
+        return (reshard and migrated(field)) or field.split(".")[0] == "environment"
+
     fields = diff_manifests(old, run.manifest)
-    if fields and all(f in allowed or f.split(".")[0] == "environment" for f in fields):
+    layout = [f for f in fields if migrated(f)]
+    if not reshard and layout and all(migrated(f) or allowed(f) for f in fields):
+        raise ResumeError(
+            f"the run was written by another layout ({', '.join(layout)} differ); pass "
+            "--reshard to continue it under this one (the checkpoint loaded by its logical "
+            "names, the data re-partitioned: a declared migration), or resume with the "
+            "original parallel settings and process count")
+    if fields and all(allowed(f) for f in fields):
         run.manifest = old
         run.checkpointer.manifest_digest = old.digest
 

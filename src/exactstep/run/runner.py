@@ -33,6 +33,7 @@ from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
+from exactstep.parallel.tensor import split_model
 from exactstep.parallel.wrap import shard_model
 from exactstep.rows.background import BackgroundStream
 from exactstep.rows.example import DataBundle
@@ -130,6 +131,9 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                                     tokenizer.vocab_size)
     pin_mmap_threshold(threshold_for(  # from the run's own shapes (L1)
         widest, kept if cfg.model.activation_checkpointing else None))
+    model = split_model(model.to(ctx.device), layout, family=cfg.objective.family,
+                        lora=cfg.model.lora.enabled, compiled=cfg.train.compile,
+                        strategy=cfg.parallel.strategy)  # tensor parallel (D5), refused first
     if cfg.train.compile:
         compile_model(model, family=cfg.objective.family)
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
