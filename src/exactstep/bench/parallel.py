@@ -1,6 +1,6 @@
-"""Parallel layouts against DDP on the same model: tokens/s and per-rank memory (D1, D4).
+"""Parallel layouts against DDP on the same model: tokens/s and per-rank memory (D1, D4, D5).
 
-Each layout (``ddp``, ``fsdp``, ``zero1``, ``zero2``; one entry of ``LAYOUTS`` each,
+Each layout (``ddp``, ``fsdp``, ``zero1``, ``zero2``, ``tp2``; one entry of ``LAYOUTS``,
 ``--set`` keys of the run, so a new layout is one more row) trains the same built-in
 decoder on the same batches as a real run does (``run.runner.build_run`` on every rank),
 two spawned gloo ranks on this CPU, one thread each. ``exactstep bench parallel``
@@ -20,12 +20,15 @@ from pathlib import Path
 from exactstep.bench.common import cpu_model, reset_peak, spawn_ranks, status_kib
 
 WORLD = 2
-# layout name -> the run's settings that make it (tp / pp rows add theirs here)
-LAYOUTS: dict[str, tuple[str, ...]] = {
-    "ddp": ("parallel.strategy=ddp",),
-    "fsdp": ("parallel.strategy=fsdp",),
-    "zero1": ("parallel.strategy=zero1",),
-    "zero2": ("parallel.strategy=zero2",),
+# layout name -> the run's settings that make it and its data replicas among the WORLD
+# ranks (tp / pp rows add theirs here); a layout of fewer replicas takes proportionally
+# more microbatches a window, so every layout trains the same global windows
+LAYOUTS: dict[str, tuple[tuple[str, ...], int]] = {
+    "ddp": (("parallel.strategy=ddp",), 2),
+    "fsdp": (("parallel.strategy=fsdp",), 2),
+    "zero1": (("parallel.strategy=zero1",), 2),
+    "zero2": (("parallel.strategy=zero2",), 2),
+    "tp2": (("parallel.tp=2",), 1),  # one replica split in 2 tensor shards
 }
 BASELINE = "ddp"
 COMMON = ("train.device=cpu", "train.threads=1", "train.progress=false",
@@ -77,6 +80,8 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
                 lambda *_: grads.append(local_bytes(p.grad for p in engine.parameters)))
             reset_peak()  # the peak from here on is the training's, not the build's
             seconds, tokens = [], 0
+            coords = ctx.layout.coords()  # a replica's batches counted on its first rank
+            counts = coords["tp"] == coords["pp"] == coords["cp"] == 0
             for w in range(1 + job["windows"]):  # window 0 warms up
                 batches = [next(it) for _ in range(cfg.update.accum)]
                 torch.distributed.barrier()
@@ -85,7 +90,7 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
                 dt = time.perf_counter() - t0
                 if w:
                     seconds.append(dt)
-                    tokens += sum(int((b.segment_ids > 0).sum()) for b in batches)
+                    tokens += counts * sum(int((b.segment_ids > 0).sum()) for b in batches)
             figures = {
                 "seconds": seconds, "tokens": tokens,
                 "peak_rss_mib": status_kib("VmHWM") / 1024,
@@ -101,7 +106,7 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
 
 def layout_job(settings: tuple[str, ...], windows: int) -> dict:
     """One layout's two ranks in fresh processes (each peak is its own): rank 0's
-    window seconds, every rank's tokens summed, the largest rank's memory."""
+    window seconds, the tokens of every data replica, the largest rank's memory."""
     with tempfile.TemporaryDirectory() as tmp:
         codes = spawn_ranks(_rank, WORLD, (tmp, {"settings": settings, "windows": windows}),
                             deadline_s=900)
@@ -116,6 +121,15 @@ def layout_job(settings: tuple[str, ...], windows: int) -> dict:
                ("peak_rss_mib", "param_bytes", "grad_bytes", "optimizer_bytes")}}
 
 
+def layout_settings(shape: tuple[str, ...], name: str) -> tuple[str, ...]:
+    """The run settings of layout ``name`` at ``shape``: ``update.accum`` scaled by
+    ``WORLD / replicas``, so the global window (microbatches over all replicas) is the
+    same in every layout."""
+    settings, replicas = LAYOUTS[name]
+    accum = next(int(v.split("=")[1]) for v in shape if v.startswith("update.accum="))
+    return (*COMMON, *shape, *settings, f"update.accum={accum * WORLD // replicas}")
+
+
 def shape_rows(shape: tuple[str, ...], windows: int, rounds: int) -> dict:
     """Every layout at one shape: ``rounds`` rounds, each running every layout once
     (the order reversed every other round, so a load change hits all alike); per
@@ -124,7 +138,7 @@ def shape_rows(shape: tuple[str, ...], windows: int, rounds: int) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            runs[name].append(layout_job((*COMMON, *shape, *LAYOUTS[name]), windows))
+            runs[name].append(layout_job(layout_settings(shape, name), windows))
     rows = {}
     for name in names:
         got = runs[name]
