@@ -1,0 +1,136 @@
+"""Spawned pipeline ranks for tests/parallel/test_pipeline_parallel.py (D1, D2, S7).
+
+A rank builds the whole seeded decoder, keeps its stages (``split_decoder``), makes its
+engine a pipeline rank and runs each of the job's phases on a fresh engine; it writes
+its parameters (logical names), ledger and, where asked, a checkpoint. Planted wrong
+variants (negative controls) are chosen by name in the phase.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from workers import OBJECTIVE, PAD_ID, UPDATE, VOCAB
+
+from exactstep.errors import ExactstepError
+from exactstep.model.config import ModelConfig
+from exactstep.model.decoder import build_model
+from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.launch import collective_guard
+from exactstep.parallel.pipeline import PipelineRunner, pipeline_engine, split_decoder
+from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
+from exactstep.update.config import NumericsConfig, UpdateConfig
+from exactstep.update.groups import build_optimizer
+from exactstep.update.precision import Precision
+from exactstep.update.schedule import build_schedule
+from exactstep.update.window import UpdateEngine
+
+ROWS, SEQ = 2, 8
+
+
+def model_cfg(n_layers: int = 2, tied: bool = False) -> ModelConfig:
+    return ModelConfig(d_model=16, n_layers=n_layers, n_heads=2, d_ff=32, attention="dense",
+                       tie_embeddings=tied)
+
+
+def engine_on(model: torch.nn.Module, update: UpdateConfig) -> UpdateEngine:
+    optimizer, _ = build_optimizer(model, update)
+    return UpdateEngine(model, optimizer, build_schedule(update, total_windows=100),
+                        Precision(NumericsConfig(), "cpu"), update, OBJECTIVE,
+                        device=torch.device("cpu"), pad_id=PAD_ID)
+
+
+def one_process_engine(n_layers: int, tied: bool, update: UpdateConfig = UPDATE,
+                       dtype: torch.dtype = torch.float32) -> UpdateEngine:
+    """The same model in one process (``dtype`` float64: the reference run)."""
+    return engine_on(build_model(model_cfg(n_layers, tied), VOCAB, seed=0).to(dtype), update)
+
+
+class MeanPerMicrobatchRunner(PipelineRunner):
+    """Deliberately wrong (negative control): the schedule's own convention, each
+    microbatch's loss a mean over its own tokens (``S_m / D_m``) and the gradients
+    divided by the microbatch count (``scale_grads=True``)."""
+
+    def _loss(self, hidden, target):
+        mb = self.current[int(target[0])]
+        d_m = float(mb.coeff.sum()) or 1.0
+        loss = super()._loss(hidden, target)
+        return loss / (self._loss_scale * d_m)
+
+    def run(self, engine, *args, **kwargs):
+        out = super().run(engine, *args, **kwargs)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(self.n_microbatches)
+        return out
+
+
+class LocalNormRunner(PipelineRunner):
+    """Deliberately wrong (negative control): each stage clips by its own stage's norm."""
+
+    def grad_norm(self, engine):
+        grads = [p.grad for p in self.model.norm_parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, 2.0).float()
+
+
+RUNNERS = {"mean_per_microbatch": MeanPerMicrobatchRunner, "local_norm": LocalNormRunner}
+
+
+def build_pipeline_engine(ctx, phase: dict, rank: int) -> UpdateEngine:
+    update = replace(UPDATE, accum=phase.get("accum", UPDATE.accum),
+                     fail_window=phase.get("fail_window", {}).get(rank, -1))
+    decoder = build_model(model_cfg(phase["layers"], phase.get("tied", False)), VOCAB, seed=0)
+    model = split_decoder(decoder, schedule=phase["schedule"], pp=ctx.world_size, pp_rank=rank)
+    engine = engine_on(model, update)
+    pipeline_engine(engine, model, ctx, schedule=phase["schedule"], rows=ROWS, seq_len=SEQ)
+    wrong = RUNNERS.get(phase.get("runner", ""))
+    if wrong is not None:
+        right = engine.runner
+        engine.runner = wrong(model, schedule=phase["schedule"], n_microbatches=update.accum,
+                              group=right.group, device=right.device,
+                              objective_cfg=right.objective_cfg, pad_id=PAD_ID,
+                              terms=right.terms, autocast=right.autocast,
+                              precision=right.precision, rows=ROWS, seq_len=SEQ,
+                              tied_group=right.tied_group)
+    return engine
+
+
+def run_pipeline_phase(rank: int, ctx, phase: dict) -> dict:
+    engine = build_pipeline_engine(ctx, phase, rank)
+    records, after = [], []
+    for w, batches in enumerate(phase["windows"]):
+        records.append(engine.run_window(list(batches), w).ledger_record())
+        after.append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
+    return {"params": after, "ledger": records,
+            "optimizer_steps": [int(s["step"]) for s in engine.optimizer.state_dict()["state"]
+                                .values() if "step" in s]}
+
+
+def pipeline_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """One pipeline rank: every phase of ``job`` in turn, results to ``rank<r>.pt``."""
+    torch.set_num_threads(1)
+    path = Path(out) / f"rank{rank}.pt"
+    ctx, results = None, []
+    try:
+        cfg = ParallelConfig(timeout_s=job.get("timeout_s", 60.0))
+        ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
+        with collective_guard(ctx):
+            for phase in job["phases"]:
+                results.append(run_pipeline_phase(rank, ctx, phase))
+        torch.save({"phases": results, "ended": time.time()}, path)
+    except ExactstepError as exc:
+        torch.save({"phases": results, "error": str(exc), "kind": type(exc).__name__}, path)
+    except BaseException as exc:  # noqa: BLE001 - the test reads what failed
+        torch.save({"phases": results, "kind": type(exc).__name__,
+                    "error": "".join(traceback.format_exception_only(exc)).strip(),
+                    "traceback": traceback.format_exc()}, path)
+    finally:
+        if ctx is not None:
+            try:
+                shutdown(ctx)
+            except Exception:  # noqa: BLE001 - a dead peer may already have broken the group
+                pass
