@@ -21,7 +21,12 @@ from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.launch import collective_guard
-from exactstep.parallel.pipeline import PipelineRunner, pipeline_engine, split_decoder
+from exactstep.parallel.pipeline import (
+    PipelineReducer,
+    PipelineRunner,
+    pipeline_engine,
+    split_decoder,
+)
 from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.groups import build_optimizer
@@ -50,23 +55,31 @@ def one_process_engine(n_layers: int, tied: bool, update: UpdateConfig = UPDATE,
     return engine_on(build_model(model_cfg(n_layers, tied), VOCAB, seed=0).to(dtype), update)
 
 
-class MeanPerMicrobatchRunner(PipelineRunner):
+class GradRecordingRunner(PipelineRunner):
+    """The right runner, keeping a copy of the window's gradients (before the clip)."""
+
+    def run(self, engine, *args, **kwargs):
+        out = super().run(engine, *args, **kwargs)
+        self.grads.append({n: p.grad.detach().clone()
+                           for n, p in self.model.named_parameters() if p.grad is not None})
+        return out
+
+
+class ScheduleMeanRunner(GradRecordingRunner):
+    """The right loss with the schedule's default ``scale_grads=True`` (what the schedule
+    does to the gradients, measured)."""
+
+    scale_grads = True
+
+
+class MeanPerMicrobatchRunner(ScheduleMeanRunner):
     """Deliberately wrong (negative control): the schedule's own convention, each
     microbatch's loss a mean over its own tokens (``S_m / D_m``) and the gradients
     divided by the microbatch count (``scale_grads=True``)."""
 
     def _loss(self, hidden, target):
-        mb = self.current[int(target[0])]
-        d_m = float(mb.coeff.sum()) or 1.0
-        loss = super()._loss(hidden, target)
-        return loss / (self._loss_scale * d_m)
-
-    def run(self, engine, *args, **kwargs):
-        out = super().run(engine, *args, **kwargs)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(self.n_microbatches)
-        return out
+        d_m = float(self.current[int(target[0])].coeff.sum()) or 1.0
+        return super()._loss(hidden, target) / (self._loss_scale * d_m)
 
 
 class LocalNormRunner(PipelineRunner):
@@ -77,7 +90,17 @@ class LocalNormRunner(PipelineRunner):
         return torch.nn.utils.get_total_norm(grads, 2.0).float()
 
 
-RUNNERS = {"mean_per_microbatch": MeanPerMicrobatchRunner, "local_norm": LocalNormRunner}
+class UnagreedFlagReducer(PipelineReducer):
+    """Deliberately wrong (negative control for D2): the finite flag stays on its stage."""
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        if values.dtype == torch.float32:  # [bad flag, S, NLL]
+            return values.clone()
+        return super().sum(values)
+
+
+RUNNERS = {"record": GradRecordingRunner, "schedule_mean": ScheduleMeanRunner,
+           "mean_per_microbatch": MeanPerMicrobatchRunner, "local_norm": LocalNormRunner}
 
 
 def build_pipeline_engine(ctx, phase: dict, rank: int) -> UpdateEngine:
@@ -87,15 +110,18 @@ def build_pipeline_engine(ctx, phase: dict, rank: int) -> UpdateEngine:
     model = split_decoder(decoder, schedule=phase["schedule"], pp=ctx.world_size, pp_rank=rank)
     engine = engine_on(model, update)
     pipeline_engine(engine, model, ctx, schedule=phase["schedule"], rows=ROWS, seq_len=SEQ)
-    wrong = RUNNERS.get(phase.get("runner", ""))
-    if wrong is not None:
+    if phase.get("reducer") == "unagreed_flag":
+        engine.reducer = UnagreedFlagReducer(ctx)
+    other = RUNNERS.get(phase.get("runner", ""))
+    if other is not None:
         right = engine.runner
-        engine.runner = wrong(model, schedule=phase["schedule"], n_microbatches=update.accum,
+        engine.runner = other(model, schedule=phase["schedule"], n_microbatches=update.accum,
                               group=right.group, device=right.device,
                               objective_cfg=right.objective_cfg, pad_id=PAD_ID,
                               terms=right.terms, autocast=right.autocast,
                               precision=right.precision, rows=ROWS, seq_len=SEQ,
                               tied_group=right.tied_group)
+        engine.runner.grads = []
     return engine
 
 
@@ -106,6 +132,7 @@ def run_pipeline_phase(rank: int, ctx, phase: dict) -> dict:
         records.append(engine.run_window(list(batches), w).ledger_record())
         after.append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
     return {"params": after, "ledger": records,
+            "grads": getattr(engine.runner, "grads", None),
             "optimizer_steps": [int(s["step"]) for s in engine.optimizer.state_dict()["state"]
                                 .values() if "step" in s]}
 

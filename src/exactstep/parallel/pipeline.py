@@ -183,6 +183,8 @@ class PipelineRunner:
     ``sqrt(sum over stages of |g_stage|^2)``, each logical parameter once.
     """
 
+    scale_grads = False  # the schedule's own 1 / n_microbatches: never (see ``_loss``)
+
     def __init__(self, model: StageModel, *, schedule: str, n_microbatches: int,
                  group, device: torch.device, objective_cfg, pad_id: int, terms,
                  autocast, precision, rows: int, seq_len: int, tied_group=None) -> None:
@@ -211,10 +213,9 @@ class PipelineRunner:
                  "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}
         kind = kinds[schedule]
         try:
-            self.schedule = (kind(stages, n_microbatches, loss_fn=self._loss, scale_grads=False)
-                             if schedule == "interleaved_1f1b" else
-                             kind(stages[0], n_microbatches, loss_fn=self._loss,
-                                  scale_grads=False))
+            self.schedule = kind(stages if schedule == "interleaved_1f1b" else stages[0],
+                                 n_microbatches, loss_fn=self._loss,
+                                 scale_grads=self.scale_grads)
         except ValueError as exc:
             raise ConfigError(f"parallel.schedule = {schedule!r}: {exc}; raise update.accum "
                               "(the window's microbatches are the schedule's)") from None

@@ -1,0 +1,200 @@
+"""Pipeline parallel over real gloo ranks equals the one-process run (D1, D2, U1, U3).
+
+Two spawned ranks, one pipeline of two stages (``parallel.pp = 2``), run every phase of
+one job: each schedule (GPipe, 1F1B, interleaved 1F1B with two stages per rank), tied
+embeddings, a NaN on one stage, and the planted wrong variants (a per-microbatch mean
+denominator, a stage-local clip norm, an unagreed finite flag) that the same checks
+must catch. The windows have unequal token counts and the last one is short (one
+microbatch: the pipeline pads it with an empty one, U1).
+
+Tolerance (derived, never observed): the reference is the one-process run in float64;
+the pipeline may be at most twice as far from it as the one-process fp32 run is, plus
+a floor of ``FLOOR_ULPS`` fp32 units of the tensor's magnitude (the pipeline reorders
+a few sums, the norm over stages and the tied gradient, each one rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from equivalence import FP32_UNIT
+from pipeline_workers import ROWS, SEQ, one_process_engine, pipeline_main
+from workers import UPDATE, shards, spawn_ranks
+
+from exactstep.update.window import MicrobatchLoop
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+WORLD = 2
+FLOOR_ULPS = 4
+# [window][microbatch] supervised tokens; the last window is short (U1)
+TOKENS = [[[5, 3], [4, 7], [6]]]
+WINDOWS = shards(TOKENS, rows=ROWS, seq_len=SEQ)[0]
+
+PHASES = {
+    "gpipe": {"schedule": "gpipe", "layers": 2},
+    "1f1b": {"schedule": "1f1b", "layers": 2},
+    "interleaved": {"schedule": "interleaved_1f1b", "layers": 4},
+    "tied": {"schedule": "1f1b", "layers": 2, "tied": True},
+    "record": {"schedule": "1f1b", "layers": 2, "runner": "record"},
+    "schedule_mean": {"schedule": "1f1b", "layers": 2, "runner": "schedule_mean"},
+    "mean_per_microbatch": {"schedule": "1f1b", "layers": 2, "runner": "mean_per_microbatch"},
+    "local_norm": {"schedule": "1f1b", "layers": 2, "runner": "local_norm"},
+    "nan": {"schedule": "1f1b", "layers": 2, "fail_window": {1: 1}},
+    "nan_local": {"schedule": "1f1b", "layers": 2, "fail_window": {1: 1},
+                  "reducer": "unagreed_flag", "runner": "local_norm"},
+}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("pipeline")
+    phases = [dict(p, windows=WINDOWS) for p in PHASES.values()]
+    results, codes, _ = spawn_ranks(pipeline_main, WORLD, out, {"phases": phases},
+                                    deadline_s=280)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} wrote nothing (exit code {codes[rank]})"
+        assert "error" not in result, result.get("traceback", result.get("error"))
+    return {name: [r["phases"][i] for r in results] for i, name in enumerate(PHASES)}
+
+
+class RecordingLoop(MicrobatchLoop):
+    """The one-process runner, keeping the window's gradients (before the clip)."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def run(self, engine, *args, **kwargs):
+        out = super().run(engine, *args, **kwargs)
+        self.grads.append({n: p.grad.detach().clone()
+                           for n, p in engine.model.named_parameters() if p.grad is not None})
+        return out
+
+
+def one_process(layers: int, tied: bool = False, fail_window: int = -1,
+                dtype: torch.dtype = torch.float32):
+    """Parameters after each window, the ledger and the gradients of the one-process run."""
+    engine = one_process_engine(layers, tied, replace(UPDATE, fail_window=fail_window), dtype)
+    engine.runner = RecordingLoop()
+    params, ledger = [], []
+    for w, batches in enumerate(WINDOWS):
+        ledger.append(engine.run_window(list(batches), w).ledger_record())
+        params.append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
+    return params, ledger, engine.runner.grads
+
+
+def worst_ratio(pipeline: dict[str, torch.Tensor], fp32: dict[str, torch.Tensor],
+                f64: dict[str, torch.Tensor]) -> float:
+    """max over the tensors of ``|pipeline - f64| / (2 |fp32 - f64| + floor)``: <= 1
+    passes. ``pipeline`` may hold a part of the model (one stage's tensors)."""
+    ratios = []
+    for name, value in pipeline.items():
+        ref = f64[name]
+        bound = (2 * (fp32[name].double() - ref).abs().max()
+                 + FLOOR_ULPS * FP32_UNIT * ref.abs().max())
+        ratios.append(float((value.double() - ref).abs().max() / bound))
+    return max(ratios)
+
+
+def stages_ratio(ranks: list[dict], windows: list[int], layers: int, tied: bool = False,
+                 fail_window: int = -1) -> float:
+    fp32, _, _ = one_process(layers, tied, fail_window)
+    f64, _, _ = one_process(layers, tied, fail_window, torch.float64)
+    return max(worst_ratio(rank["params"][w], fp32[w], f64[w]) for rank in ranks for w in windows)
+
+
+def test_stages_hold_the_one_process_names_between_them(job) -> None:
+    """S7: each stage's tensors under the one-process names; together the whole model
+    (a tied embedding on both end stages, as one name)."""
+    fp32, _, _ = one_process(2)
+    rank0, rank1 = (set(r["params"][0]) for r in job["1f1b"])
+    assert rank0 | rank1 == set(fp32[0]) and not rank0 & rank1
+    assert "embed.weight" in rank0 and {"head.weight", "final_norm.weight"} <= rank1
+    tied0, tied1 = (set(r["params"][0]) for r in job["tied"])
+    assert tied0 & tied1 == {"embed.weight"}
+
+
+@pytest.mark.parametrize("name,layers", [("gpipe", 2), ("1f1b", 2), ("interleaved", 4)])
+def test_each_schedule_equals_the_one_process_run(job, name: str, layers: int) -> None:
+    """D1, U1: after one window and after three (the last one short), every stage's
+    parameters equal the one-process run's within the derived tolerance; the ledgers
+    (D, loss, grad norm) agree on every stage."""
+    assert stages_ratio(job[name], [0], layers) <= 1.0
+    assert stages_ratio(job[name], [2], layers) <= 1.0
+    _, ledger, _ = one_process(layers)
+    for rank in job[name]:
+        assert [r["D"] for r in rank["ledger"]] == [r["D"] for r in ledger]
+        assert [r["disposition"] for r in rank["ledger"]] == ["COMMITTED"] * 3
+        for mine, theirs in zip(rank["ledger"], ledger, strict=True):
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=8 * FP32_UNIT)
+            assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=8 * FP32_UNIT)
+
+
+def test_tied_embeddings_across_the_end_stages(job) -> None:
+    """The tied embedding lives on stage 0 and (as the head) on the last stage: the two
+    copies stay bitwise equal and equal the one-process tied model within tolerance."""
+    rank0, rank1 = job["tied"]
+    for w in range(3):
+        assert torch.equal(rank0["params"][w]["embed.weight"], rank1["params"][w]["embed.weight"])
+    assert stages_ratio(job["tied"], [0, 2], 2, tied=True) <= 1.0
+
+
+def test_the_schedule_divides_by_its_microbatch_count_unless_told_not_to(job) -> None:
+    """What ``scale_grads`` does, measured: with the schedule's default (True) every
+    gradient of the stage's module is the right one divided by n_microbatches = 2
+    (exact in binary), and the head's, which the loss function uses outside the stage's
+    module, is not divided at all; with ``scale_grads=False`` and the loss
+    ``S_m / D_global`` the gradient is the one-process window gradient within the
+    derived tolerance."""
+    right, halved = job["record"], job["schedule_mean"]
+    for r, h in zip(right, halved, strict=True):
+        for name, grad in r["grads"][0].items():
+            factor = 1 if name == "head.weight" else 2
+            assert torch.equal(h["grads"][0][name] * factor, grad), name
+    _, _, fp32 = one_process(2)
+    _, _, f64 = one_process(2, dtype=torch.float64)
+    assert max(worst_ratio(rank["grads"][0], fp32[0], f64[0]) for rank in right) <= 1.0
+    # the same check catches the halved gradient
+    assert max(worst_ratio(rank["grads"][0], fp32[0], f64[0]) for rank in halved) > 1.0
+
+
+def test_negative_control_per_microbatch_mean_fails(job) -> None:
+    """The schedule's own convention (mean per microbatch, then / n_microbatches) is
+    not the window objective: the same check fails, after one window already."""
+    assert stages_ratio(job["mean_per_microbatch"], [0], 2) > 1.0
+
+
+def test_negative_control_stage_local_clip_norm_fails(job) -> None:
+    """Clipping each stage by its own stage's norm (every window here is clipped: the
+    norms exceed update.clip = 1) fails the same check."""
+    _, ledger, _ = one_process(2)
+    assert all(r["grad_norm"] > UPDATE.clip for r in ledger)
+    assert stages_ratio(job["local_norm"], [0], 2) > 1.0
+
+
+def test_nan_on_one_stage_skips_every_stage(job) -> None:
+    """D2, U4: a NaN injected on stage 1 only in window 1: every stage skips it, its
+    parameters bitwise those of window 0, its optimizer one step short; the run then
+    equals the one-process run that skipped the same window."""
+    for rank in job["nan"]:
+        assert [r["disposition"] for r in rank["ledger"]] == [
+            "COMMITTED", "SKIPPED_NONFINITE", "COMMITTED"]
+        for name, value in rank["params"][0].items():
+            assert torch.equal(rank["params"][1][name], value), name
+        assert set(rank["optimizer_steps"]) == {2}
+    # stage 0's own gradient is finite: the summed norm and the agreed flag told it
+    assert job["nan"][0]["ledger"][1]["cause"] in ("NONFINITE_GRAD_NORM",
+                                                   "NONFINITE_ON_ANOTHER_RANK")
+    assert stages_ratio(job["nan"], [2], 2, fail_window=1) <= 1.0
+
+
+def test_negative_control_stage_local_decision_lets_stages_diverge(job) -> None:
+    """A stage that decides from its own gradients (its own norm, its own flag) commits
+    the window the other skips: their ledgers and step counts disagree (two weight
+    versions in one model)."""
+    rank0, rank1 = job["nan_local"]
+    assert rank0["ledger"][1]["disposition"] == "COMMITTED"
+    assert rank1["ledger"][1]["disposition"] == "SKIPPED_NONFINITE"
+    assert set(rank0["optimizer_steps"]) != set(rank1["optimizer_steps"])
