@@ -19,13 +19,14 @@ from workers import OBJECTIVE, PAD_ID, UPDATE, VOCAB
 from exactstep.errors import ExactstepError
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
+from exactstep.model.stages import split_decoder
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.pipeline import (
     PipelineReducer,
     PipelineRunner,
     pipeline_engine,
-    split_decoder,
+    pipeline_stages,
 )
 from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
 from exactstep.update.config import NumericsConfig, UpdateConfig
@@ -107,7 +108,8 @@ def build_pipeline_engine(ctx, phase: dict, rank: int) -> UpdateEngine:
     update = replace(UPDATE, accum=phase.get("accum", UPDATE.accum),
                      fail_window=phase.get("fail_window", {}).get(rank, -1))
     decoder = build_model(model_cfg(phase["layers"], phase.get("tied", False)), VOCAB, seed=0)
-    model = split_decoder(decoder, schedule=phase["schedule"], pp=ctx.world_size, pp_rank=rank)
+    stages, n_stages = pipeline_stages(phase["schedule"], ctx.world_size, rank)
+    model = split_decoder(decoder, stages=stages, n_stages=n_stages)
     engine = engine_on(model, update)
     pipeline_engine(engine, model, ctx, schedule=phase["schedule"], rows=ROWS, seq_len=SEQ)
     if phase.get("reducer") == "unagreed_flag":
@@ -118,8 +120,7 @@ def build_pipeline_engine(ctx, phase: dict, rank: int) -> UpdateEngine:
         engine.runner = other(model, schedule=phase["schedule"], n_microbatches=update.accum,
                               group=right.group, device=right.device,
                               objective_cfg=right.objective_cfg, pad_id=PAD_ID,
-                              terms=right.terms, autocast=right.autocast,
-                              precision=right.precision, rows=ROWS, seq_len=SEQ,
+                              terms=right.terms, precision=right.precision, rows=ROWS, seq_len=SEQ,
                               tied_group=right.tied_group)
         engine.runner.grads = []
     return engine
