@@ -14,13 +14,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from workers import OBJECTIVE, PAD_ID, UPDATE, VOCAB
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from workers import OBJECTIVE, PAD_ID, UPDATE, VOCAB, common_state, load_common, stream_for
 
 from exactstep.errors import ExactstepError
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.model.stages import split_decoder
 from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.dcp_format import load_distributed_checkpoint, save_distributed_checkpoint
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.pipeline import (
     PipelineReducer,
@@ -127,13 +129,26 @@ def build_pipeline_engine(ctx, phase: dict, rank: int) -> UpdateEngine:
 
 
 def run_pipeline_phase(rank: int, ctx, phase: dict) -> dict:
+    """The phase's windows (from ``phase["first"]``, after loading ``phase["load"]``
+    where given), then a checkpoint to ``phase["save"]`` where given."""
     engine = build_pipeline_engine(ctx, phase, rank)
+    first = phase.get("first", 0)
+    if "load" in phase:
+        state = load_distributed_checkpoint(Path(phase["load"]), model=engine.model,
+                                            optimizer=engine.optimizer, ctx=ctx)
+        load_common(engine, state.common)
     records, after = [], []
-    for w, batches in enumerate(phase["windows"]):
+    for w, batches in enumerate(phase["windows"][first:], start=first):
         records.append(engine.run_window(list(batches), w).ledger_record())
         after.append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
+    if "save" in phase:  # every stage the same data cursor: one data replica (D3)
+        save_distributed_checkpoint(
+            Path(phase["save"]).parent, Path(phase["save"]).name, model=engine.model,
+            optimizer=engine.optimizer, common=common_state(engine),
+            rank_state={"data": stream_for(0, 1).state_dict()}, ctx=ctx, keep=2)
     return {"params": after, "ledger": records,
             "grads": getattr(engine.runner, "grads", None),
+            "optimizer": get_optimizer_state_dict(engine.model, engine.optimizer),
             "optimizer_steps": [int(s["step"]) for s in engine.optimizer.state_dict()["state"]
                                 .values() if "step" in s]}
 

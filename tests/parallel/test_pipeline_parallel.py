@@ -16,18 +16,23 @@ a few sums, the norm over stages and the tied gradient, each one rounding).
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from equivalence import FP32_UNIT
 from pipeline_workers import ROWS, SEQ, one_process_engine, pipeline_main
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from workers import UPDATE, shards, spawn_ranks
 
+from exactstep.parallel.dcp_format import load_distributed_checkpoint
+from exactstep.parallel.process_group import single_process
 from exactstep.update.window import MicrobatchLoop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WORLD = 2
+SAVED = "checkpoints/after-2"
 FLOOR_ULPS = 4
 # [window][microbatch] supervised tokens; the last window is short (U1)
 TOKENS = [[[5, 3], [4, 7], [6]]]
@@ -49,9 +54,17 @@ PHASES = {
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> dict[str, list[dict]]:
-    out = tmp_path_factory.mktemp("pipeline")
-    phases = [dict(p, windows=WINDOWS) for p in PHASES.values()]
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def job(out: Path) -> dict[str, list[dict]]:
+    PHASES["save"] = {"schedule": "1f1b", "layers": 2, "tied": True, "save": str(out / SAVED),
+                      "windows": WINDOWS[:2]}
+    PHASES["resume"] = {"schedule": "1f1b", "layers": 2, "tied": True, "load": str(out / SAVED),
+                        "first": 2}
+    phases = [{"windows": WINDOWS, **p} for p in PHASES.values()]
     results, codes, _ = spawn_ranks(pipeline_main, WORLD, out, {"phases": phases},
                                     deadline_s=280)
     for rank, result in enumerate(results):
@@ -198,3 +211,49 @@ def test_negative_control_stage_local_decision_lets_stages_diverge(job) -> None:
     assert rank0["ledger"][1]["disposition"] == "COMMITTED"
     assert rank1["ledger"][1]["disposition"] == "SKIPPED_NONFINITE"
     assert set(rank0["optimizer_steps"]) != set(rank1["optimizer_steps"])
+
+
+def test_resume_at_pp2_from_a_stage_checkpoint_is_bitwise(job) -> None:
+    """S7, S2: two windows, a DCP checkpoint of every stage (logical names, the tied
+    embedding once), a fresh pipeline that loads it and runs window 2: bitwise the
+    uninterrupted pipeline's parameters and optimizer state, on every stage."""
+    for straight, resumed in zip(job["tied"], job["resume"], strict=True):
+        assert resumed["ledger"] == straight["ledger"][2:]
+        assert set(resumed["params"][0]) == set(straight["params"][2])
+        for name, value in straight["params"][2].items():
+            assert torch.equal(resumed["params"][0][name], value), name
+        assert_same_optimizer(resumed["optimizer"], straight["optimizer"])
+
+
+def assert_same_optimizer(a: dict, b: dict) -> None:
+    assert set(a["state"]) == set(b["state"])
+    for name, state in b["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(a["state"][name][key]),
+                               torch.as_tensor(value)), (name, key)
+
+
+def test_pp2_checkpoint_loads_into_one_process_by_names(job, out: Path) -> None:
+    """S7: the stages' checkpoint loads into the one-process model by the one-process
+    names (every tensor and optimizer moment bitwise the stage's), as a declared
+    migration (a reshard record, never silent); the one-process run continued from it
+    equals the pipeline's window 2 within the derived tolerance."""
+    engine = one_process_engine(2, tied=True)
+    state = load_distributed_checkpoint(out / SAVED, model=engine.model,
+                                        optimizer=engine.optimizer,
+                                        ctx=single_process(torch.device("cpu")), reshard=True)
+    assert state.reshard is not None and state.reshard["old_world_size"] == WORLD
+    loaded = engine.model.state_dict()
+    optimizer = get_optimizer_state_dict(engine.model, engine.optimizer)
+    for rank in job["save"]:
+        for name, value in rank["params"][1].items():
+            assert torch.equal(loaded[name], value), name
+        mine = {"state": {k: v for k, v in optimizer["state"].items()
+                          if k in rank["optimizer"]["state"]}}
+        assert_same_optimizer(mine, rank["optimizer"])
+    engine.schedule.load_state_dict(state.common["schedule"])
+    engine.run_window(list(WINDOWS[2]), 2)
+    fp32, _, _ = one_process(2, tied=True)
+    f64, _, _ = one_process(2, tied=True, dtype=torch.float64)
+    continued = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    assert worst_ratio(continued, fp32[2], f64[2]) <= 1.0

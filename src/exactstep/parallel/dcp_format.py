@@ -34,6 +34,11 @@ DIST_FORMAT = "exactstep-dist-checkpoint/2"
 DCP_DIR = "dcp"
 COMMON_FILE = "common.pt"
 PUBLICATION_TAG = "dist"  # every rank must name the same temporary directory
+# the manifest field saying the optimizer's entries are keyed by parameter name
+# (``param_groups.<name>.lr``), not by group index: ranks holding different parameters
+# (pipeline stages) then never write the same key with different values
+OPTIMIZER_KEYS = "optimizer_keys"
+BY_NAME = "by_name"
 
 
 def rank_file(rank: int) -> str:
@@ -62,12 +67,20 @@ def held_part(state: dict[str, Any], names: set[str] | None) -> dict[str, Any]:
     return state if names is None else {k: v for k, v in state.items() if k in names}
 
 
-def load_options(held: dict[str, Any], whole: dict[str, Any]):
+def load_options(held: dict[str, Any], whole: dict[str, Any], *, by_name: bool = False):
     """``strict`` loading, unless the checkpoint holds a part of the model (LoRA):
-    then the frozen base tensors, rebuilt from the source, are absent on purpose."""
+    then the frozen base tensors, rebuilt from the source, are absent on purpose.
+    ``by_name``: the optimizer's entries keyed by parameter name (``OPTIMIZER_KEYS``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(strict=len(held) == len(whole))
+    return StateDictOptions(strict=len(held) == len(whole), flatten_optimizer_state_dict=by_name)
+
+
+def by_name_options():
+    """The options of a save: every optimizer entry keyed by its parameter's name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def require_held(path: Path, held: dict[str, Any], whole: dict[str, Any]) -> None:
@@ -120,7 +133,7 @@ def save_distributed_checkpoint(
     with owner as publication:
         _barrier(ctx)  # the directory exists before any rank writes into it
         names = held_names(model)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=by_name_options())
         whole = len(model_sd)
         model_sd = held_part(model_sd, names)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
@@ -132,8 +145,8 @@ def save_distributed_checkpoint(
         _barrier(ctx)
         if publication is not None:
             parts = part_labels(ctx.world_size, adapters_only=len(model_sd) < whole)
-            publication.commit(format=DIST_FORMAT, parts=parts,
-                               fields={"world_size": ctx.world_size}, keep=keep)
+            publication.commit(format=DIST_FORMAT, parts=parts, keep=keep,
+                               fields={"world_size": ctx.world_size, OPTIMIZER_KEYS: BY_NAME})
     _barrier(ctx)
     return root / name
 
@@ -225,9 +238,11 @@ def load_distributed_checkpoint(
     mine = [rank_file(ctx.rank % saved_world)] if not reshard else old_ranks
     check_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
     _barrier(ctx)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    by_name = manifest.get(OPTIMIZER_KEYS) == BY_NAME  # else by group index (before)
+    model_sd, optim_sd = get_state_dict(model, optimizer,
+                                        options=by_name_options() if by_name else None)
     state = {"model": held_part(model_sd, names), "optim": optim_sd}
-    options = load_options(state["model"], model_sd)
+    options = load_options(state["model"], model_sd, by_name=by_name)
     require_held(path, state["model"], model_sd)
     dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
