@@ -141,12 +141,15 @@ def run_pipeline_phase(rank: int, ctx, phase: dict) -> dict:
     for w, batches in enumerate(phase["windows"][first:], start=first):
         records.append(engine.run_window(list(batches), w).ledger_record())
         after.append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
+    held_out = None
+    if "eval" in phase:  # held-out batches, the evaluation's token limit
+        held_out = engine.runner.evaluate(iter(phase["eval"][0]), phase["eval"][1])
     if "save" in phase:  # every stage the same data cursor: one data replica (D3)
         save_distributed_checkpoint(
             Path(phase["save"]).parent, Path(phase["save"]).name, model=engine.model,
             optimizer=engine.optimizer, common=common_state(engine),
             rank_state={"data": stream_for(0, 1).state_dict()}, ctx=ctx, keep=2)
-    return {"params": after, "ledger": records,
+    return {"params": after, "ledger": records, "eval": held_out,
             "grads": getattr(engine.runner, "grads", None),
             "optimizer": get_optimizer_state_dict(engine.model, engine.optimizer),
             "optimizer_steps": [int(s["step"]) for s in engine.optimizer.state_dict()["state"]

@@ -23,8 +23,9 @@ import torch
 from equivalence import FP32_UNIT
 from pipeline_workers import ROWS, SEQ, one_process_engine, pipeline_main
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from workers import UPDATE, shards, spawn_ranks
+from workers import PAD_ID, UPDATE, shards, spawn_ranks
 
+from exactstep.eval import evaluate
 from exactstep.parallel.dcp_format import load_distributed_checkpoint
 from exactstep.parallel.process_group import single_process
 from exactstep.update.window import MicrobatchLoop
@@ -33,6 +34,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WORLD = 2
 SAVED = "checkpoints/after-2"
+# held-out batches (one without targets) and the evaluation's target limit: the first
+# three batches with targets count (5 + 3 + 7 >= 12), a schedule step of 2 and one of 1
+HELD_OUT = shards([[[5, 0, 3, 7, 2]]], rows=ROWS, seq_len=SEQ)[0][0]
+EVAL_TOKENS = 12
 FLOOR_ULPS = 4
 # [window][microbatch] supervised tokens; the last window is short (U1)
 TOKENS = [[[5, 3], [4, 7], [6]]]
@@ -64,6 +69,9 @@ def job(out: Path) -> dict[str, list[dict]]:
                       "windows": WINDOWS[:2]}
     PHASES["resume"] = {"schedule": "1f1b", "layers": 2, "tied": True, "load": str(out / SAVED),
                         "first": 2}
+    for name in ("eval_1f1b", "eval_interleaved"):
+        PHASES[name] = {"schedule": "1f1b" if name == "eval_1f1b" else "interleaved_1f1b",
+                        "layers": 4, "windows": [], "eval": (HELD_OUT, EVAL_TOKENS)}
     phases = [{"windows": WINDOWS, **p} for p in PHASES.values()]
     results, codes, _ = spawn_ranks(pipeline_main, WORLD, out, {"phases": phases},
                                     deadline_s=280)
@@ -257,3 +265,21 @@ def test_pp2_checkpoint_loads_into_one_process_by_names(job, out: Path) -> None:
     f64, _, _ = one_process(2, tied=True, dtype=torch.float64)
     continued = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
     assert worst_ratio(continued, fp32[2], f64[2]) <= 1.0
+
+
+def test_held_out_evaluation_through_the_schedule(job) -> None:
+    """E1, L5: the held-out gold NLL through the schedule (forward only), the same on
+    every stage, counts the batches ``evaluate`` counts and equals its one-process sum
+    within the derived tolerance."""
+    model = one_process_engine(4, False).model
+    fp32 = evaluate(model, HELD_OUT, device=torch.device("cpu"), max_tokens=EVAL_TOKENS,
+                    pad_id=PAD_ID)
+    f64 = evaluate(model.double(), HELD_OUT, device=torch.device("cpu"),
+                   max_tokens=EVAL_TOKENS, pad_id=PAD_ID)
+    assert fp32.tokens == 15
+    bound = 2 * abs(fp32.gold_nll_sum - f64.gold_nll_sum) + FLOOR_ULPS * FP32_UNIT * abs(
+        f64.gold_nll_sum)
+    for name in ("eval_1f1b", "eval_interleaved"):
+        (nll0, tokens0, _), (nll1, tokens1, _) = (r["eval"] for r in job[name])
+        assert nll0 == nll1 and tokens0 == tokens1 == fp32.tokens
+        assert abs(nll0 - f64.gold_nll_sum) <= bound

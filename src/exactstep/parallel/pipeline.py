@@ -12,9 +12,10 @@ Design and derivations: docs/design/parallel.md#parallelpipelinepy (D1, D2, U1, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,7 +25,7 @@ from exactstep.errors import ConfigError, DistributedError
 from exactstep.parallel.agreement import empty_microbatch
 from exactstep.parallel.process_group import DistContext, peer_failure
 from exactstep.parallel.reducer import DDPReducer
-from exactstep.rows.batch import Batch
+from exactstep.rows.batch import IGNORE_INDEX, Batch
 from exactstep.transfer import host_to_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -161,6 +162,44 @@ class PipelineRunner:
             return [zero], [zero], None
         terms = [self._terms[m] for m in sorted(self._terms)]
         return [t[0] for t in terms], [t[1] for t in terms], None
+
+    def evaluate(self, batches: Iterable[Batch], max_tokens: int,
+                 byte_lengths: np.ndarray | None = None) -> tuple[float, int, int | None]:
+        """Held-out gold NLL (L5, E1) through the schedule, forward only: the batches
+        ``exactstep.eval.evaluate`` would read (those with targets, until ``max_tokens``
+        targets), ``n_microbatches`` per schedule step; the sum, all-reduced from the
+        last stage, is the same on every process. ``(NLL sum, targets, target bytes)``."""
+        chosen, tokens, target_bytes = [], 0, 0
+        lengths = (torch.from_numpy(np.asarray(byte_lengths, dtype=np.int64))
+                   if byte_lengths is not None else None)
+        for batch in batches:
+            if tokens >= max_tokens:
+                break
+            n = batch.num_targets()
+            if n == 0:
+                continue
+            chosen.append(batch)
+            tokens += n
+            if lengths is not None:
+                target_bytes += int(lengths[batch.labels[batch.labels != IGNORE_INDEX]].sum())
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        k = self.n_microbatches
+        for start in range(0, len(chosen), k):
+            group = chosen[start:start + k]
+            coeff = [(b.labels != IGNORE_INDEX).to(torch.float32) for b in group]
+            self.current = [self._prepare(b, c, r) for b, c, r in
+                            zip(*self._padded(group, coeff, [None] * len(group)), strict=True)]
+            self._terms = {}
+            index = torch.arange(k)
+            try:
+                with torch.no_grad():
+                    self.schedule.eval(index=index, target=index)
+            finally:
+                self.current = []
+            for m in range(len(group)) if self._terms else ():
+                total += self._terms[m][1].double()
+        dist.all_reduce(total, group=self.group)  # the last stage's sum, everywhere
+        return float(total[0]), tokens, target_bytes if lengths is not None else None
 
     def _loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Microbatch ``target[0]``'s ``S_m * R / D_global`` (scaled for fp16): its share
