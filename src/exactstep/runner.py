@@ -22,7 +22,7 @@ import torch
 from exactstep.config import RunConfig
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.durable import Journal
-from exactstep.errors import RESUME_AUTO_HINT, Interrupted, ResumeError
+from exactstep.errors import RESUME_AUTO_HINT, ConfigError, Interrupted, ResumeError
 from exactstep.eval import Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
@@ -30,9 +30,11 @@ from exactstep.host_memory import pin_mmap_threshold, threshold_for
 from exactstep.manifest import Manifest, build_manifest, run_sections, write_manifest
 from exactstep.model.compiled import compile_model
 from exactstep.model.decoder import activation_bytes, model_note, model_section
+from exactstep.model.stages import split_decoder
 from exactstep.parallel.agreement import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.launch import collective_guard
+from exactstep.parallel.pipeline import pipeline_engine, pipeline_stages, refuse_pipeline
 from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
@@ -54,7 +56,7 @@ from exactstep.state.checkpointer import Checkpointer
 from exactstep.state.resume import StopRequest
 from exactstep.state.rng import seed_rng
 from exactstep.tracking import RunIdentity, Tracker, build_trackers
-from exactstep.update.groups import build_optimizer
+from exactstep.update.groups import build_optimizer, resolve_groups
 from exactstep.update.ledger import Ledger
 from exactstep.update.precision import Precision, apply_fp32_matmul, resolve_device_numerics
 from exactstep.update.schedule import build_schedule
@@ -115,10 +117,11 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     cfg = replace(cfg, numerics=resolve_device_numerics(cfg.numerics, ctx.device))
     cfg = resolve_family(cfg)  # the objective family explicit before the manifest (R8)
     apply_fp32_matmul(cfg.numerics, ctx.device)
-    parts = open_family(cfg, share=(ctx.rank, ctx.world_size))  # each rank hashes a share
+    share = data_share(ctx, cfg)  # (replica, replicas): every stage of one the same data
+    parts = open_family(cfg, share=share)  # each replica hashes a share
     tokenizer, data = parts.tokenizer, parts.data
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
-                       vocab_size=tokenizer.vocab_size, rank=ctx.rank, world=ctx.world_size,
+                       vocab_size=tokenizer.vocab_size, rank=share[0], world=share[1],
                        compiler=parts.compiler)
     if cfg.train.prefetch:  # the same batches and cursor, prepared ahead (P3)
         ahead = LoaderProcess if cfg.train.loader == "process" else BackgroundStream
@@ -131,6 +134,14 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
         widest, kept if cfg.model.activation_checkpointing else None))
     if cfg.train.compile:
         compile_model(model, family=cfg.objective.family)
+    whole = None  # the manifest's optimizer groups: the whole model's (S1)
+    if cfg.parallel.pp > 1:  # this process keeps its stages, one-process names (S7)
+        refuse_pipeline(cfg.objective.family, compiled=cfg.train.compile,
+                        program=parts.family.program(cfg, parts, model, ctx.device),
+                        inputs=parts.family.inputs(cfg), scored=parts.family.score is not None)
+        whole = resolve_groups(model, cfg.update).digest
+        stages, n_stages = pipeline_stages(cfg.parallel.schedule, cfg.parallel.pp, ctx.rank)
+        model = split_decoder(model, stages=stages, n_stages=n_stages)
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
                         precision=cfg.numerics.precision)
     optimizer, groups = build_optimizer(model, cfg.update)
@@ -139,16 +150,22 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     precision = Precision(cfg.numerics, ctx.device)
     engine = UpdateEngine(model, optimizer, schedule, precision, cfg.update, cfg.objective,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),
-                          inputs=parts.family.inputs(cfg), plan=parts.family.plan(cfg, ctx.rank),
+                          inputs=parts.family.inputs(cfg), plan=parts.family.plan(cfg, share[0]),
                           program=parts.family.program(cfg, parts, model, ctx.device))
-    distribute_engine(engine, ctx, cfg.parallel)
+    if cfg.parallel.pp > 1:  # the schedule runs each window's microbatches (D1, D2)
+        pipeline_engine(engine, model, ctx, schedule=cfg.parallel.schedule,
+                        rows=cfg.batch.rows, seq_len=cfg.batch.seq_len)
+    else:
+        distribute_engine(engine, ctx, cfg.parallel)
     env = environment.capture(ctx.device, compiled=cfg.train.compile)
-    manifest = build_manifest(run_sections(cfg, data, groups.digest, ctx.world_size, parent,
+    manifest = build_manifest(run_sections(cfg, data, whole or groups.digest,  # S1: the
+                                           ctx.world_size, parent,  # whole model's groups
                                            model_section(model), parts.family.objective(cfg),
                                            env))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, ctx.device, cfg.train.eval_tokens,
-                          precision.autocast, tokenizer.byte_lengths(), parts.compiler)
+                          precision.autocast, tokenizer.byte_lengths(), parts.compiler,
+                          getattr(engine.runner, "evaluate", None))
     checkpointer = Checkpointer(out_dir / "checkpoints", keep=cfg.checkpoint.keep, model=model,
                                 engine=engine, stream=stream, ctx=ctx,
                                 manifest_digest=manifest.digest, multi_rank=DcpFormat(ctx),
@@ -158,6 +175,19 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
 
 
 # --------------------------------------------------------------------------- windows
+
+
+def data_share(ctx: DistContext, cfg: RunConfig) -> tuple[int, int]:
+    """``(replica, replicas)`` of the data (D3): every stage of a pipeline reads the
+    same batches, so ``parallel.pp`` processes make one replica."""
+    pp = cfg.parallel.pp
+    if ctx.world_size % pp:
+        raise ConfigError(f"parallel.pp = {pp} must divide the {ctx.world_size} processes; "
+                          f"launch a multiple of {pp} processes or change parallel.pp")
+    if 1 < pp < ctx.world_size:
+        raise ConfigError(f"parallel.pp = {pp} runs one data replica (its {pp} stages); "
+                          f"launch {pp} processes (--nproc {pp}), not {ctx.world_size}")
+    return (0, 1) if pp > 1 else (ctx.rank, ctx.world_size)
 
 
 def run_windows(run: Run, start: int, progress: bool,

@@ -22,13 +22,20 @@ class ParallelConfig:
     ``timeout_s`` bounds every collective: when a peer dies or stalls, the surviving
     ranks fail with a ``DistributedError`` within this many seconds instead of hanging.
     ``bucket_mb`` is DDP's gradient bucket size.
+
+    ``pp``: pipeline stages (one process each; the built-in decoder's layers split
+    into contiguous stages), scheduled by ``schedule``: ``gpipe``, ``1f1b`` or
+    ``interleaved_1f1b`` (two stages per process).
     """
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 300.0
     bucket_mb: int = 25
+    pp: int = 1
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
 
     def __post_init__(self) -> None:
         check("parallel.timeout_s", self.timeout_s, between(0, MAX_TIMEOUT_S, low_open=True))
         check("parallel.bucket_mb", self.bucket_mb, at_least(1))
+        check("parallel.pp", self.pp, at_least(1))

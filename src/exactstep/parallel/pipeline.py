@@ -42,11 +42,13 @@ def pipeline_stages(schedule: str, pp: int, pp_rank: int) -> tuple[list[int], in
     return [pp_rank + pp * v for v in range(per_rank)], pp * per_rank
 
 
-def refuse_pipeline(family: str, *, compiled: bool, program: object, inputs: object) -> None:
+def refuse_pipeline(family: str, *, compiled: bool, program: object, inputs: object,
+                    scored: bool = False) -> None:
     """One ``ConfigError`` line naming what to change for what a pipeline cannot run: a
-    family with sequence-level inputs (rollouts, rewritten inputs, a second model: they
-    read the whole model in one process), or ``train.compile``."""
-    if program is not None or inputs is not None:
+    family with sequence-level inputs (rollouts, rewritten inputs, a second model) or an
+    end-of-run score (greedy decoding): they read the whole model in one process; or
+    ``train.compile``."""
+    if program is not None or inputs is not None or scored:
         raise ConfigError(
             f"parallel.pp > 1 is not available for objective.family = {family!r} (its "
             "sequence-level inputs need the whole model in each process); set "
