@@ -127,6 +127,7 @@ RANGES: list[tuple[str, tuple, tuple, str, tuple[str, ...]]] = [
     ("checkpoint.keep", (1,), (0,), ">= 1", ()),
     ("parallel.timeout_s", (1e-9, 1e9), (0, -1, 1.1e9), "in (0, 1000000000]", ()),
     ("parallel.bucket_mb", (1,), (0,), ">= 1", ()),
+    ("parallel.pp", (1, 2), (0,), ">= 1", ()),
     ("arith.n_train", (1,), (0,), ">= 1", ()),
     ("arith.n_heldout", (1,), (0,), ">= 1", ()),
     ("arith.max_operand", (1,), (0,), ">= 1", ()),
