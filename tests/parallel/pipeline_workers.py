@@ -133,10 +133,12 @@ def run_pipeline_phase(rank: int, ctx, phase: dict) -> dict:
     where given), then a checkpoint to ``phase["save"]`` where given."""
     engine = build_pipeline_engine(ctx, phase, rank)
     first = phase.get("first", 0)
-    if "load" in phase:
-        state = load_distributed_checkpoint(Path(phase["load"]), model=engine.model,
-                                            optimizer=engine.optimizer, ctx=ctx)
-        load_common(engine, state.common)
+    if "load" in phase:  # weights_only: a control that drops the optimizer and schedule
+        state = load_distributed_checkpoint(
+            Path(phase["load"]), model=engine.model,
+            optimizer=None if phase.get("weights_only") else engine.optimizer, ctx=ctx)
+        if state is not None:
+            load_common(engine, state.common)
     records, after = [], []
     for w, batches in enumerate(phase["windows"][first:], start=first):
         records.append(engine.run_window(list(batches), w).ledger_record())

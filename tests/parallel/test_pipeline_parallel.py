@@ -15,19 +15,24 @@ a few sums, the norm over stages and the tied gradient, each one rounding).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+import process_server
 import pytest
 import torch
+from cli_support import KILL_ONCE_HOOK, TINY_MODEL, CliRoot, tiny_overrides, worker_env
 from equivalence import FP32_UNIT
 from pipeline_workers import ROWS, SEQ, one_process_engine, pipeline_main
+from run_support import multi_rank_state
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from workers import PAD_ID, UPDATE, shards, spawn_ranks
 
 from exactstep.eval import evaluate
 from exactstep.parallel.dcp_format import load_distributed_checkpoint
 from exactstep.parallel.process_group import single_process
+from exactstep.state.compare import state_differences
 from exactstep.update.window import MicrobatchLoop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -69,6 +74,7 @@ def job(out: Path) -> dict[str, list[dict]]:
                       "windows": WINDOWS[:2]}
     PHASES["resume"] = {"schedule": "1f1b", "layers": 2, "tied": True, "load": str(out / SAVED),
                         "first": 2}
+    PHASES["resume_weights_only"] = {**PHASES["resume"], "weights_only": True}
     for name in ("eval_1f1b", "eval_interleaved"):
         PHASES[name] = {"schedule": "1f1b" if name == "eval_1f1b" else "interleaved_1f1b",
                         "layers": 4, "windows": [], "eval": (HELD_OUT, EVAL_TOKENS)}
@@ -231,6 +237,10 @@ def test_resume_at_pp2_from_a_stage_checkpoint_is_bitwise(job) -> None:
         for name, value in straight["params"][2].items():
             assert torch.equal(resumed["params"][0][name], value), name
         assert_same_optimizer(resumed["optimizer"], straight["optimizer"])
+    # control: the same check on a resume that loads the weights alone must fail
+    for straight, control in zip(job["tied"], job["resume_weights_only"], strict=True):
+        assert any(not torch.equal(control["params"][0][name], value)
+                   for name, value in straight["params"][2].items())
 
 
 def assert_same_optimizer(a: dict, b: dict) -> None:
@@ -283,3 +293,71 @@ def test_held_out_evaluation_through_the_schedule(job) -> None:
         (nll0, tokens0, _), (nll1, tokens1, _) = (r["eval"] for r in job[name])
         assert nll0 == nll1 and tokens0 == tokens1 == fp32.tokens
         assert abs(nll0 - f64.gold_nll_sum) <= bound
+
+
+# ------------------------------------------------------------- the command line (S10, S7)
+
+CLI_WINDOWS, CLI_EVERY = 6, 2
+RUN_TIMEOUT_S = 150  # every command is bounded; a hang fails the test instead
+
+
+class PipelineCli(CliRoot):
+    """``exactstep train`` of a tiny two-layer decoder on ``--nproc`` processes."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, KILL_ONCE_HOOK)
+
+    def run(self, *command: str, kill_once: str = "", run_dir: Path | None = None,
+            **changed: object) -> tuple[int, str]:
+        env = worker_env(self.hook, drop_prefix="TORCHELASTIC_")
+        if kill_once:
+            env["EXACTSTEP_TEST_KILL_ONCE"] = f"{kill_once}:{run_dir}.killed"
+        pairs = tiny_overrides(self.corpus, windows=CLI_WINDOWS, every=CLI_EVERY,
+                               model={**TINY_MODEL, "model.n_layers": 2},
+                               extra={k.replace("__", "."): v for k, v in changed.items()})
+        proc = process_server.run([sys.executable, "-m", "exactstep", *command, *pairs],
+                                  cwd=self.root, env=env, capture_output=True, text=True,
+                                  timeout=RUN_TIMEOUT_S)
+        return proc.returncode, proc.stderr
+
+    def train(self, run_dir: Path, *extra: str, **kwargs) -> tuple[int, str]:
+        return self.run("train", "--no-progress", "--out", str(run_dir), "--resume", "auto",
+                        *extra, run_dir=run_dir, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("pipeline_cli")
+    cli = PipelineCli(root)
+    out: dict = {"cli": cli, "root": root}
+    out["straight"] = cli.train(root / "straight", "--nproc", "2", parallel__pp=2)
+    # the first attempt: rank 1 killed as it starts window 3; then the same command again
+    rc, err = cli.train(root / "killed", "--nproc", "2", kill_once="1:3", parallel__pp=2)
+    out["killed_first"] = (rc, err, ledger_lines(root / "killed"))
+    out["killed"] = cli.train(root / "killed", "--nproc", "2", kill_once="1:3", parallel__pp=2)
+    return out
+
+
+def ledger_lines(run_dir: Path) -> list[str]:
+    path = run_dir / "ledger.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_sigkill_and_resume_auto_at_pp2_is_bitwise(runs) -> None:
+    """S10, S5, S7: ``train --resume auto`` at pp = 2, rank 1 SIGKILLed as it starts
+    window 3; the same command again resumes at window 2 and ends with the straight
+    run's stage parameters, optimizer, RNG, cursor and ledger, bitwise."""
+    root = runs["root"]
+    assert runs["straight"][0] == 0, runs["straight"][1][-3000:]
+    first_rc, _, first_ledger = runs["killed_first"]
+    assert first_rc != 0 and (root / "killed.killed").exists(), "rank 1 was never killed"
+    assert len(first_ledger) == 3
+    rc, err = runs["killed"]
+    assert rc == 0, err[-3000:]
+    assert [line for line in err.splitlines() if "resuming" in line] == [
+        f"exactstep: resuming {root / 'killed'} at window 2 from window-00000002"]
+    a, b = multi_rank_state(root / "straight"), multi_rank_state(root / "killed")
+    assert a["name"] == b["name"] == f"window-{CLI_WINDOWS:08d}"
+    assert "layers.1.attn.qkv.weight" in a["model"] and "embed.weight" in a["model"]
+    assert state_differences(a, b) == []
+    assert ledger_lines(root / "killed") == ledger_lines(root / "straight")
