@@ -201,7 +201,26 @@ PRESENTATION_KEYS = ("train.progress", "train.log_every", "train.prefetch", "tra
 ENVIRONMENT_KEYS = ("train.threads", "train.compile", "numerics.flush_denormal")
 
 
-def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
+# Keys of the parallel layout recorded only where they act: the model axes when a
+# replica is split (tp, pp or cp > 1), the schedule when it is pipelined. A pure
+# data-parallel run's sections are then what they were before the axes existed, so
+# its manifest, and every checkpoint's digest of it, are unchanged (S4).
+MODEL_AXIS_KEYS = ("tp", "pp", "cp")
+
+
+def parallel_record(parallel: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
+    """The ``parallel`` configuration as a manifest records it, given the layout's
+    sizes ``layout`` (``Layout.section()``): without the axes that do not act."""
+    record = dict(parallel)
+    if all(layout.get(axis, 1) == 1 for axis in MODEL_AXIS_KEYS):
+        for axis in MODEL_AXIS_KEYS:
+            record.pop(axis, None)
+    if layout.get("pp", 1) == 1:
+        record.pop("schedule", None)
+    return record
+
+
+def run_sections(cfg: Any, data: Any, group_digest: str, layout: dict[str, Any],
                  parent: dict | None = None, model: dict | None = None,
                  objective: dict | None = None,
                  environment: dict | None = None) -> dict[str, Any]:
@@ -214,12 +233,16 @@ def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
     ``model``, a model's own ``describe()`` where it has one (a Hugging Face model's
     resolved architecture, initial weights and library version). ``objective`` is
     the objective family's own description (R8: family, shift owner, ownership,
-    estimator); without one it is derived from ``data.kind``.
+    estimator); without one it is derived from ``data.kind``. ``layout`` is the job's
+    ``Layout.section()``: the ``parallel`` section records the world size and, where a
+    replica is split, every axis (``parallel_record``).
     """
     config = cfg.to_dict()
     for key in PRESENTATION_KEYS + ENVIRONMENT_KEYS:
         section, name = key.split(".")
         config[section].pop(name, None)
+    config["parallel"] = parallel_record(config["parallel"], layout)
+    split = any(layout.get(axis, 1) > 1 for axis in MODEL_AXIS_KEYS)
     if objective is None:
         family = "chat_sft" if cfg.data.kind == "chat" else "causal_lm"
         objective = {"family": family, "shift_owner": "collator",
@@ -239,7 +262,8 @@ def run_sections(cfg: Any, data: Any, group_digest: str, world_size: int,
         },
         "update": {**config["update"], "group_digest": group_digest},
         "numerics": config["numerics"],
-        "parallel": {**config["parallel"], "world_size": world_size},
+        "parallel": {**config["parallel"], "world_size": layout["world_size"],
+                     **({"layout": layout} if split else {})},
         "seeds": {"seed": cfg.seed},
         "code": {
             "exactstep": _version("exactstep"),

@@ -22,7 +22,7 @@ import torch
 from exactstep.config import RunConfig
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.durable import Journal
-from exactstep.errors import RESUME_AUTO_HINT, ConfigError, Interrupted, ResumeError
+from exactstep.errors import RESUME_AUTO_HINT, Interrupted, ResumeError
 from exactstep.eval import Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
@@ -117,11 +117,11 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     cfg = replace(cfg, numerics=resolve_device_numerics(cfg.numerics, ctx.device))
     cfg = resolve_family(cfg)  # the objective family explicit before the manifest (R8)
     apply_fp32_matmul(cfg.numerics, ctx.device)
-    share = data_share(ctx, cfg)  # (replica, replicas): every stage of one the same data
-    parts = open_family(cfg, share=share)  # each replica hashes a share
+    parts = open_family(cfg, share=(ctx.rank, ctx.world_size))  # each rank hashes a share
     tokenizer, data = parts.tokenizer, parts.data
+    layout = ctx.layout  # the data shard is the replica's: every shard of it reads it (D3)
     stream = RowStream(data.train, cfg.batch, pad_id=tokenizer.pad_id, seed=cfg.seed,
-                       vocab_size=tokenizer.vocab_size, rank=share[0], world=share[1],
+                       vocab_size=tokenizer.vocab_size, rank=layout.dp_rank, world=layout.dp,
                        compiler=parts.compiler)
     if cfg.train.prefetch:  # the same batches and cursor, prepared ahead (P3)
         ahead = LoaderProcess if cfg.train.loader == "process" else BackgroundStream
@@ -140,7 +140,7 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                         program=parts.family.program(cfg, parts, model, ctx.device),
                         inputs=parts.family.inputs(cfg), scored=parts.family.score is not None)
         whole = resolve_groups(model, cfg.update).digest
-        stages, n_stages = pipeline_stages(cfg.parallel.schedule, cfg.parallel.pp, ctx.rank)
+        stages, n_stages = pipeline_stages(cfg.parallel.schedule, layout.pp, layout.pp_rank)
         model = split_decoder(model, stages=stages, n_stages=n_stages)
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
                         precision=cfg.numerics.precision)
@@ -150,16 +150,17 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     precision = Precision(cfg.numerics, ctx.device)
     engine = UpdateEngine(model, optimizer, schedule, precision, cfg.update, cfg.objective,
                           device=ctx.device, pad_id=tokenizer.pad_id, reducer=build_reducer(ctx),
-                          inputs=parts.family.inputs(cfg), plan=parts.family.plan(cfg, share[0]),
+                          inputs=parts.family.inputs(cfg),
+                          plan=parts.family.plan(cfg, layout.dp_rank),
                           program=parts.family.program(cfg, parts, model, ctx.device))
     if cfg.parallel.pp > 1:  # the schedule runs each window's microbatches (D1, D2)
         pipeline_engine(engine, model, ctx, schedule=cfg.parallel.schedule,
-                        rows=cfg.batch.rows, seq_len=cfg.batch.seq_len)
+                        group=layout.group("pp"), rows=cfg.batch.rows, seq_len=cfg.batch.seq_len)
     else:
         distribute_engine(engine, ctx, cfg.parallel)
     env = environment.capture(ctx.device, compiled=cfg.train.compile)
     manifest = build_manifest(run_sections(cfg, data, whole or groups.digest,  # S1: the
-                                           ctx.world_size, parent,  # whole model's groups
+                                           layout.section(), parent,  # whole model's groups
                                            model_section(model), parts.family.objective(cfg),
                                            env))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
@@ -175,19 +176,6 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
 
 
 # --------------------------------------------------------------------------- windows
-
-
-def data_share(ctx: DistContext, cfg: RunConfig) -> tuple[int, int]:
-    """``(replica, replicas)`` of the data (D3): every stage of a pipeline reads the
-    same batches, so ``parallel.pp`` processes make one replica."""
-    pp = cfg.parallel.pp
-    if ctx.world_size % pp:
-        raise ConfigError(f"parallel.pp = {pp} must divide the {ctx.world_size} processes; "
-                          f"launch a multiple of {pp} processes or change parallel.pp")
-    if 1 < pp < ctx.world_size:
-        raise ConfigError(f"parallel.pp = {pp} runs one data replica (its {pp} stages); "
-                          f"launch {pp} processes (--nproc {pp}), not {ctx.world_size}")
-    return (0, 1) if pp > 1 else (ctx.rank, ctx.world_size)
 
 
 def run_windows(run: Run, start: int, progress: bool,

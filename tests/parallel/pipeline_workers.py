@@ -25,12 +25,12 @@ from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.dcp_format import load_distributed_checkpoint, save_distributed_checkpoint
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.pipeline import (
-    PipelineReducer,
     PipelineRunner,
     pipeline_engine,
     pipeline_stages,
 )
 from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
+from exactstep.parallel.reducer import DDPReducer
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.groups import build_optimizer
 from exactstep.update.precision import Precision
@@ -93,13 +93,11 @@ class LocalNormRunner(PipelineRunner):
         return torch.nn.utils.get_total_norm(grads, 2.0).float()
 
 
-class UnagreedFlagReducer(PipelineReducer):
+class UnagreedFlagReducer(DDPReducer):
     """Deliberately wrong (negative control for D2): the finite flag stays on its stage."""
 
-    def sum(self, values: torch.Tensor) -> torch.Tensor:
-        if values.dtype == torch.float32:  # [bad flag, S, NLL]
-            return values.clone()
-        return super().sum(values)
+    def agree(self, values: torch.Tensor) -> torch.Tensor:
+        return values.clone()  # [bad flag, S, NLL], this rank's own
 
 
 RUNNERS = {"record": GradRecordingRunner, "schedule_mean": ScheduleMeanRunner,
@@ -164,7 +162,7 @@ def pipeline_main(rank: int, world: int, port: int, out: str, job: dict) -> None
     path = Path(out) / f"rank{rank}.pt"
     ctx, results = None, []
     try:
-        cfg = ParallelConfig(timeout_s=job.get("timeout_s", 60.0))
+        cfg = ParallelConfig(timeout_s=job.get("timeout_s", 60.0), pp=world)
         ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
         with collective_guard(ctx):
             for phase in job["phases"]:

@@ -109,10 +109,8 @@ class RankLocalMeanReducer(DDPReducer):
 class UnagreedFiniteReducer(DDPReducer):
     """Deliberately wrong (negative control for D2): the finite flag stays local."""
 
-    def sum(self, values: torch.Tensor) -> torch.Tensor:
-        if values.dtype == torch.float32:  # [bad flag, numerator, gold NLL]
-            return values.clone()
-        return super().sum(values)
+    def agree(self, values: torch.Tensor) -> torch.Tensor:  # [bad flag, numerator, gold NLL]
+        return values.clone()
 
 
 def reducers() -> dict[str, type]:
@@ -576,3 +574,38 @@ def count_ddp_collectives(engine: UpdateEngine, windows: Sequence[Sequence[Batch
         where.update(window=w, microbatch=-1)
         engine.run_window(list(batches), w)
     return calls
+
+
+# ----------------------------------------------------------------- the layout's groups
+
+
+def layout_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
+    """Join a ``world``-rank gloo job, build ``job['sizes']``'s layout by hand (the
+    launcher path refuses axes this build does not run yet), and record this rank's
+    coordinates, the members of its group on each axis and the reducer's sums of
+    ``rank + 1`` (``sum``: over the replicas; ``agree``: over every rank)."""
+    from dataclasses import replace as replace_ctx
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from exactstep.parallel.layout import DIMS, build_layout
+
+    def body(ctx, result: dict) -> None:
+        layout = build_layout(job["sizes"], ctx.rank, "cpu", "gloo", timedelta(seconds=30),
+                              ctx.host_group)
+        result["coords"] = layout.coords()
+        result["members"] = {dim: (dist.get_process_group_ranks(layout.group(dim))
+                                   if layout.group(dim) is not None else [ctx.rank])
+                             for dim in DIMS}
+        reducer = DDPReducer(replace_ctx(ctx, layout=layout))
+        value = torch.tensor([float(ctx.rank + 1)], dtype=torch.float64)
+        result["sum"] = float(reducer.sum(value)[0])
+        result["agree"] = float(reducer.agree(value)[0])
+        result["replicas"] = reducer.world_size
+        result["loss_owner"] = reducer.loss_owner
+        result["gathered"] = reducer.gather(ctx.rank)
+        result["submesh_dp"] = (None if layout.submesh("dp") is None
+                                else layout.submesh("dp").mesh.tolist())
+
+    run_rank(rank, world, port, out, ParallelConfig(timeout_s=30.0), body)

@@ -78,7 +78,7 @@ def zero_loss_plan(batches, cfg):
 class FlagIgnoringReducer(LocalReducer):
     """WRONG (U4, D2): drops the non-finite flag, so every window commits."""
 
-    def sum(self, values: torch.Tensor) -> torch.Tensor:
+    def agree(self, values: torch.Tensor) -> torch.Tensor:  # [flag, S, NLL]
         return torch.cat([torch.zeros(1), values[1:]])
 
 

@@ -23,19 +23,23 @@ class ParallelConfig:
     ranks fail with a ``DistributedError`` within this many seconds instead of hanging.
     ``bucket_mb`` is DDP's gradient bucket size.
 
-    ``pp``: pipeline stages (one process each; the built-in decoder's layers split
-    into contiguous stages), scheduled by ``schedule``: ``gpipe``, ``1f1b`` or
-    ``interleaved_1f1b`` (two stages per process).
+    ``tp``, ``pp``, ``cp``: ranks a replica is split into by tensor, pipeline and
+    context (sequence) parallelism; the data-parallel size is what is left of the world
+    (``dp = world / (tp * pp * cp)``, ``parallel.layout``). ``schedule`` is the
+    pipeline schedule (``pp > 1`` only).
     """
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 300.0
     bucket_mb: int = 25
+    tp: int = 1
     pp: int = 1
+    cp: int = 1
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
 
     def __post_init__(self) -> None:
         check("parallel.timeout_s", self.timeout_s, between(0, MAX_TIMEOUT_S, low_open=True))
         check("parallel.bucket_mb", self.bucket_mb, at_least(1))
-        check("parallel.pp", self.pp, at_least(1))
+        for axis in ("tp", "pp", "cp"):
+            check(f"parallel.{axis}", getattr(self, axis), at_least(1))

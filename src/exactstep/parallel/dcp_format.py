@@ -145,8 +145,10 @@ def save_distributed_checkpoint(
         _barrier(ctx)
         if publication is not None:
             parts = part_labels(ctx.world_size, adapters_only=len(model_sd) < whole)
-            publication.commit(format=DIST_FORMAT, parts=parts, keep=keep,
-                               fields={"world_size": ctx.world_size, OPTIMIZER_KEYS: BY_NAME})
+            fields: dict[str, Any] = {"world_size": ctx.world_size, OPTIMIZER_KEYS: BY_NAME}
+            if not ctx.layout.only_data:  # a split replica: which rank held which shard
+                fields["layout"] = ctx.layout.sizes()
+            publication.commit(format=DIST_FORMAT, parts=parts, fields=fields, keep=keep)
     _barrier(ctx)
     return root / name
 
@@ -234,6 +236,13 @@ def load_distributed_checkpoint(
             f"{ctx.world_size}; relaunch with {saved_world} ranks, or pass --reshard to "
             "re-partition the data by the declared rule (restart at the next epoch)"
         )
+    saved_layout = saved_sizes(manifest)
+    if saved_layout != ctx.layout.sizes() and not reshard:
+        raise DistributedError(
+            f"checkpoint {path.name} was written by the layout {layout_text(saved_layout)} "
+            f"but this job's is {layout_text(ctx.layout.sizes())}; relaunch with the "
+            "checkpoint's parallel.tp / pp / cp, or pass --reshard to load it by logical "
+            "names (a declared, non-bitwise continuation)")
     old_ranks = [rank_file(r) for r in range(saved_world)]
     mine = [rank_file(ctx.rank % saved_world)] if not reshard else old_ranks
     check_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
@@ -254,6 +263,19 @@ def load_distributed_checkpoint(
     rank_state = {**olds[ctx.rank % saved_world], "data": None}
     record = reshard_record(saved_world, ctx.world_size, [o["data"] for o in olds])
     return DistributedState(common, rank_state, saved_world, [o["data"] for o in olds], record)
+
+
+def saved_sizes(manifest: dict[str, Any]) -> dict[str, int]:
+    """The layout a checkpoint was written by (one without a record: every rank a
+    replica, as before the layout was recorded)."""
+    recorded = manifest.get("layout")
+    if recorded is not None:
+        return {dim: int(recorded[dim]) for dim in ("pp", "dp", "cp", "tp")}
+    return {"pp": 1, "dp": int(manifest["world_size"]), "cp": 1, "tp": 1}
+
+
+def layout_text(sizes: dict[str, int]) -> str:
+    return " x ".join(f"{dim} {size}" for dim, size in sizes.items())
 
 
 # ------------------------------------------------------------------------ reshard rule

@@ -5,7 +5,7 @@
 window's K microbatches are the schedule's microbatches (GPipe, 1F1B, interleaved
 1F1B over a ``StageModel``'s stages), each last-stage loss ``S_m * R / D_global`` with
 the schedule's own ``1 / n_microbatches`` off, a tied embedding's two copies summed, the
-clip norm summed over every stage; ``PipelineReducer`` agrees the finite flag over
+clip norm summed over every stage; the layout's reducer agrees the finite flag over
 every rank (one decision, D2). Families that need the whole model are refused.
 Design and derivations: docs/design/parallel.md#parallelpipelinepy (D1, D2, U1, U3).
 """
@@ -80,18 +80,6 @@ class _Stage(nn.Module):
         mb = runner.current[int(index[0])]
         with runner.autocast():
             return model.run_stage(self.stage, hidden[0] if hidden else None, mb.inputs)
-
-
-class PipelineReducer(DDPReducer):
-    """The engine's reducer for a pipeline of one data replica (D1, D2): the stages hold
-    the same batches, so the planned ``D`` and token count are already global
-    (``world_size = 1``: the ``R`` of ``R / D``), and the window's one all-reduce of
-    ``[flag, S, NLL]`` runs over every stage: the flag reaches them all (one finite
-    decision, D2) and S, NLL come from the last stage only (the others add 0)."""
-
-    def __init__(self, ctx: DistContext) -> None:
-        super().__init__(ctx)
-        self.world_size = 1
 
 
 class PipelineRunner:
@@ -276,13 +264,21 @@ def tied_group(model: nn.Module, group):
 def pipeline_engine(engine, model: nn.Module, ctx: DistContext, *, schedule: str,
                     group=None, rows: int, seq_len: int):
     """Make ``engine`` (built on ``model``, a ``StageModel``) one pipeline rank: the
-    ``PipelineReducer`` and a ``PipelineRunner`` of ``update.accum`` microbatches over
-    ``group`` (default: every rank); returns it."""
-    if not ctx.distributed:
+    layout's ``DDPReducer`` (``D`` summed over the data replicas, the finite flag and
+    the reported sums over every rank, S and NLL from the last stage only: D1, D2) and
+    a ``PipelineRunner`` of ``update.accum`` microbatches over ``group`` (default: the
+    layout's ``pp`` group); returns it."""
+    layout = ctx.layout
+    if not ctx.distributed or layout.pp < 2:
         raise DistributedError("parallel.pp > 1 needs one process per stage; launch "
                                "parallel.pp processes (--nproc, torchrun)")
-    group = group if group is not None else dist.group.WORLD
-    engine.reducer = PipelineReducer(ctx)
+    if layout.world != layout.pp:
+        raise DistributedError(
+            f"parallel.pp = {layout.pp} with {layout.world // layout.pp} data replicas (or "
+            "tp / cp) is not built: a pipeline here is the whole job; launch "
+            f"{layout.pp} processes (--nproc {layout.pp})")
+    group = group if group is not None else layout.group("pp")
+    engine.reducer = DDPReducer(ctx)
     engine.runner = PipelineRunner(
         model, schedule=schedule, n_microbatches=engine.update_cfg.accum, group=group,
         device=ctx.device, objective_cfg=engine.objective_cfg,

@@ -23,6 +23,13 @@ import torch.distributed as dist
 
 from exactstep.errors import DistributedError
 from exactstep.parallel.config import ParallelConfig
+from exactstep.parallel.layout import (
+    Layout,
+    build_layout,
+    check_built,
+    layout_sizes,
+    single_layout,
+)
 
 LAUNCHER_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
@@ -45,6 +52,11 @@ class DistContext:
     backend: str | None
     host_group: Any = field(default=None, compare=False, repr=False)
     timeout_s: float | None = None
+    layout: Layout | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.layout is None:  # by hand: every rank a whole replica
+            object.__setattr__(self, "layout", Layout(dp=self.world_size, rank=self.rank))
 
     @property
     def is_main(self) -> bool:
@@ -58,7 +70,8 @@ class DistContext:
 
 def single_process(device: torch.device) -> DistContext:
     """The world-1 context: no process group, rank 0."""
-    return DistContext(rank=0, world_size=1, local_rank=0, device=device, backend=None)
+    return DistContext(rank=0, world_size=1, local_rank=0, device=device, backend=None,
+                       layout=single_layout())
 
 
 def launcher_values(env: Mapping[str, str]) -> tuple[int, int, int] | None:
@@ -126,6 +139,9 @@ def init_distributed(
     """
     env = os.environ if env is None else env
     values = launcher_values(env)
+    world = 1 if values is None else values[1]
+    sizes = layout_sizes(world, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)  # refused before joining
+    check_built(sizes)
     if values is None or values[1] == 1:
         local = values[2] if values else 0
         return single_process(resolve_rank_device(device_pref, local))
@@ -150,6 +166,7 @@ def init_distributed(
             device_id=device if device.type == "cuda" else None,
         )
         host = new_host_group(timeout)
+        layout = build_layout(sizes, rank, device.type, backend, timeout, host)
     except (RuntimeError, ValueError) as exc:
         raise DistributedError(
             f"rank {rank} of {world} could not join the process group at {addr}:{port} "
@@ -157,7 +174,7 @@ def init_distributed(
             "that every rank was started and that the address is reachable"
         ) from None
     ctx = DistContext(rank=rank, world_size=world, local_rank=local, device=device,
-                      backend=backend, host_group=host, timeout_s=cfg.timeout_s)
+                      backend=backend, host_group=host, timeout_s=cfg.timeout_s, layout=layout)
     write_rank_record(ctx, env)
     return ctx
 
@@ -265,7 +282,8 @@ def write_rank_record(ctx: DistContext, env: Mapping[str, str]) -> None:
     path = env.get(ERROR_FILE_VAR)
     if not path:
         return
-    record = {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
+    record = {"rank": ctx.rank, "world_size": ctx.world_size, "layout": ctx.layout.coords(),
+              "backend": ctx.backend,
               "device": str(ctx.device), "timeout_s": ctx.timeout_s}
     try:
         (Path(path).parent / RANK_RECORD_FILE).write_text(json.dumps(record))

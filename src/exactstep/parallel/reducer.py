@@ -23,7 +23,14 @@ from exactstep.update.window import LocalReducer
 
 
 class DDPReducer:
-    """Cross-rank sums and gradient-sync control over the default process group.
+    """Cross-rank sums and gradient-sync control over the job's layout.
+
+    ``world_size`` is the number of data replicas (``layout.dp``): the ``R`` of the
+    engine's ``R / D_global`` pre-scale. ``sum`` and ``gather`` run over the replicas
+    (every tensor, pipeline and sequence shard of one replica holds the same batches,
+    so counting them would count a replica's tokens several times); ``agree`` and
+    ``max`` over every rank (D2: one decision for the whole job). ``loss_owner`` says
+    whether this rank's numerator counts in the reported sums (``Layout.loss_owner``).
 
     Every call is a collective: every rank must make the same calls in the same
     order (the window guarantees it by running the same number of microbatches on
@@ -35,44 +42,62 @@ class DDPReducer:
         if not ctx.distributed:
             raise DistributedError("DDPReducer needs an initialised process group (world > 1)")
         self.ctx = ctx
-        self.world_size = ctx.world_size
+        layout = ctx.layout
+        self.world_size = layout.dp
+        self.loss_owner = layout.loss_owner
         # nccl reduces device tensors only; host tensors go over the host (gloo) group,
         # which carries the same parallel.timeout_s bound (process_group)
         self.comm_device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
         self._host_group = host_group(ctx)
+        if layout.only_data:  # the replicas are the world: its groups
+            self._replica_groups: tuple = (self._host_group, None)
+        else:  # (None, None): one replica, nothing to sum over
+            self._replica_groups = (layout.host_group("dp"), layout.group("dp"))
         self.collectives = 0  # how many sums this reducer issued (for tests and bench)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise sum over ranks of a small tensor, in one all-reduce.
+        """Element-wise sum over the data replicas of a small tensor, in one all-reduce.
 
         Host tensors are reduced on the host (U7: values known on the host, such as the
         window's planned ``[D, tokens]``, never visit a device, so reading the result
         is not a device sync); device tensors on ``comm_device``. Returns a new tensor
         on ``values``' device and dtype; ``values`` is not modified.
         """
-        return self._all_reduce(values, dist.ReduceOp.SUM)
+        host, device = self._replica_groups
+        if self.world_size == 1 and not self.ctx.layout.only_data:
+            return values.detach().clone()
+        return self._all_reduce(values, dist.ReduceOp.SUM, host, device)
+
+    def agree(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over every rank of the job (the finite flag, D2, and the
+        reported sums, which only ``loss_owner`` ranks contribute)."""
+        return self._all_reduce(values, dist.ReduceOp.SUM, self._host_group, None)
 
     def max(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise maximum over ranks (used to agree on window lengths)."""
-        return self._all_reduce(values, dist.ReduceOp.MAX)
+        """Element-wise maximum over every rank (used to agree on window lengths)."""
+        return self._all_reduce(values, dist.ReduceOp.MAX, self._host_group, None)
 
     def gather(self, obj: object) -> list:
-        """Every rank's ``obj`` (small, picklable), in rank order, on every rank: one
-        all-gather over the host group (a policy window's sample records, Q2)."""
-        out: list = [None] * self.ctx.world_size
+        """Every replica's ``obj`` (small, picklable), in data-rank order, on every rank:
+        one all-gather over the replicas' host group (a policy window's sample records,
+        Q2)."""
+        group = self._replica_groups[0]
+        out: list = [None] * self.world_size
+        if group is None:
+            return [obj]
         try:
-            dist.all_gather_object(out, obj, group=self._host_group)
+            dist.all_gather_object(out, obj, group=group)
         except (RuntimeError, dist.DistBackendError) as exc:
             raise peer_failure(self.ctx, exc) from None
         self.collectives += 1
         return out
 
-    def _all_reduce(self, values: torch.Tensor, op) -> torch.Tensor:
+    def _all_reduce(self, values: torch.Tensor, op, host_group, device_group) -> torch.Tensor:
         host = values.device.type == "cpu"
         device = torch.device("cpu") if host else self.comm_device
         buffer = values.detach().to(device, copy=True)
         try:
-            dist.all_reduce(buffer, op=op, group=self._host_group if host else None)
+            dist.all_reduce(buffer, op=op, group=host_group if host else device_group)
         except (RuntimeError, dist.DistBackendError) as exc:
             raise peer_failure(self.ctx, exc) from None
         self.collectives += 1

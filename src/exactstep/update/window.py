@@ -92,12 +92,19 @@ class WindowProgram(Protocol):
 
 @runtime_checkable
 class Reducer(Protocol):
-    """Where cross-rank agreement plugs into the window (D1, D2)."""
+    """Where cross-rank agreement plugs into the window (D1, D2).
+
+    ``world_size`` is the number of data replicas and ``sum`` sums over them. A
+    reducer whose ranks are not all whole replicas (tensor or pipeline shards) also
+    defines ``agree`` (the sum over every rank: the finite flag, D2) and
+    ``loss_owner`` (whether this rank's numerator counts in the reported sums); one
+    without them is a job whose every rank is a replica (``agree`` is ``sum``).
+    """
 
     world_size: int
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Element-wise sum of ``values`` over ranks (the same shape on every rank)."""
+        """Element-wise sum of ``values`` over the replicas (the same shape on each)."""
         ...
 
     def no_sync(self, module: nn.Module, is_last: bool) -> AbstractContextManager:
@@ -109,8 +116,12 @@ class LocalReducer:
     """One process: every reduction is the identity and there is nothing to sync."""
 
     world_size = 1
+    loss_owner = True
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def agree(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
     def no_sync(self, module: nn.Module, is_last: bool) -> AbstractContextManager:
@@ -323,11 +334,14 @@ class UpdateEngine:
         numerator_sum = torch.stack(numerators).sum().float()
         local_bad = ~(torch.isfinite(grad_norm) & torch.isfinite(numerator_sum))
         gold_sum = torch.stack(gold_sums).sum().float()
+        if not getattr(self.reducer, "loss_owner", True):  # a shard whose S another reports
+            numerator_sum, gold_sum = torch.zeros_like(numerator_sum), torch.zeros_like(gold_sum)
         # [norm, flag, S, NLL]; a reducer that reduces on the host (gloo) takes it there
         # first: that copy is then the window's one device read, the collective a host op
         packed = torch.stack([grad_norm, local_bad.float(), numerator_sum, gold_sum])
         packed = packed.to(getattr(self.reducer, "comm_device", packed.device))
-        agreed = self.reducer.sum(packed[1:])  # D2: one all-reduce of flag + report values
+        agree = getattr(self.reducer, "agree", self.reducer.sum)  # over every rank (D2)
+        agreed = agree(packed[1:])  # one all-reduce of flag + report values
         # U7: the window's single device-to-host read (a no-op copy if already on the host)
         norm_value, bad_ranks, numerator_total, gold_total = torch.cat(
             [packed[:1], agreed]
