@@ -267,13 +267,24 @@ def overridden(overrides: Sequence[str], key: str) -> bool:
     return any(item.partition("=")[0].strip() == key for item in overrides)
 
 
+# What a declared migration (``--reshard``, S7) may change: the world size and the
+# layout's axes (a checkpoint's tensors load by their one-process names under any)
+MIGRATION_FIELDS = frozenset({"parallel.world_size", "parallel.layout"} | {
+    f"{where}parallel.{key}" for where in ("", "config.")
+    for key in ("tp", "pp", "cp", "schedule")})
+
+
+def migrated(field: str) -> bool:
+    return field in MIGRATION_FIELDS or field.startswith("parallel.layout.")
+
+
 def keep_run_manifest(run: Run, old: Manifest, reshard: bool) -> None:
     """Keep the run's own manifest when the rebuilt one differs only where a resume
     may differ: the numerics environment (a declared continuation, S9) and, with
-    ``reshard``, the world size (a declared migration, S7)."""
-    allowed = {"parallel.world_size"} if reshard else set()
+    ``reshard``, the world size and layout (a declared migration, S7)."""
     fields = diff_manifests(old, run.manifest)
-    if fields and all(f in allowed or f.split(".")[0] == "environment" for f in fields):
+    if fields and all((reshard and migrated(f)) or f.split(".")[0] == "environment"
+                      for f in fields):
         run.manifest = old
         run.checkpointer.manifest_digest = old.digest
 

@@ -135,13 +135,9 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     if cfg.train.compile:
         compile_model(model, family=cfg.objective.family)
     whole = None  # the manifest's optimizer groups: the whole model's (S1)
-    if cfg.parallel.pp > 1:  # this process keeps its stages, one-process names (S7)
-        refuse_pipeline(cfg.objective.family, compiled=cfg.train.compile,
-                        program=parts.family.program(cfg, parts, model, ctx.device),
-                        inputs=parts.family.inputs(cfg), scored=parts.family.score is not None)
+    if layout.pp > 1:  # this process keeps its stages, one-process names (S7)
         whole = resolve_groups(model, cfg.update).digest
-        stages, n_stages = pipeline_stages(cfg.parallel.schedule, layout.pp, layout.pp_rank)
-        model = split_decoder(model, stages=stages, n_stages=n_stages)
+        model = pipeline_model(cfg, parts, model, layout, ctx.device)
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
                         precision=cfg.numerics.precision)
     optimizer, groups = build_optimizer(model, cfg.update)
@@ -153,7 +149,7 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                           inputs=parts.family.inputs(cfg),
                           plan=parts.family.plan(cfg, layout.dp_rank),
                           program=parts.family.program(cfg, parts, model, ctx.device))
-    if cfg.parallel.pp > 1:  # the schedule runs each window's microbatches (D1, D2)
+    if layout.pp > 1:  # the schedule runs each window's microbatches (D1, D2)
         pipeline_engine(engine, model, ctx, schedule=cfg.parallel.schedule,
                         group=layout.group("pp"), rows=cfg.batch.rows, seq_len=cfg.batch.seq_len)
     else:
@@ -173,6 +169,19 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                                 environment=env)
     return Run(cfg, out_dir, tokenizer, data, stream, model, engine, validator, checkpointer,
                manifest, ctx, parts, env)
+
+
+def pipeline_model(cfg: RunConfig, parts: FamilyParts, model: torch.nn.Module, layout,
+                   device: torch.device) -> torch.nn.Module:
+    """The stages ``layout.pp_rank`` runs of ``model`` (``split_decoder``), after the
+    refusals (one ``ConfigError`` line, nothing written): a family with sequence-level
+    inputs or an end-of-run score, ``train.compile``, any model but the built-in
+    decoder."""
+    refuse_pipeline(cfg.objective.family, compiled=cfg.train.compile,
+                    program=parts.family.program(cfg, parts, model, device),
+                    inputs=parts.family.inputs(cfg), scored=parts.family.score is not None)
+    stages, n_stages = pipeline_stages(cfg.parallel.schedule, layout.pp, layout.pp_rank)
+    return split_decoder(model, stages=stages, n_stages=n_stages)
 
 
 # --------------------------------------------------------------------------- windows

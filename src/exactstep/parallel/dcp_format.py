@@ -243,6 +243,7 @@ def load_distributed_checkpoint(
             f"but this job's is {layout_text(ctx.layout.sizes())}; relaunch with the "
             "checkpoint's parallel.tp / pp / cp, or pass --reshard to load it by logical "
             "names (a declared, non-bitwise continuation)")
+    moved = saved_world != ctx.world_size or saved_layout != ctx.layout.sizes()
     old_ranks = [rank_file(r) for r in range(saved_world)]
     mine = [rank_file(ctx.rank % saved_world)] if not reshard else old_ranks
     check_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
@@ -258,10 +259,13 @@ def load_distributed_checkpoint(
                    optim_state_dict=state["optim"], options=options)
     common = torch.load(path / COMMON_FILE, weights_only=True)
     olds = [torch.load(path / f, weights_only=True) for f in mine]
-    if saved_world == ctx.world_size:
-        return DistributedState(common, olds[0], saved_world, [olds[0]["data"]], None)
+    if not moved:  # this rank's own state (all of them were read under --reshard)
+        own = olds[ctx.rank] if len(olds) > 1 else olds[0]
+        return DistributedState(common, own, saved_world, [own["data"]], None)
     rank_state = {**olds[ctx.rank % saved_world], "data": None}
     record = reshard_record(saved_world, ctx.world_size, [o["data"] for o in olds])
+    if saved_layout != ctx.layout.sizes():  # the same tensors by name, split otherwise
+        record.update(old_layout=saved_layout, new_layout=ctx.layout.sizes())
     return DistributedState(common, rank_state, saved_world, [o["data"] for o in olds], record)
 
 

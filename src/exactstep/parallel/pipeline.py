@@ -48,11 +48,13 @@ def refuse_pipeline(family: str, *, compiled: bool, program: object, inputs: obj
     family with sequence-level inputs (rollouts, rewritten inputs, a second model) or an
     end-of-run score (greedy decoding): they read the whole model in one process; or
     ``train.compile``."""
-    if program is not None or inputs is not None or scored:
+    why = ("its windows run rollouts or a second model" if program is not None else
+           "its inputs are rewritten from the model's own predictions" if inputs is not None
+           else "its end-of-run score decodes greedily" if scored else None)
+    if why is not None:
         raise ConfigError(
-            f"parallel.pp > 1 is not available for objective.family = {family!r} (its "
-            "sequence-level inputs need the whole model in each process); set "
-            "parallel.pp = 1")
+            f"parallel.pp > 1 is not available for objective.family = {family!r} ({why}, "
+            "which needs the whole model in each process); set parallel.pp = 1")
     if compiled:
         raise ConfigError("parallel.pp > 1 runs its stages uncompiled; set train.compile = false")
 
