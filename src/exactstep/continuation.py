@@ -171,6 +171,7 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
         try:
             check_shared_run_dir(run.ctx, run_dir)  # every node sees it (D1)
             keep_run_manifest(run, old, reshard)
+            refuse_unasked_migration(old, run.manifest, reshard)
             same_run(old, run.manifest)
             next_window, events, marks = 0, [], {}
             if origin is not None:  # window 0 of a warm start: the parent's weights
@@ -287,6 +288,21 @@ def keep_run_manifest(run: Run, old: Manifest, reshard: bool) -> None:
                       for f in fields):
         run.manifest = old
         run.checkpointer.manifest_digest = old.digest
+
+
+def refuse_unasked_migration(old: Manifest, current: Manifest, reshard: bool) -> None:
+    """A resume whose manifest differs from the run's only in the layout (world size,
+    parallel axes) is a migration the command did not ask for: one line naming the
+    fields and ``--reshard`` (S7), before anything changes."""
+    fields = diff_manifests(old, current) if old.digest != current.digest else []
+    moved = [f for f in fields if migrated(f)]
+    if reshard or not moved or not all(migrated(f) or f.split(".")[0] == "environment"
+                                       for f in fields):
+        return
+    raise ResumeError(
+        f"the run's layout differs from this job's in: {', '.join(moved)}; pass --reshard "
+        "to move it (its tensors load by name, the data restarts at the next epoch: a "
+        "declared migration), or resume with the run's own parallel settings")
 
 
 def continuation_record(window: int, recorded: dict[str, Any] | None, now: dict[str, Any],

@@ -15,6 +15,8 @@ a few sums, the norm over stages and the tied gradient, each one rounding).
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +27,7 @@ import torch
 from cli_support import KILL_ONCE_HOOK, TINY_MODEL, CliRoot, tiny_overrides, worker_env
 from equivalence import FP32_UNIT
 from pipeline_workers import ROWS, SEQ, one_process_engine, pipeline_main
-from run_support import multi_rank_state
+from run_support import multi_rank_state, tree_digests
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from workers import PAD_ID, UPDATE, shards, spawn_ranks
 
@@ -320,6 +322,16 @@ class PipelineCli(CliRoot):
                                   timeout=RUN_TIMEOUT_S)
         return proc.returncode, proc.stderr
 
+    def resume(self, run_dir: Path, point: str, *extra: str, **changed) -> tuple[int, str]:
+        """``resume run_dir --from <point>`` with ``changed`` keys set."""
+        pairs = [a for k, v in changed.items() for a in ("--set", f"{k.replace('__', '.')}={v}")]
+        env = worker_env(self.hook, drop_prefix="TORCHELASTIC_")
+        proc = process_server.run(
+            [sys.executable, "-m", "exactstep", "resume", str(run_dir), "--no-progress",
+             "--from", str(run_dir / "checkpoints" / point), *extra, *pairs],
+            cwd=self.root, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        return proc.returncode, proc.stderr
+
     def train(self, run_dir: Path, *extra: str, **kwargs) -> tuple[int, str]:
         return self.run("train", "--no-progress", "--out", str(run_dir), "--resume", "auto",
                         *extra, run_dir=run_dir, **kwargs)
@@ -335,6 +347,16 @@ def runs(tmp_path_factory) -> dict:
     rc, err = cli.train(root / "killed", "--nproc", "2", kill_once="1:3", parallel__pp=2)
     out["killed_first"] = (rc, err, ledger_lines(root / "killed"))
     out["killed"] = cli.train(root / "killed", "--nproc", "2", kill_once="1:3", parallel__pp=2)
+    # migrations of the straight run from its window-4 checkpoint: refused unasked, then
+    # declared, to one process and to two data replicas
+    for name in ("refused", "to_one", "to_dp2"):
+        shutil.copytree(root / "straight", root / name)
+    point = f"window-{CLI_WINDOWS - CLI_EVERY:08d}"
+    out["refused_before"] = tree_digests(root / "refused")
+    out["refused"] = cli.resume(root / "refused", point, parallel__pp=1)
+    out["to_one"] = cli.resume(root / "to_one", point, "--reshard", parallel__pp=1)
+    out["to_dp2"] = cli.resume(root / "to_dp2", point, "--reshard", "--nproc", "2",
+                               parallel__pp=1)
     return out
 
 
@@ -361,3 +383,31 @@ def test_sigkill_and_resume_auto_at_pp2_is_bitwise(runs) -> None:
     assert "layers.1.attn.qkv.weight" in a["model"] and "embed.weight" in a["model"]
     assert state_differences(a, b) == []
     assert ledger_lines(root / "killed") == ledger_lines(root / "straight")
+
+
+def ledger_events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in ledger_lines(run_dir) if '"event"' in line]
+
+
+def test_pp2_to_one_process_or_two_replicas_is_a_declared_migration(runs) -> None:
+    """S7: the pp = 2 run resumed with parallel.pp = 1 is refused in one line naming
+    --reshard, its directory untouched (the control); with --reshard, on one process
+    and on two data replicas, it loads by names, runs to the end, and its ledger's
+    RESHARD line names both layouts: a declared, non-bitwise continuation."""
+    root = runs["root"]
+    rc, err = runs["refused"]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "--reshard" in errors[0] and "parallel.pp" in errors[0], errors
+    assert tree_digests(root / "refused") == runs["refused_before"]
+    for name, layout in (("to_one", {"pp": 1, "dp": 1, "cp": 1, "tp": 1}),
+                         ("to_dp2", {"pp": 1, "dp": 2, "cp": 1, "tp": 1})):
+        rc, err = runs[name]
+        assert rc == 0, err[-3000:]
+        (event,) = ledger_events(root / name)
+        assert event["event"] == "RESHARD"
+        assert event["old_layout"] == {"pp": 2, "dp": 1, "cp": 1, "tp": 1}
+        assert event["new_layout"] == layout
+        windows = [json.loads(line)["window"] for line in ledger_lines(root / name)
+                   if '"window"' in line]
+        assert windows == list(range(CLI_WINDOWS))
