@@ -100,7 +100,15 @@ class UnagreedFlagReducer(DDPReducer):
         return values.clone()  # [bad flag, S, NLL], this rank's own
 
 
-RUNNERS = {"record": GradRecordingRunner, "schedule_mean": ScheduleMeanRunner,
+class ReplicaLocalRunner(PipelineRunner):
+    """Deliberately wrong (negative control for D1): each data replica steps on its own
+    gradient, never averaged with the other replicas'."""
+
+    def _mean_over_replicas(self) -> None:
+        pass
+
+
+RUNNERS = {"replica_local": ReplicaLocalRunner, "record": GradRecordingRunner, "schedule_mean": ScheduleMeanRunner,
            "mean_per_microbatch": MeanPerMicrobatchRunner, "local_norm": LocalNormRunner}
 
 
@@ -108,7 +116,7 @@ def build_pipeline_engine(ctx, phase: dict, rank: int) -> UpdateEngine:
     update = replace(UPDATE, accum=phase.get("accum", UPDATE.accum),
                      fail_window=phase.get("fail_window", {}).get(rank, -1))
     decoder = build_model(model_cfg(phase["layers"], phase.get("tied", False)), VOCAB, seed=0)
-    stages, n_stages = pipeline_stages(phase["schedule"], ctx.world_size, rank)
+    stages, n_stages = pipeline_stages(phase["schedule"], ctx.layout.pp, ctx.layout.pp_rank)
     model = split_decoder(decoder, stages=stages, n_stages=n_stages)
     engine = engine_on(model, update)
     pipeline_engine(engine, model, ctx, schedule=phase["schedule"], rows=ROWS, seq_len=SEQ)
@@ -121,7 +129,7 @@ def build_pipeline_engine(ctx, phase: dict, rank: int) -> UpdateEngine:
                               group=right.group, device=right.device,
                               objective_cfg=right.objective_cfg, pad_id=PAD_ID,
                               terms=right.terms, precision=right.precision, rows=ROWS, seq_len=SEQ,
-                              tied_group=right.tied_group)
+                              tied_group=right.tied_group, replica_group=right.replica_group)
         engine.runner.grads = []
     return engine
 
@@ -130,6 +138,8 @@ def run_pipeline_phase(rank: int, ctx, phase: dict) -> dict:
     """The phase's windows (from ``phase["first"]``, after loading ``phase["load"]``
     where given), then a checkpoint to ``phase["save"]`` where given."""
     engine = build_pipeline_engine(ctx, phase, rank)
+    if "replica_windows" in phase:  # this data replica's share of every window
+        phase = {**phase, "windows": phase["replica_windows"][ctx.layout.dp_rank]}
     first = phase.get("first", 0)
     if "load" in phase:  # weights_only: a control that drops the optimizer and schedule
         state = load_distributed_checkpoint(
@@ -152,6 +162,7 @@ def run_pipeline_phase(rank: int, ctx, phase: dict) -> dict:
     return {"params": after, "ledger": records, "eval": held_out,
             "grads": getattr(engine.runner, "grads", None),
             "optimizer": get_optimizer_state_dict(engine.model, engine.optimizer),
+            "coords": ctx.layout.coords(),
             "optimizer_steps": [int(s["step"]) for s in engine.optimizer.state_dict()["state"]
                                 .values() if "step" in s]}
 
@@ -162,7 +173,7 @@ def pipeline_main(rank: int, world: int, port: int, out: str, job: dict) -> None
     path = Path(out) / f"rank{rank}.pt"
     ctx, results = None, []
     try:
-        cfg = ParallelConfig(timeout_s=job.get("timeout_s", 60.0), pp=world)
+        cfg = ParallelConfig(timeout_s=job.get("timeout_s", 60.0), pp=job.get("pp", world))
         ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
         with collective_guard(ctx):
             for phase in job["phases"]:

@@ -4,8 +4,8 @@
 rollouts, Professor Forcing's second model, scheduled sampling's rewritten inputs)
 and the encoder-decoder are a ``ConfigError`` naming ``parallel.pp``; the control, the
 causal family, is split into its stages under the one-process names. The layout
-that cannot run (a pipeline with data replicas) and a model too shallow for its
-stages are refused the same way.
+that cannot run (a pipeline of tensor shards) and a model too shallow for its stages
+are refused the same way.
 """
 
 from __future__ import annotations
@@ -85,18 +85,18 @@ def test_a_stage_without_a_layer_is_refused_and_the_split_is_even() -> None:
         split_decoder(decoder, stages=[0], n_stages=2)
 
 
-def test_a_pipeline_with_data_replicas_is_refused_naming_the_processes() -> None:
-    """``pp = 2`` over 4 processes (2 replicas) is not built: one line, before any
-    collective; the control, pp = 2 over 2, passes this check (and fails later, on
-    the missing process group, with another error)."""
+def test_a_pipeline_of_tensor_shards_is_refused_naming_the_axis() -> None:
+    """``pp = 2`` with ``tp = 2`` is not built: one line naming parallel.tp, before any
+    collective; the control, pp = 2 with data replicas, passes this check (and fails
+    later, on the process group this hand-made context lacks, with another error)."""
     def ctx(layout: Layout) -> DistContext:
         return DistContext(rank=0, world_size=layout.world, local_rank=0,
                            device=torch.device("cpu"), backend="gloo", layout=layout)
 
-    with pytest.raises(DistributedError, match="--nproc 2"):
-        pipeline_engine(None, None, ctx(Layout(pp=2, dp=2)), schedule="1f1b", rows=2,
+    with pytest.raises(DistributedError, match="parallel.tp = 2 .* set parallel.tp ="):
+        pipeline_engine(None, None, ctx(Layout(pp=2, tp=2)), schedule="1f1b", rows=2,
                         seq_len=8)
     with pytest.raises(Exception) as other:
-        pipeline_engine(None, None, ctx(Layout(pp=2, dp=1)), schedule="1f1b", rows=2,
+        pipeline_engine(None, None, ctx(Layout(pp=2, dp=2)), schedule="1f1b", rows=2,
                         seq_len=8)
-    assert "--nproc" not in str(other.value)
+    assert "parallel.tp" not in str(other.value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -102,7 +103,7 @@ class PipelineRunner:
 
     def __init__(self, model: nn.Module, *, schedule: str, n_microbatches: int, group,
                  device: torch.device, objective_cfg, pad_id: int, terms, precision,
-                 rows: int, seq_len: int, tied_group=None) -> None:
+                 rows: int, seq_len: int, tied_group=None, replica_group=None) -> None:
         from torch.distributed import pipelining
 
         self.model = model
@@ -116,6 +117,7 @@ class PipelineRunner:
         self.n_microbatches = n_microbatches
         self.shape = (rows, seq_len)
         self.tied_group = tied_group
+        self.replica_group = replica_group  # this stage's data replicas (None: one)
         self.current: list[_Microbatch] = []
         # microbatch -> detached (S_m, NLL sum); keyed: a stage's first step may also
         # evaluate microbatch 0 to infer its shapes
@@ -145,6 +147,8 @@ class PipelineRunner:
             self.schedule.step(index=index, target=index, return_outputs=False)
             if self.model.tied:
                 self._sum_tied_gradient()
+            if self.replica_group is not None:
+                self._mean_over_replicas()
         except dist.DistBackendError as exc:
             raise peer_failure(engine.reducer.ctx, exc) from None
         finally:
@@ -238,6 +242,21 @@ class PipelineRunner:
             weight.grad = torch.zeros_like(weight)
         dist.all_reduce(weight.grad, group=self.tied_group)
 
+    def _mean_over_replicas(self) -> None:
+        """Each replica's stage gradient (pre-scaled by ``R / D_global``) averaged over
+        the ``R`` replicas of this stage: the global window gradient (D1, as DDP's
+        average), the head's and a tied copy's included. One all-reduce of one flat
+        buffer per window."""
+        params = list(self.model.parameters())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.replica_group)
+        flat.div_(dist.get_world_size(self.replica_group))
+        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(g.view_as(p.grad))
+
     def grad_norm(self, engine) -> torch.Tensor:
         """The whole model's gradient norm: this rank's squared norm summed over the
         pipeline (each logical parameter once: the tied copy is not counted here)."""
@@ -252,15 +271,23 @@ class PipelineRunner:
         return squared[0].sqrt()
 
 
-def tied_group(model: nn.Module, group):
-    """The group of stage 0's and the last stage's ranks (collective: every rank of
-    ``group`` calls it), or None without tied embeddings."""
+def tied_group(model: nn.Module, layout, group, timeout: timedelta | None = None):
+    """The group of stage 0's and the last stage's ranks of this pipeline, or None
+    without tied embeddings. Collective: every rank of the job creates every
+    pipeline's pair, in the same order (``new_group``); two stages: the ``pp`` group."""
     if not model.tied:
         return None
-    ranks = dist.get_process_group_ranks(group)
-    if len(ranks) == 2:
+    if layout.pp == 2:
         return group
-    return dist.new_group([ranks[0], ranks[(model.n_stages - 1) % len(ranks)]])
+    grid = layout.mesh.mesh  # [.., pp, ..] ranks
+    lines = grid.movedim(layout.mesh.mesh_dim_names.index("pp"), -1).reshape(-1, layout.pp)
+    mine = None
+    for line in lines.tolist():  # each pipeline's ranks, stage by stage
+        pair = [line[0], line[(model.n_stages - 1) % layout.pp]]
+        created = dist.new_group(pair, timeout=timeout)
+        if layout.rank in line:
+            mine = created
+    return mine
 
 
 def pipeline_engine(engine, model: nn.Module, ctx: DistContext, *, schedule: str,
@@ -269,22 +296,24 @@ def pipeline_engine(engine, model: nn.Module, ctx: DistContext, *, schedule: str
     layout's ``DDPReducer`` (``D`` summed over the data replicas, the finite flag and
     the reported sums over every rank, S and NLL from the last stage only: D1, D2) and
     a ``PipelineRunner`` of ``update.accum`` microbatches over ``group`` (default: the
-    layout's ``pp`` group); returns it."""
+    layout's ``pp`` group), its stage's gradients averaged over the ``dp`` replicas;
+    returns it."""
     layout = ctx.layout
     if not ctx.distributed or layout.pp < 2:
         raise DistributedError("parallel.pp > 1 needs one process per stage; launch "
                                "parallel.pp processes (--nproc, torchrun)")
-    if layout.world != layout.pp:
+    if layout.tp > 1 or layout.cp > 1:
         raise DistributedError(
-            f"parallel.pp = {layout.pp} with {layout.world // layout.pp} data replicas (or "
-            "tp / cp) is not built: a pipeline here is the whole job; launch "
-            f"{layout.pp} processes (--nproc {layout.pp})")
+            f"parallel.pp = {layout.pp} with parallel.tp = {layout.tp} / parallel.cp = "
+            f"{layout.cp} is not built: a pipeline splits whole layers; set parallel.tp = "
+            "parallel.cp = 1")
     group = group if group is not None else layout.group("pp")
+    timeout = timedelta(seconds=ctx.timeout_s) if ctx.timeout_s else None
     engine.reducer = DDPReducer(ctx)
     engine.runner = PipelineRunner(
         model, schedule=schedule, n_microbatches=engine.update_cfg.accum, group=group,
         device=ctx.device, objective_cfg=engine.objective_cfg,
         pad_id=engine.train_module.pad_id, terms=engine.train_module.terms,
         precision=engine.precision, rows=rows, seq_len=seq_len,
-        tied_group=tied_group(model, group))
+        tied_group=tied_group(model, layout, group, timeout), replica_group=layout.group("dp"))
     return engine
