@@ -6,7 +6,8 @@ microbatch's numerator pre-scaled by ``1 / D_W`` at the same parameters, and clo
 the order of U3 with one host read (U7): committed, skipped as non-finite with
 everything bitwise unchanged, or no objective. ``Reducer`` (D1, D2) and
 ``InputProgram`` and ``WindowProgram`` (R8, Q1) are where ranks and model-dependent
-inputs plug in.
+inputs plug in; ``WindowRunner`` where a pipeline's schedule takes over the
+microbatches.
 Design and derivations: docs/design/update.md#updatewindowpy (U1-U4, U7, D1, D2, R8).
 Picture: docs/concepts/window.md.
 """
