@@ -54,10 +54,10 @@ if __name__ == "__main__":  # a spawned worker imports this file again
         UpdateEngine.run_window = held(UpdateEngine.run_window,
                                        lambda self, batches, window, *a, **k: window == at)
     elif moment == "prepare":
-        import exactstep.prepare as prepare
+        import exactstep.artifacts.prepare as prepare
         prepare.SplitWriter.add = held(prepare.SplitWriter.add, lambda *a, **k: True)
     elif moment == "export":
-        import exactstep.export as export
+        import exactstep.artifacts.export as export
         export.handoff_check = held(export.handoff_check, lambda *a, **k: True)
 
     from exactstep.cli import main

@@ -50,8 +50,8 @@ PRELOAD = ("numpy", "torch", "torch._dynamo", "torch.distributed",
            "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
            "torch.distributed.launcher.api", "safetensors.torch",
            "tqdm", "matplotlib", "matplotlib.pyplot", "exactstep", "exactstep.cli",
-           "exactstep.runner", "exactstep.continuation", "exactstep.finished_run",
-           "exactstep.export", "exactstep.prepare", "exactstep.families.registry",
+           "exactstep.run.runner", "exactstep.run.continuation", "exactstep.run.finished_run",
+           "exactstep.artifacts.export", "exactstep.artifacts.prepare", "exactstep.families.registry",
            "transformers", "peft")
 #: Variables read when a process starts (by the C library, OpenMP, MKL, PyTorch's
 #: import or Python): a command whose value differs from the server's runs as a real

@@ -229,7 +229,7 @@ def killed_warm_start(damage: Callable[[Path], object] = lambda parent: None
 
 def another_parent_manifest(parent: Path) -> None:
     """The parent directory now holds another run's (valid) manifest."""
-    from exactstep.manifest import digest_of
+    from exactstep.state.manifest import digest_of
 
     body = json.loads((parent / "manifest.json").read_bytes())["manifest"]
     body["seeds"]["seed"] += 1
@@ -683,8 +683,8 @@ def prepared_dir(damage: str = "", hf: bool = False) -> Callable[[Path], None]:
     ``damage`` the second train shard: ``delete``, ``truncate`` or ``flip`` a byte;
     ``hf`` also writes the Hugging Face tokenizer of ``hf_files`` to {tmp}/tok."""
     def setup(tmp: Path) -> None:
+        from exactstep.artifacts.prepare import prepare
         from exactstep.config import load_config
-        from exactstep.prepare import prepare
 
         if hf:
             hf_files()(tmp)
@@ -713,8 +713,8 @@ def prepare_cmd(source: str, *extra: str) -> tuple[str, ...]:
 
 def prepared_chat(tmp: Path) -> None:
     """20 good conversations prepared (seq_len 64, default chat policy) into {tmp}/p."""
+    from exactstep.artifacts.prepare import prepare
     from exactstep.config import load_config
-    from exactstep.prepare import prepare
 
     (tmp / "chat.jsonl").write_text(lines(*[
         conversation({"role": "user", "content": f"q{i}"},

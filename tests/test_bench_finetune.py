@@ -95,9 +95,9 @@ def test_quick_json_both_sides_same_targets_and_lora_trains_adapters_only(
 def test_the_target_count_tells_assistant_only_labels_from_plain_lm_labels() -> None:
     from transformers import DataCollatorForSeq2Seq
 
+    from exactstep.artifacts.export import byte_tokenizer_hf
     from exactstep.bench.hf import CountingCollator, labelled_items
     from exactstep.data.tokenizer import ByteTokenizer
-    from exactstep.export import byte_tokenizer_hf
 
     data = {k: v for k, v in TINY_DATA.items() if k != "repeats"}
     examples = bench.finetune_examples(data)

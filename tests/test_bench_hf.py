@@ -72,8 +72,8 @@ def test_quick_json_has_every_figure_and_both_sides_did_the_same_work(capsys) ->
 def test_counting_collator_counts_shifted_targets_and_catches_pad_as_eos() -> None:
     from transformers import DataCollatorForLanguageModeling
 
+    from exactstep.artifacts.export import byte_tokenizer_hf
     from exactstep.data.tokenizer import ByteTokenizer
-    from exactstep.export import byte_tokenizer_hf
 
     byte = ByteTokenizer()
     examples = bench.long_documents(3_000)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from exactstep.cli import main
-from exactstep.manifest import read_manifest
 from exactstep.state import latest_checkpoint, verify_checkpoint
+from exactstep.state.manifest import read_manifest
 
 TINY = [  # on the CPU: a GPU host would otherwise train on CUDA (train.device = auto)
     "--set", "train.device=cpu",
@@ -226,7 +226,7 @@ def test_every_command_body_is_found_from_its_name() -> None:
 
 def test_the_import_detector_sees_torch() -> None:
     # negative control: the check above fails for a command path that does load torch
-    proc = run_importtime(["-c", "import exactstep.runner"])
+    proc = run_importtime(["-c", "import exactstep.run.runner"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "torch" in imported_top_modules(proc.stderr)
 

@@ -38,7 +38,7 @@ def test_a_window_makes_exactly_one_synchronising_call(impl) -> None:
 
 def test_negative_control_a_blocking_copy_is_counted() -> None:
     assert count_syncs(lambda: torch.arange(8).to(CUDA)) >= 1
-    from exactstep.transfer import host_to_device
+    from exactstep.rows.transfer import host_to_device
 
     assert count_syncs(lambda: host_to_device(torch.arange(8), CUDA)) == 0
 

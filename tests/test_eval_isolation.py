@@ -289,7 +289,7 @@ def write_docs(path: Path) -> Path:
 
 
 def train_run(tmp_path: Path, name: str, eval_every: int) -> tuple[dict, dict, list[str]]:
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     data = tmp_path / "docs.jsonl"
     if not data.exists():

@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from exactstep.cli import main  # noqa: E402
-from exactstep.manifest import read_manifest  # noqa: E402
-from exactstep.report import format_summary  # noqa: E402
+from exactstep.run.report import format_summary  # noqa: E402
+from exactstep.state.manifest import read_manifest  # noqa: E402
 
 VAL_FRACTION = "0.2"
 TINY = ["batch.rows=2", "batch.seq_len=256", "train.steps=3", "train.eval_tokens=1000000",

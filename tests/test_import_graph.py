@@ -4,7 +4,8 @@ running back up the floors written down in ``FLOORS`` (the one place they are).
 A room is a top-level module or a sub-package of ``exactstep``; a family's folder
 (``families/<name>/``) stands on two floors: its compiler, config section and
 reference in the room ``families/<name>``, below ``config`` (which reads the section),
-its glue (``family.py``) in ``families``. A room may import rooms on lower floors only
+its glue (``family.py``) and its window program (``UPPER``) in ``families``, above
+``generation``, which knows no family. A room may import rooms on lower floors only
 (inside one room, modules import each other freely, but never in a loop).
 Function-local imports count like any other, except in the rooms that load lazily on
 purpose (``LAZY``: the command line, benchmarks, the audit).
@@ -22,32 +23,33 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "exactstep"
 
 #: Floor of each room, from the ground up: data flows upward through them.
 FLOORS = {
-    "errors": 1, "lazy": 1, "host_memory": 1,
-    "durable": 2, "ranges": 2,
-    "manifest": 3,
-    "data": 4, "state": 4,
+    "errors": 1, "lazy": 1,
+    "ranges": 2,
+    "state": 3,
+    "data": 4,
     "rows": 5,
-    "transfer": 6,
-    "objective": 7, "families/<name>": 7,
-    "update": 8,
-    "tracking": 9, "parallel": 9, "model": 9, "generation": 9,
-    "report": 10, "config": 10,
-    "eval": 11,
-    "families": 12,
-    "finished_run": 13, "prepare": 13, "runner": 13, "audit": 13,
-    "continuation": 14, "export": 14,
-    "bench": 15, "distill": 15, "smoke": 16,
-    "commands": 17,
-    "cli": 18,
-    "__main__": 19,
+    "objective": 6, "families/<name>": 6,
+    "update": 7,
+    "tracking": 8, "parallel": 8, "model": 8, "generation": 8,
+    "config": 9,
+    "eval": 10,
+    "families": 11,
+    "run": 12, "audit": 12,
+    "artifacts": 13,
+    "bench": 14, "smoke": 15,
+    "commands": 16,
+    "cli": 17,
+    "__main__": 18,
 }
 #: The package's face (``exactstep/__init__.py``) hands names on lazily and is no room.
 FACE = "__init__"
 #: Rooms whose function-local imports are there to keep start-up light.
 LAZY = {"cli", "bench", "smoke", "audit"}
-#: A family folder's glue, on the ``families`` floor; the rest of the folder is the
-#: room ``families/<name>`` (rows-floor code only that family uses).
-GLUE = "family"
+#: A family folder's glue and its window program (the ``WindowProgram`` over the
+#: sampler: policy's rollouts, clipped epochs and learned baseline; Professor Forcing's
+#: two paths), on the ``families`` floor; the rest of the folder is the room
+#: ``families/<name>`` (rows-floor code only that family uses).
+UPPER = {"family", "rollouts", "clipped", "regressor", "forcing"}
 FAMILY_FOLDERS = {p.parent.name for p in (PACKAGE / "families").glob("*/__init__.py")}
 
 
@@ -61,7 +63,7 @@ def room_of(module: str) -> str:
     if len(parts) == 1:
         return FACE
     if parts[1:2] == ["families"] and len(parts) > 2 and parts[2] in FAMILY_FOLDERS:
-        return "families" if parts[3:] == [GLUE] else "families/<name>"
+        return "families" if len(parts) == 4 and parts[3] in UPPER else "families/<name>"
     return parts[1]
 
 
@@ -205,14 +207,22 @@ def test_the_checks_can_fail():
     are found."""
     edges, _ = the_graph()
     planted = {m: set(t) for m, t in edges.items()}
-    planted["exactstep.durable"].add("exactstep.manifest")  # manifest imports durable
-    assert any({"exactstep.durable", "exactstep.manifest"} <= set(c) for c in loops(planted))
+    planted["exactstep.state.durable"].add("exactstep.state.manifest")  # manifest imports durable
+    assert any({"exactstep.state.durable", "exactstep.state.manifest"} <= set(c)
+               for c in loops(planted))
     assert runs_up("exactstep.families.mlm.compiler", "exactstep.families.registry")
     assert runs_up("exactstep.model.encdec", "exactstep.model.attention") is False
     assert runs_up("exactstep.families.mlm.family", "exactstep.families.mlm.compiler") is False
+    # the generation stage knows no family: a family's window program stands above it
+    assert runs_up("exactstep.generation.sampler", "exactstep.families.policy.rollouts")
+    assert runs_up("exactstep.families.policy.config", "exactstep.families.policy.rollouts")
+    assert runs_up("exactstep.families.professor.forcing", "exactstep.generation.prompts") is False
     assert runs_up("exactstep.families.span.config", "exactstep.config")
     assert runs_up("exactstep.config", "exactstep.families.span.config") is False
-    assert runs_up("exactstep.report", "exactstep.config")  # one floor: not below
+    assert runs_up("exactstep.audit.engine", "exactstep.run.runner")  # one floor: not below
+    assert runs_up("exactstep.data.prepared", "exactstep.state.durable") is False
+    assert runs_up("exactstep.state.manifest", "exactstep.data.prepared")
+    assert runs_up("exactstep.run.finished_run", "exactstep.artifacts.export")
 
 
 def test_importing_the_configuration_does_not_load_torch():

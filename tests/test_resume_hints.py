@@ -1,6 +1,6 @@
 """Every "continue with" hint names both ways to continue a run (S4, S10, X4).
 
-After Ctrl-C or SIGTERM (``runner.resume_command``), a dead or stalled rank and a
+After Ctrl-C or SIGTERM (``run.runner.resume_command``), a dead or stalled rank and a
 signal before the workers reported (``parallel.launch.resume_hint``), and a full
 disk (``state.checkpointer``), the one error line names ``exactstep resume RUN`` and
 the same ``train`` command with ``--resume auto`` (what a launcher's restart or a
@@ -17,7 +17,7 @@ import pytest
 
 from exactstep.errors import RESUME_AUTO_HINT, StorageError
 from exactstep.parallel import launch
-from exactstep.runner import resume_command
+from exactstep.run.runner import resume_command
 from exactstep.state.checkpointer import Checkpointer
 
 ARGV = ["train", "--out", "runs/x"]

@@ -34,8 +34,8 @@ from run_support import (
 
 from exactstep import Example, eval_batches
 from exactstep.cli import main
-from exactstep.finished_run import evaluate_run
 from exactstep.rows.config import BatchConfig
+from exactstep.run.finished_run import evaluate_run
 from exactstep.state import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -35,7 +35,7 @@ def f32(x: float) -> float:
 
 
 def test_a_run_writes_its_ledger_and_evaluations_to_tensorboard(tmp_path):
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     source = write_texts(tmp_path / "docs.jsonl", short_texts())
     overrides = [f"{k}={v}" for k, v in TINY.items()] + [
@@ -106,7 +106,7 @@ def test_loss_plot_marks_skipped_and_no_objective_windows(tmp_path, monkeypatch)
     their counts, at their windows; the committed curve leaves them out."""
     import matplotlib.pyplot as plt
 
-    from exactstep.report import plot_loss
+    from exactstep.run.report import plot_loss
 
     lines = [{"window": 0, "disposition": "COMMITTED", "loss": 2.0},
              {"window": 1, "disposition": "SKIPPED_NONFINITE", "loss": None},

@@ -55,8 +55,8 @@ def committed_curve(run_dir: Path, field: str) -> dict[int, float]:
 def tracked_run(tmp_path_factory):
     """A 6-window run tracked in W&B (offline) and MLflow, then resumed from its
     window-3 checkpoint (a second segment in each store)."""
-    from exactstep.continuation import resume
-    from exactstep.runner import train
+    from exactstep.run.continuation import resume
+    from exactstep.run.runner import train
 
     root = tmp_path_factory.mktemp("tracked")
     source = write_texts(root / "docs.jsonl", short_texts())
@@ -166,7 +166,7 @@ def test_a_killed_segment_is_marked_killed_and_superseded(tmp_path):
 @pytest.mark.parametrize("module, key", [("wandb", "log.wandb=offline"),
                                          ("mlflow.tracking", "log.mlflow=mlruns")])
 def test_a_missing_library_is_one_config_error(tmp_path, monkeypatch, module, key):
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     monkeypatch.setitem(sys.modules, module, None)
     source = write_texts(tmp_path / "docs.jsonl", short_texts(20))
@@ -262,7 +262,7 @@ def test_a_refused_start_leaves_no_new_directory_and_no_tracker_logs(tmp_path):
     refused_start(empty, source, blocker)
     assert list(empty.iterdir()) == []
 
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     with pytest.raises(ConfigError, match="log.mlflow: cannot create"):  # in this process
         train(load_config(None, [f"{k}={v}" for k, v in TINY.items()] + [

@@ -97,7 +97,7 @@ def test_a_server_down_at_resume_changes_nothing(tmp_path: Path, monkeypatch) ->
     """A run whose manifest names an http tracking server (its trackers left out while
     it trained, in this process) is resumed by the real command while the server is
     down: one line within the bound, every file of the run byte for byte the same."""
-    import exactstep.runner as runner
+    import exactstep.run.runner as runner
     from exactstep.config import load_config
 
     source = write_texts(tmp_path / "docs.jsonl", short_texts(20))

@@ -47,13 +47,13 @@ _EXPORTS = {
     "Disposition": "exactstep.update.disposition",
     "Outcome": "exactstep.update.disposition",
     # state and runs
-    "build_manifest": "exactstep.manifest",
+    "build_manifest": "exactstep.state.manifest",
     "publish_checkpoint": "exactstep.state.safetensors_format",
     "load_checkpoint": "exactstep.state.safetensors_format",
     "verify_checkpoint": "exactstep.state.store",
-    "evaluate_run": "exactstep.finished_run",
-    "train": "exactstep.runner",
-    "resume": "exactstep.continuation",
+    "evaluate_run": "exactstep.run.finished_run",
+    "train": "exactstep.run.runner",
+    "resume": "exactstep.run.continuation",
     "evaluate": "exactstep.eval",
 }
 

@@ -1,4 +1,4 @@
-"""Runs end to end on Parquet data through ``exactstep.runner.train`` (issue 12 item 5).
+"""Runs end to end on Parquet data through ``exactstep.run.runner.train`` (issue 12 item 5).
 
 A text run on a directory of Parquet shards and a chat run on a Parquet file, at the
 tiny shapes of the CLI tests: every window commits, and the manifest records the
@@ -28,7 +28,7 @@ TINY = ["batch.seq_len=32", "batch.rows=2", "model.d_model=16", "model.n_layers=
 
 
 def run(source: Path, out: Path, *extra: str) -> tuple[list[dict], dict]:
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     train(load_config(overrides=[f"data.source={source}", *TINY, *extra]), out, progress=False)
     ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from run_support import write_texts
 
-import exactstep.prepare as prepare_module
+import exactstep.artifacts.prepare as prepare_module
+from exactstep.artifacts.prepare import prepare
 from exactstep.config import load_config
 from exactstep.data.prepared import MANIFEST, open_prepared
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import DataError
-from exactstep.prepare import prepare
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.prepared import PreparedDocuments
 from exactstep.rows.stream import RowStream
@@ -167,7 +167,7 @@ def test_an_interrupted_prepare_publishes_nothing_and_can_start_again(tmp_path: 
 
 KILLER = r"""
 import os, signal, sys
-import exactstep.prepare as prepare
+import exactstep.artifacts.prepare as prepare
 nth, argv, calls = int(sys.argv[1]), sys.argv[2:], [0]
 close = prepare.SplitWriter._close_shard
 def killing_close(self):
@@ -434,8 +434,8 @@ def test_a_declared_reshard_continues_with_the_next_epochs_declared_order(prepar
 
 def test_ids_beyond_uint16_are_stored_as_uint32(tmp_path: Path) -> None:
     """P1: ``uint16`` exactly when every id fits; a larger vocabulary keeps its ids."""
+    from exactstep.artifacts.prepare import SplitWriter
     from exactstep.data.prepared import PreparedSplit, open_shard, token_dtype
-    from exactstep.prepare import SplitWriter
 
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
     writer = SplitWriter(tmp_path, "train", token_dtype(70_000), True, 1 << 20, 70_000)
@@ -628,7 +628,7 @@ def test_a_family_prepares_with_its_own_specials_and_trains_from_its_shards(tmp_
     shards and trains; shards prepared without the family carry the plain byte
     tokenizer and are refused, naming both hashes (the negative control)."""
     from exactstep.errors import ConfigError
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     source = write_texts(tmp_path / "docs.jsonl", texts(40))
     family = ["objective.family=mlm", "data.val_fraction=0.2"]

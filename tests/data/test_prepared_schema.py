@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 from text_corpus import write_corpus
 
+from exactstep.artifacts.prepare import prepare
 from exactstep.cli import main
 from exactstep.config import load_config
 from exactstep.data.prepared import MANIFEST, fingerprint_of
-from exactstep.prepare import prepare
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -23,9 +23,9 @@ from exactstep.cli import main
 from exactstep.config import load_config
 from exactstep.eval import edit_accuracy, heldout_pieces, levenshtein
 from exactstep.families import open_family
-from exactstep.finished_run import open_finished_run
 from exactstep.model.encdec import greedy_fragments
 from exactstep.rows.batch import single_segment_batch, source_rows
+from exactstep.run.finished_run import open_finished_run
 
 TINY = {"batch.seq_len": 48, "batch.rows": 2, "model.d_model": 16, "model.n_layers": 1,
         "model.n_heads": 2, "model.d_ff": 32, "train.steps": 3, "train.eval_tokens": 256,

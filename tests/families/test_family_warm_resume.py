@@ -31,7 +31,7 @@ from state.test_kill_resume import LAUNCHER, Harness
 from text_corpus import write_whole
 
 from exactstep.families.registry import BUILT
-from exactstep.finished_run import evaluate_run
+from exactstep.run.finished_run import evaluate_run
 from exactstep.state.compare import state_differences
 from exactstep.state.store import latest_checkpoint
 

@@ -18,8 +18,8 @@ from run_support import set_args
 from exactstep.cli import main
 from exactstep.data.chat import template_for
 from exactstep.data.conversation import Message
-from exactstep.finished_run import open_finished_run
 from exactstep.rows.batch import single_segment_batch
+from exactstep.run.finished_run import open_finished_run
 
 CHAT = {"data.source": "arith", "data.kind": "chat", "arith.n_train": 64,
         "arith.n_heldout": 8, "batch.seq_len": 128, "batch.rows": 2, "model.d_model": 16,

@@ -324,7 +324,7 @@ def test_a_real_run_moves_only_the_adapters_and_exports_merged(tmp_path):
     """Every base tensor bitwise unchanged, the adapters moved; the manifest pins the
     base by the digest of the model built without LoRA; the checkpoint holds the
     adapters as trained, and the finished run reopens to the trained model."""
-    from exactstep.finished_run import open_finished_run
+    from exactstep.run.finished_run import open_finished_run
 
     initial, trained, manifest, run = trained_run(tmp_path, {"r": 4, "alpha": 8.0,
                                                              "dropout": 0.1})
@@ -359,11 +359,11 @@ def check_merged_export(run: Path, tmp_path: Path, trained: dict, scale: float) 
     export's own handoff check and nothing is published. ``--adapter`` is refused."""
     from transformers import AutoModelForCausalLM
 
-    from exactstep import export as export_module
+    from exactstep.artifacts import export as export_module
     from exactstep.errors import ExportError
     from exactstep.eval import eval_mode
-    from exactstep.finished_run import open_finished_run
     from exactstep.rows.batch import single_segment_batch
+    from exactstep.run.finished_run import open_finished_run
 
     out = tmp_path / "exported"
     assert main(["export", str(run), "--out", str(out)]) == 0

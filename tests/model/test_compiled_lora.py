@@ -36,7 +36,7 @@ from update.test_compile import SETTINGS, TOLERANCE, relative  # noqa: E402
 
 from exactstep.config import load_config  # noqa: E402
 from exactstep.parallel.agreement import agreed_windows  # noqa: E402
-from exactstep.runner import build_run  # noqa: E402
+from exactstep.run.runner import build_run  # noqa: E402
 from exactstep.update.config import UpdateConfig  # noqa: E402
 
 WINDOWS = 2  # lora_B is 0 until the first step; the second window sees it non-zero

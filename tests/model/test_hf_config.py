@@ -11,8 +11,8 @@ import pytest
 
 from exactstep.config import config_from_manifest, load_config
 from exactstep.errors import ConfigError
-from exactstep.manifest import build_manifest, canonical_json
 from exactstep.model.config import ModelConfig
+from exactstep.state.manifest import build_manifest, canonical_json
 
 TABLE = {"model_type": "llama", "hidden_size": 32, "rope_parameters":
          {"rope_type": "default", "rope_theta": 10000.0}, "layer_types": ["full_attention"] * 2,

@@ -244,7 +244,7 @@ def stochastic_hf_forward(monkeypatch) -> None:
 
 
 def train_run(tmp_path, name: str, eval_every: int):
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     data = tmp_path / "docs.jsonl"
     if not data.exists():

@@ -30,9 +30,9 @@ from update.update_support import IGNORE_INDEX, make_batch  # noqa: E402
 from exactstep.cli import main  # noqa: E402
 from exactstep.config import load_config  # noqa: E402
 from exactstep.errors import ConfigError, ModelError  # noqa: E402
-from exactstep.finished_run import open_finished_run  # noqa: E402
 from exactstep.model.config import LoRAConfig, ModelConfig  # noqa: E402
 from exactstep.model.decoder import build_model  # noqa: E402
+from exactstep.run.finished_run import open_finished_run  # noqa: E402
 from exactstep.update.config import UpdateConfig  # noqa: E402
 from exactstep.update.disposition import Outcome  # noqa: E402
 from exactstep.update.groups import resolve_groups  # noqa: E402
@@ -273,7 +273,7 @@ def check_merged_export(run: Path, tmp_path: Path, initial: dict) -> None:
     transformers loads as the base class (the export's own handoff check compared its
     logits with the trained model's, H3). Negative control: the adapters dropped
     instead of merged (``unload``) fail that check and nothing is published."""
-    from exactstep import export as export_module
+    from exactstep.artifacts import export as export_module
     from exactstep.errors import ExportError
 
     out = tmp_path / "exported"
@@ -299,7 +299,7 @@ def check_merged_export(run: Path, tmp_path: Path, initial: dict) -> None:
 def test_without_lora_the_same_run_moves_the_base(tmp_path):  # negative control
     initial, trained, section, run = trained_and_initial(tmp_path, {})
     with pytest.raises(ConfigError, match="--adapter writes LoRA adapters"):
-        from exactstep import export as export_module
+        from exactstep.artifacts import export as export_module
         export_module.export_run(run, tmp_path / "adapter", adapter=True)
     assert "lora" not in section
     moved = [k for k in initial if not torch.equal(initial[k], trained[k])]
@@ -360,7 +360,7 @@ def check_adapter_export(run: Path, tmp_path: Path) -> None:
     import peft
     from safetensors.torch import load_file, save_file
 
-    from exactstep import export as export_module
+    from exactstep.artifacts import export as export_module
     from exactstep.errors import ExportError
     from exactstep.eval import eval_mode
     from exactstep.rows.batch import single_segment_batch

@@ -121,7 +121,7 @@ def test_export_logit_check_holds_no_document_sized_logits(monkeypatch, lora):
     document), a capped chunk is 83 rows (66 MB). Negative control: one chunk of all T
     positions (the unchunked comparison)."""
     pytest.importorskip("peft" if lora else "transformers")
-    from exactstep import export
+    from exactstep.artifacts import export
     from exactstep.model.config import LoRAConfig
 
     vocab, length = 200_000, 256

@@ -14,9 +14,9 @@ import pytest
 from workers import layout_main, spawn_ranks
 
 from exactstep.errors import DistributedError
-from exactstep.manifest import parallel_record
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.layout import DIMS, Layout, check_built, layout_sizes
+from exactstep.state.manifest import parallel_record
 
 
 def grid(sizes: dict[str, int], order=DIMS) -> dict[int, dict[str, int]]:

@@ -384,8 +384,8 @@ def test_resume_on_a_node_that_sees_no_manifest_names_shared_storage(tmp_path,
     """D1, X4: a rank other than 0 that finds no run manifest (its node's own disk) is
     told the run directory is probably not shared; rank 0 (control) and a single
     process keep the plain message."""
-    from exactstep.continuation import read_run_manifest
     from exactstep.errors import DistributedError, ResumeError
+    from exactstep.run.continuation import read_run_manifest
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

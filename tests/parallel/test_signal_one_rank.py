@@ -55,8 +55,8 @@ if "RANK" in os.environ:  # a worker, not the launcher
             return _run_window(self, batches, window, *args, **kwargs)
         UpdateEngine.run_window = _probed
     if os.environ.get("EXACTSTEP_TEST_DEFECT") == "local_stop":
-        import exactstep.runner
-        exactstep.runner.agreed_stop = lambda requested, reducer: requested
+        import exactstep.run.runner
+        exactstep.run.runner.agreed_stop = lambda requested, reducer: requested
 """
 
 

@@ -103,8 +103,8 @@ def test_a_run_with_background_loading_is_bitwise_the_run_without(tmp_path):
     from run_support import TINY, short_texts, write_texts
 
     from exactstep.config import load_config
-    from exactstep.continuation import resume
-    from exactstep.runner import train
+    from exactstep.run.continuation import resume
+    from exactstep.run.runner import train
     from exactstep.state.compare import state_differences
     from exactstep.state.safetensors_format import load_checkpoint
     from exactstep.state.store import latest_checkpoint

@@ -208,7 +208,7 @@ def tiny_config(data: Path, reduction: str):
 
 @pytest.mark.parametrize("reduction", ["weighted", "weighted_count"])
 def test_weighted_run_trains_on_the_data_weights_l3(tmp_path, reduction) -> None:
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     out = tmp_path / "run"
     train(tiny_config(write_docs(tmp_path / "w.jsonl", True), reduction), out, progress=False)
@@ -221,7 +221,7 @@ def test_weighted_run_trains_on_the_data_weights_l3(tmp_path, reduction) -> None
 
 
 def test_weighted_run_without_weight_fields_takes_no_step_l3(tmp_path) -> None:
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     out = tmp_path / "run"
     with pytest.raises(ExactstepError, match=r"objective.reduction = 'weighted'.*\"weight\""):
@@ -232,7 +232,7 @@ def test_weighted_run_without_weight_fields_takes_no_step_l3(tmp_path) -> None:
 
 
 def test_weighted_run_without_weights_is_refused_before_the_manifest_l3(tmp_path) -> None:
-    from exactstep.runner import train
+    from exactstep.run.runner import train
 
     out = tmp_path / "run"
     with pytest.raises(ConfigError):
@@ -247,9 +247,9 @@ def test_weighted_run_resumes_exactly_and_refuses_changed_weights_s4_l3(tmp_path
     fingerprint, so resuming over it is refused rather than continued."""
     import shutil
 
-    from exactstep.continuation import resume
     from exactstep.errors import ResumeError
-    from exactstep.runner import train
+    from exactstep.run.continuation import resume
+    from exactstep.run.runner import train
     from exactstep.state import latest_checkpoint, load_checkpoint
 
     data = write_docs(tmp_path / "w.jsonl", True)

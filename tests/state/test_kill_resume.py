@@ -51,8 +51,8 @@ LAUNCHER = r"""
 import os, random, signal, sys
 import numpy as np
 import torch
-import exactstep.continuation as continuation
-import exactstep.runner as runner
+import exactstep.run.continuation as continuation
+import exactstep.run.runner as runner
 import exactstep.state.checkpointer as checkpointer
 import exactstep.state.store as store
 from exactstep.update.window import UpdateEngine

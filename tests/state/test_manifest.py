@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exactstep.errors import CheckpointError, ConfigError, ResumeError
-from exactstep.manifest import (
+from exactstep.state.manifest import (
     REQUIRED_SECTIONS,
     Manifest,
     build_manifest,

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from state.test_kill_resume import Harness, final_state, killed, ledger_lines, run_straight
 
+from exactstep.artifacts.prepare import prepare
 from exactstep.config import load_config
-from exactstep.prepare import prepare
 from exactstep.state.compare import state_differences
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from exactstep.errors import CheckpointError, ResumeError
-from exactstep.manifest import REQUIRED_SECTIONS, build_manifest
+from exactstep.state.manifest import REQUIRED_SECTIONS, build_manifest
 from exactstep.state.resume import (
     StopRequest,
     check_progress_digest,

@@ -21,7 +21,7 @@ import pytest
 from run_support import set_args, short_texts, write_texts
 
 from exactstep.cli import main
-from exactstep.manifest import read_manifest
+from exactstep.state.manifest import read_manifest
 
 pytestmark = pytest.mark.timeout(300)
 

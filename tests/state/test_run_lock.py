@@ -24,8 +24,8 @@ from run_support import ledger, tree_digests
 from text_corpus import write_corpus
 
 from exactstep.cli import main
-from exactstep.durable import LOCK_FILE
 from exactstep.errors import DirectoryInUse
+from exactstep.state.durable import LOCK_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -35,12 +35,12 @@ from model.hf_support import hf_model
 from model.model_batches import fill_rows, packed_batch
 from text_corpus import write_corpus
 
-import exactstep.runner as runner
+import exactstep.run.runner as runner
 from exactstep.config import load_config
-from exactstep.continuation import resume
 from exactstep.errors import ConfigError
 from exactstep.model.compiled import compile_model, compile_options
-from exactstep.runner import train
+from exactstep.run.continuation import resume
+from exactstep.run.runner import train
 from exactstep.state.compare import state_differences
 from exactstep.state.safetensors_format import load_checkpoint
 from exactstep.state.store import latest_checkpoint

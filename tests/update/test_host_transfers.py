@@ -13,13 +13,13 @@ import warnings
 
 import torch
 
-from exactstep import transfer
 from exactstep.bench.step import random_packed_batch
 from exactstep.model import attention
 from exactstep.model.attention import prepare_visibility
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig
+from exactstep.rows import transfer
 from exactstep.update import window
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.groups import build_optimizer

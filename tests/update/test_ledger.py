@@ -10,7 +10,7 @@ import pytest
 import torch
 from update_support import make_engine, random_batch
 
-from exactstep.durable import check_mark
+from exactstep.state.durable import check_mark
 from exactstep.update.disposition import Outcome
 from exactstep.update.ledger import Ledger
 

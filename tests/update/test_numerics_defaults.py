@@ -13,7 +13,7 @@ import torch
 from exactstep.config import load_config
 from exactstep.parallel.process_group import shutdown
 from exactstep.parallel.wrap import fsdp_mixed_precision
-from exactstep.runner import build_run
+from exactstep.run.runner import build_run
 from exactstep.update.config import NumericsConfig, resolve_numerics
 from exactstep.update.precision import Precision, apply_fp32_matmul
 

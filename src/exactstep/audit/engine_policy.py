@@ -1,6 +1,6 @@
 """The ``exactstep-policy`` target: exactstep's policy family behind ``PolicyStep`` (Q3, Q4).
 
-The production path: the family's rollout program (``generation.rollouts.
+The production path: the family's rollout program (``families.policy.rollouts.
 PolicyRollouts``: advantages, baselines, per-token coefficients, trajectory rows),
 its plan (``objective.policy.policy_plan``: one S / D over the window and every rank),
 the window transaction ``UpdateEngine.run_window`` and, under a process group, one
@@ -26,8 +26,8 @@ from exactstep.audit.probes import NotApplicable
 from exactstep.audit.protocol import ProbeSpec
 from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.policy.rewards import load_reward
+from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.generation.sampler import Continuation
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model

@@ -27,7 +27,7 @@ from exactstep.bench.common import median
 FULL = {"steps": 100, "rounds": 3}
 QUICK = {"steps": 10, "rounds": 1}
 #: the baseline's environment: glibc reads it at start-up, and the run's own pin
-#: then steps aside (``host_memory.users_own_setting``)
+#: then steps aside (``run.host_memory.users_own_setting``)
 OLD_PIN = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 SIDES = {"default": {}, "old_pin": OLD_PIN}
 

@@ -26,7 +26,7 @@ SETTINGS = (
 def family_run(name: str, root: Path):
     """A built run of family ``name`` (nothing trained yet) and its window iterator."""
     from exactstep.config import load_config
-    from exactstep.runner import build_run
+    from exactstep.run.runner import build_run
 
     cfg = load_config(None, [*SETTINGS, f"objective.family={name}", "train.steps=1000"])
     run = build_run(cfg, root / name)

@@ -181,9 +181,9 @@ def measure(spec: dict, check: bool = False) -> dict:
 def measured(spec: dict, check: bool) -> dict:
     import torch
 
+    from exactstep.artifacts.export import byte_tokenizer_hf
     from exactstep.bench.hf import ExactstepSide, TrainerSide, Workload, labelled_items, quiet_hf
     from exactstep.data.tokenizer import ByteTokenizer
-    from exactstep.export import byte_tokenizer_hf
     from exactstep.rows.config import BatchConfig
     from exactstep.rows.stream import RowStream
 
@@ -235,9 +235,9 @@ def measured(spec: dict, check: bool) -> dict:
 def build_exactstep(spec: dict, vocab_size: int) -> Any:
     """exactstep's model: ``build_hf_model`` from the config (probe included), LoRA and
     activation checkpointing through ``ModelConfig`` (H4, H5)."""
-    from exactstep.host_memory import pin_mmap_threshold
     from exactstep.model.config import LoRAConfig, ModelConfig
     from exactstep.model.hf import build_hf_model
+    from exactstep.run.host_memory import pin_mmap_threshold
 
     pin_mmap_threshold()  # as every exactstep run does (runner.build_run, L1)
     lora = LoRAConfig(**spec["lora_config"]) if spec["lora"] else LoRAConfig()

@@ -172,7 +172,7 @@ def policy_config(spec: dict) -> Any:
 def schedule(cfg: Any, parts: Any, windows: int) -> list[list[int]]:
     """The example ids of exactstep's first ``windows`` windows, in row order (the
     prompts trl is given in the same order); each window ``batch.rows`` prompts."""
-    from exactstep.generation.rollouts import example_ids
+    from exactstep.generation.prompts import example_ids
     from exactstep.rows.stream import RowStream
 
     stream = iter(RowStream(parts.data.train, cfg.batch, pad_id=parts.tokenizer.pad_id,
@@ -226,8 +226,8 @@ def exactstep_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -
     import torch
 
     from exactstep.families.policy.rewards import Reward
-    from exactstep.host_memory import pin_mmap_threshold
     from exactstep.rows.stream import RowStream
+    from exactstep.run.host_memory import pin_mmap_threshold
     from exactstep.update.groups import build_optimizer
     from exactstep.update.precision import Precision
     from exactstep.update.schedule import build_schedule
@@ -303,9 +303,9 @@ def trl_side(spec: dict, cfg: Any, parts: Any, windows: list[list[int]]) -> dict
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from exactstep.artifacts.export import byte_tokenizer_hf
     from exactstep.bench.finetune import build_trainer_model
-    from exactstep.export import byte_tokenizer_hf
-    from exactstep.generation.rollouts import split_example
+    from exactstep.generation.prompts import split_example
 
     work, optim = spec["work"], spec["optim"]
     tokenizer = parts.tokenizer

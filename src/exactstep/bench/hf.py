@@ -304,7 +304,7 @@ def compare(workload: Workload, models: tuple, repeats: int, threads: int, out_d
     with each side's per-pass setup included (Trainer.train()'s preparation, a new
     engine and stream).
     """
-    from exactstep.export import byte_tokenizer_hf
+    from exactstep.artifacts.export import byte_tokenizer_hf
 
     tokenizer = ByteTokenizer()
     adapter, twin, initial = models

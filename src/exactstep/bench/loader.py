@@ -33,11 +33,11 @@ from exactstep.data.prepared import (
     shard_names,
 )
 from exactstep.data.tokenizer import ByteTokenizer
-from exactstep.durable import sha256_file
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.prepared import ORDER_RULE, PreparedDocuments
 from exactstep.rows.sources import representation_of
 from exactstep.rows.stream import RowStream
+from exactstep.state.durable import sha256_file
 
 SIZES_MB = (1024, 4096)  # the 1 GB and 4 GB corpora of the goal (P2)
 QUICK_SIZES_MB = (16, 64)
@@ -232,7 +232,7 @@ RSS_SCRIPT = r"""
 import json, resource, sys
 from pathlib import Path
 from exactstep.config import load_config
-from exactstep.runner import train
+from exactstep.run.runner import train
 source, out, windows = sys.argv[1], sys.argv[2], sys.argv[3]
 cfg = load_config(None, [f"data.source={source}", f"train.steps={windows}", "train.eval_every=0",
     "train.eval_tokens=256", "train.device=cpu", "train.threads=1", "train.progress=false",
@@ -259,7 +259,7 @@ def step_times(source: Path, windows: int, blocks: int) -> dict:
     from exactstep.config import load_config
     from exactstep.rows.background import BackgroundStream
     from exactstep.rows.loader_process import LoaderProcess
-    from exactstep.runner import build_run
+    from exactstep.run.runner import build_run
 
     overrides = [f"data.source={source}", "train.steps=100000", "train.device=cpu",
                  "train.progress=false", "batch.seq_len=256", "batch.rows=8",

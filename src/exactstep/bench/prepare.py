@@ -36,10 +36,10 @@ def write_texts(path: Path, documents: int) -> list[str]:
 
 
 def run(quick: bool) -> dict:
+    from exactstep.artifacts.prepare import prepare
     from exactstep.config import load_config
     from exactstep.data.bpe import train_bpe_tokenizer
     from exactstep.data.hf_tokenizer import load_hf_tokenizer
-    from exactstep.prepare import prepare
 
     documents = 300 if quick else 12000
     repeats = 1 if quick else 3

@@ -77,7 +77,7 @@ def run(quick: bool) -> dict:
     parts = open_family(cfg)
     tokenizer = parts.tokenizer
     model = parts.family.build_model(cfg, tokenizer.vocab_size)
-    from exactstep.generation.rollouts import split_example
+    from exactstep.generation.prompts import split_example
 
     prompts = [list(split_example(e, "chat")[0]) for e in parts.data.train[:shape["prompts"]]]
     gen = cfg.generation
@@ -268,7 +268,7 @@ def encdec_sampling(shape: dict) -> dict:
     rows (a view of the model without ``decode_step``): tokens per second, same draws."""
     from exactstep.config import load_config
     from exactstep.families import open_family, resolve
-    from exactstep.generation.rollouts import split_example
+    from exactstep.generation.prompts import split_example
     from exactstep.generation.sampler import sample_group
 
     config = Path(__file__).resolve().parents[1] / "configs" / "encdec_numwords.toml"

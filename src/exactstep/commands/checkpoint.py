@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exactstep.export import PASSPORT, is_export, verify_export
+from exactstep.artifacts.export import PASSPORT, is_export, verify_export
 from exactstep.state.store import latest_checkpoint, verify_checkpoint
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from exactstep.artifacts.distill import distill
 from exactstep.config import load_config
-from exactstep.distill import distill
 from exactstep.generation.config import GenerationConfig
 
 

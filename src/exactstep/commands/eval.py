@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exactstep.finished_run import evaluate_run
+from exactstep.run.finished_run import evaluate_run
 
 
 def run(args: argparse.Namespace) -> int:

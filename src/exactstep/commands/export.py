@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from exactstep.artifacts.export import export_run, verify_export
 from exactstep.errors import ConfigError
-from exactstep.export import export_run, verify_export
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,14 +17,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from exactstep.artifacts.export import is_export, open_export
 from exactstep.data.chat import template_for
 from exactstep.data.conversation import Message
 from exactstep.errors import ConfigError
-from exactstep.export import is_export, open_export
 from exactstep.families.encdec.compiler import source_pad_of
-from exactstep.finished_run import open_finished_run
 from exactstep.generation.config import GenerationConfig
 from exactstep.generation.sampler import SampleRequest, sample_group, sample_window
+from exactstep.run.finished_run import open_finished_run
 
 FLAGS = {"samples": "samples", "max_new_tokens": "max_new_tokens",
          "temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}

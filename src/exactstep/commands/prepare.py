@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from exactstep.artifacts.prepare import prepare
 from exactstep.config import load_config
-from exactstep.prepare import prepare
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exactstep.continuation import resume
+from exactstep.run.continuation import resume
 
 
 def run(args: argparse.Namespace) -> int:

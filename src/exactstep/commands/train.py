@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 
 from exactstep.config import load_config
-from exactstep.continuation import train_or_continue
-from exactstep.runner import train
+from exactstep.run.continuation import train_or_continue
+from exactstep.run.runner import train
 
 
 def run(args: argparse.Namespace) -> int:

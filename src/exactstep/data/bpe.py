@@ -15,8 +15,8 @@ from typing import Any
 
 from exactstep.data.config import DataConfig
 from exactstep.data.corpus import Corpus, load_corpus
-from exactstep.durable import check_out, json_bytes, publish_directory, write_durably
 from exactstep.errors import ConfigError
+from exactstep.state.durable import check_out, json_bytes, publish_directory, write_durably
 
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")
 BYTE_SYMBOLS = 256

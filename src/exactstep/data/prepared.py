@@ -17,9 +17,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from exactstep.durable import sha256_file
 from exactstep.errors import DataError
-from exactstep.manifest import canonical_json, digest_of
+from exactstep.state.durable import sha256_file
+from exactstep.state.manifest import canonical_json, digest_of
 
 FORMAT = "exactstep-prepared"
 VERSION = 1

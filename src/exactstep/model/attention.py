@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from exactstep.errors import ModelError
 from exactstep.rows.batch import Batch
-from exactstep.transfer import host_to_device
+from exactstep.rows.transfer import host_to_device
 
 IMPLEMENTATIONS = ("auto", "segments", "dense", "flex")
 

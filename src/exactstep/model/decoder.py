@@ -372,7 +372,7 @@ def activation_bytes(model: nn.Module, tokens: int, vocab_size: int) -> tuple[in
     a micro-batch of ``tokens`` tokens (its widest linear projection, the vocabulary
     head aside: the loss chunks its logits, L1) and of one ``[tokens, d_model]`` tensor
     (a layer's input: what activation checkpointing keeps per layer). For the host
-    allocator's threshold (``host_memory.threshold_for``)."""
+    allocator's threshold (``run.host_memory.threshold_for``)."""
     widths = [max(m.in_features, m.out_features) for m in model.modules()
               if isinstance(m, nn.Linear) and vocab_size not in (m.in_features, m.out_features)]
     hidden = [m.embedding_dim for m in model.modules() if isinstance(m, nn.Embedding)]

@@ -41,7 +41,7 @@ from exactstep.rows.batch import (
     single_segment_batch,
     source_rows,
 )
-from exactstep.transfer import host_to_device
+from exactstep.rows.transfer import host_to_device
 
 CROSS_IMPLEMENTATIONS = ("dense", "pairs")
 

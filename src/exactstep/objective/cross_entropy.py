@@ -19,7 +19,7 @@ from exactstep.errors import ObjectiveError
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.smoothing import Smoothing
 from exactstep.rows.batch import IGNORE_INDEX
-from exactstep.transfer import host_to_device
+from exactstep.rows.transfer import host_to_device
 
 Tensor = torch.Tensor
 

@@ -1,6 +1,6 @@
 """The generator's Professor Forcing objective as one S / D over a whole window (Q5, L3).
 
-A two-path batch (``generation.forcing``) holds, for each example, a teacher-forced
+A two-path batch (``families.professor.forcing``) holds, for each example, a teacher-forced
 row (prompt + reference, its reference tokens supervised) and a free-running row
 (prompt + a sampled continuation, nothing supervised). ``meta["professor"]`` carries
 each row's path, the behaviour steps the discriminator compares and each row's

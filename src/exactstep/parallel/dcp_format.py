@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from exactstep.durable import fsync_path
 from exactstep.errors import CheckpointError, DistributedError, ModelError
 from exactstep.parallel.process_group import DistContext, host_group
+from exactstep.state.durable import fsync_path
 from exactstep.state.store import (
     Publication,
     check_files,

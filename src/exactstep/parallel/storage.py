@@ -19,11 +19,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from exactstep.durable import ensure_writable_dir, locked_directory, write_durably
 from exactstep.errors import DistributedError
-from exactstep.manifest import MANIFEST_FILE
 from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.process_group import DistContext, host_group, launcher_values
+from exactstep.state.durable import ensure_writable_dir, locked_directory, write_durably
+from exactstep.state.manifest import MANIFEST_FILE
 
 TOKEN_FILE = ".exactstep-shared"  # rank 0's token, removed once every rank read it
 

@@ -2,8 +2,9 @@
 
 The rows stage, what every family uses: packing, the causal and chat compilers,
 invariants (R7), the row stream, background loading (a worker thread or a loader
-process, P3) and ``inspect`` (R6); a family's own compiler lives in its folder
-(``families/<name>/``). The public names are exported lazily.
+process, P3), ``inspect`` (R6) and a batch's copies to a device (``transfer``, U7); a
+family's own compiler lives in its folder (``families/<name>/``). The public names are
+exported lazily.
 Design and derivations: docs/design/rows.md#rows__init__py (R1-R8, P2, P3).
 """
 

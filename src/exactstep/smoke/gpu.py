@@ -403,11 +403,11 @@ def final_state(run_dir: Path) -> tuple:
 
 
 def check_resume(env: Env, result: Check) -> None:
-    from exactstep.continuation import resume
-    from exactstep.manifest import read_manifest
-    from exactstep.runner import train
+    from exactstep.run.continuation import resume
+    from exactstep.run.runner import train
     from exactstep.state import state_differences
     from exactstep.state.checkpointer import checkpoint_name
+    from exactstep.state.manifest import read_manifest
 
     steps = env.shapes.resume_windows
     with tempfile.TemporaryDirectory(prefix="exactstep-gpu-smoke-") as tmp:

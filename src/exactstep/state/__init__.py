@@ -1,5 +1,6 @@
-"""State that survives: the checkpoint store, checkpoint formats, the Checkpointer,
-resume choice, RNG capture (S1-S8). Public names are re-exported here."""
+"""State that survives: durable writes and journals (``durable``), the run manifest
+(``manifest``), the checkpoint store, checkpoint formats, the Checkpointer, resume
+choice, RNG capture (S1-S8). Public names are re-exported here."""
 
 from exactstep.lazy import lazy_exports
 

@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
-from exactstep.durable import Journal
 from exactstep.errors import RESUME_AUTO_HINT, CheckpointError, DistributedError, StorageError
-from exactstep.manifest import Manifest
+from exactstep.state.durable import Journal
+from exactstep.state.manifest import Manifest
 from exactstep.state.rng import capture_rng, restore_rng
 from exactstep.state.safetensors_format import (
     FORMAT,

@@ -17,9 +17,9 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from exactstep.durable import check_mark
 from exactstep.errors import CheckpointError, ResumeError
-from exactstep.manifest import Manifest, diff_manifests
+from exactstep.state.durable import check_mark
+from exactstep.state.manifest import Manifest, diff_manifests
 from exactstep.state.store import (
     QUARANTINE,
     latest_checkpoint,

@@ -20,9 +20,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from exactstep.durable import fsync_path, replace_durably, write_durably
 from exactstep.errors import CheckpointError, StorageError
-from exactstep.manifest import digest_of
+from exactstep.state.durable import fsync_path, replace_durably, write_durably
+from exactstep.state.manifest import digest_of
 
 LATEST = "LATEST"
 CHECKPOINT_MANIFEST = "manifest.json"

@@ -9,7 +9,7 @@ Design and derivations: docs/design/update.md#updateledgerpy (U4, S2, S5, S8).
 
 from __future__ import annotations
 
-from exactstep.durable import Journal
+from exactstep.state.durable import Journal
 from exactstep.update.disposition import Disposition
 
 
@@ -18,7 +18,7 @@ class Ledger(Journal):
 
     Each append is one canonical JSON line, flushed at once (a crash loses at most the
     line being written). ``open_at`` continues right after a checkpoint's ``mark()``,
-    dropping later bytes; check the mark first (``durable.check_mark``): a ledger that
+    dropping later bytes; check the mark first (``state.durable.check_mark``): a ledger that
     lost or changed committed lines is refused, not continued (S5, S8).
     """
 

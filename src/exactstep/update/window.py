@@ -30,7 +30,7 @@ from exactstep.objective import microbatch_terms, plan_window
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.types import NoObjective, NoObjectiveCause
 from exactstep.rows.batch import Batch
-from exactstep.transfer import batch_to_device, host_to_device
+from exactstep.rows.transfer import batch_to_device, host_to_device
 from exactstep.update.config import UpdateConfig
 from exactstep.update.disposition import Disposition, Outcome
 from exactstep.update.precision import Precision

@@ -19,8 +19,8 @@ from torch import nn
 from exactstep.config import load_config
 from exactstep.families import open_family, resolve
 from exactstep.families.mlm.family import mlm_score
-from exactstep.report import format_summary
 from exactstep.rows.stream import eval_batches
+from exactstep.run.report import format_summary
 
 VOCAB = 260
 

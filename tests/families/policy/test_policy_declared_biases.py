@@ -40,8 +40,8 @@ from families.policy.test_policy_gradient import reward as tab_reward
 from exactstep.families.policy import reference
 from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.policy.rewards import Reward, load_reward
+from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.generation.sampler import Continuation
 from exactstep.rows.batch import Batch, Segment
 from exactstep.rows.example import Example

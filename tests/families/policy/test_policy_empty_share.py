@@ -33,7 +33,7 @@ from families.policy.test_policy_run import (
 )
 from parallel.workers import spawn_ranks
 
-import exactstep.generation.rollouts as rollouts
+import exactstep.families.policy.rollouts as rollouts
 from exactstep.config import load_config
 from exactstep.errors import DataError
 from exactstep.families import open_family, resolve

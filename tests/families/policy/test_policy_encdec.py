@@ -107,7 +107,7 @@ def test_generate_from_an_encoder_decoder_run_takes_the_prompt_as_its_source(tmp
                                                                             capsys):
     """``exactstep generate`` on a trained encoder-decoder: greedy output is the model's
     own ``greedy_decode`` of the prompt's source (ids and EOS, as pairs are encoded)."""
-    from exactstep.finished_run import open_finished_run
+    from exactstep.run.finished_run import open_finished_run
 
     run = tmp_path / "run"
     settings = {k: v for k, v in TINY.items() if not k.startswith(("policy.", "generation."))}

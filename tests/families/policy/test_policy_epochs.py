@@ -48,16 +48,16 @@ from families.policy.test_policy_run import (  # noqa: F401 (rewards: a fixture)
 )
 from families.test_family_kill_resume import FamilyHarness, final_state
 
-import exactstep.generation.clipped as clipped_module
+import exactstep.families.policy.clipped as clipped_module
 from exactstep.config import load_config
 from exactstep.errors import ConfigError
 from exactstep.families import open_family, resolve
 from exactstep.families.policy import reference
+from exactstep.families.policy.clipped import ClippedRollouts, sampled_logprobs
 from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.policy.rewards import Reward
-from exactstep.generation.clipped import ClippedRollouts, sampled_logprobs
+from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.policy import policy_plan
 from exactstep.rows.batch import Batch
@@ -392,7 +392,7 @@ def test_epochs_one_is_the_plain_program():
 #: ``next_pass`` returns, between two steps of a window (the earlier one applied in memory).
 BETWEEN_STEPS = """
 if kill_at.startswith("next_pass:"):
-    import exactstep.generation.clipped as clipped
+    import exactstep.families.policy.clipped as clipped
     _next_pass, _calls, _nth = clipped.ClippedRollouts.next_pass, [0], int(kill_at[10:])
     def _counted(self, *args, **kwargs):
         out = _next_pass(self, *args, **kwargs)

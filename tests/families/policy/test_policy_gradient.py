@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from exactstep.families.policy.config import PolicyConfig
+from exactstep.families.policy.regressor import Regressor
 from exactstep.families.policy.rewards import Reward
+from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.regressor import Regressor
-from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.policy import policy_plan
 from exactstep.rows.batch import Batch, Segment

@@ -29,8 +29,8 @@ from exactstep.families import open_family, resolve
 from exactstep.families.policy import reference
 from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.policy.rewards import Reward
+from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.rows.example import Example
 from exactstep.update.disposition import Disposition, Outcome
 

@@ -25,8 +25,8 @@ from families.policy.test_policy_gradient import TabularPolicy, one_token_prompt
 from exactstep.families.policy import reference
 from exactstep.families.policy.config import PolicyConfig
 from exactstep.families.policy.rewards import Reward
+from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.policy import policy_plan
 from exactstep.rows.batch import IGNORE_INDEX

@@ -24,7 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exactstep.families.policy import reference
-from exactstep.generation.rollouts import PolicyRollouts, Request, advantages
+from exactstep.families.policy.rollouts import PolicyRollouts, advantages
+from exactstep.generation.prompts import Request
 from exactstep.generation.sampler import Continuation
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.policy import policy_plan

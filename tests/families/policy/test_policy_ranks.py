@@ -188,7 +188,7 @@ def prompt_reward(program) -> None:
 
 def local_mean(program) -> None:
     """WRONG (U4, D1): the window's mean reward of this rank's share alone."""
-    from exactstep.generation.rollouts import PolicyRollouts
+    from exactstep.families.policy.rollouts import PolicyRollouts
 
     program.global_mean = lambda rewards, reducer: PolicyRollouts.global_mean(program,
                                                                               rewards, None)

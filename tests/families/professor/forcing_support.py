@@ -1,6 +1,6 @@
 """What the Professor Forcing tests share: a tiny chat-shaped training split, windows of
 prompt batches that name its examples, and an engine running the family's window
-program (``generation.forcing``) with the family's plan, plain SGD on both models."""
+program (``families.professor.forcing``) with the family's plan, plain SGD on both models."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch.func import functional_call
 
 from exactstep.families.professor import reference
 from exactstep.families.professor.config import ProfessorConfig
+from exactstep.families.professor.forcing import ProfessorForcing
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.forcing import ProfessorForcing
 from exactstep.model.decoder import build_model
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.professor import professor_plan

@@ -36,7 +36,7 @@ PROFESSOR = {"objective.family": "professor", "data.source": "arith", "data.kind
 #: forward; ``no_discriminator`` is the defect that drops the discriminator's state.
 PATCH = '''
 if kill_at.startswith("between_d_and_g:"):
-    from exactstep.generation.forcing import ProfessorForcing
+    from exactstep.families.professor.forcing import ProfessorForcing
     _target, _prepare = int(kill_at.split(":")[1]), ProfessorForcing.prepare
     def _killing_prepare(self, model, batches, *, window, **kw):
         out = _prepare(self, model, batches, window=window, **kw)
@@ -47,7 +47,7 @@ if kill_at.startswith("between_d_and_g:"):
     ProfessorForcing.prepare = _killing_prepare
     kill_at = "none"
 if defect == "no_discriminator":
-    from exactstep.generation.forcing import ProfessorForcing
+    from exactstep.families.professor.forcing import ProfessorForcing
     ProfessorForcing.load_state_dict = lambda self, state: None
     defect = "none"
 '''

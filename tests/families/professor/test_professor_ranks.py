@@ -16,7 +16,7 @@ from equivalence import contract_tolerance
 from forcing_support import Setup, professor, reference_updates, split
 from parallel.workers import spawn_ranks
 
-from exactstep.generation.forcing import ProfessorForcing
+from exactstep.families.professor.forcing import ProfessorForcing
 from exactstep.parallel.agreement import distribute_engine
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown

@@ -1,6 +1,6 @@
 """Q5, L3: one Professor Forcing window's two updates are the reference's.
 
-The engine's window (``generation.forcing`` under ``UpdateEngine``: both paths padded
+The engine's window (``families.professor.forcing`` under ``UpdateEngine``: both paths padded
 into two-path micro-batches, the packed GRU, the family's plan, fused SGD) against
 ``families.professor.reference`` (each example alone, the GRU written out from its
 equations, plain SGD), in float64. Tolerance, per model: twice the larger of the
@@ -28,7 +28,7 @@ from equivalence import contract_tolerance
 from forcing_support import Setup, professor, reference_updates, with_order
 
 from exactstep.families.professor.discriminator import behaviour
-from exactstep.generation.forcing import ProfessorForcing
+from exactstep.families.professor.forcing import ProfessorForcing
 from exactstep.rows.batch import Batch
 from exactstep.update.disposition import Outcome
 

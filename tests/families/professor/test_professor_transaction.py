@@ -24,7 +24,7 @@ import pytest
 import torch
 from forcing_support import Setup, generator_update, professor
 
-from exactstep.generation.forcing import ProfessorForcing
+from exactstep.families.professor.forcing import ProfessorForcing
 from exactstep.state.compare import state_differences
 from exactstep.update.disposition import Outcome
 

@@ -21,7 +21,7 @@ BIASED = ("group_mean_with_self", "group_normalized")
 BUILT_IN_REWARDS = ("exact_match", "token_f1", "ngram_overlap")
 
 #: What each normaliser's expected update is, for the manifest (Q4): derivations in
-#: docs/design/generation.md#generationrolloutspy. N: the window's trajectories.
+#: docs/design/families.md#familiespolicyrolloutspy. N: the window's trajectories.
 NORMALIZER_BIAS = {
     "token_mean": (
         "ratio estimator: D = the window's scored tokens, a random variable when response "
@@ -48,7 +48,7 @@ NORMALIZER_BIAS = {
 }
 #: What each KL option's loss gradient is in expectation, for the manifest: ``r_t =
 #: pi_ref / pi`` at sampled token ``t``, ``h_t`` its context, ``rho_t = log pi - log
-#: pi_ref``; derivations in docs/design/generation.md#generationrolloutspy.
+#: pi_ref``; derivations in docs/design/families.md#familiespolicyrolloutspy.
 KL_OVER_D = ("; times 1 / D: exact with normalizer = \"constant\", weighted as the "
              "reward is under token_mean and sequence_mean (normalizer_bias)")
 KL_ESTIMATORS = {

@@ -16,6 +16,7 @@ import torch
 from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.families.encdec.compiler import source_pad_of
+from exactstep.families.policy.clipped import ClippedRollouts
 from exactstep.families.policy.config import BIASED
 from exactstep.families.policy.rewards import (
     Reward,
@@ -24,9 +25,8 @@ from exactstep.families.policy.rewards import (
     load_rewards,
     sampled_text,
 )
+from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.families.registry import Family, family_of
-from exactstep.generation.clipped import ClippedRollouts
-from exactstep.generation.rollouts import PolicyRollouts
 from exactstep.model.lora import BaseWithoutAdapters
 from exactstep.objective.policy import policy_plan
 from exactstep.state.checkpointer import load_weights

@@ -7,8 +7,8 @@ term per sampled token, ``k3_corrected`` its ratio-corrected form), MIXER's
 curriculum (``delta`` on the committed-window clock, U5), and the clipped surrogate's
 gradient with a tabular policy's plain-SGD steps over one rollout batch
 (``policy.epochs``). The engine's rollouts, plan and clipped steps
-(``generation.rollouts``, ``objective.policy``, ``generation.clipped``) must agree
-with it.
+(``families.policy.rollouts``, ``objective.policy``, ``families.policy.clipped``) must
+agree with it.
 """
 
 from __future__ import annotations

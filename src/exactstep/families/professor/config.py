@@ -1,8 +1,8 @@
 """The ``[professor]`` section (Q5, R8): Professor Forcing, declared.
 
 Light (no torch at import), so the run configuration can be read without loading the
-training stack; the window program is ``generation.forcing``, the discriminator
-``families.professor.discriminator``, the plan ``objective.professor``.
+training stack; the window program is ``forcing.py``, the discriminator
+``discriminator.py``, the plan ``objective.professor``.
 """
 
 from __future__ import annotations

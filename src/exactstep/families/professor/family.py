@@ -1,5 +1,5 @@
 """Professor Forcing over a base family (Q5, R8): the base's data, compiler, model and
-score; the two-path window program with its discriminator (``generation.forcing``) and
+score; the two-path window program with its discriminator (``forcing.py``) and
 the generator's plan (``objective.professor``) in the stages that run them; a manifest
 naming every part the procedure has (paths, behaviour, discriminator, coefficients,
 order, optimizers, rollout policy).
@@ -14,8 +14,8 @@ from exactstep.config import RunConfig
 from exactstep.errors import ConfigError
 from exactstep.families.encdec.compiler import source_pad_of
 from exactstep.families.professor.config import DECODER_BASES
+from exactstep.families.professor.forcing import ProfessorForcing
 from exactstep.families.registry import Family, family_of
-from exactstep.generation.forcing import ProfessorForcing
 from exactstep.objective.professor import professor_plan
 
 

@@ -4,7 +4,7 @@ Each example is taken alone (no padding, no batching, no packing); the discrimin
 GRU is written out from its equations (PyTorch's gate layout, both directions); the
 losses are summed in the dtype of the parameters given (float64 for the reference) and
 both optimizers are plain SGD, so the updates are ``-lr * gradient``. The engine's
-window (``generation.forcing`` under ``UpdateEngine``, padded and batched, with the packed
+window (``families.professor.forcing`` under ``UpdateEngine``, padded and batched, with the packed
 GRU) must agree with it to a derived tolerance.
 """
 

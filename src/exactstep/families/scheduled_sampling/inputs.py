@@ -21,7 +21,7 @@ from torch import nn
 
 from exactstep.families.scheduled_sampling.config import ScheduledSamplingConfig
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
-from exactstep.transfer import host_to_device
+from exactstep.rows.transfer import host_to_device
 
 RNG_TAG = 0x55  # the scheduled-sampling coin stream (distinct from other addressed draws)
 

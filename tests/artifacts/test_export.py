@@ -22,19 +22,19 @@ import pytest
 import torch
 from text_corpus import write_corpus
 
-from exactstep import export as export_module
+from exactstep.artifacts import export as export_module
+from exactstep.artifacts.export import read_passport
 from exactstep.cli import main
 from exactstep.data.arith import arith_conversations
 from exactstep.data.chat import DEFAULT_TEMPLATE
 from exactstep.data.tokenizer import ByteTokenizer
 from exactstep.errors import ExportError
-from exactstep.export import read_passport
-from exactstep.manifest import read_manifest
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.rows.batch import single_segment_batch
 from exactstep.rows.chat import ChatPolicy, chat_examples
 from exactstep.state import latest_checkpoint, load_checkpoint
+from exactstep.state.manifest import read_manifest
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -173,7 +173,7 @@ def test_an_export_in_progress_refuses_another_and_a_killed_ones_leftover_goes(
     one line naming its PID and touches nothing. A SIGKILL then leaves that temporary
     directory, which no rerun used to remove (4 of 4 times); the rerun removes it (its
     process has ended: never published) and publishes. Negative control: a temporary
-    name whose process still runs is kept (``tests/test_durable_lock.py``)."""
+    name whose process still runs is kept (``tests/state/test_durable_lock.py``)."""
     from hold_support import Held, error_lines
 
     from exactstep.errors import DirectoryInUse

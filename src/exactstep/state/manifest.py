@@ -3,7 +3,7 @@
 A tree of plain values serialised as canonical JSON, so one declaration has one
 sha256 on every machine; immutable once written (progress lives in checkpoints), and
 ``diff_manifests`` names the fields behind an S4 resume refusal.
-Design and derivations: docs/design/run.md#manifestpy (S1, S4).
+Design and derivations: docs/design/state.md#statemanifestpy (S1, S4).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from exactstep import __version__
-from exactstep.durable import create_durably
 from exactstep.errors import CheckpointError, ConfigError, ResumeError
+from exactstep.state.durable import create_durably
 
 MANIFEST_FILE = "manifest.json"
 

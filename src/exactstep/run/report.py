@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exactstep.durable import Journal, read_records, write_json_durably
+from exactstep.state.durable import Journal, read_records, write_json_durably
 from exactstep.tracking import Tracker
 from exactstep.update.disposition import Disposition, Outcome
 

@@ -3,7 +3,7 @@
 The source is split and compiled exactly as a run would, streamed, and written into
 ``data.prepared``'s shards, byte-identical whatever the worker count; the directory
 is published atomically, one process at a time per ``--out`` (S3, S8, X4).
-Design and derivations: docs/design/prepare-export.md#preparepy (P1, S3, S8, X4).
+Design and derivations: docs/design/prepare-export.md#artifactspreparepy (P1, S3, S8, X4).
 """
 
 from __future__ import annotations
@@ -48,13 +48,6 @@ from exactstep.data.prepared import (
     shard_names,
     token_dtype,
 )
-from exactstep.durable import (
-    exclusive_lock,
-    fsync_path,
-    lock_beside,
-    sha256_file,
-    write_durably,
-)
 from exactstep.errors import ConfigError, DataError, ExactstepError
 from exactstep.families import family_tokenizer, run_data_kind
 from exactstep.rows.chat import ChatPolicy, ChatReport, chat_example
@@ -68,6 +61,13 @@ from exactstep.rows.sources import (
     is_val,
     representation_of,
     split_conversations,
+)
+from exactstep.state.durable import (
+    exclusive_lock,
+    fsync_path,
+    lock_beside,
+    sha256_file,
+    write_durably,
 )
 
 CHUNK_DOCUMENTS = 256  # documents per encoding task (fixed: output must not depend on workers)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from run_support import set_args, write_texts
 
-import exactstep.report as report
+import exactstep.run.report as report
 from exactstep.cli import main
 from exactstep.update.disposition import Outcome
 

@@ -4,7 +4,7 @@ Every file exactstep must not lose goes through here: in-place, replacing and
 never-clobbering writes, the ``Journal`` whose marks a checkpoint records, the
 one-process-at-a-time lock on a run directory or output, and the temporaries a killed
 process left (never published, so removable, S8).
-Design and derivations: docs/design/run.md#durablepy (S3, S8, X4).
+Design and derivations: docs/design/state.md#statedurablepy (S3, S8, X4).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from exactstep.config import load_config
 from exactstep.data.chat import template_for
 from exactstep.data.conversation import Message
 from exactstep.data.prepared import open_prepared
-from exactstep.finished_run import open_finished_run
 from exactstep.rows.batch import single_segment_batch
 from exactstep.rows.sources import split_conversations
+from exactstep.run.finished_run import open_finished_run
 
 TINY = {"data.source": "arith", "data.kind": "chat", "arith.n_train": 24,
         "arith.n_heldout": 8, "batch.seq_len": 128, "batch.rows": 2, "model.d_model": 16,

@@ -17,12 +17,12 @@ from exactstep.config import RunConfig, config_from_manifest
 from exactstep.errors import ResumeError
 from exactstep.eval import EvalReport, Validator
 from exactstep.families import FamilyParts, open_family
-from exactstep.host_memory import pin_mmap_threshold
-from exactstep.manifest import Manifest, read_manifest
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.process_group import resolve_rank_device, single_process
+from exactstep.run.host_memory import pin_mmap_threshold
 from exactstep.state import denormals, environment
 from exactstep.state.checkpointer import load_weights, recorded_environment
+from exactstep.state.manifest import Manifest, read_manifest
 from exactstep.state.resume import choose_resume_point
 
 

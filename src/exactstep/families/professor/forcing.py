@@ -13,7 +13,7 @@ generator's step (``ForcingModule``: NLL + lambda x the adversarial cost through
 discriminator's detached parameters: nothing reaches the discriminator) follows in the
 engine. ``close`` commits the discriminator's steps only if the window committed, else
 restores it bit for bit: both updates, or neither (U3, U4).
-Design and derivations: docs/design/generation.md#generationforcingpy (Q5, Q1, U3, U4).
+Design and derivations: docs/design/families.md#familiesprofessorforcingpy (Q5, Q1, U3, U4).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from exactstep.errors import ConfigError, DataError
 from exactstep.families.professor.config import ProfessorConfig
 from exactstep.families.professor.discriminator import Discriminator, behaviour
 from exactstep.generation.config import GenerationConfig
-from exactstep.generation.rollouts import Request, example_ids, response_batch, split_example
+from exactstep.generation.prompts import Request, example_ids, response_batch, split_example
 from exactstep.generation.sampler import Continuation, SampleRequest, sample_window
 from exactstep.objective import microbatch_terms
 from exactstep.objective.config import ObjectiveConfig

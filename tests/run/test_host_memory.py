@@ -38,10 +38,10 @@ SCRIPT = textwrap.dedent("""
     mode, case, out = sys.argv[1], sys.argv[2], sys.argv[3]
     pinned = None
     if mode == 'pin':
-        from exactstep.host_memory import pin_mmap_threshold
+        from exactstep.run.host_memory import pin_mmap_threshold
         pinned = pin_mmap_threshold()
     elif mode == 'run':  # what every run does before building its model
-        from exactstep import runner
+        from exactstep.run import runner
         from exactstep.config import load_config
         cfg = load_config(overrides=['model.d_model=16', 'model.n_layers=1', 'model.n_heads=2',
                                      'model.d_ff=32', 'batch.rows=2', 'batch.seq_len=32',
@@ -119,7 +119,7 @@ def test_the_users_own_setting_stands(tmp_path, monkeypatch, setting):
     recorder; the subprocess shows the same refusal in a real one."""
     import ctypes
 
-    from exactstep import host_memory
+    from exactstep.run import host_memory
 
     calls: list[tuple[int, int]] = []
 
@@ -147,9 +147,9 @@ def test_the_threshold_follows_the_runs_own_shapes():
     ``activation_bytes`` read from the models themselves, against the shapes written
     out: the default decoder (16 x 256 tokens, gate_up 2 x 344 wide, d_model 128) and
     a Qwen2.5-0.5B-shaped layer (4 x 512 tokens, intermediate 4864, hidden 896)."""
-    from exactstep import host_memory
     from exactstep.config import load_config
     from exactstep.model.decoder import activation_bytes, build_model
+    from exactstep.run import host_memory
 
     mib = 1 << 20
     assert host_memory.threshold_for(10) == 6 * mib  # tiny shapes: the floor

@@ -9,7 +9,7 @@ Each next step (the engine's ``next_pass``) recomputes every sampled token's ``l
 at that step's parameters and turns its coefficient ``A`` into the gradient of
 ``-min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``: ``A * rho`` where the unclipped
 branch is the min, 0 where the clipped one is. D stays the window's (Q4).
-Design and derivations: docs/design/generation.md#generationclippedpy (Q1, Q4, U3, U4).
+Design and derivations: docs/design/families.md#familiespolicyclippedpy (Q1, Q4, U3, U4).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from exactstep.generation.rollouts import PolicyRollouts
+from exactstep.families.policy.rollouts import PolicyRollouts
 from exactstep.objective.policy import PolicyRows
 from exactstep.rows.batch import IGNORE_INDEX, Batch
+from exactstep.rows.transfer import batch_to_device
 from exactstep.state.rng import isolated
-from exactstep.transfer import batch_to_device
 
 #: Scored rows whose log-probabilities are computed per head product (memory: rows x V).
 CHUNK_ROWS = 512

@@ -4,7 +4,7 @@
 carrying the run's special ids, a passport) and publishes it only after the written
 artifact reproduces the training model's logits and token ids; ``verify_export``
 rechecks every digest the passport lists (S6). One export at a time per ``OUT`` (S8).
-Design and derivations: docs/design/prepare-export.md#exportpy (H3, H2, S6, S8).
+Design and derivations: docs/design/prepare-export.md#artifactsexportpy (H3, H2, S6, S8).
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ import torch
 from exactstep import __version__
 from exactstep.config import load_config
 from exactstep.data.tokenizer import build_tokenizer
-from exactstep.durable import (
+from exactstep.errors import ConfigError, ExportError
+from exactstep.families import family_name
+from exactstep.model.decoder import build_model
+from exactstep.model.lora import merged_state
+from exactstep.objective.cross_entropy import rows_per_chunk
+from exactstep.rows.batch import single_segment_batch
+from exactstep.run.finished_run import open_finished_run, run_config
+from exactstep.state.durable import (
     check_out,
     exclusive_lock,
     json_bytes,
@@ -33,13 +40,6 @@ from exactstep.durable import (
     stale_temporaries,
     write_durably,
 )
-from exactstep.errors import ConfigError, ExportError
-from exactstep.families import family_name
-from exactstep.finished_run import open_finished_run, run_config
-from exactstep.model.decoder import build_model
-from exactstep.model.lora import merged_state
-from exactstep.objective.cross_entropy import rows_per_chunk
-from exactstep.rows.batch import single_segment_batch
 from exactstep.state.store import CHECKPOINT_MANIFEST
 
 LOGIT_TOLERANCE = 1e-5

@@ -3,7 +3,7 @@
 Every host-built tensor bound for CUDA (batches, coefficients, index tensors) goes
 through ``host_to_device`` / ``batch_to_device``: pinned, then copied with
 ``non_blocking=True``; off CUDA these are plain ``.to(device)`` calls.
-Design and derivations: docs/design/update.md#transferpy (U7).
+Design and derivations: docs/design/rows.md#rowstransferpy (U7).
 """
 
 from __future__ import annotations

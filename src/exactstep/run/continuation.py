@@ -4,7 +4,7 @@
 ``train --resume auto`` (the same command run again), the lost-checkpoint refusal,
 the numerics-environment check (S9) and reopening the journals at the checkpoint's
 marks. It builds the run and drives its windows through ``runner``.
-Design and derivations: docs/design/run.md#continuationpy (S4, S7, S8, S9, S10).
+Design and derivations: docs/design/run.md#runcontinuationpy (S4, S7, S8, S9, S10).
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from exactstep.config import RunConfig, apply_overrides, config_from_manifest
-from exactstep.durable import Journal
 from exactstep.errors import CheckpointError, DistributedError, ResumeError
-from exactstep.manifest import MANIFEST_FILE, Manifest, diff_manifests, read_manifest
 from exactstep.model.decoder import model_note
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.process_group import launcher_values, shutdown
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
-from exactstep.report import LEDGER_FILE, METRICS_FILE, ROLLOUTS_FILE
-from exactstep.runner import (
+from exactstep.run.report import LEDGER_FILE, METRICS_FILE, ROLLOUTS_FILE
+from exactstep.run.runner import (
     Run,
     announce,
     attach,
@@ -44,6 +42,8 @@ from exactstep.state.checkpointer import (
     load_weights,
     recorded_environment,
 )
+from exactstep.state.durable import Journal
+from exactstep.state.manifest import MANIFEST_FILE, Manifest, diff_manifests, read_manifest
 from exactstep.state.resume import (
     check_journals,
     check_progress_digest,

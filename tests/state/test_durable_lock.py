@@ -1,4 +1,4 @@
-"""The lock primitives of ``exactstep.durable`` (S8, X4): one process at a time on a
+"""The lock primitives of ``exactstep.state.durable`` (S8, X4): one process at a time on a
 directory, refused in one message naming the holder's PID; the kernel's ``flock``, so
 a SIGKILLed holder blocks nothing; a refused start removes only what it created; a
 killed process's temporary siblings are told from a running one's.
@@ -20,8 +20,9 @@ from pathlib import Path
 import process_server
 import pytest
 
-import exactstep.durable as durable
-from exactstep.durable import (
+import exactstep.state.durable as durable
+from exactstep.errors import DirectoryInUse, ExactstepError
+from exactstep.state.durable import (
     LOCK_FILE,
     exclusive_lock,
     lock_beside,
@@ -29,12 +30,11 @@ from exactstep.durable import (
     pid_running,
     stale_temporaries,
 )
-from exactstep.errors import DirectoryInUse, ExactstepError
 
 HOLDER = r"""
 import sys, time
 from pathlib import Path
-from exactstep.durable import exclusive_lock
+from exactstep.state.durable import exclusive_lock
 lock, ready, release = (Path(a) for a in sys.argv[1:4])
 with exclusive_lock(lock, "the thing"):
     ready.write_text("")

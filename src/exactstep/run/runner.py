@@ -4,7 +4,7 @@ Wires the stages ``examples -> Batch -> row losses -> Objective | NoObjective ->
 Disposition`` and calls three components: the ``Checkpointer`` (state), the
 ``Reporter`` (metrics, progress, summary) and the ``Validator`` (held-out
 evaluation); everything a run writes lives in one run directory (S1, U4, S3, X3).
-Design and derivations: docs/design/run.md#runnerpy (U4, S1, S3, S8, X3).
+Design and derivations: docs/design/run.md#runrunnerpy (U4, S1, S3, S8, X3).
 """
 
 from __future__ import annotations
@@ -21,13 +21,10 @@ import torch
 
 from exactstep.config import RunConfig
 from exactstep.data.tokenizer import ByteTokenizer
-from exactstep.durable import Journal
 from exactstep.errors import RESUME_AUTO_HINT, Interrupted, ResumeError
 from exactstep.eval import Validator
 from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
-from exactstep.host_memory import pin_mmap_threshold, threshold_for
-from exactstep.manifest import Manifest, build_manifest, run_sections, write_manifest
 from exactstep.model.compiled import compile_model
 from exactstep.model.decoder import activation_bytes, model_note, model_section
 from exactstep.model.stages import split_decoder
@@ -39,7 +36,12 @@ from exactstep.parallel.process_group import DistContext, init_distributed, shut
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
 from exactstep.parallel.wrap import shard_model
-from exactstep.report import (
+from exactstep.rows.background import BackgroundStream
+from exactstep.rows.example import DataBundle
+from exactstep.rows.loader_process import LoaderProcess
+from exactstep.rows.stream import RowStream
+from exactstep.run.host_memory import pin_mmap_threshold, threshold_for
+from exactstep.run.report import (
     LEDGER_FILE,
     METRICS_FILE,
     ROLLOUTS_FILE,
@@ -47,12 +49,10 @@ from exactstep.report import (
     outcome_counts,
     write_outputs,
 )
-from exactstep.rows.background import BackgroundStream
-from exactstep.rows.example import DataBundle
-from exactstep.rows.loader_process import LoaderProcess
-from exactstep.rows.stream import RowStream
 from exactstep.state import denormals, environment
 from exactstep.state.checkpointer import Checkpointer
+from exactstep.state.durable import Journal
+from exactstep.state.manifest import Manifest, build_manifest, run_sections, write_manifest
 from exactstep.state.resume import StopRequest
 from exactstep.state.rng import seed_rng
 from exactstep.tracking import RunIdentity, Tracker, build_trackers

@@ -11,7 +11,7 @@ The regressor has its own loss, ``sum_t (b_t - R)^2 / N`` over every sampled tok
 the window (all ranks), its own parameters (float64) and its own Adam optimizer: its
 gradient is computed while the window is prepared and applied only when the window
 commits (U4); parameters and optimizer state are the program's checkpoint part.
-Design and derivations: docs/design/generation.md#generationregressorpy (Q3, U4).
+Design and derivations: docs/design/families.md#familiespolicyregressorpy (Q3, U4).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ sha256 of its weight files) and the decoding policy. A run on it carries that in
 its manifest's ``data.teacher``; ``eval`` and ``export`` say so. Resume stays exact:
 the targets are data, and other teacher data is another fingerprint, which a resume
 refuses (S4).
-Design and derivations: docs/design/prepare-export.md#distillpy (R10).
+Design and derivations: docs/design/prepare-export.md#artifactsdistillpy (R10).
 """
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from exactstep.artifacts.export import is_export, open_export
+from exactstep.artifacts.prepare import SourceItems, prepare, read_source
 from exactstep.data.chat import template_for
 from exactstep.data.conversation import Conversation, Message
-from exactstep.durable import sha256_file
 from exactstep.errors import ConfigError
-from exactstep.export import is_export, open_export
 from exactstep.families import run_data_kind
-from exactstep.finished_run import open_finished_run
 from exactstep.generation.config import GenerationConfig
 from exactstep.generation.sampler import sample_group
-from exactstep.prepare import SourceItems, prepare, read_source
 from exactstep.rows.sources import conversations_digest
+from exactstep.run.finished_run import open_finished_run
+from exactstep.state.durable import sha256_file
 
 TEACHER_RNG = ("the sampler's stream (seed, assistant turn, training conversation index, "
                "sample 0)")
