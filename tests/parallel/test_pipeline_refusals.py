@@ -24,7 +24,7 @@ from exactstep.model.stages import split_decoder, stage_bounds
 from exactstep.parallel.layout import Layout
 from exactstep.parallel.pipeline import pipeline_engine
 from exactstep.parallel.process_group import DistContext
-from exactstep.runner import pipeline_model
+from exactstep.run.runner import pipeline_model
 
 TINY = {"model.d_model": 16, "model.n_layers": 2, "model.n_heads": 2, "model.d_ff": 32,
         "batch.rows": 2, "train.threads": 1, "train.device": "cpu", "parallel.pp": 2}

@@ -23,7 +23,7 @@ from exactstep.errors import ConfigError
 from exactstep.model.attention import Visibility, prepare_visibility
 from exactstep.model.decoder import Decoder, rope_tables
 from exactstep.rows.batch import Batch
-from exactstep.transfer import batch_to_device
+from exactstep.rows.transfer import batch_to_device
 
 
 def stage_bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:

@@ -27,7 +27,7 @@ from exactstep.parallel.agreement import empty_microbatch
 from exactstep.parallel.process_group import DistContext, peer_failure
 from exactstep.parallel.reducer import DDPReducer
 from exactstep.rows.batch import IGNORE_INDEX, Batch
-from exactstep.transfer import host_to_device
+from exactstep.rows.transfer import host_to_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
