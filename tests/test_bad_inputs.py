@@ -334,6 +334,13 @@ CASES: list[Case] = [
     Case("range-parallel-timeout-zero", train("--set", "parallel.timeout_s=0"),
          "parallel.timeout_s"),
     Case("range-parallel-bucket-zero", train("--set", "parallel.bucket_mb=0"), "parallel.bucket_mb"),
+    Case("range-parallel-cp-zero", train("--set", "parallel.cp=0"), "parallel.cp must be >= 1"),
+    # --- parallel axes no engine here runs (0x0A): refused at parse time
+    Case("refused-context-parallel", train("--set", "parallel.cp=2"),
+         "parallel.cp = 2 is not supported: PyTorch's context parallel keeps packed-document "
+         "visibility only through FlexAttention, which has no backward on the CPU"),
+    Case("refused-expert-parallel", train("--set", "parallel.ep=2"),
+         "parallel.ep = 2 is not supported: exactstep's built-in decoder has no experts"),
     Case("range-chat-turns-not-offered", train("--set", "chat.turns=first"), "chat.turns"),
     Case("range-arith-multiplier-one", train("--set", "arith.max_multiplier=1"),
          "arith.max_multiplier must be >= 2"),

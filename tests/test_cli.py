@@ -132,6 +132,61 @@ def test_inspect_shows_the_shift(tmp_path, capsys) -> None:
     assert "<bos>" in out
 
 
+def test_inspect_shows_the_layout_of_the_world_it_is_given(tmp_path, capsys) -> None:
+    """D1, D3: ``inspect --world 4`` prints ``Layout.section()`` (every axis, the world,
+    the mesh order) and each rank's place: four data replicas, each its own loss owner."""
+    data = write_jsonl(tmp_path / "docs.jsonl")
+    code, out, err = run_cli(["inspect", "--world", "4", "--set", f"data.source={data}",
+                              "--set", "batch.seq_len=32", "--set", "batch.rows=2"], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == ("layout: 4 processes = pp 1 x dp 4 x cp 1 x tp 1 (mesh order pp, dp, "
+                        "cp, tp, the last innermost); parallel.strategy = ddp")
+    assert [line.split() for line in lines[2:6]] == [
+        [str(r), "0", str(r), "0", "0", "yes"] for r in range(4)]
+    assert lines[6].startswith("row 0:")
+
+
+def test_inspect_refuses_a_world_the_model_axes_do_not_divide(tmp_path, capsys) -> None:
+    code, out, err = run_cli(["inspect", "--world", "3", "--set", "parallel.tp=2"], capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "error: 3 processes cannot be split into parallel.tp = 2 x parallel.pp = 1 x "
+        "parallel.cp = 1 (2 ranks a replica); launch a multiple of 2 processes or change the axes"]
+
+
+# pp 2 x dp 2 x tp 2, written out from rank = (pp * dp + dp) * tp + tp: the loss owners
+# are tensor shard 0 of the last stage (ranks 4 and 6)
+SPLIT_RANKS = [
+    # rank pp dp cp tp owner
+    "0 0 0 0 0 no", "1 0 0 0 1 no", "2 0 1 0 0 no", "3 0 1 0 1 no",
+    "4 1 0 0 0 yes", "5 1 0 0 1 no", "6 1 1 0 0 yes", "7 1 1 0 1 no",
+]
+
+
+def test_inspect_layout_lines_place_every_rank_of_a_split_replica(monkeypatch) -> None:
+    """Every axis of a split layout (what ``inspect`` prints for it, D1): each rank's
+    coordinates tp innermost and its loss ownership. Negative control: a layout whose
+    coordinates put dp innermost renders differently, so the comparison catches it."""
+    from exactstep.commands.inspect import layout_lines
+    from exactstep.parallel.layout import Layout
+
+    lines = layout_lines(Layout(pp=2, dp=2, tp=2), "fsdp")
+    assert lines[0] == ("layout: 8 processes = pp 2 x dp 2 x cp 1 x tp 2 (mesh order pp, dp, "
+                        "cp, tp, the last innermost); parallel.strategy = fsdp")
+    assert [" ".join(line.split()) for line in lines[2:]] == SPLIT_RANKS
+
+    def dp_innermost(self):  # WRONG: the data axis varies fastest
+        rest, out = self.rank, {}
+        for dim in ("dp", "tp", "cp", "pp"):
+            out[dim], rest = rest % getattr(self, dim), rest // getattr(self, dim)
+        return out
+
+    monkeypatch.setattr(Layout, "coords", dp_innermost)
+    wrong = layout_lines(Layout(pp=2, dp=2, tp=2), "fsdp")
+    assert [" ".join(line.split()) for line in wrong[2:]] != SPLIT_RANKS
+
+
 def test_bench_list_is_exactly_the_shipped_benchmarks(capsys) -> None:
     # the helper module is not a benchmark; names written out, not taken from the code
     code, out, _ = run_cli(["bench", "list"], capsys)

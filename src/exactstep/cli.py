@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(inspect)
     inspect.add_argument("--rows", default="0:1", help="row range A:B of the first microbatch")
     inspect.add_argument("--split", choices=("train", "val"), default="train")
+    inspect.add_argument("--world", type=int, default=1, metavar="W",
+                         help="show the parallel layout of a run of W processes, all nodes "
+                              "together (nothing is launched; default 1)")
 
     checkpoint = sub.add_parser("checkpoint", help="checkpoint tools")
     checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint_command", required=True)

@@ -211,8 +211,9 @@ def test_rank_record_is_written_beside_the_error_file_and_read_back(tmp_path) ->
     ctx = DistContext(1, 2, 1, torch.device("cpu"), "gloo", timeout_s=5.0)
     write_rank_record(ctx, {**launcher_env(1, 2, 1),
                             "TORCHELASTIC_ERROR_FILE": str(folder / "error.json")})
-    assert launch.rank_record(tmp_path, 1) == {"rank": 1, "world_size": 2, "backend": "gloo",
-                                              "device": "cpu", "timeout_s": 5.0}
+    assert launch.rank_record(tmp_path, 1) == {
+        "rank": 1, "world_size": 2, "backend": "gloo", "device": "cpu", "timeout_s": 5.0,
+        "layout": {"pp": 0, "dp": 1, "cp": 0, "tp": 0}}  # a context by hand: all replicas
     assert launch.rank_record(tmp_path, 0) is None
     write_rank_record(ctx, {})  # outside torchrun: nothing is written
     assert sorted(p.name for p in folder.iterdir()) == ["exactstep-rank.json"]

@@ -424,11 +424,12 @@ def ordered_blocks(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def _prepare_flex(batch: Batch, device: torch.device) -> Visibility:
-    from torch.nn.attention.flex_attention import BlockMask
-
+def flex_mask_mod(batch: Batch, device: torch.device):
+    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` of ``batch``'s visibility
+    (``prepare_visibility``'s rule, R2, R3, R8) over the row's column indices, with
+    the segment ids (and prefix keys) moved to ``device``. A caller that shards the
+    columns (context parallel) evaluates it at global indices."""
     seg = host_to_device(batch.segment_ids, device)  # [B, T]
-    B, T = batch.shape
     causal = batch.causal
     in_prefix = (None if batch.prefix_len is None
                  else prefix_keys(seg, host_to_device(batch.prefix_len, device)))  # [B, T]
@@ -441,10 +442,19 @@ def _prepare_flex(batch: Batch, device: torch.device) -> Visibility:
             same = same & ((kv_idx <= q_idx) | in_prefix[b, kv_idx])
         return same | (q_idx == kv_idx)
 
+    return mask_mod
+
+
+def _prepare_flex(batch: Batch, device: torch.device) -> Visibility:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, T = batch.shape
+    causal = batch.causal
+    mask_mod = flex_mask_mod(batch, device)
     # the host knows no prefix lengths: a prefix segment's tiles are planned as if it
     # were bidirectional, and only wholly causal tiles count as full (exact, see doc)
     partial, full = segment_block_mask(batch.segments, T, causal,
-                                       prefix=in_prefix is not None)
+                                       prefix=batch.prefix_len is not None)
     parts = [*ordered_blocks(partial), *ordered_blocks(full),
              *ordered_blocks(partial.swapaxes(-1, -2)), *ordered_blocks(full.swapaxes(-1, -2))]
     tensors = [host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for a in parts]

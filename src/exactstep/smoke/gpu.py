@@ -2,9 +2,10 @@
 
 ``exactstep smoke gpu --json`` (``make gpu-smoke``) runs its checks (attention,
 windows, sync audit, fp16 skip, resume, FSDP2 on an HF model, chunked CE, MFU) on one
-CUDA device, one ``PASS`` / ``FAIL`` / ``SKIP`` line each; any ``FAIL`` exits non-zero.
+CUDA device, and context parallel on two, one ``PASS`` / ``FAIL`` / ``SKIP`` line each;
+any ``FAIL`` exits non-zero.
 ``--dry-run`` runs the same code on the CPU with tiny shapes so the test cannot rot.
-Design and derivations: docs/design/bench.md#smokegpupy (R3, U1, U2, U4, U7, S5, L1, D4).
+Design and derivations: docs/design/bench.md#smokegpupy (R3, U1, U2, U4, U7, S5, L1, D4, 0x0A).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import torch.nn.functional as F
 from exactstep.bench.attention import packed_rows, random_lengths
 from exactstep.bench.step import random_packed_batch
 from exactstep.errors import ConfigError
-from exactstep.model.attention import attend, prepare_visibility
+from exactstep.model.attention import attend, flex_mask_mod, prepare_visibility
 from exactstep.model.config import LoRAConfig, ModelConfig
-from exactstep.model.decoder import build_model
+from exactstep.model.decoder import apply_rope, build_model, rope_tables
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.parallel.agreement import distribute_engine
 from exactstep.parallel.config import ParallelConfig
@@ -63,19 +64,20 @@ class Shapes:
     mfu_rows: int
     mfu_seq_len: int
     peak_size: int  # square bf16 matmul for the peak
+    context: tuple[int, int, int, int]  # B, T, heads, head dim of the context-parallel check
 
 
 GPU = Shapes(
     attention=(8, 1024, 8, 64), model=ModelConfig(), rows=16, seq_len=256, windows=30,
     resume_windows=20, ce=(32768, 131072, 2048),
     mfu_model=ModelConfig(d_model=1024, n_layers=4, n_heads=32, d_ff=2752), mfu_rows=16,
-    mfu_seq_len=1024, peak_size=8192,
+    mfu_seq_len=1024, peak_size=8192, context=(2, 2048, 8, 64),
 )
 DRY = Shapes(
     attention=(2, 160, 2, 16), model=ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=48),
     rows=2, seq_len=32, windows=3, resume_windows=4, ce=(256, 1024, 32),
     mfu_model=ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=48), mfu_rows=2,
-    mfu_seq_len=32, peak_size=256,
+    mfu_seq_len=32, peak_size=256, context=(2, 256, 2, 16),
 )
 
 
@@ -660,6 +662,162 @@ def check_mfu(env: Env, result: Check) -> None:
         result.notes.append("CPU figures; the default size, not 8x, in a dry run")
 
 
+# ----------------------------------------------------------------- context parallel
+
+CP_RANKS = 2  # context-parallel ranks of the check (one device each on CUDA)
+CP_ROPE_THETA = 10000.0
+# planted wrong variants the check's rule must fail: a rank whose own keys stand in for
+# the gathered ones, one that attends within its shard only, one that rotates by rank
+# 0's positions (unsharded position_ids)
+CP_CONTROLS = ("own_keys", "isolated", "rank0_positions")
+
+
+def check_context_parallel(env: Env, result: Check) -> None:
+    """0x0A, R2, R3: PyTorch's context parallel for FlexAttention (``_ContextParallel``:
+    every rank all-gathers the keys and values, ``_context_parallel_shard`` rewrites
+    the block mask to its query shard) keeps exactstep's packed-document visibility,
+    with RoPE from the sharded ``position_ids``: on ``CP_RANKS`` ranks each query shard's
+    output (and, on CUDA, the q/k/v gradients) is within ``2 * |one process - f64| + floor``
+    of the float64 dense reference. Negative controls (``CP_CONTROLS``), measured by
+    the same rule and required to fail it: shards that ignore the other shards' keys
+    (two ways) and unsharded positions. Needs one CUDA device per rank (NCCL refuses
+    two ranks on one device, gloo has no CUDA all-gather); the dry run is gloo on the
+    CPU, forward only (FlexAttention has no CPU backward)."""
+    import torch.multiprocessing as mp
+
+    if env.cuda and torch.cuda.device_count() < CP_RANKS:
+        result.skip(f"needs {CP_RANKS} CUDA devices, one per context-parallel rank; "
+                    f"found {torch.cuda.device_count()}")
+        return
+    with tempfile.TemporaryDirectory(prefix="exactstep-cp-") as tmp:
+        mp.start_processes(context_parallel_rank, args=(free_port(), env.dry_run, tmp),
+                           nprocs=CP_RANKS, join=True, start_method="spawn")
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(CP_RANKS)]
+    for key in ranks[0]:
+        result.figures[key] = max(figures[key] for figures in ranks)
+    for name in ("output", "grad"):
+        if f"{name}_error" not in result.figures:
+            continue
+        if result.figures[f"{name}_error"] > result.figures[f"{name}_tolerance"]:
+            result.fail(f"the context-parallel {name} differs from one process by more than "
+                        "twice one process's own error")
+        for control in CP_CONTROLS:
+            if result.figures[f"{control}_{name}_error"] <= result.figures[f"{name}_tolerance"]:
+                result.fail(f"the {control} control passes the {name} check: it cannot fail")
+    if not env.cuda:
+        result.not_run("the backward (FlexAttention needs CUDA for it) and NCCL")
+
+
+def context_parallel_rank(rank: int, port: int, dry_run: bool, out: str) -> None:
+    """One rank of ``check_context_parallel``: writes its figures to ``out/rank{rank}.json``."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import (
+        _context_parallel_shard,
+        _ContextParallel,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.set_num_threads(1)
+    env = environment(dry_run)
+    device = torch.device("cuda", rank) if env.cuda else env.device
+    if env.cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if env.cuda else "gloo", rank=rank, world_size=CP_RANKS,
+                            init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        mesh = init_device_mesh(device.type, (CP_RANKS,), mesh_dim_names=("cp",))
+        B, T, nH, Dh = env.shapes.context
+        grad = env.cuda
+        # documents cross the shard boundaries; positions restart in every document
+        batch = packed_rows(random_lengths(random.Random(0), B, T, 16, T // 2), T).to(device)
+        gen = torch.Generator().manual_seed(0)
+        qkv = torch.randn(B, T, 3, nH, Dh, generator=gen, dtype=torch.float64).to(device)
+        upstream = torch.randn(B, nH, T, Dh, generator=gen, dtype=torch.float64).to(device)
+        flex = torch.compile(flex_attention) if env.cuda else flex_attention
+
+        def attention(qkv_rows, positions, attend_rows):
+            cos, sin = rope_tables(positions, Dh, CP_ROPE_THETA)
+            q, k, v = (t.transpose(1, 2) for t in apply_rope(qkv_rows, cos, sin).unbind(2))
+            return attend_rows(q, k, v)
+
+        def run(qkv_rows, positions, attend_rows, rows_upstream):
+            leaf = qkv_rows.detach().clone().requires_grad_(grad)
+            with torch.set_grad_enabled(grad), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # CPU FlexAttention warns that it is unfused
+                y = attention(leaf, positions, attend_rows)
+                if grad:
+                    (y * rows_upstream.to(y.dtype)).sum().backward()
+            return y.detach(), (leaf.grad if grad else None)
+
+        def dense(q, k, v):
+            return attend(q, k, v, prepare_visibility(batch, "dense", device))
+
+        mask_mod = flex_mask_mod(batch, device)
+        whole_mask = create_block_mask(mask_mod, B, None, T, T, device=device.type)
+
+        def whole_flex(q, k, v):
+            return flex(q, k, v, block_mask=whole_mask)
+
+        exact = run(qkv, batch.position_ids, dense, upstream)
+        one = run(qkv.float(), batch.position_ids, whole_flex, upstream)
+
+        class FlexCore(torch.nn.Module):
+            def forward(self, q, k, v, block_mask):
+                return flex(q, k, v, block_mask=block_mask)
+
+        core = parallelize_module(FlexCore(), mesh, _ContextParallel(
+            seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+        # contiguous shards (no load balancer: PyTorch's per-document one needs every
+        # document length divisible by 2 * ranks); the block mask is rebuilt per shard
+        qkv_local, positions, upstream_local, local_mask = _context_parallel_shard(
+            mesh, [qkv.float(), batch.position_ids, upstream, whole_mask], [1, 1, 2, 2])
+        shard = T // CP_RANKS
+
+        def own(t, dim):  # this rank's columns of a whole-sequence tensor
+            return t.narrow(dim, rank * shard, shard)
+
+        def cp(q, k, v):
+            return core(q, k, v, local_mask)
+
+        def own_keys(q, k, v):  # WRONG: its own keys stand in for the gathered ones
+            n = CP_RANKS
+            return flex(q, torch.cat([k] * n, dim=2), torch.cat([v] * n, dim=2),
+                        block_mask=local_mask)
+
+        def isolated(q, k, v):  # WRONG: sees only its own shard's keys
+            local = create_block_mask(
+                lambda b, h, qi, ki: mask_mod(b, h, qi + rank * shard, ki + rank * shard),
+                B, None, shard, shard, device=device.type)
+            return flex(q, k, v, block_mask=local)
+
+        runs = {"": run(qkv_local, positions, cp, upstream_local),
+                "own_keys_": run(qkv_local, positions, own_keys, upstream_local),
+                "isolated_": run(qkv_local, positions, isolated, upstream_local),
+                # WRONG: rank 0's positions on every rank (unsharded position_ids)
+                "rank0_positions_": run(qkv_local, batch.position_ids[:, :shard], cp,
+                                        upstream_local)}
+        figures = {}
+        for index, name, dim in ((0, "output", 2), (1, "grad", 1)):
+            if exact[index] is None:
+                continue
+            reference = own(exact[index], dim)
+            one_error = float((own(one[index], dim).double() - reference).abs().max())
+            floor = torch.finfo(torch.float32).eps * float(reference.abs().max())  # one ulp
+            figures[f"one_process_{name}_error"] = one_error
+            figures[f"{name}_tolerance"] = 2 * one_error + floor
+            for prefix, outcome in runs.items():
+                figures[f"{prefix}{name}_error"] = float(
+                    (outcome[index].double() - reference).abs().max())
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
+    finally:
+        dist.destroy_process_group()
+
+
 CHECKS: tuple[tuple[str, Callable[[Env, Check], None]], ...] = (
     ("attention", check_attention),
     ("windows", check_windows),
@@ -669,6 +827,7 @@ CHECKS: tuple[tuple[str, Callable[[Env, Check], None]], ...] = (
     ("fsdp_hf", check_fsdp_hf),
     ("chunked_ce", check_chunked_ce),
     ("mfu", check_mfu),
+    ("context_parallel", check_context_parallel),
 )
 
 

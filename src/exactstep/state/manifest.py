@@ -202,7 +202,7 @@ ENVIRONMENT_KEYS = ("train.threads", "train.compile", "numerics.flush_denormal")
 
 
 # Keys of the parallel layout recorded only where they act: the model axes when a
-# replica is split (tp, pp or cp > 1), the schedule when it is pipelined. A pure
+# replica is split (tp, pp or cp > 1), the schedule when it is pipelined, ep above 1. A pure
 # data-parallel run's sections are then what they were before the axes existed, so
 # its manifest, and every checkpoint's digest of it, are unchanged (S4).
 MODEL_AXIS_KEYS = ("tp", "pp", "cp")
@@ -217,6 +217,8 @@ def parallel_record(parallel: dict[str, Any], layout: dict[str, Any]) -> dict[st
             record.pop(axis, None)
     if layout.get("pp", 1) == 1:
         record.pop("schedule", None)
+    if record.get("ep", 1) == 1:  # expert parallel: refused above 1 (ParallelConfig)
+        record.pop("ep", None)
     return record
 
 
