@@ -353,6 +353,8 @@ def runs(tmp_path_factory) -> dict:
         shutil.copytree(root / "straight", root / name)
     point = f"window-{CLI_WINDOWS - CLI_EVERY:08d}"
     out["refused_before"] = tree_digests(root / "refused")
+    out["too_few"] = cli.run("train", "--no-progress", "--out", str(root / "too_few"),
+                             "--nproc", "2", parallel__pp=2, update__accum=1)
     out["refused"] = cli.resume(root / "refused", point, parallel__pp=1)
     out["to_one"] = cli.resume(root / "to_one", point, "--reshard", parallel__pp=1)
     out["to_dp2"] = cli.resume(root / "to_dp2", point, "--reshard", "--nproc", "2",
@@ -469,3 +471,13 @@ def test_two_pipelines_of_two_stages_equal_the_one_process_run(replicas) -> None
         assert state_differences(a, b) == []
     wrong = replicas["replica_local"]
     assert max(worst_ratio(r["params"][0], fp32[0], f64[0]) for r in wrong) > 1.0
+
+
+def test_fewer_microbatches_than_stages_is_one_line_naming_update_accum(runs) -> None:
+    """X4: 1F1B needs at least as many microbatches as stages; update.accum = 1 at
+    pp = 2 is refused in one line naming update.accum, before anything is written."""
+    rc, err = runs["too_few"]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "update.accum" in errors[0] and "parallel.schedule = '1f1b'" in errors[0]
+    assert not (runs["root"] / "too_few").exists()

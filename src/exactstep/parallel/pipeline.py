@@ -132,7 +132,8 @@ class PipelineRunner:
                 stages if schedule == "interleaved_1f1b" else stages[0], n_microbatches,
                 loss_fn=self._loss, scale_grads=self.scale_grads)
         except ValueError as exc:
-            raise ConfigError(f"parallel.schedule = {schedule!r}: {exc}; raise update.accum "
+            said = " ".join(str(exc).split()).rstrip(".")
+            raise ConfigError(f"parallel.schedule = {schedule!r}: {said}; raise update.accum "
                               "(the window's microbatches are the schedule's)") from None
 
     def run(self, engine, batches: Sequence[Batch], coefficients: Sequence[torch.Tensor],
