@@ -32,6 +32,7 @@ from exactstep.rows.example import Example
 from exactstep.rows.packing import Piece
 from exactstep.rows.stream import RowStream, eval_batches
 from exactstep.state.rng import eval_mode, isolated, isolated_rng  # noqa: F401 (E1, re-exported)
+from exactstep.update.window import head_for_loss
 
 LN2 = math.log(2.0)
 
@@ -183,8 +184,7 @@ def unigram_bits(
 
 
 def _head_weight(model: torch.nn.Module) -> torch.Tensor:
-    inner = getattr(model, "module", model)
-    return inner.head_weight
+    return head_for_loss(getattr(model, "module", model))
 
 
 def display_perplexity(result: EvalResult) -> float | str:

@@ -480,4 +480,7 @@ def test_fewer_microbatches_than_stages_is_one_line_naming_update_accum(runs) ->
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
     assert "update.accum" in errors[0] and "parallel.schedule = '1f1b'" in errors[0]
-    assert not (runs["root"] / "too_few").exists()
+    # nothing written (the two ranks each hold, then drop, the new directory; which of
+    # them removes it last is theirs to race, so it may remain, empty or with its lock)
+    assert [p for p in (runs["root"] / "too_few").rglob("*")
+            if p.is_file() and p.name != ".exactstep.lock"] == []

@@ -32,6 +32,7 @@ from exactstep.model.lora import (
     lora_section,
 )
 from exactstep.rows.batch import Batch
+from exactstep.update.window import head_for_loss
 
 
 def rope_tables(
@@ -80,11 +81,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vis: Visibility
     ) -> torch.Tensor:
-        B, T, H = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim)  # [B, T, 3, nH, Dh]
+        B, T, _ = x.shape
+        # nH: this rank's heads (all of them, or n_heads / tp under tensor parallel, D5)
+        qkv = self.qkv(x).view(B, T, 3, -1, self.head_dim)  # [B, T, 3, nH, Dh]
         qkv = apply_rope(qkv, cos, sin)  # [B, T, 3, nH, Dh]; values unchanged
         y = attend_fused(qkv, vis)  # [B, T, nH, Dh]
-        return self.out(y.reshape(B, T, H))  # [B, T, H]
+        return self.out(y.reshape(B, T, -1))  # [B, T, H]
 
 
 class SwiGLU(nn.Module):
@@ -267,7 +269,7 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
-        return F.linear(hidden, self.head_weight)
+        return F.linear(hidden, head_for_loss(self))  # a tensor-parallel head gathered
 
     def num_parameters(self) -> int:
         """Unique parameters; a tied embedding/head is counted once."""

@@ -47,6 +47,7 @@ from exactstep.model.lora import (
 )
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 from exactstep.state.rng import isolated_rng
+from exactstep.update.window import head_for_loss
 
 #: attention backends whose isolation of packed documents exactstep realises (R3):
 #: HF's own two with a 4D block mask, and exactstep's per-document attention
@@ -303,7 +304,7 @@ class HFCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, T, H] -> [B, T, V]``. For evaluation and tests; training fuses the head (L1)."""
-        return F.linear(hidden, self.head_weight)
+        return F.linear(hidden, head_for_loss(self))  # a tensor-parallel head gathered
 
     def num_parameters(self) -> int:
         """Unique parameters; a tied embedding/head is counted once (U6)."""

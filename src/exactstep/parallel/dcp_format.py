@@ -22,6 +22,7 @@ from torch import nn
 
 from exactstep.errors import CheckpointError, DistributedError, ModelError
 from exactstep.parallel.process_group import DistContext, host_group
+from exactstep.parallel.tensor import gathered_state, scattered_state
 from exactstep.state.durable import fsync_path
 from exactstep.state.store import (
     Publication,
@@ -136,8 +137,9 @@ def save_distributed_checkpoint(
         model_sd, optim_sd = get_state_dict(model, optimizer, options=by_name_options())
         whole = len(model_sd)
         model_sd = held_part(model_sd, names)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR),
-                 process_group=_group(ctx))
+        # tensor parallel's strided shards go whole, by their logical names (S7)
+        dcp.save(gathered_state({"model": model_sd, "optim": optim_sd}),
+                 checkpoint_id=str(tmp / DCP_DIR), process_group=_group(ctx))
         torch.save(rank_state, tmp / rank_file(ctx.rank))
         fsync_path(tmp / rank_file(ctx.rank))  # durable from its own node before the barrier
         if publication is not None:
@@ -207,7 +209,6 @@ def load_distributed_checkpoint(
     by another world size and ``reshard`` is False, ``CheckpointError`` (naming the
     file) on a missing or corrupted file. Collective when ``ctx`` is distributed.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -227,7 +228,7 @@ def load_distributed_checkpoint(
         state = {"model": held_part(whole, names)}
         options = load_options(state["model"], whole)
         require_held(path, state["model"], whole)
-        dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
+        state = _load_dcp(state, path, ctx)
         set_model_state_dict(model, state["model"], options=options)
         return None
     if saved_world != ctx.world_size and not reshard:
@@ -254,7 +255,7 @@ def load_distributed_checkpoint(
     state = {"model": held_part(model_sd, names), "optim": optim_sd}
     options = load_options(state["model"], model_sd, by_name=by_name)
     require_held(path, state["model"], model_sd)
-    dcp.load(state, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
+    state = _load_dcp(state, path, ctx)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=options)
     common = torch.load(path / COMMON_FILE, weights_only=True)
@@ -280,6 +281,16 @@ def saved_sizes(manifest: dict[str, Any]) -> dict[str, int]:
 
 def layout_text(sizes: dict[str, int]) -> str:
     return " x ".join(f"{dim} {size}" for dim, size in sizes.items())
+
+
+def _load_dcp(state: dict[str, Any], path: Path, ctx: DistContext) -> dict[str, Any]:
+    """``state`` filled from the checkpoint's DCP part: tensor parallel's strided shards
+    are read whole and split back into this rank's shard (``parallel.tensor``)."""
+    import torch.distributed.checkpoint as dcp
+
+    whole = gathered_state(state)
+    dcp.load(whole, checkpoint_id=str(path / DCP_DIR), process_group=_group(ctx))
+    return scattered_state(whole, state)
 
 
 # ------------------------------------------------------------------------ reshard rule

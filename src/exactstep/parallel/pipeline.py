@@ -60,6 +60,16 @@ def refuse_pipeline(family: str, *, compiled: bool, program: object, inputs: obj
         raise ConfigError("parallel.pp > 1 runs its stages uncompiled; set train.compile = false")
 
 
+def refuse_split_stages(layout) -> None:
+    """A pipeline whose stages are themselves split (``tp`` or ``cp`` > 1) is not built:
+    one ``DistributedError`` line naming the axes to set."""
+    if layout.pp > 1 and (layout.tp > 1 or layout.cp > 1):
+        raise DistributedError(
+            f"parallel.pp = {layout.pp} with parallel.tp = {layout.tp} / parallel.cp = "
+            f"{layout.cp} is not built: a pipeline stage here is whole layers on one "
+            "process; set parallel.tp = parallel.cp = 1")
+
+
 @dataclass
 class _Microbatch:
     inputs: object  # the StageModel's StageInputs
@@ -303,11 +313,7 @@ def pipeline_engine(engine, model: nn.Module, ctx: DistContext, *, schedule: str
     if not ctx.distributed or layout.pp < 2:
         raise DistributedError("parallel.pp > 1 needs one process per stage; launch "
                                "parallel.pp processes (--nproc, torchrun)")
-    if layout.tp > 1 or layout.cp > 1:
-        raise DistributedError(
-            f"parallel.pp = {layout.pp} with parallel.tp = {layout.tp} / parallel.cp = "
-            f"{layout.cp} is not built: a pipeline splits whole layers; set parallel.tp = "
-            "parallel.cp = 1")
+    refuse_split_stages(layout)
     group = group if group is not None else layout.group("pp")
     timeout = timedelta(seconds=ctx.timeout_s) if ctx.timeout_s else None
     engine.reducer = DDPReducer(ctx)

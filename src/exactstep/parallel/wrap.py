@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from exactstep.errors import DistributedError
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import DistContext
+from exactstep.parallel.tensor import fsdp_placement
 
 
 def wrap_train_module(module: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> nn.Module:
@@ -27,8 +28,8 @@ def wrap_train_module(module: nn.Module, ctx: DistContext, cfg: ParallelConfig) 
     returns ``module`` as it is. DDP broadcasts rank 0's parameters at construction,
     so every replica starts from the same weights.
     """
-    if not ctx.distributed or cfg.strategy != "ddp":
-        return module
+    if not ctx.distributed or cfg.strategy != "ddp" or ctx.layout.dp == 1:
+        return module  # one replica (its ranks tensor shards): nothing to replicate
     return DistributedDataParallel(
         module,
         device_ids=None,  # the engine moves each batch itself; DDP must not touch it
@@ -104,6 +105,12 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
               "(every parameter here); launch several processes (--nproc, torchrun) to shard",
               file=sys.stderr)
         return model
+    if ctx.layout.dp == 1:
+        if ctx.is_main:
+            print("exactstep: parallel.strategy = fsdp with one data replica: nothing to shard "
+                  "over (the replica's ranks are its tensor shards); launch more processes "
+                  "to shard over replicas", file=sys.stderr)
+        return model
     if ctx.device.type != "cuda" and ctx.backend != "gloo":
         raise DistributedError("FSDP2 on CPU needs the gloo backend; set parallel.backend = 'gloo'")
     try:
@@ -112,12 +119,16 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
         from torch.distributed.fsdp import fully_shard
 
         # the default group as the mesh: init_device_mesh would create a group without
-        # the job's timeout when CUDA is visible but the job runs on gloo
-        mesh = DeviceMesh.from_group(dist.group.WORLD, ctx.device.type)
-        policy = fsdp_mixed_precision(precision)
+        # the job's timeout when CUDA is visible but the job runs on gloo; a replica split
+        # into tensor shards is sharded over the layout's dp dimension (2-D with tp)
+        mesh = (DeviceMesh.from_group(dist.group.WORLD, ctx.device.type)
+                if ctx.layout.only_data else ctx.layout.submesh("dp"))
+        kwargs = {"mp_policy": fsdp_mixed_precision(precision)}
+        if ctx.layout.tp > 1:  # fused weights strided over tp: sharded over dp on dim 1
+            kwargs["shard_placement_fn"] = fsdp_placement
         for block in shard_blocks(model):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, **kwargs)
+        fully_shard(model, mesh=mesh, **kwargs)
     except (RuntimeError, NotImplementedError, AssertionError) as exc:
         raise DistributedError(
             f"FSDP2 (fully_shard) is not available on {ctx.device.type} with backend "

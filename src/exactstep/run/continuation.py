@@ -43,7 +43,13 @@ from exactstep.state.checkpointer import (
     recorded_environment,
 )
 from exactstep.state.durable import Journal
-from exactstep.state.manifest import MANIFEST_FILE, Manifest, diff_manifests, read_manifest
+from exactstep.state.manifest import (
+    MANIFEST_FILE,
+    MODEL_AXIS_KEYS,
+    Manifest,
+    diff_manifests,
+    read_manifest,
+)
 from exactstep.state.resume import (
     check_journals,
     check_progress_digest,
@@ -171,7 +177,6 @@ def continue_run(run_dir: Path, old: Manifest, cfg: RunConfig, overrides: Sequen
         try:
             check_shared_run_dir(run.ctx, run_dir)  # every node sees it (D1)
             keep_run_manifest(run, old, reshard)
-            refuse_unasked_migration(old, run.manifest, reshard)
             same_run(old, run.manifest)
             next_window, events, marks = 0, [], {}
             if origin is not None:  # window 0 of a warm start: the parent's weights
@@ -268,41 +273,35 @@ def overridden(overrides: Sequence[str], key: str) -> bool:
     return any(item.partition("=")[0].strip() == key for item in overrides)
 
 
-# What a declared migration (``--reshard``, S7) may change: the world size and the
-# layout's axes (a checkpoint's tensors load by their one-process names under any)
-MIGRATION_FIELDS = frozenset({"parallel.world_size", "parallel.layout"} | {
-    f"{where}parallel.{key}" for where in ("", "config.")
-    for key in ("tp", "pp", "cp", "schedule")})
-
-
-def migrated(field: str) -> bool:
-    return field in MIGRATION_FIELDS or field.startswith("parallel.layout.")
+#: the manifest fields a declared migration (``--reshard``) may change (S7): the world
+#: size and the axes a replica is split along, as the config and the layout record them
+RESHARD_FIELDS = frozenset({"parallel.world_size", "parallel.layout",
+                            *(f"{where}parallel.{axis}" for where in ("", "config.")
+                              for axis in (*MODEL_AXIS_KEYS, "schedule"))})
 
 
 def keep_run_manifest(run: Run, old: Manifest, reshard: bool) -> None:
     """Keep the run's own manifest when the rebuilt one differs only where a resume
     may differ: the numerics environment (a declared continuation, S9) and, with
-    ``reshard``, the world size and layout (a declared migration, S7)."""
+    ``reshard``, the world size and the layout's axes (``parallel.tp``: a checkpoint
+    loaded by its logical names, a declared migration, S7)."""
+    def migrated(field: str) -> bool:
+        return field in RESHARD_FIELDS or field.startswith("parallel.layout.")
+
+    def allowed(field: str) -> bool:
+        return (reshard and migrated(field)) or field.split(".")[0] == "environment"
+
     fields = diff_manifests(old, run.manifest)
-    if fields and all((reshard and migrated(f)) or f.split(".")[0] == "environment"
-                      for f in fields):
+    layout = [f for f in fields if migrated(f)]
+    if not reshard and layout and all(migrated(f) or allowed(f) for f in fields):
+        raise ResumeError(
+            f"the run was written by another layout ({', '.join(layout)} differ); pass "
+            "--reshard to continue it under this one (the checkpoint loaded by its logical "
+            "names, the data re-partitioned: a declared migration), or resume with the "
+            "original parallel settings and process count")
+    if fields and all(allowed(f) for f in fields):
         run.manifest = old
         run.checkpointer.manifest_digest = old.digest
-
-
-def refuse_unasked_migration(old: Manifest, current: Manifest, reshard: bool) -> None:
-    """A resume whose manifest differs from the run's only in the layout (world size,
-    parallel axes) is a migration the command did not ask for: one line naming the
-    fields and ``--reshard`` (S7), before anything changes."""
-    fields = diff_manifests(old, current) if old.digest != current.digest else []
-    moved = [f for f in fields if migrated(f)]
-    if reshard or not moved or not all(migrated(f) or f.split(".")[0] == "environment"
-                                       for f in fields):
-        return
-    raise ResumeError(
-        f"the run's layout differs from this job's in: {', '.join(moved)}; pass --reshard "
-        "to move it (its tensors load by name, the data restarts at the next epoch: a "
-        "declared migration), or resume with the run's own parallel settings")
 
 
 def continuation_record(window: int, recorded: dict[str, Any] | None, now: dict[str, Any],

@@ -31,10 +31,16 @@ from exactstep.model.stages import split_decoder
 from exactstep.parallel.agreement import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.launch import collective_guard
-from exactstep.parallel.pipeline import pipeline_engine, pipeline_stages, refuse_pipeline
+from exactstep.parallel.pipeline import (
+    pipeline_engine,
+    pipeline_stages,
+    refuse_pipeline,
+    refuse_split_stages,
+)
 from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
+from exactstep.parallel.tensor import split_model
 from exactstep.parallel.wrap import shard_model
 from exactstep.rows.background import BackgroundStream
 from exactstep.rows.example import DataBundle
@@ -132,6 +138,10 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                                     tokenizer.vocab_size)
     pin_mmap_threshold(threshold_for(  # from the run's own shapes (L1)
         widest, kept if cfg.model.activation_checkpointing else None))
+    refuse_split_stages(layout)  # before the tensor split: a stage is whole layers
+    model = split_model(model.to(ctx.device), layout, family=cfg.objective.family,
+                        lora=cfg.model.lora.enabled, compiled=cfg.train.compile,
+                        strategy=cfg.parallel.strategy)  # tensor parallel (D5), refused first
     if cfg.train.compile:
         compile_model(model, family=cfg.objective.family)
     whole = None  # the manifest's optimizer groups: the whole model's (S1)

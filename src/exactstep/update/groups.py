@@ -111,7 +111,7 @@ def build_optimizer(
             lr=cfg.lr,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
-            **_fast_kernel(groups.parameters),
+            **_fast_kernel(groups.parameters, "sgd"),
         )
     elif cfg.optimizer == "adafactor":
         optimizer = torch.optim.Adafactor(
@@ -158,10 +158,16 @@ def _digest(table: list[dict], decay_of: dict[str, float]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _fast_kernel(params: list[nn.Parameter]) -> dict:
+def _fast_kernel(params: list[nn.Parameter], optimizer: str = "adamw") -> dict:
+    """``fused`` where every parameter allows it. DTensor parameters (FSDP2, tensor
+    parallel) have a sharding rule for the fused AdamW kernel but none for fused SGD:
+    SGD over them takes the ``foreach`` kernels, which DTensor shards op by op."""
     devices = {p.device.type for p in params}
     dtypes = {p.dtype for p in params}
     floating = all(d.is_floating_point for d in dtypes)
+    distributed = any(hasattr(p, "placements") for p in params)
+    if optimizer == "sgd" and distributed:
+        return {"foreach": True}
     if floating and devices <= {"cpu", "cuda"}:
         return {"fused": True}
     return {}

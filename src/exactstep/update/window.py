@@ -210,13 +210,22 @@ class TrainModule(nn.Module):
         extra = {} if rows_index is None else {"rows_index": rows_index}
         return self.terms(
             hidden,
-            self.model.head_weight,
+            head_for_loss(self.model),
             batch.labels,
             coeff,
             self.objective_cfg,
             pad_id=self.pad_id,
             **extra,
         )
+
+
+def head_for_loss(model: nn.Module) -> torch.Tensor:
+    """``model.head_weight`` ``[V, H]`` as the fused loss reads it (L1): under tensor
+    parallel a ``DTensor`` sharded by vocabulary rows, gathered whole here (its
+    backward keeps each rank's shard of the gradient, D5)."""
+    weight = model.head_weight
+    full_tensor = getattr(weight, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else weight
 
 
 class UpdateEngine:

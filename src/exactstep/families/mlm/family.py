@@ -29,6 +29,7 @@ from exactstep.families.registry import DEFAULT_SOURCE, Family
 from exactstep.rows.batch import IGNORE_INDEX, Batch
 from exactstep.rows.example import Example
 from exactstep.rows.stream import eval_batches
+from exactstep.update.window import head_for_loss
 
 
 def scored_batches(batches: Iterable[Batch], max_tokens: int) -> Iterator[Batch]:
@@ -54,7 +55,7 @@ def masked_token_hits(model: torch.nn.Module, batches: Iterable[Batch], *,
         for batch in batches:
             supervised = batch.labels != IGNORE_INDEX  # [B, T] host
             hidden = model(batch.to(device))[supervised.to(device)]  # [n, H]
-            guess = (hidden.float() @ inner.head_weight.float().t()).argmax(-1).cpu()  # [n]
+            guess = (hidden.float() @ head_for_loss(inner).float().t()).argmax(-1).cpu()  # [n]
             right = guess == batch.labels[supervised]  # [n]
             acts = batch.meta["mlm"].action[supervised]  # [n]
             for code, tally in hits.items():
