@@ -73,6 +73,9 @@ def test_control_the_causal_family_is_split_into_its_stages(tmp_path) -> None:
     assert set(first.state_dict()) | set(last.state_dict()) == names
     assert "layers.0.attn.qkv.weight" in first.state_dict()
     assert "layers.1.attn.qkv.weight" in last.state_dict()
+    # what the run reports it trains is the whole model, on every stage
+    assert first.num_parameters() == last.num_parameters() == model.num_parameters()
+    assert sum(p.numel() for p in first.parameters()) < model.num_parameters()
 
 
 def test_a_stage_without_a_layer_is_refused_and_the_split_is_even() -> None:

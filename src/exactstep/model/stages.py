@@ -75,6 +75,7 @@ class StageModel(nn.Module):
         self.holds_first = 0 in self.stages
         self.holds_last = self.n_stages - 1 in self.stages
         self.tied = decoder.head is None
+        self._whole = decoder.num_parameters()
         self.tied_copy = self.tied and self.holds_last and not self.holds_first
         self.layers = nn.ModuleDict({str(i): decoder.layers[i] for s in self.stages
                                      for i in range(*bounds[s])})
@@ -93,8 +94,10 @@ class StageModel(nn.Module):
         return self.embed.weight if self.tied else self.head.weight
 
     def num_parameters(self) -> int:
-        """This process's parameters (a tied copy counted here too)."""
-        return sum(p.numel() for p in self.parameters())
+        """The whole model's unique parameters (what the run trains, as one process
+        counts them), not this process's share."""
+        return self._whole
+
 
     def norm_parameters(self) -> list[nn.Parameter]:
         """The parameters this process counts in the whole model's gradient norm: its
