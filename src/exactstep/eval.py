@@ -208,10 +208,20 @@ class Validator:
     autocast: Callable[[], AbstractContextManager] | None = None
     byte_lengths: np.ndarray | None = None  # the tokenizer's ``byte_lengths()``
     compiler: RowCompiler = CAUSAL  # the objective family's (R8)
+    # a model split over processes (pipeline stages) sums its own held-out NLL:
+    # ``(batches, max_tokens, byte_lengths) -> (gold NLL sum, targets, target bytes)``,
+    # the same on every process
+    evaluator: Callable[[Iterable[Batch], int, np.ndarray | None],
+                        tuple[float, int, int | None]] | None = None
 
     def evaluate(self) -> EvalResult:
         batches = eval_batches(self.val, self.batch, pad_id=self.pad_id,
                                vocab_size=self.vocab_size, compiler=self.compiler)
+        if self.evaluator is not None:
+            with isolated(self.model):  # E1, as ``evaluate``
+                nll, tokens, target_bytes = self.evaluator(batches, self.max_tokens,
+                                                           self.byte_lengths)
+            return EvalResult(gold_nll_sum=nll, tokens=tokens, target_bytes=target_bytes)
         return evaluate(self.model, batches, device=self.device, max_tokens=self.max_tokens,
                         pad_id=self.pad_id, autocast=self.autocast,
                         byte_lengths=self.byte_lengths)

@@ -39,6 +39,26 @@ if _at:
 
 KILL_HOOK = rank_window_hook("EXACTSTEP_TEST_KILL_AT", "os.kill(os.getpid(), signal.SIGKILL)")
 
+# ``EXACTSTEP_TEST_KILL_ONCE=RANK:WINDOW:MARKER``: that rank SIGKILLs itself as it starts
+# that window, once (the marker file records that it fired), so a restarted or rerun
+# command with the same environment goes on
+KILL_ONCE_HOOK = r"""
+import os
+_kill = os.environ.get("EXACTSTEP_TEST_KILL_ONCE")
+if _kill:
+    import signal
+    from exactstep.update.window import UpdateEngine
+    _rank, _window, _marker = _kill.split(":", 2)
+    _run_window = UpdateEngine.run_window
+    def _probed(self, batches, window, *args, **kwargs):
+        if (window == int(_window) and int(os.environ.get("RANK", "0")) == int(_rank)
+                and not os.path.exists(_marker)):
+            open(_marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _run_window(self, batches, window, *args, **kwargs)
+    UpdateEngine.run_window = _probed
+"""
+
 TINY_MODEL = {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2, "model.d_ff": 32}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import process_server
 import pytest
-from cli_support import CliRoot, tiny_overrides, worker_env
+from cli_support import KILL_ONCE_HOOK, CliRoot, tiny_overrides, worker_env
 from run_support import multi_rank_state, tree_digests
 
 from exactstep.state.compare import state_differences
@@ -37,22 +37,6 @@ WINDOWS = 6
 EVERY = 2
 RUN_TIMEOUT_S = 150  # every command is bounded; a hang fails the test instead
 
-HOOK = r"""
-import os
-_kill = os.environ.get("EXACTSTEP_TEST_KILL_ONCE")
-if _kill:
-    import signal
-    from exactstep.update.window import UpdateEngine
-    _rank, _window, _marker = _kill.split(":", 2)
-    _run_window = UpdateEngine.run_window
-    def _probed(self, batches, window, *args, **kwargs):
-        if (window == int(_window) and int(os.environ.get("RANK", "0")) == int(_rank)
-                and not os.path.exists(_marker)):
-            open(_marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return _run_window(self, batches, window, *args, **kwargs)
-    UpdateEngine.run_window = _probed
-"""
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", "2", "--max-restarts", "1", "-m", "exactstep")
@@ -65,7 +49,7 @@ def settings(corpus: Path, **changed: object) -> list[str]:
 
 class Cli(CliRoot):
     def __init__(self, root: Path) -> None:
-        super().__init__(root, HOOK)
+        super().__init__(root, KILL_ONCE_HOOK)
 
     def train(self, run_dir: Path, *extra: str, launcher: tuple[str, ...] | None = None,
               kill_once: str = "", auto: bool = True, **changed: object

@@ -6,7 +6,7 @@ directory; rank 0 commits it through ``state.store`` between two host barriers, 
 a declared migration (``reshard``), never a silent load (S7); on another
 ``parallel.strategy`` it is refused. The model part holds what a one-process
 checkpoint holds: with LoRA the adapters only (H4, S2); a ``zero1`` run's optimizer
-state is written flattened per parameter, each shard by the rank that owns it.
+state is written by parameter name, each shard by the rank that owns it.
 Design and derivations: docs/design/parallel.md#paralleldcp_formatpy (S7, S2, S3, D3).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,11 @@ DIST_FORMAT = "exactstep-dist-checkpoint/2"
 DCP_DIR = "dcp"
 COMMON_FILE = "common.pt"
 PUBLICATION_TAG = "dist"  # every rank must name the same temporary directory
+# the manifest field saying the optimizer's entries are keyed by parameter name
+# (``param_groups.<name>.lr``), not by group index: ranks holding different parameters
+# (pipeline stages) then never write the same key with different values
+OPTIMIZER_KEYS = "optimizer_keys"
+BY_NAME = "by_name"
 
 
 def rank_file(rank: int) -> str:
@@ -66,37 +71,37 @@ def held_part(state: dict[str, Any], names: set[str] | None) -> dict[str, Any]:
     return state if names is None else {k: v for k, v in state.items() if k in names}
 
 
-def load_options(held: dict[str, Any], whole: dict[str, Any]):
+def load_options(held: dict[str, Any], whole: dict[str, Any], *, by_name: bool = False):
     """``strict`` loading, unless the checkpoint holds a part of the model (LoRA):
-    then the frozen base tensors, rebuilt from the source, are absent on purpose."""
+    then the frozen base tensors, rebuilt from the source, are absent on purpose.
+    ``by_name``: the optimizer's entries keyed by parameter name (``OPTIMIZER_KEYS``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(strict=len(held) == len(whole))
+    return StateDictOptions(strict=len(held) == len(whole), flatten_optimizer_state_dict=by_name)
 
 
-def optimizer_view(optimizer: torch.optim.Optimizer, strategy: str
-                   ) -> tuple[torch.optim.Optimizer, Any]:
-    """The optimizer DCP reads and writes for ``optimizer`` under ``strategy``, and the
-    state-dict options to use (``strict`` added by the caller where it loads).
-
-    ``zero1``: a ``ZeroRedundancyOptimizer``'s local optimizer (the parameters this
-    rank owns), its state flattened to one key per parameter and value
-    (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): every key lives on the one
-    rank that owns it, so each rank writes its own shard, and a load on any world
-    (one process after ``--reshard`` included) reads the keys its optimizer holds.
-    Every other strategy: the optimizer itself, grouped as PyTorch writes it.
-    """
+def by_name_options():
+    """The options of a save: every optimizer entry keyed by its parameter's name."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    return local, StateDictOptions(flatten_optimizer_state_dict=strategy == "zero1")
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state this rank holds: a ``zero1`` run's
+    ``ZeroRedundancyOptimizer``'s local optimizer (the parameters this rank owns; keyed
+    by name, each entry lives on its owner alone, so DCP writes every shard once, from
+    the rank that holds it, and a load on any world reads the names its optimizer
+    holds), else the optimizer itself."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def check_strategy(path: Path, manifest: dict[str, Any], strategy: str) -> None:
     """Refuse to resume a checkpoint's optimizer under another ``parallel.strategy``:
-    its state's layout (one shard per rank, flattened, under ``zero1``; sharded
-    tensors under ``fsdp`` / ``zero2``) is the strategy's. A checkpoint from before
-    strategies were recorded was written under one of ``ddp`` / ``fsdp``."""
+    an exact resume continues the strategy it was written under (where its state lives:
+    one rank per parameter under ``zero1``, row shards under ``fsdp`` / ``zero2``). A
+    checkpoint from before strategies were recorded was written under ``ddp`` or
+    ``fsdp``, its optimizer by group index, which ``zero1``'s shards cannot read."""
     saved = manifest.get("strategy")
     if saved == strategy or (saved is None and strategy != "zero1"):
         return
@@ -104,7 +109,7 @@ def check_strategy(path: Path, manifest: dict[str, Any], strategy: str) -> None:
     again = f"parallel.strategy = '{saved}'" if saved else "its own parallel.strategy"
     raise DistributedError(
         f"checkpoint {path.name} was written under {was} but this run has "
-        f"parallel.strategy = '{strategy}' (the optimizer state is laid out per strategy); "
+        f"parallel.strategy = '{strategy}' (an exact resume keeps the strategy); "
         f"resume it with {again}, or warm-start a new run from its weights "
         "(exactstep resume RUN --warm-start DIR)")
 
@@ -149,8 +154,8 @@ def save_distributed_checkpoint(
     ``model`` is the unwrapped model (DDP shares its parameters; FSDP2 shards them),
     ``common`` the rank-independent parts (rank 0's copy is written), ``rank_state``
     this rank's RNG streams and data cursor; ``strategy`` (``parallel.strategy``) is
-    recorded and lays out the optimizer's state (``optimizer_view``). Collective: all
-    ranks must call it.
+    recorded (``check_strategy``); a ``zero1`` optimizer writes its shard
+    (``local_optimizer``). Collective: all ranks must call it.
     Rank 0 owns the ``Publication`` (S3); the others write into its directory.
     """
     import torch.distributed.checkpoint as dcp
@@ -162,8 +167,8 @@ def save_distributed_checkpoint(
     with owner as publication:
         _barrier(ctx)  # the directory exists before any rank writes into it
         names = held_names(model)
-        local, options = optimizer_view(optimizer, strategy)
-        model_sd, optim_sd = get_state_dict(model, local, options=options)
+        local = local_optimizer(optimizer)
+        model_sd, optim_sd = get_state_dict(model, local, options=by_name_options())
         whole = len(model_sd)
         model_sd = held_part(model_sd, names)
         # tensor parallel's strided shards go whole, by their logical names (S7)
@@ -176,7 +181,8 @@ def save_distributed_checkpoint(
         _barrier(ctx)
         if publication is not None:
             parts = part_labels(ctx.world_size, adapters_only=len(model_sd) < whole)
-            fields: dict[str, Any] = {"world_size": ctx.world_size, "strategy": strategy}
+            fields: dict[str, Any] = {"world_size": ctx.world_size, OPTIMIZER_KEYS: BY_NAME,
+                                      "strategy": strategy}
             if not ctx.layout.only_data:  # a split replica: which rank held which shard
                 fields["layout"] = ctx.layout.sizes()
             publication.commit(format=DIST_FORMAT, parts=parts, fields=fields, keep=keep)
@@ -277,24 +283,30 @@ def load_distributed_checkpoint(
             f"but this job's is {layout_text(ctx.layout.sizes())}; relaunch with the "
             "checkpoint's parallel.tp / pp / cp, or pass --reshard to load it by logical "
             "names (a declared, non-bitwise continuation)")
+    moved = saved_world != ctx.world_size or saved_layout != ctx.layout.sizes()
     old_ranks = [rank_file(r) for r in range(saved_world)]
     mine = [rank_file(ctx.rank % saved_world)] if not reshard else old_ranks
     check_files(path, manifest, [COMMON_FILE, *mine, *(dcp_files if ctx.is_main else [])])
     _barrier(ctx)
-    local, view = optimizer_view(optimizer, strategy)
-    model_sd, optim_sd = get_state_dict(model, local, options=view)
+    by_name = manifest.get(OPTIMIZER_KEYS) == BY_NAME  # else by group index (before)
+    local = local_optimizer(optimizer)
+    model_sd, optim_sd = get_state_dict(model, local,
+                                        options=by_name_options() if by_name else None)
     state = {"model": held_part(model_sd, names), "optim": optim_sd}
-    options = replace(view, strict=load_options(state["model"], model_sd).strict)
+    options = load_options(state["model"], model_sd, by_name=by_name)
     require_held(path, state["model"], model_sd)
     state = _load_dcp(state, path, ctx)
     set_state_dict(model, local, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=options)
     common = torch.load(path / COMMON_FILE, weights_only=True)
     olds = [torch.load(path / f, weights_only=True) for f in mine]
-    if saved_world == ctx.world_size:
-        return DistributedState(common, olds[0], saved_world, [olds[0]["data"]], None)
+    if not moved:  # this rank's own state (all of them were read under --reshard)
+        own = olds[ctx.rank] if len(olds) > 1 else olds[0]
+        return DistributedState(common, own, saved_world, [own["data"]], None)
     rank_state = {**olds[ctx.rank % saved_world], "data": None}
     record = reshard_record(saved_world, ctx.world_size, [o["data"] for o in olds])
+    if saved_layout != ctx.layout.sizes():  # the same tensors by name, split otherwise
+        record.update(old_layout=saved_layout, new_layout=ctx.layout.sizes())
     return DistributedState(common, rank_state, saved_world, [o["data"] for o in olds], record)
 
 

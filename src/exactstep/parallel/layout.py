@@ -133,7 +133,7 @@ def layout_sizes(world: int, *, tp: int = 1, pp: int = 1, cp: int = 1) -> dict[s
 
 # The axes this build splits a replica along; a layout naming another is refused
 # before the process joins the job (``check_built``).
-BUILT_AXES = frozenset({"dp", "tp"})
+BUILT_AXES = frozenset({"dp", "pp", "tp"})
 
 
 def check_built(sizes: dict[str, int]) -> None:

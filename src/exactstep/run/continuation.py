@@ -277,7 +277,7 @@ def overridden(overrides: Sequence[str], key: str) -> bool:
 #: size and the axes a replica is split along, as the config and the layout record them
 RESHARD_FIELDS = frozenset({"parallel.world_size", "parallel.layout",
                             *(f"{where}parallel.{axis}" for where in ("", "config.")
-                              for axis in MODEL_AXIS_KEYS)})
+                              for axis in (*MODEL_AXIS_KEYS, "schedule"))})
 
 
 def keep_run_manifest(run: Run, old: Manifest, reshard: bool) -> None:

@@ -27,9 +27,16 @@ from exactstep.families import FamilyParts, open_family
 from exactstep.families import resolve as resolve_family
 from exactstep.model.compiled import compile_model
 from exactstep.model.decoder import activation_bytes, model_note, model_section
+from exactstep.model.stages import split_decoder
 from exactstep.parallel.agreement import agreed_stop, agreed_windows, distribute_engine
 from exactstep.parallel.dcp_format import DcpFormat
 from exactstep.parallel.launch import collective_guard
+from exactstep.parallel.pipeline import (
+    pipeline_engine,
+    pipeline_stages,
+    refuse_pipeline,
+    refuse_split_stages,
+)
 from exactstep.parallel.process_group import DistContext, init_distributed, shutdown
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
@@ -55,7 +62,7 @@ from exactstep.state.manifest import Manifest, build_manifest, run_sections, wri
 from exactstep.state.resume import StopRequest
 from exactstep.state.rng import seed_rng
 from exactstep.tracking import RunIdentity, Tracker, build_trackers
-from exactstep.update.groups import build_optimizer
+from exactstep.update.groups import build_optimizer, resolve_groups
 from exactstep.update.ledger import Ledger
 from exactstep.update.precision import Precision, apply_fp32_matmul, resolve_device_numerics
 from exactstep.update.schedule import build_schedule
@@ -131,11 +138,16 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                                     tokenizer.vocab_size)
     pin_mmap_threshold(threshold_for(  # from the run's own shapes (L1)
         widest, kept if cfg.model.activation_checkpointing else None))
+    refuse_split_stages(layout)  # before the tensor split: a stage is whole layers
     model = split_model(model.to(ctx.device), layout, family=cfg.objective.family,
                         lora=cfg.model.lora.enabled, compiled=cfg.train.compile,
                         strategy=cfg.parallel.strategy)  # tensor parallel (D5), refused first
     if cfg.train.compile:
         compile_model(model, family=cfg.objective.family)
+    whole = None  # the manifest's optimizer groups: the whole model's (S1)
+    if layout.pp > 1:  # this process keeps its stages, one-process names (S7)
+        whole = resolve_groups(model, cfg.update).digest
+        model = pipeline_model(cfg, parts, model, layout, ctx.device)
     model = shard_model(model.to(ctx.device), ctx, cfg.parallel,
                         precision=cfg.numerics.precision)
     optimizer, groups = build_optimizer(model, cfg.update)
@@ -147,14 +159,20 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                           inputs=parts.family.inputs(cfg),
                           plan=parts.family.plan(cfg, layout.dp_rank),
                           program=parts.family.program(cfg, parts, model, ctx.device))
-    distribute_engine(engine, ctx, cfg.parallel)
+    if layout.pp > 1:  # the schedule runs each window's microbatches (D1, D2)
+        pipeline_engine(engine, model, ctx, schedule=cfg.parallel.schedule,
+                        group=layout.group("pp"), rows=cfg.batch.rows, seq_len=cfg.batch.seq_len)
+    else:
+        distribute_engine(engine, ctx, cfg.parallel)
     env = environment.capture(ctx.device, compiled=cfg.train.compile)
-    manifest = build_manifest(run_sections(cfg, data, groups.digest, layout.section(), parent,
+    manifest = build_manifest(run_sections(cfg, data, whole or groups.digest,  # S1: the
+                                           layout.section(), parent,  # whole model's groups
                                            model_section(model), parts.family.objective(cfg),
                                            env))
     validator = Validator(model, data.train, data.val, cfg.batch, tokenizer.pad_id,
                           tokenizer.vocab_size, ctx.device, cfg.train.eval_tokens,
-                          precision.autocast, tokenizer.byte_lengths(), parts.compiler)
+                          precision.autocast, tokenizer.byte_lengths(), parts.compiler,
+                          getattr(engine.runner, "evaluate", None))
     checkpointer = Checkpointer(out_dir / "checkpoints", keep=cfg.checkpoint.keep, model=model,
                                 engine=engine, stream=stream, ctx=ctx,
                                 manifest_digest=manifest.digest,
@@ -162,6 +180,19 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
                                 environment=env)
     return Run(cfg, out_dir, tokenizer, data, stream, model, engine, validator, checkpointer,
                manifest, ctx, parts, env)
+
+
+def pipeline_model(cfg: RunConfig, parts: FamilyParts, model: torch.nn.Module, layout,
+                   device: torch.device) -> torch.nn.Module:
+    """The stages ``layout.pp_rank`` runs of ``model`` (``split_decoder``), after the
+    refusals (one ``ConfigError`` line, nothing written): a family with sequence-level
+    inputs or an end-of-run score, ``train.compile``, any model but the built-in
+    decoder."""
+    refuse_pipeline(cfg.objective.family, compiled=cfg.train.compile,
+                    program=parts.family.program(cfg, parts, model, device),
+                    inputs=parts.family.inputs(cfg), scored=parts.family.score is not None)
+    stages, n_stages = pipeline_stages(cfg.parallel.schedule, layout.pp, layout.pp_rank)
+    return split_decoder(model, stages=stages, n_stages=n_stages)
 
 
 # --------------------------------------------------------------------------- windows

@@ -6,7 +6,8 @@ microbatch's numerator pre-scaled by ``1 / D_W`` at the same parameters, and clo
 the order of U3 with one host read (U7): committed, skipped as non-finite with
 everything bitwise unchanged, or no objective. ``Reducer`` (D1, D2) and
 ``InputProgram`` and ``WindowProgram`` (R8, Q1) are where ranks and model-dependent
-inputs plug in.
+inputs plug in; ``WindowRunner`` where a pipeline's schedule takes over the
+microbatches.
 Design and derivations: docs/design/update.md#updatewindowpy (U1-U4, U7, D1, D2, R8).
 Picture: docs/concepts/window.md.
 """
@@ -128,6 +129,57 @@ class LocalReducer:
         return contextlib.nullcontext()
 
 
+class WindowRunner(Protocol):
+    """Runs a planned window's forward and backward at one set of parameters (U1, U2).
+
+    ``run(engine, batches, coefficients, row_indices, loss_scale, window)`` leaves in
+    the parameters' ``.grad`` the gradient of ``loss_scale * sum_m S_m`` over the
+    window's microbatches and returns the detached ``S_m`` and gold NLL sums (one
+    0-dim tensor each per microbatch this process computed; at least one, a 0 where it
+    computed none) and the input program's ledger record (or None).
+    ``grad_norm(engine)`` is the fp32 L2 norm of the whole model's gradient, each
+    logical parameter counted once, the same on every rank that steps (clipping, D2).
+    ``MicrobatchLoop`` is one process's (or one data replica's); a pipeline
+    (``exactstep.parallel.pipeline``) hands the microbatches to its schedule.
+    """
+
+    def run(self, engine: UpdateEngine, batches: Sequence[Batch],
+            coefficients: Sequence[torch.Tensor], row_indices: Sequence[torch.Tensor | None],
+            loss_scale: float, window: int
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict | None]: ...
+
+    def grad_norm(self, engine: UpdateEngine) -> torch.Tensor: ...
+
+
+class MicrobatchLoop:
+    """The engine's own window runner: microbatch after microbatch, each backpropagated
+    as soon as it is evaluated, gradient sync on the last one only (D1)."""
+
+    def run(self, engine: UpdateEngine, batches: Sequence[Batch],
+            coefficients: Sequence[torch.Tensor], row_indices: Sequence[torch.Tensor | None],
+            loss_scale: float, window: int
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict | None]:
+        numerators: list[torch.Tensor] = []
+        gold_sums: list[torch.Tensor] = []
+        inputs_info: dict | None = None
+        last = len(batches) - 1
+        for index, batch in enumerate(batches):
+            if engine.inputs is not None:  # every input rewritten before any gradient
+                batch, info = engine._construct_inputs(batch, window)
+                inputs_info = _merge_inputs_info(inputs_info, info)
+            with engine.reducer.no_sync(engine.train_module, index == last):
+                numerator, gold_nll_sum = engine._forward(
+                    batch, coefficients[index], row_indices[index]
+                )
+                engine.precision.scale(numerator * loss_scale).backward()
+            numerators.append(numerator.detach())
+            gold_sums.append(gold_nll_sum.detach())
+        return numerators, gold_sums, inputs_info
+
+    def grad_norm(self, engine: UpdateEngine) -> torch.Tensor:
+        return engine._grad_norm()
+
+
 class TrainModule(nn.Module):
     """Model + objective as one module, so DDP can wrap the whole forward.
 
@@ -217,6 +269,7 @@ class UpdateEngine:
         self.train_module: nn.Module = (
             make_module(model, objective_cfg, pad_id) if make_module is not None else
             TrainModule(model, objective_cfg, pad_id=pad_id, terms=terms))
+        self.runner: WindowRunner = MicrobatchLoop()  # the window's forward and backward
         # Unique parameters (U6): the optimizer's groups list each tensor once.
         self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.committed = 0
@@ -279,28 +332,15 @@ class UpdateEngine:
 
         # 2. microbatches at the same parameters; one loss scale for the window (U1, U2)
         loss_scale = self._loss_scale(denominator)  # 1 / D_W, times R under DDP (D1)
-        numerators: list[torch.Tensor] = []
-        gold_sums: list[torch.Tensor] = []
-        inputs_info: dict | None = None
-        last = len(batches) - 1
-        for index, batch in enumerate(batches):
-            if self.inputs is not None:  # every input rewritten before any gradient
-                batch, info = self._construct_inputs(batch, window)
-                inputs_info = _merge_inputs_info(inputs_info, info)
-            with self.reducer.no_sync(self.train_module, index == last):
-                numerator, gold_nll_sum = self._forward(
-                    batch, coefficients[index], row_indices[index]
-                )
-                self.precision.scale(numerator * loss_scale).backward()
-            numerators.append(numerator.detach())
-            gold_sums.append(gold_nll_sum.detach())
+        numerators, gold_sums, inputs_info = self.runner.run(
+            self, batches, coefficients, row_indices, loss_scale, window)
         injected = self.update_cfg.fail_window == window
         if injected:
             self._inject_nonfinite_gradient()
 
         # 3. close, in the order of U3
         self.precision.unscale_(self.optimizer)
-        grad_norm = self._grad_norm()  # fp32, unique parameters, computed once
+        grad_norm = self.runner.grad_norm(self)  # fp32, each parameter once, computed once
         numerator_sum = torch.stack(numerators).sum().float()
         local_bad = ~(torch.isfinite(grad_norm) & torch.isfinite(numerator_sum))
         gold_sum = torch.stack(gold_sums).sum().float()
