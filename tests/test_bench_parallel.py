@@ -2,8 +2,8 @@
 
 The bench runs at its tiny shape (two spawned gloo ranks per layout, a real
 ``build_run`` on each); the test reads the JSON the command prints. It checks the
-keys, that every layout trained the same tokens as DDP (``tp2``, one replica, with
-twice the microbatches a window), and the memory figures
+keys, that every layout trained the same tokens as DDP (``tp2`` and ``pp2``, one
+replica, with twice the microbatches a window), and the memory figures
 against what the model's parameter count alone says each layout holds (fp32, AdamW:
 two moments per parameter and one step count per tensor); it never reads a timing.
 """
@@ -58,7 +58,7 @@ def shards_of(shape: tuple[str, ...]) -> dict:
 def test_one_object_names_the_cpu_and_every_layout(figures) -> None:
     assert figures["bench"] == "parallel" and figures["world_size"] == 2
     assert "unknown" not in figures["cpu"] and figures["cpu"].endswith("cores")
-    assert figures["layouts"].split(",") == ["ddp", "fsdp", "zero1", "zero2", "tp2"]
+    assert figures["layouts"].split(",") == ["ddp", "fsdp", "zero1", "zero2", "tp2", "pp2"]
     (shape,) = parallel.QUICK_SHAPES
     rows = figures[shape]
     assert set(rows) == {"settings", *parallel.LAYOUTS}
@@ -98,3 +98,7 @@ def test_memory_figures_are_what_each_layout_holds(figures) -> None:
     tp2 = rows["tp2"]
     assert 2 * held["shard"] <= tp2["param_bytes"] < ddp["param_bytes"]
     assert tp2["optimizer_bytes"] < ddp["optimizer_bytes"]
+    # pp2: each rank holds its stage's layers (the larger stage's figures)
+    pp2 = rows["pp2"]
+    assert pp2["param_bytes"] == pp2["grad_bytes"] < ddp["param_bytes"]
+    assert pp2["optimizer_bytes"] < ddp["optimizer_bytes"]

@@ -108,6 +108,23 @@ def test_zero1_and_zero2_in_one_process_say_in_one_line_that_nothing_is_sharded(
     assert "not sharded" in err
 
 
+def test_zero1_and_zero2_over_pipeline_stages_are_refused_naming_the_strategy() -> None:
+    """The pipeline's runner reduces each stage's gradients itself: zero1 / zero2 with
+    parallel.pp > 1 are one DistributedError naming what to set. Control: the same
+    strategies over data replicas, and ddp over stages, pass."""
+    from exactstep.parallel.layout import Layout
+    from exactstep.parallel.wrap import refuse_zero_layout
+
+    for strategy in ("zero1", "zero2"):
+        with pytest.raises(DistributedError) as info:
+            refuse_zero_layout(strategy, Layout(pp=2, dp=1))
+        message = str(info.value)
+        assert "\n" not in message and f"'{strategy}'" in message
+        assert "parallel.strategy = 'ddp'" in message
+        refuse_zero_layout(strategy, Layout(dp=2))
+    refuse_zero_layout("ddp", Layout(pp=2, dp=1))
+
+
 def test_empty_microbatch_supervises_nothing_and_keeps_attention_finite() -> None:
     """Padding microbatches add 0 to D and a finite zero gradient (D1)."""
     from workers import MODEL, OBJECTIVE, PAD_ID, VOCAB

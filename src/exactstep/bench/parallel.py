@@ -1,12 +1,13 @@
 """Parallel layouts against DDP on the same model: tokens/s and per-rank memory (D1, D4, D5).
 
-Each layout (``ddp``, ``fsdp``, ``zero1``, ``zero2``, ``tp2``; one entry of ``LAYOUTS``,
-``--set`` keys of the run, so a new layout is one more row) trains the same built-in
-decoder on the same batches as a real run does (``run.runner.build_run`` on every rank),
-two spawned gloo ranks on this CPU, one thread each. ``exactstep bench parallel``
+Each layout (``ddp``, ``fsdp``, ``zero1``, ``zero2``, ``tp2``, ``pp2``: one entry of
+``LAYOUTS``, ``--set`` keys of the run, so a new layout is one more row) trains the
+same built-in decoder on the same global windows as a real run does
+(``run.runner.build_run`` on every rank), two spawned gloo ranks on this CPU, one
+thread each. ``exactstep bench parallel``
 reports per shape and layout ``tokens_per_s``, per-rank peak RSS and the parameter,
 gradient and optimizer-state bytes a rank holds, and their ratios to DDP's.
-Design and derivations: docs/design/bench.md#benchparallelpy (D1, D4).
+Design and derivations: docs/design/bench.md#benchparallelpy (D1, D4, D5).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], int]] = {
     "zero1": (("parallel.strategy=zero1",), 2),
     "zero2": (("parallel.strategy=zero2",), 2),
     "tp2": (("parallel.tp=2",), 1),  # one replica split in 2 tensor shards
+    "pp2": (("parallel.pp=2",), 1),  # one replica in 2 pipeline stages (1f1b)
 }
 BASELINE = "ddp"
 COMMON = ("train.device=cpu", "train.threads=1", "train.progress=false",
@@ -42,7 +44,7 @@ SHAPES: dict[str, tuple[str, ...]] = {
              "batch.seq_len=256", "batch.rows=2", "update.accum=2"),
 }
 QUICK_SHAPES: dict[str, tuple[str, ...]] = {
-    "d16": ("model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ff=32",
+    "d16": ("model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.d_ff=32",
             "batch.seq_len=32", "batch.rows=2", "update.accum=2"),
 }
 

@@ -30,6 +30,17 @@ REPLICATED = ("ddp", "zero1")  # every rank holds every parameter: DDP wraps the
 SHARDED = ("fsdp", "zero2")  # FSDP2 shards the parameters (and gradients, state)
 
 
+def refuse_zero_layout(strategy: str, layout) -> None:  # noqa: ANN001 - a Layout
+    """``DistributedError`` for ``zero1`` / ``zero2`` where they do not run, before
+    anything is built: over pipeline stages (the pipeline's runner reduces each stage's
+    gradients itself; neither ZeRO engine is wired into it)."""
+    if strategy in ("zero1", "zero2") and layout.pp > 1:
+        raise DistributedError(
+            f"parallel.strategy = '{strategy}' does not shard a pipeline (parallel.pp = "
+            f"{layout.pp}): its stages' optimizers are not sharded; set parallel.strategy "
+            "= 'ddp'")
+
+
 def wrap_train_module(module: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> nn.Module:
     """DDP around ``module`` for a replicated (``ddp``, ``zero1``) run; unchanged otherwise.
 

@@ -41,7 +41,7 @@ from exactstep.parallel.process_group import DistContext, init_distributed, shut
 from exactstep.parallel.reducer import build_reducer
 from exactstep.parallel.storage import check_shared_run_dir, hold_run_dir
 from exactstep.parallel.tensor import split_model
-from exactstep.parallel.wrap import shard_model
+from exactstep.parallel.wrap import refuse_zero_layout, shard_model
 from exactstep.rows.background import BackgroundStream
 from exactstep.rows.example import DataBundle
 from exactstep.rows.loader_process import LoaderProcess
@@ -139,6 +139,7 @@ def assemble_run(cfg: RunConfig, out_dir: Path, ctx: DistContext, parent: dict |
     pin_mmap_threshold(threshold_for(  # from the run's own shapes (L1)
         widest, kept if cfg.model.activation_checkpointing else None))
     refuse_split_stages(layout)  # before the tensor split: a stage is whole layers
+    refuse_zero_layout(cfg.parallel.strategy, layout)  # zero1/zero2: not over stages
     model = split_model(model.to(ctx.device), layout, family=cfg.objective.family,
                         lora=cfg.model.lora.enabled, compiled=cfg.train.compile,
                         strategy=cfg.parallel.strategy)  # tensor parallel (D5), refused first
