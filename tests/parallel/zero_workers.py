@@ -125,7 +125,7 @@ def engine_for(ctx, strategy: str, cls=UpdateEngine, update=UPDATE) -> UpdateEng
 
 
 def run_layout(ctx, rank: int, name: str, windows) -> dict:
-    from exactstep.parallel.wrap import optimizer_state_bytes
+    from exactstep.parallel.zero import optimizer_state_bytes
 
     strategy, cls, planted, update = LAYOUTS[name]
     engine = engine_for(ctx, strategy, cls, update)

@@ -67,7 +67,7 @@ def _rank(rank: int, world: int, port: int, out: str, job: dict) -> None:
 
     from exactstep.config import load_config
     from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
-    from exactstep.parallel.wrap import optimizer_state_bytes
+    from exactstep.parallel.zero import optimizer_state_bytes
     from exactstep.run.runner import build_run
 
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ import torch
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.process_group import DistContext
 from exactstep.parallel.reducer import DDPReducer
-from exactstep.parallel.wrap import shard_optimizer, wrap_train_module
+from exactstep.parallel.wrap import wrap_train_module
 from exactstep.rows.batch import IGNORE_INDEX, Batch, Segment
 
 PAD_EXAMPLE_ID = -1  # row address of a padding microbatch's rows (R6)
@@ -40,7 +40,10 @@ def distribute_engine(engine, ctx: DistContext, cfg: ParallelConfig):
         return engine
     engine.reducer = DDPReducer(ctx)
     engine.train_module = wrap_train_module(engine.train_module, ctx, cfg)
-    engine.optimizer = shard_optimizer(engine.optimizer, ctx, cfg)
+    if cfg.strategy == "zero1":
+        from exactstep.parallel.zero import shard_optimizer  # lazy: torch.distributed.optim, 0.7 s
+
+        engine.optimizer = shard_optimizer(engine.optimizer, ctx, cfg)
     return engine
 
 

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from exactstep.errors import CheckpointError, DistributedError, ModelError
 from exactstep.parallel.process_group import DistContext, host_group
@@ -93,7 +92,8 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     by name, each entry lives on its owner alone, so DCP writes every shard once, from
     the rank that holds it, and a load on any world reads the names its optimizer
     holds), else the optimizer itself."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    sharded = callable(getattr(optimizer, "shard_params", None))  # a zero.ShardedOptimizer
+    return optimizer.optim if sharded else optimizer
 
 
 def check_strategy(path: Path, manifest: dict[str, Any], strategy: str) -> None:
