@@ -25,7 +25,7 @@ from exactstep.errors import DataError
 from exactstep.objective.config import ObjectiveConfig
 from exactstep.objective.cross_entropy import fused_row_losses
 from exactstep.objective.perplexity import NotAvailable, perplexity
-from exactstep.rows.batch import IGNORE_INDEX, Batch, single_segment_batch
+from exactstep.rows.batch import IGNORE_INDEX, Batch, held_out_batches, single_segment_batch
 from exactstep.rows.compiler import CAUSAL, RowCompiler
 from exactstep.rows.config import BatchConfig
 from exactstep.rows.example import Example
@@ -95,16 +95,9 @@ def evaluate(
     cfg = ObjectiveConfig(label_smoothing=0.0)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
-    lengths = torch.from_numpy(np.asarray(byte_lengths, dtype=np.int64)) \
-        if byte_lengths is not None else None
     target_bytes = 0
     with isolated(model):
-        for batch in batches:
-            if tokens >= max_tokens:
-                break
-            n = batch.num_targets()
-            if n == 0:
-                continue
+        for batch, n, spelled in held_out_batches(batches, max_tokens, byte_lengths):
             on_device = batch.to(device)
             with autocast() if autocast is not None else nullcontext():
                 hidden = model(on_device)  # [B, T, H]
@@ -117,10 +110,9 @@ def evaluate(
             )
             nll_sum += gold.double().sum()
             tokens += n
-            if lengths is not None:
-                target_bytes += int(lengths[batch.labels[batch.labels != IGNORE_INDEX]].sum())
+            target_bytes += spelled
     return EvalResult(gold_nll_sum=float(nll_sum), tokens=tokens,
-                      target_bytes=target_bytes if lengths is not None else None)
+                      target_bytes=target_bytes if byte_lengths is not None else None)
 
 
 #: Training targets a compiled unigram fit reads at most (families other than causal).

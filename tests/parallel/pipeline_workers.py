@@ -8,28 +8,32 @@ variants (negative controls) are chosen by name in the phase.
 
 from __future__ import annotations
 
-import time
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from workers import OBJECTIVE, PAD_ID, UPDATE, VOCAB, common_state, load_common, stream_for
+from workers import (
+    OBJECTIVE,
+    PAD_ID,
+    UPDATE,
+    VOCAB,
+    common_state,
+    load_common,
+    run_phases,
+    stream_for,
+)
 
-from exactstep.errors import ExactstepError
 from exactstep.model.config import ModelConfig
 from exactstep.model.decoder import build_model
 from exactstep.model.stages import split_decoder
 from exactstep.parallel.config import ParallelConfig
 from exactstep.parallel.dcp_format import load_distributed_checkpoint, save_distributed_checkpoint
-from exactstep.parallel.launch import collective_guard
 from exactstep.parallel.pipeline import (
     PipelineRunner,
     pipeline_engine,
     pipeline_stages,
 )
-from exactstep.parallel.process_group import init_distributed, launcher_env, shutdown
 from exactstep.parallel.reducer import DDPReducer
 from exactstep.update.config import NumericsConfig, UpdateConfig
 from exactstep.update.groups import build_optimizer
@@ -169,25 +173,6 @@ def run_pipeline_phase(rank: int, ctx, phase: dict) -> dict:
 
 def pipeline_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     """One pipeline rank: every phase of ``job`` in turn, results to ``rank<r>.pt``."""
-    torch.set_num_threads(1)
-    path = Path(out) / f"rank{rank}.pt"
-    ctx, results = None, []
-    try:
-        cfg = ParallelConfig(timeout_s=job.get("timeout_s", 60.0), pp=job.get("pp", world))
-        ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
-        with collective_guard(ctx):
-            for phase in job["phases"]:
-                results.append(run_pipeline_phase(rank, ctx, phase))
-        torch.save({"phases": results, "ended": time.time()}, path)
-    except ExactstepError as exc:
-        torch.save({"phases": results, "error": str(exc), "kind": type(exc).__name__}, path)
-    except BaseException as exc:  # noqa: BLE001 - the test reads what failed
-        torch.save({"phases": results, "kind": type(exc).__name__,
-                    "error": "".join(traceback.format_exception_only(exc)).strip(),
-                    "traceback": traceback.format_exc()}, path)
-    finally:
-        if ctx is not None:
-            try:
-                shutdown(ctx)
-            except Exception:  # noqa: BLE001 - a dead peer may already have broken the group
-                pass
+    cfg = ParallelConfig(timeout_s=job.get("timeout_s", 60.0), pp=job.get("pp", world))
+    run_phases(rank, world, port, out, cfg, job["phases"],
+               lambda ctx, phase: run_pipeline_phase(rank, ctx, phase))

@@ -122,22 +122,31 @@ def reducers() -> dict[str, type]:
 def rank_main(rank: int, world: int, port: int, out: str, job: dict) -> None:
     """One rank: join, run each of ``job['phases']`` with a fresh engine, write what the
     test checks (params + ledger per phase), or the error that stopped it."""
+    if job.get("host_group_without_timeout"):  # negative control: the 30-minute default
+        import torch.distributed as dist
+
+        from exactstep.parallel import process_group
+
+        process_group.new_host_group = lambda timeout: dist.new_group(backend="gloo")
+    cfg = ParallelConfig(timeout_s=job.get("timeout_s", 30.0))
+    run_phases(rank, world, port, out, cfg, job["phases"],
+               lambda ctx, phase: run_phase(rank, ctx, cfg, phase))
+
+
+def run_phases(rank: int, world: int, port: int, out: str, cfg: ParallelConfig,
+               phases: Sequence[dict], run_one: Callable[[object, dict], dict]) -> None:
+    """Join the gloo job under ``cfg``, ``run_one(ctx, phase)`` for each phase, and write
+    ``{"phases": [...], "ended": t}`` (or, with the phases done, the error that stopped
+    it: its type, message and, when not exactstep's, traceback) to ``out/rank<r>.pt``."""
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pt"
     ctx = None
     results: list[dict] = []
     try:
-        if job.get("host_group_without_timeout"):  # negative control: the 30-minute default
-            import torch.distributed as dist
-
-            from exactstep.parallel import process_group
-
-            process_group.new_host_group = lambda timeout: dist.new_group(backend="gloo")
-        cfg = ParallelConfig(timeout_s=job.get("timeout_s", 30.0))
         ctx = init_distributed(cfg, "cpu", env=launcher_env(rank, world, port))
         with collective_guard(ctx):
-            for phase in job["phases"]:
-                results.append(run_phase(rank, ctx, cfg, phase))
+            for phase in phases:
+                results.append(run_one(ctx, phase))
         torch.save({"phases": results, "ended": time.time()}, path)
     except ExactstepError as exc:
         torch.save({"phases": results, "error": str(exc), "kind": type(exc).__name__,

@@ -26,7 +26,7 @@ from exactstep.errors import ConfigError, DistributedError
 from exactstep.parallel.agreement import empty_microbatch
 from exactstep.parallel.process_group import DistContext, peer_failure
 from exactstep.parallel.reducer import DDPReducer
-from exactstep.rows.batch import IGNORE_INDEX, Batch
+from exactstep.rows.batch import IGNORE_INDEX, Batch, held_out_batches
 from exactstep.rows.transfer import host_to_device
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -176,19 +176,10 @@ class PipelineRunner:
         ``exactstep.eval.evaluate`` would read (those with targets, until ``max_tokens``
         targets), ``n_microbatches`` per schedule step; the sum, all-reduced from the
         last stage, is the same on every process. ``(NLL sum, targets, target bytes)``."""
-        chosen, tokens, target_bytes = [], 0, 0
-        lengths = (torch.from_numpy(np.asarray(byte_lengths, dtype=np.int64))
-                   if byte_lengths is not None else None)
-        for batch in batches:
-            if tokens >= max_tokens:
-                break
-            n = batch.num_targets()
-            if n == 0:
-                continue
-            chosen.append(batch)
-            tokens += n
-            if lengths is not None:
-                target_bytes += int(lengths[batch.labels[batch.labels != IGNORE_INDEX]].sum())
+        picked = list(held_out_batches(batches, max_tokens, byte_lengths))
+        chosen = [batch for batch, _, _ in picked]
+        tokens = sum(n for _, n, _ in picked)
+        target_bytes = sum(spelled for _, _, spelled in picked)
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         k = self.n_microbatches
         for start in range(0, len(chosen), k):
@@ -206,7 +197,7 @@ class PipelineRunner:
             for m in range(len(group)) if self._terms else ():
                 total += self._terms[m][1].double()
         dist.all_reduce(total, group=self.group)  # the last stage's sum, everywhere
-        return float(total[0]), tokens, target_bytes if lengths is not None else None
+        return float(total[0]), tokens, target_bytes if byte_lengths is not None else None
 
     def _loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Microbatch ``target[0]``'s ``S_m * R / D_global`` (scaled for fp16): its share

@@ -8,7 +8,7 @@ Design and derivations: docs/design/rows.md#rowsbatchpy (R1-R3, R6, R8).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
@@ -166,3 +166,24 @@ def source_rows(sources: Sequence[Sequence[int]], pad_id: int) -> SourceSide:
     pos = torch.arange(width, dtype=torch.int64).expand(len(sources), width) * (seg > 0)
     segments = tuple((Segment(0, 0, 0, 0, len(s)),) for s in sources)
     return SourceSide(ids, pos, seg, segments)
+
+
+def held_out_batches(batches: Iterable[Batch], max_tokens: int,
+                     byte_lengths: Sequence[int] | None = None
+                     ) -> Iterator[tuple[Batch, int, int]]:
+    """The batches a held-out evaluation reads (L5, E1): those with targets, in order,
+    until ``max_tokens`` targets were given; each with its target count and the bytes
+    its targets spell (``byte_lengths``: one entry per id; 0 without it)."""
+    lengths = torch.as_tensor(byte_lengths, dtype=torch.int64) if byte_lengths is not None \
+        else None
+    tokens = 0
+    for batch in batches:
+        if tokens >= max_tokens:
+            return
+        n = batch.num_targets()
+        if n == 0:
+            continue
+        tokens += n
+        spelled = (int(lengths[batch.labels[batch.labels != IGNORE_INDEX]].sum())
+                   if lengths is not None else 0)
+        yield batch, n, spelled
