@@ -410,6 +410,7 @@ def test_pp2_to_one_process_or_two_replicas_is_a_declared_migration(runs) -> Non
         assert event["event"] == "RESHARD"
         assert event["old_layout"] == {"pp": 2, "dp": 1, "cp": 1, "tp": 1}
         assert event["new_layout"] == layout
+        assert len(event["old_epochs"]) == 1  # one replica: its two stages' cursor once
         windows = [json.loads(line)["window"] for line in ledger_lines(root / name)
                    if '"window"' in line]
         assert windows == list(range(CLI_WINDOWS))

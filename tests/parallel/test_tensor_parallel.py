@@ -279,6 +279,7 @@ def test_cli_tp2_checkpoint_continues_at_tp1_only_declared(cli_runs) -> None:
                .read_text().splitlines()]
     events = [r for r in records if r.get("event") == "RESHARD"]
     assert len(events) == 1 and events[0]["new_world_size"] == 1
+    assert len(events[0]["old_epochs"]) == 1  # one replica: its two shards' cursor once
     assert [r["window"] for r in records if "window" in r] == list(range(6))
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from exactstep.errors import CheckpointError, DistributedError, ModelError
+from exactstep.parallel.layout import Layout
 from exactstep.parallel.process_group import DistContext, host_group
 from exactstep.parallel.tensor import gathered_state, scattered_state
 from exactstep.state.durable import fsync_path
@@ -304,10 +305,13 @@ def load_distributed_checkpoint(
         own = olds[ctx.rank] if len(olds) > 1 else olds[0]
         return DistributedState(common, own, saved_world, [own["data"]], None)
     rank_state = {**olds[ctx.rank % saved_world], "data": None}
-    record = reshard_record(saved_world, ctx.world_size, [o["data"] for o in olds])
+    # one cursor per old replica: its tensor, sequence and pipeline shards read the same
+    cursors = [olds[r]["data"] for r in range(saved_world)
+               if not any(Layout(**saved_layout, rank=r).coords()[d] for d in ("pp", "cp", "tp"))]
+    record = reshard_record(saved_world, ctx.world_size, cursors)
     if saved_layout != ctx.layout.sizes():  # the same tensors by name, split otherwise
         record.update(old_layout=saved_layout, new_layout=ctx.layout.sizes())
-    return DistributedState(common, rank_state, saved_world, [o["data"] for o in olds], record)
+    return DistributedState(common, rank_state, saved_world, cursors, record)
 
 
 def saved_sizes(manifest: dict[str, Any]) -> dict[str, int]:
