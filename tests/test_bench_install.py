@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 # every benchmark the package ships, written out (independent of the discovery code)
 EXPECTED_BENCHMARKS = ["attention", "checkpoint", "ddp", "default", "denormals", "families",
-                       "finetune", "grpo", "hf", "loader", "loss", "packing", "prepare",
+                       "finetune", "grpo", "hf", "loader", "loss", "packing", "parallel",
+                       "prepare",
                        "rollout", "step"]
 # the quickest benchmark (about 2 s with --quick) and every figure it reports
 QUICK_BENCH = "packing"

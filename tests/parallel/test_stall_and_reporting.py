@@ -188,6 +188,20 @@ def test_a_rank_stopped_in_the_second_its_peer_raised_is_not_the_cause() -> None
     assert line.startswith("error: ") and "train-00001.tokens" in line
 
 
+def test_a_refusal_every_rank_made_alike_is_said_once() -> None:
+    """X4: rank 1 raised the same refusal as rank 0 a second earlier (timestamps are
+    whole seconds); rank 0 printed it, so the launcher adds no second line. Control: a
+    different error of rank 1 is still its line."""
+    same = "ConfigError: parallel.tp = 2 does not shard LoRA adapters"
+    failures = {0: reported(0, same, 101), 1: reported(1, same, 100)}
+    rank, root = launch.root_cause(failures)
+    assert rank == 1 and launch.failure_line(rank, root, failures, None, ARGV, 2) is None
+    other = {0: reported(0, same, 101), 1: reported(1, "DataError: shard damaged", 100)}
+    rank, root = launch.root_cause(other)
+    assert launch.failure_line(rank, root, other, None, ARGV, 2) == (
+        "error: rank 1: DataError: shard damaged")
+
+
 def test_a_rank_killed_from_outside_is_still_the_cause_over_its_peers() -> None:
     """A SIGKILL from outside (no other rank raised its own error) stays the cause over
     the peers it made fail, even when they recorded their failure first."""

@@ -81,12 +81,13 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, vis: Visibility
     ) -> torch.Tensor:
-        B, T, _ = x.shape
-        # nH: this rank's heads (all of them, or n_heads / tp under tensor parallel, D5)
-        qkv = self.qkv(x).view(B, T, 3, -1, self.head_dim)  # [B, T, 3, nH, Dh]
+        # nH: this rank's heads (all of them, or n_heads / tp under tensor parallel, D5);
+        # unflatten infers nH from the last dimension alone: defined for B = 0 (an
+        # empty share's rollout rows), where a view of [B, T, 3, -1, Dh] is ambiguous
+        qkv = self.qkv(x).unflatten(-1, (3, -1, self.head_dim))  # [B, T, 3, nH, Dh]
         qkv = apply_rope(qkv, cos, sin)  # [B, T, 3, nH, Dh]; values unchanged
         y = attend_fused(qkv, vis)  # [B, T, nH, Dh]
-        return self.out(y.reshape(B, T, -1))  # [B, T, H]
+        return self.out(y.flatten(2))  # [B, T, H]
 
 
 class SwiGLU(nn.Module):

@@ -355,11 +355,27 @@ def failure_line(rank: int, failure: Any, failures: Mapping[int, Any],
                     f"then the launcher stopped rank {rank} ({sig}); {resume}")
         return (f"error: rank {rank} of {nproc} died ({message or 'killed by a signal'}); "
                 f"the other ranks were stopped; {resume}")
+    if rank != 0 and said_by_rank_zero(rank, message, failures):
+        return None  # every rank refused alike and rank 0 printed it a second later
     if rank != 0 or not message or PEER_FAILURE_TEXT in message:
         # rank 0 printed its own (non-peer) error already; every other case is ours
         text = one_line(message) or f"rank {rank} exited with code {failure.exitcode}"
         return f"error: {text}"
     return None
+
+
+def said_by_rank_zero(rank: int, message: str, failures: Mapping[int, Any]) -> bool:
+    """Whether rank 0 reported the same error as ``rank`` (its own, not a peer's echo):
+    a refusal every rank makes alike (a layout a model cannot split) that ``rank`` raised
+    in an earlier second than rank 0; rank 0 printed it, so a second line would repeat
+    it (X4)."""
+    zero = failures.get(0)
+    if zero is None or not message:
+        return False
+    said = failure_text(zero)
+    if PEER_FAILURE_TEXT in said or killed_without_report(zero):
+        return False
+    return said.removeprefix("rank 0: ") == message.removeprefix(f"rank {rank}: ")
 
 
 def resume_hint(argv: Sequence[str], nproc: int, nodes: Nodes | None) -> str:

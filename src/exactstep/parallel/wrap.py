@@ -128,7 +128,7 @@ def shard_model(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *,
               "unsharded (every parameter here); launch several processes (--nproc, "
               "torchrun) to shard", file=sys.stderr)
         return model
-    if ctx.layout.dp == 1:
+    if ctx.layout.dp == 1 and not ctx.layout.only_data:
         if ctx.is_main:
             print(f"exactstep: parallel.strategy = {cfg.strategy} with one data replica: "
                   "nothing to shard over (the replica's ranks are its tensor shards); launch "
